@@ -1,0 +1,53 @@
+//! The crate's error type. Variants are the cases a caller acts on differently; everything from a
+//! dependency that only needs reporting is carried as text or as its source.
+
+use std::path::PathBuf;
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A tensor operation or model load failed inside candle.
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
+
+    /// The tokenizer could not be built, or failed to encode or decode.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+
+    #[error("io on {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// The model file is not one this crate can run (architecture, missing metadata).
+    #[error("unsupported model: {0}")]
+    Unsupported(String),
+
+    /// The sequence would grow past the model's context window.
+    #[error("context full: {needed} positions needed, model holds {max}")]
+    ContextFull { needed: usize, max: usize },
+
+    /// A call that breaks the API's rules (empty prefill, token id out of range, ...).
+    #[error("invalid argument: {0}")]
+    Invalid(String),
+
+    /// Fetching or verifying the default model failed.
+    #[error("fetch: {0}")]
+    Fetch(String),
+}
+
+impl Error {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+
+    pub(crate) fn tokenizer(e: impl std::fmt::Display) -> Self {
+        Error::Tokenizer(e.to_string())
+    }
+}

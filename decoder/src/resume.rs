@@ -1,0 +1,290 @@
+//! One generation's decoding state, started fresh or resumed from a committed prefix
+//! (CONTRACT §4).
+//!
+//! An uninterrupted run is: prefill the prompt in one batch, then for each generated token:
+//! sample it, then feed it with one `step`. Resuming from `k` committed tokens:
+//! - [`ResumeMode::Exact`] repeats those very calls: the prompt in one batch, then each committed
+//!   token with its own `step`. On the same device and build the logits for position `k` are
+//!   bit-identical to the uninterrupted run's, so (the RNG being a function of `(seed, seq)`) the
+//!   continuation is the same. Costs one decode step per committed token.
+//! - [`ResumeMode::Fast`] prefills prompt and committed tokens in one batch. The quantized matmul
+//!   quantizes activations per call, so logits differ slightly and the continuation may diverge
+//!   after the committed prefix (never inside it: the prefix is input, not output).
+
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::model::{Logits, Model, Sequence};
+use crate::sampler::{FinishReason, Sampler, SamplingParams, StopConditions, StopMatcher};
+
+/// How a new owner rebuilds the KV cache from the committed prefix.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ResumeMode {
+    /// Same calls as the uninterrupted run: same tokens on the same device class and build.
+    #[default]
+    Exact,
+    /// One batch for prompt + prefix: faster, may continue differently.
+    Fast,
+}
+
+/// The four frontiers of a generation on its decoder, in generated-token units except `kv`.
+/// They are never confused: a token can be sampled and not yet fed, fed and not yet committed,
+/// committed and not yet fed (right after a fast resume they coincide).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Frontiers {
+    /// Prompt length; `kv` counts it, the others do not.
+    pub prompt_len: usize,
+    /// Generated tokens drawn by the sampler (= `seq` of the next draw).
+    pub sampled: usize,
+    /// Generated tokens fed to the model.
+    pub fed: usize,
+    /// Positions whose KV is materialized (prompt + fed).
+    pub kv: usize,
+    /// Generated tokens known committed in the log (told by the worker).
+    pub committed: usize,
+}
+
+impl Frontiers {
+    /// Panics if the frontiers are inconsistent. Kept on in release builds: a violation means
+    /// the decoder no longer knows what it wrote.
+    pub fn check(&self) {
+        assert!(
+            self.committed <= self.sampled,
+            "committed {} ahead of sampled {}",
+            self.committed,
+            self.sampled
+        );
+        assert!(
+            self.fed <= self.sampled,
+            "fed {} ahead of sampled {}",
+            self.fed,
+            self.sampled
+        );
+        if self.kv == 0 {
+            // No KV cache built (a resume that found the generation already finished).
+            assert_eq!(self.fed, 0, "nothing fed without a KV cache");
+            return;
+        }
+        assert!(
+            self.sampled <= self.fed + 1,
+            "fed {} vs sampled {}: at most one sampled token awaits feeding",
+            self.fed,
+            self.sampled
+        );
+        assert_eq!(self.kv, self.prompt_len + self.fed, "kv positions = prompt + fed");
+    }
+}
+
+/// One generated token.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Step {
+    /// Its position among generated tokens (the record's seq).
+    pub seq: u32,
+    pub token: u32,
+    /// Set when this token is the generation's last.
+    pub finish: Option<FinishReason>,
+}
+
+/// What a resume cost.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ResumeStats {
+    pub mode: ResumeMode,
+    /// Time of the batched prefill (prompt, or prompt + prefix in fast mode).
+    pub prefill: Duration,
+    /// Time replaying committed tokens one by one (exact mode).
+    pub replay: Duration,
+    /// Committed tokens fed one by one (exact mode).
+    pub replayed_tokens: usize,
+}
+
+/// A generation being decoded: sequence, sampler, stop matcher and frontiers, advanced together.
+pub struct DecodeState {
+    sequence: Box<dyn Sequence>,
+    sampler: Sampler,
+    stop: StopMatcher,
+    frontiers: Frontiers,
+    max_context: usize,
+    /// Logits for position `frontiers.sampled`, when the last sampled token has been fed.
+    logits: Option<Logits>,
+    /// The last sampled token while it awaits feeding (fed lazily, at the next draw).
+    unfed: Option<u32>,
+    finished: Option<FinishReason>,
+    stats: ResumeStats,
+}
+
+impl std::fmt::Debug for DecodeState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecodeState")
+            .field("frontiers", &self.frontiers)
+            .field("finished", &self.finished)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DecodeState {
+    /// A fresh generation: prefills the prompt.
+    pub fn start(model: &dyn Model, prompt: &[u32], params: SamplingParams, stop: StopConditions) -> Result<Self> {
+        Self::resume(model, prompt, &[], params, stop, ResumeMode::Exact)
+    }
+
+    /// Continues a generation whose first `committed.len()` tokens are committed: restores the
+    /// sampler (RNG position, penalty counts) and stop matcher from the prefix, rebuilds the KV
+    /// cache per `mode`. If the prefix already finishes the generation, nothing is prefilled
+    /// and [`DecodeState::finished`] says why.
+    pub fn resume(
+        model: &dyn Model,
+        prompt: &[u32],
+        committed: &[u32],
+        params: SamplingParams,
+        stop: StopConditions,
+        mode: ResumeMode,
+    ) -> Result<Self> {
+        let max_context = model.max_context();
+        if prompt.is_empty() {
+            return Err(Error::Invalid("empty prompt".into()));
+        }
+        if prompt.len() > max_context {
+            return Err(Error::ContextFull {
+                needed: prompt.len(),
+                max: max_context,
+            });
+        }
+        let sampler = Sampler::new(params, prompt, committed);
+        let stop = StopMatcher::new(stop, model.tokenizer(), committed);
+        let k = committed.len();
+        let mut finished = stop.finished().cloned();
+        // The uninterrupted run ended at the token that would not fit in the context.
+        if finished.is_none() && k > 0 && prompt.len() + k > max_context {
+            finished = Some(FinishReason::ContextFull);
+        }
+        let mut state = DecodeState {
+            sequence: model.new_sequence()?,
+            sampler,
+            stop,
+            frontiers: Frontiers {
+                prompt_len: prompt.len(),
+                sampled: k,
+                fed: k,
+                kv: 0,
+                committed: k,
+            },
+            max_context,
+            logits: None,
+            unfed: None,
+            finished,
+            stats: ResumeStats {
+                mode,
+                ..Default::default()
+            },
+        };
+        if state.finished.is_some() {
+            // Nothing left to decode; the KV cache is never built.
+            state.frontiers.fed = 0;
+            state.frontiers.check();
+            return Ok(state);
+        }
+        state.rebuild(prompt, committed, mode)?;
+        state.frontiers.check();
+        Ok(state)
+    }
+
+    fn rebuild(&mut self, prompt: &[u32], committed: &[u32], mode: ResumeMode) -> Result<()> {
+        let t0 = Instant::now();
+        let logits = match mode {
+            ResumeMode::Exact => {
+                let mut logits = self.sequence.prefill(prompt)?;
+                self.stats.prefill = t0.elapsed();
+                let t1 = Instant::now();
+                for &t in committed {
+                    logits = self.sequence.step(t)?;
+                }
+                self.stats.replay = t1.elapsed();
+                self.stats.replayed_tokens = committed.len();
+                logits
+            }
+            ResumeMode::Fast => {
+                let mut all = Vec::with_capacity(prompt.len() + committed.len());
+                all.extend_from_slice(prompt);
+                all.extend_from_slice(committed);
+                let logits = self.sequence.prefill(&all)?;
+                self.stats.prefill = t0.elapsed();
+                logits
+            }
+        };
+        self.frontiers.kv = self.sequence.kv_len();
+        self.logits = Some(logits);
+        Ok(())
+    }
+
+    /// Samples the next token (feeding the previous one first). `None` once finished.
+    pub fn next_token(&mut self) -> Result<Option<Step>> {
+        if self.finished.is_some() {
+            return Ok(None);
+        }
+        self.feed_pending()?;
+        let logits = self
+            .logits
+            .take()
+            .expect("logits are ready after feeding: the invariant of an unfinished state");
+        let seq = self.sampler.seq();
+        debug_assert_eq!(seq as usize, self.frontiers.sampled);
+        let token = self.sampler.sample(&logits);
+        self.frontiers.sampled += 1;
+        let mut finish = self.stop.push(token);
+        // Another draw needs this token fed: one more position.
+        if finish.is_none() && self.frontiers.kv + 1 > self.max_context {
+            finish = Some(FinishReason::ContextFull);
+        }
+        match &finish {
+            None => self.unfed = Some(token),
+            Some(reason) => self.finished = Some(reason.clone()),
+        }
+        self.frontiers.check();
+        Ok(Some(Step { seq, token, finish }))
+    }
+
+    /// Feeds the last sampled token if it is still waiting (the worker may call this while an
+    /// append is in flight, to overlap compute with replication).
+    pub fn feed_pending(&mut self) -> Result<()> {
+        if let Some(t) = self.unfed.take() {
+            self.logits = Some(self.sequence.step(t)?);
+            self.frontiers.fed += 1;
+            self.frontiers.kv = self.sequence.kv_len();
+            self.frontiers.check();
+        }
+        Ok(())
+    }
+
+    /// Records that the log has committed the first `frontier` generated tokens.
+    pub fn mark_committed(&mut self, frontier: usize) {
+        assert!(
+            frontier >= self.frontiers.committed,
+            "committed frontier moved back: {} -> {frontier}",
+            self.frontiers.committed
+        );
+        self.frontiers.committed = frontier;
+        self.frontiers.check();
+    }
+
+    pub fn frontiers(&self) -> Frontiers {
+        self.frontiers
+    }
+
+    pub fn finished(&self) -> Option<&FinishReason> {
+        self.finished.as_ref()
+    }
+
+    pub fn stats(&self) -> ResumeStats {
+        self.stats
+    }
+
+    /// Decodes until finished; returns the tokens generated by this call.
+    pub fn run_to_end(&mut self) -> Result<(Vec<u32>, FinishReason)> {
+        let mut tokens = Vec::new();
+        while let Some(step) = self.next_token()? {
+            tokens.push(step.token);
+        }
+        let reason = self.finished.clone().expect("loop ends only when finished");
+        Ok((tokens, reason))
+    }
+}

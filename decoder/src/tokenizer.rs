@@ -1,0 +1,501 @@
+//! The tokenizer a model is bound to, built from the model file's own vocabulary.
+//!
+//! GGUF files carry their tokenizer as metadata (`tokenizer.ggml.*`). For byte-level BPE files
+//! (`tokenizer.ggml.model = "gpt2"`) we build a `tokenizers` BPE from the file's tokens and
+//! merges, with pre-tokenizer `Digits(individual) + ByteLevel(add_prefix_space = false)` and a
+//! ByteLevel decoder; every token whose type is not "normal" becomes a special token. This is
+//! what SmolLM2's `tokenizer.json` does; candle's own GGUF tokenizer adds a prefix space for
+//! `tokenizer.ggml.pre = "smollm"` (shared/gpu/README.md).
+//!
+//! Prompts for instruct models use ChatML (confirmed against the file's
+//! `tokenizer.chat_template`); we render it directly, with no template engine.
+//!
+//! [`IncrementalDetokenizer`] turns committed token ids into valid UTF-8 text deltas, holding back
+//! the bytes of a character split across tokens until it is complete (CONTRACT §3).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::quantized::gguf_file;
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence as PreSequence;
+use tokenizers::AddedToken;
+
+use crate::error::{Error, Result};
+
+/// GGUF `tokenizer.ggml.token_type` value of an ordinary vocabulary entry.
+pub const TOKEN_TYPE_NORMAL: i32 = 1;
+const IM_START: &str = "<|im_start|>";
+const IM_END: &str = "<|im_end|>";
+const END_OF_TEXT: &str = "<|endoftext|>";
+
+/// What a model file says about its tokenizer, in the file's own terms.
+#[derive(Clone, Debug, Default)]
+pub struct TokenizerSpec {
+    /// Token strings in byte-level form (`Ġ` for a space), indexed by id.
+    pub tokens: Vec<String>,
+    /// GGUF token types, parallel to `tokens` (1 = normal, 3 = control, ...).
+    pub token_types: Vec<i32>,
+    /// BPE merges, highest priority first.
+    pub merges: Vec<(String, String)>,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_id: Option<u32>,
+    /// The file's jinja chat template, if any; only used to recognise ChatML and its default
+    /// system prompt.
+    pub chat_template: Option<String>,
+}
+
+/// A message of a chat prompt.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+    pub fn system(content: impl Into<String>) -> Self {
+        Self::new("system", content)
+    }
+    pub fn user(content: impl Into<String>) -> Self {
+        Self::new("user", content)
+    }
+    pub fn assistant(content: impl Into<String>) -> Self {
+        Self::new("assistant", content)
+    }
+}
+
+/// How prompts for this model are laid out.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ChatTemplate {
+    /// `<|im_start|>{role}\n{content}<|im_end|>\n` per message, then `<|im_start|>assistant\n`.
+    /// `default_system` is inserted when the first message is not a system message (SmolLM2's
+    /// template does this).
+    ChatMl { default_system: Option<String> },
+    /// No chat format known: messages' contents are joined with newlines.
+    Plain,
+}
+
+/// A model's tokenizer: the `tokenizers` pipeline plus what the decoder needs beside it (bytes of
+/// every token for incremental detokenizing, special ids, chat template).
+#[derive(Clone)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    /// Raw bytes of each token id (special tokens: their text), for [`IncrementalDetokenizer`].
+    token_bytes: Arc<[Box<[u8]>]>,
+    /// `special[id]`: the token is a control/special token (skipped in user-visible text).
+    special: Arc<[bool]>,
+    bos_token_id: Option<u32>,
+    eos_token_ids: Vec<u32>,
+    chat_template: ChatTemplate,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.vocab_size())
+            .field("eos_token_ids", &self.eos_token_ids)
+            .field("chat_template", &self.chat_template)
+            .finish()
+    }
+}
+
+impl Tokenizer {
+    /// Reads the tokenizer out of a GGUF file's metadata. Only byte-level BPE (`gpt2`) files are
+    /// supported.
+    pub fn from_gguf(content: &gguf_file::Content) -> Result<Self> {
+        Self::from_spec(spec_from_gguf(content)?)
+    }
+
+    /// Reads only the tokenizer of a GGUF file (metadata; no weights).
+    pub fn from_gguf_file(path: &std::path::Path) -> Result<Self> {
+        let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        let content = gguf_file::Content::read(&mut file).map_err(|e| e.with_path(path))?;
+        Self::from_gguf(&content)
+    }
+
+    /// Builds the tokenizer from its parts (used for GGUF files and for the fake model).
+    pub fn from_spec(spec: TokenizerSpec) -> Result<Self> {
+        if spec.tokens.is_empty() || spec.tokens.len() != spec.token_types.len() {
+            return Err(Error::Tokenizer(format!(
+                "{} tokens but {} token types",
+                spec.tokens.len(),
+                spec.token_types.len()
+            )));
+        }
+        let vocab: tokenizers::models::bpe::Vocab = spec
+            .tokens
+            .iter()
+            .enumerate()
+            .map(|(id, t)| (t.clone(), id as u32))
+            .collect();
+        if vocab.len() != spec.tokens.len() {
+            return Err(Error::Tokenizer("duplicate token strings".into()));
+        }
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, spec.merges.clone())
+            .build()
+            .map_err(Error::tokenizer)?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        inner.with_pre_tokenizer(Some(PreSequence::new(vec![
+            Digits::new(true).into(),
+            ByteLevel::new(false, true, true).into(),
+        ])));
+        inner.with_decoder(Some(ByteLevelDecoder::new(false, true, true)));
+
+        let special: Vec<bool> = spec.token_types.iter().map(|&t| t != TOKEN_TYPE_NORMAL).collect();
+        let added = spec
+            .tokens
+            .iter()
+            .zip(&special)
+            .filter(|(_, &s)| s)
+            .map(|(t, _)| AddedToken::from(t.clone(), true));
+        inner.add_special_tokens(added).map_err(Error::tokenizer)?;
+
+        let token_bytes: Vec<Box<[u8]>> = spec
+            .tokens
+            .iter()
+            .zip(&special)
+            .map(|(t, &s)| {
+                if s {
+                    t.as_bytes().into()
+                } else {
+                    byte_level_to_bytes(t).into()
+                }
+            })
+            .collect();
+
+        let id_of = |s: &str| spec.tokens.iter().position(|t| t == s).map(|i| i as u32);
+        let mut eos_token_ids: Vec<u32> = spec.eos_token_id.into_iter().collect();
+        for extra in [IM_END, END_OF_TEXT] {
+            if let Some(id) = id_of(extra) {
+                if !eos_token_ids.contains(&id) {
+                    eos_token_ids.push(id);
+                }
+            }
+        }
+        let chat_template = match &spec.chat_template {
+            Some(t) if t.contains(IM_START) && id_of(IM_START).is_some() => ChatTemplate::ChatMl {
+                default_system: chatml_default_system(t),
+            },
+            _ => ChatTemplate::Plain,
+        };
+        Ok(Tokenizer {
+            inner,
+            token_bytes: token_bytes.into(),
+            special: special.into(),
+            bos_token_id: spec.bos_token_id,
+            eos_token_ids,
+            chat_template,
+        })
+    }
+
+    /// The underlying `tokenizers` pipeline.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.token_bytes.len()
+    }
+
+    pub fn bos_token_id(&self) -> Option<u32> {
+        self.bos_token_id
+    }
+
+    /// Ids that end a generation: the file's EOS id, plus `<|im_end|>` and `<|endoftext|>` when
+    /// the vocabulary has them. First entry is the file's own EOS.
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.eos_token_ids
+    }
+
+    pub fn chat_template(&self) -> &ChatTemplate {
+        &self.chat_template
+    }
+
+    pub fn is_special(&self, id: u32) -> bool {
+        self.special.get(id as usize).copied().unwrap_or(false)
+    }
+
+    /// Raw bytes of one token (special tokens: their literal text).
+    pub fn token_bytes(&self, id: u32) -> Option<&[u8]> {
+        self.token_bytes.get(id as usize).map(|b| &b[..])
+    }
+
+    /// Text to ids. Special-token strings inside `text` become their special ids.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.inner.encode(text, false).map_err(Error::tokenizer)?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Ids to text; invalid UTF-8 becomes U+FFFD.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        self.inner.decode(ids, skip_special).map_err(Error::tokenizer)
+    }
+
+    /// The prompt text for `messages`, ending where the assistant's answer starts.
+    pub fn apply_chat_template(&self, messages: &[ChatMessage]) -> String {
+        let mut out = String::new();
+        match &self.chat_template {
+            ChatTemplate::ChatMl { default_system } => {
+                let has_system = messages.first().is_some_and(|m| m.role == "system");
+                if let (false, Some(system)) = (has_system, default_system) {
+                    push_chatml(&mut out, "system", system);
+                }
+                for m in messages {
+                    push_chatml(&mut out, &m.role, &m.content);
+                }
+                out.push_str(IM_START);
+                out.push_str("assistant\n");
+            }
+            ChatTemplate::Plain => {
+                for m in messages {
+                    out.push_str(&m.content);
+                    out.push('\n');
+                }
+            }
+        }
+        out
+    }
+
+    /// Prompt token ids for `messages` (the chat template, then [`Tokenizer::encode`]).
+    pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
+        self.encode(&self.apply_chat_template(messages))
+    }
+
+    /// A fresh incremental detokenizer over this vocabulary.
+    pub fn detokenizer(&self, skip_special: bool) -> IncrementalDetokenizer {
+        IncrementalDetokenizer {
+            token_bytes: self.token_bytes.clone(),
+            special: self.special.clone(),
+            skip_special,
+            pending: Vec::new(),
+        }
+    }
+
+    /// Canonical serialization of the tokenizer (the `tokenizers` JSON, compact), the input of
+    /// the tokenizer digest in [`crate::ModelIdentity`].
+    pub fn canonical_json(&self) -> Result<String> {
+        self.inner.to_string(false).map_err(Error::tokenizer)
+    }
+}
+
+fn push_chatml(out: &mut String, role: &str, content: &str) {
+    out.push_str(IM_START);
+    out.push_str(role);
+    out.push('\n');
+    out.push_str(content);
+    out.push_str(IM_END);
+    out.push('\n');
+}
+
+/// The system prompt a ChatML jinja template inserts when none is given, if it has one literal:
+/// the text between `<|im_start|>system` + newline and the next `<|im_end|>`.
+fn chatml_default_system(template: &str) -> Option<String> {
+    let marker = format!("{IM_START}system");
+    let start = template.find(&marker)? + marker.len();
+    let rest = &template[start..];
+    let rest = rest.strip_prefix('\n').or_else(|| rest.strip_prefix("\\n"))?;
+    let end = rest.find(IM_END)?;
+    Some(rest[..end].to_string())
+}
+
+fn spec_from_gguf(content: &gguf_file::Content) -> Result<TokenizerSpec> {
+    let md = &content.metadata;
+    let get = |k: &str| {
+        md.get(k)
+            .ok_or_else(|| Error::Unsupported(format!("GGUF metadata has no {k}")))
+    };
+    let model = get("tokenizer.ggml.model")?.to_string()?;
+    if model != "gpt2" {
+        return Err(Error::Unsupported(format!(
+            "tokenizer.ggml.model = {model:?}; only byte-level BPE (gpt2) is supported"
+        )));
+    }
+    let strings =
+        |k: &str| -> Result<Vec<String>> { get(k)?.to_vec()?.iter().map(|v| Ok(v.to_string()?.clone())).collect() };
+    let tokens = strings("tokenizer.ggml.tokens")?;
+    let token_types = match md.get("tokenizer.ggml.token_type") {
+        Some(v) => v
+            .to_vec()?
+            .iter()
+            .map(|t| t.to_i32())
+            .collect::<candle_core::Result<Vec<i32>>>()?,
+        None => vec![TOKEN_TYPE_NORMAL; tokens.len()],
+    };
+    let merges = strings("tokenizer.ggml.merges")?
+        .into_iter()
+        .map(|m| {
+            m.split_once(' ')
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .ok_or_else(|| Error::Tokenizer(format!("merge without a space: {m:?}")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let id = |k: &str| md.get(k).and_then(|v| v.to_u32().ok());
+    Ok(TokenizerSpec {
+        tokens,
+        token_types,
+        merges,
+        bos_token_id: id("tokenizer.ggml.bos_token_id"),
+        eos_token_id: id("tokenizer.ggml.eos_token_id"),
+        chat_template: md
+            .get("tokenizer.chat_template")
+            .and_then(|v| v.to_string().ok())
+            .cloned(),
+    })
+}
+
+/// GPT-2's byte-to-character table: printable Latin-1 bytes stand for themselves, the other 68
+/// bytes for the code points 256.. in byte order.
+pub fn byte_level_alphabet() -> [char; 256] {
+    let mut table = ['\0'; 256];
+    let mut next_extra = 256u32;
+    for b in 0..=255u8 {
+        let printable = matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+        table[b as usize] = if printable {
+            b as char
+        } else {
+            let c = char::from_u32(next_extra).expect("code points 256..324 are chars");
+            next_extra += 1;
+            c
+        };
+    }
+    table
+}
+
+/// Byte-level token text (`Ġhello`) to its raw bytes (` hello`). Characters outside the
+/// alphabet (never in a well-formed vocabulary) keep their UTF-8 bytes.
+fn byte_level_to_bytes(token: &str) -> Vec<u8> {
+    thread_local! {
+        static INVERSE: HashMap<char, u8> = byte_level_alphabet()
+            .iter()
+            .enumerate()
+            .map(|(b, &c)| (c, b as u8))
+            .collect();
+    }
+    INVERSE.with(|inv| {
+        let mut out = Vec::with_capacity(token.len());
+        for c in token.chars() {
+            match inv.get(&c) {
+                Some(&b) => out.push(b),
+                None => out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
+            }
+        }
+        out
+    })
+}
+
+/// Turns token ids, one at a time, into UTF-8 text deltas.
+///
+/// Bytes of a character that is split across tokens are held back until the character is
+/// complete; a byte sequence that can never become valid UTF-8 is emitted as U+FFFD. At most 3
+/// bytes are ever pending. Rebuilding from a committed prefix is feeding the prefix again.
+#[derive(Clone, Debug)]
+pub struct IncrementalDetokenizer {
+    token_bytes: Arc<[Box<[u8]>]>,
+    special: Arc<[bool]>,
+    skip_special: bool,
+    /// Bytes of an incomplete character at the end of the text so far.
+    pending: Vec<u8>,
+}
+
+impl IncrementalDetokenizer {
+    /// Adds one token; returns the text that became complete (possibly empty).
+    pub fn push(&mut self, id: u32) -> String {
+        let idx = id as usize;
+        let Some(bytes) = self.token_bytes.get(idx) else {
+            return self.flush_with('\u{FFFD}');
+        };
+        if self.skip_special && self.special[idx] {
+            return String::new();
+        }
+        self.pending.extend_from_slice(bytes);
+        self.drain_complete()
+    }
+
+    /// Bytes held back because their character is not complete yet.
+    pub fn pending_bytes(&self) -> &[u8] {
+        &self.pending
+    }
+
+    /// Ends the stream: pending bytes (an incomplete character) become U+FFFD.
+    pub fn finish(&mut self) -> String {
+        if self.pending.is_empty() {
+            String::new()
+        } else {
+            self.pending.clear();
+            "\u{FFFD}".to_string()
+        }
+    }
+
+    fn flush_with(&mut self, c: char) -> String {
+        let mut out = self.finish();
+        out.push(c);
+        out
+    }
+
+    fn drain_complete(&mut self) -> String {
+        let mut out = String::new();
+        let mut rest: &[u8] = &self.pending;
+        loop {
+            match std::str::from_utf8(rest) {
+                Ok(s) => {
+                    out.push_str(s);
+                    rest = &[];
+                    break;
+                }
+                Err(e) => {
+                    let (valid, tail) = rest.split_at(e.valid_up_to());
+                    out.push_str(std::str::from_utf8(valid).expect("checked valid prefix"));
+                    match e.error_len() {
+                        // Incomplete character at the end: keep it for the next token.
+                        None => {
+                            rest = tail;
+                            break;
+                        }
+                        Some(n) => {
+                            out.push('\u{FFFD}');
+                            rest = &tail[n..];
+                        }
+                    }
+                }
+            }
+        }
+        debug_assert!(rest.len() < 4, "at most 3 bytes of a character are pending");
+        self.pending = rest.to_vec();
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alphabet_is_a_bijection() {
+        let t = byte_level_alphabet();
+        let set: std::collections::HashSet<char> = t.iter().copied().collect();
+        assert_eq!(set.len(), 256);
+        assert_eq!(t[b' ' as usize], 'Ġ');
+        assert_eq!(t[b'\n' as usize], 'Ċ');
+        assert_eq!(t[b'a' as usize], 'a');
+        assert_eq!(byte_level_to_bytes("Ġhello"), b" hello");
+    }
+
+    #[test]
+    fn default_system_is_read_from_template() {
+        let t = "{{ '<|im_start|>system\nYou are X<|im_end|>\n' }}";
+        assert_eq!(chatml_default_system(t).as_deref(), Some("You are X"));
+        let t = "{{ '<|im_start|>system\\nYou are Y<|im_end|>\\n' }}";
+        assert_eq!(chatml_default_system(t).as_deref(), Some("You are Y"));
+        assert_eq!(chatml_default_system("{{ messages }}"), None);
+    }
+}

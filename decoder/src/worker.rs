@@ -1,0 +1,506 @@
+//! The lease worker: takes generations bound to this decoder's model from the log, decodes them,
+//! and writes their tokens only through epoch-fenced appends (CONTRACT §2, §4).
+//!
+//! One loop, one step at a time:
+//! 1. Now and then: refresh the registration; if below capacity, ask for pending or orphaned
+//!    generations of our model and `Acquire` them; read each one's committed prefix, bind a text
+//!    prompt if needed, and re-prefill (`DecodeState::resume`, exact or fast per the binding).
+//! 2. Sample one token for every active generation (the model work runs on a blocking thread).
+//! 3. Wait for the previous step's append; apply its answers: accepted ⇒ `mark_committed`;
+//!    rejected ⇒ drop that generation at once (another owner has it, or it ended).
+//! 4. Send this step's tokens of all generations as one `Append` (one Raft entry), without waiting:
+//!    the next step computes while it replicates. Visibility waits for commit; decoding does not.
+//!
+//! A separate renewer keeps leases alive while a step is slow (slow is not dead), and stops
+//! renewing a generation the moment it is dropped.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokenlog_proto::raftlog as pb;
+use tokenlog_raftlog::client::{ClientError, LogClient};
+
+use crate::resume::{DecodeState, ResumeMode};
+use crate::sampler::{FinishReason, SamplingParams, StopConditions, RNG_VERSION};
+use crate::{Model, ModelIdentity};
+
+/// Records fetched per Watch event are bounded by the log; we just loop.
+const PREFIX_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Clone, Debug)]
+pub struct WorkerConfig {
+    /// Unique per process incarnation (two processes must never share one).
+    pub decoder_id: String,
+    /// The name clients use for this model.
+    pub model_name: String,
+    pub chat_template: String,
+    /// Generations decoded at once.
+    pub capacity: usize,
+    /// Lease asked for on acquire and renewed by every append.
+    pub lease_ms: u64,
+    /// How often to look for work while below capacity.
+    pub poll_ms: u64,
+}
+
+impl WorkerConfig {
+    pub fn new(decoder_id: String, model_name: String) -> Self {
+        WorkerConfig {
+            decoder_id,
+            model_name,
+            chat_template: "chatml".into(),
+            capacity: 4,
+            lease_ms: 1_000,
+            poll_ms: 100,
+        }
+    }
+}
+
+/// Counters a worker exposes (metrics and tests).
+#[derive(Debug, Default, Clone)]
+pub struct WorkerStats {
+    pub acquired: u64,
+    pub takeovers: u64,
+    pub tokens_committed: u64,
+    pub fence_rejections: u64,
+    pub finished: u64,
+    pub failed: u64,
+}
+
+/// One generation this worker owns.
+struct Active {
+    id: u64,
+    epoch: u64,
+    state: DecodeState,
+    /// Committed records (our view; equals the log's after each accepted append).
+    committed: u32,
+    /// Sampled tokens past `committed`, in order; re-sent whole until acknowledged.
+    uncommitted: Vec<u32>,
+    finish: Option<FinishReason>,
+}
+
+fn to_pb(m: &ModelIdentity) -> pb::ModelIdentity {
+    pb::ModelIdentity {
+        weights_sha256: m.weights_sha256.clone(),
+        tokenizer_sha256: m.tokenizer_sha256.clone(),
+        architecture: m.architecture.clone(),
+        dtype_class: m.dtype_class.clone(),
+    }
+}
+
+fn finish_to_pb(f: &FinishReason) -> (pb::FinishReason, String) {
+    let detail = format!("{f:?}");
+    match f.as_str() {
+        "length" => (pb::FinishReason::Length, detail),
+        _ => (pb::FinishReason::Stop, detail),
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error("log: {0}")]
+    Log(#[from] ClientError),
+    #[error("model: {0}")]
+    Model(#[from] crate::Error),
+    #[error("{0}")]
+    Other(String),
+}
+
+/// Shared with the renewer: what we hold, and when the log last confirmed it.
+type Held = Arc<Mutex<HashMap<u64, (u64, Instant)>>>;
+
+pub struct Worker {
+    cfg: WorkerConfig,
+    client: LogClient,
+    model: Arc<dyn Model>,
+    identity: pb::ModelIdentity,
+    active: BTreeMap<u64, Active>,
+    held: Held,
+    stats: Arc<Mutex<WorkerStats>>,
+}
+
+impl Worker {
+    pub fn new(cfg: WorkerConfig, client: LogClient, model: Arc<dyn Model>) -> Self {
+        let identity = to_pb(model.identity());
+        Worker {
+            cfg,
+            client,
+            model,
+            identity,
+            active: BTreeMap::new(),
+            held: Default::default(),
+            stats: Default::default(),
+        }
+    }
+
+    pub fn stats(&self) -> Arc<Mutex<WorkerStats>> {
+        self.stats.clone()
+    }
+
+    /// Runs until `stop` turns true; then releases every generation it holds.
+    pub async fn run(mut self, mut stop: tokio::sync::watch::Receiver<bool>) -> Result<(), WorkerError> {
+        let renewer = tokio::spawn(renew_loop(self.client.clone(), self.cfg.clone(), self.held.clone()));
+        let mut inflight: Option<tokio::task::JoinHandle<Result<pb::AppendResponse, ClientError>>> = None;
+        let mut last_poll = Instant::now() - Duration::from_secs(3600);
+        let mut last_register = last_poll;
+        while !*stop.borrow() {
+            if last_register.elapsed() >= Duration::from_millis(self.cfg.lease_ms.max(1_000)) {
+                self.register().await;
+                last_register = Instant::now();
+            }
+            if self.active.len() < self.cfg.capacity && last_poll.elapsed() >= Duration::from_millis(self.cfg.poll_ms) {
+                self.take_work().await;
+                last_poll = Instant::now();
+            }
+            if self.active.is_empty() && inflight.is_none() {
+                tokio::select! {
+                    _ = stop.changed() => {}
+                    _ = tokio::time::sleep(Duration::from_millis(self.cfg.poll_ms)) => {}
+                }
+                continue;
+            }
+            self.step().await?;
+            if let Some(h) = inflight.take() {
+                self.absorb(h.await.map_err(|e| WorkerError::Other(e.to_string()))?);
+            }
+            inflight = self.send();
+        }
+        if let Some(h) = inflight.take() {
+            self.absorb(h.await.map_err(|e| WorkerError::Other(e.to_string()))?);
+        }
+        renewer.abort();
+        self.release_all().await;
+        Ok(())
+    }
+
+    async fn register(&self) {
+        let req = pb::RegisterRequest {
+            decoder_id: self.cfg.decoder_id.clone(),
+            model_name: self.cfg.model_name.clone(),
+            model: Some(self.identity.clone()),
+            capacity: self.cfg.capacity as u32,
+            ttl_ms: (self.cfg.lease_ms * 5).max(5_000),
+            chat_template: self.cfg.chat_template.clone(),
+            context_tokens: self.model.max_context() as u32,
+        };
+        if let Err(e) = self.client.register(req).await {
+            tracing::warn!(error = %e, "registration not refreshed");
+        }
+    }
+
+    async fn take_work(&mut self) {
+        let want = (self.cfg.capacity - self.active.len()) as u32;
+        let pending = match self
+            .client
+            .pending_work(pb::PendingWorkRequest {
+                model: Some(self.identity.clone()),
+                limit: want,
+            })
+            .await
+        {
+            Ok(p) => p.generations,
+            Err(e) => {
+                tracing::warn!(error = %e, "pending work query failed");
+                return;
+            }
+        };
+        for g in pending {
+            if self.active.len() >= self.cfg.capacity {
+                break;
+            }
+            if let Err(e) = self.take(g.generation_id).await {
+                tracing::warn!(generation = g.generation_id, error = %e, "could not take generation");
+            }
+        }
+    }
+
+    /// Acquire → read prefix → bind prompt → re-prefill.
+    async fn take(&mut self, id: u64) -> Result<(), WorkerError> {
+        let acq = self
+            .client
+            .acquire(pb::AcquireRequest {
+                generation_id: id,
+                decoder_id: self.cfg.decoder_id.clone(),
+                lease_ms: self.cfg.lease_ms,
+                model: Some(self.identity.clone()),
+                rng_version: RNG_VERSION,
+            })
+            .await?;
+        let Some(info) = acq.generation.filter(|_| acq.ok) else {
+            tracing::debug!(generation = id, rejection = ?acq.rejection, "acquire refused");
+            return Ok(());
+        };
+        let epoch = info.lease.as_ref().map_or(0, |l| l.epoch);
+        self.held.lock().expect("lock").insert(id, (epoch, Instant::now()));
+        {
+            let mut s = self.stats.lock().expect("lock");
+            s.acquired += 1;
+            s.takeovers += u64::from(epoch > 1);
+        }
+        match self.prepare(&info, epoch).await {
+            Ok(active) => {
+                tracing::info!(generation = id, epoch, frontier = active.committed, "generation taken");
+                self.active.insert(id, active);
+                Ok(())
+            }
+            Err(e) => {
+                self.held.lock().expect("lock").remove(&id);
+                // The binding cannot be served here (prompt too long, bad prompt...): end it
+                // explicitly rather than leave it to time out (CONTRACT §5).
+                let detail = format!("decoder {} cannot continue: {e}", self.cfg.decoder_id);
+                let _ = self
+                    .client
+                    .finish(pb::FinishRequest {
+                        generation_id: id,
+                        epoch,
+                        reason: pb::FinishReason::Error as i32,
+                        detail,
+                    })
+                    .await;
+                self.stats.lock().expect("lock").failed += 1;
+                Err(e)
+            }
+        }
+    }
+
+    async fn prepare(&self, info: &pb::GenerationInfo, epoch: u64) -> Result<Active, WorkerError> {
+        let id = info.generation_id;
+        let binding = info
+            .binding
+            .clone()
+            .ok_or_else(|| WorkerError::Other("generation has no binding".into()))?;
+        let mut prompt = binding.prompt_token_ids.clone();
+        if prompt.is_empty() {
+            prompt = self.model.tokenizer().encode(&binding.prompt_text)?;
+            let r = self
+                .client
+                .bind_prompt(pb::BindPromptRequest {
+                    generation_id: id,
+                    epoch,
+                    prompt_token_ids: prompt.clone(),
+                })
+                .await?;
+            if !r.ok {
+                return Err(WorkerError::Other(format!("prompt binding refused: {:?}", r.rejection)));
+            }
+        }
+        let committed = read_prefix(&self.client, id, info.frontier).await?;
+        let s = binding.sampling.unwrap_or_default();
+        let params = SamplingParams {
+            temperature: s.temperature,
+            top_p: s.top_p,
+            top_k: s.top_k,
+            repetition_penalty: s.repetition_penalty,
+            frequency_penalty: s.frequency_penalty,
+            presence_penalty: s.presence_penalty,
+            seed: s.seed,
+        };
+        let stop = binding.stop.unwrap_or_default();
+        let stop = StopConditions {
+            max_tokens: stop.max_tokens,
+            stop_strings: stop.stop_strings,
+            eos_token_ids: stop.eos_token_ids,
+        };
+        let mode = if binding.mode == pb::ResumeMode::Fast as i32 {
+            ResumeMode::Fast
+        } else {
+            ResumeMode::Exact
+        };
+        let model = self.model.clone();
+        let c = committed.clone();
+        let state =
+            tokio::task::spawn_blocking(move || DecodeState::resume(model.as_ref(), &prompt, &c, params, stop, mode))
+                .await
+                .map_err(|e| WorkerError::Other(e.to_string()))??;
+        let finish = state.finished().cloned();
+        Ok(Active {
+            id,
+            epoch,
+            state,
+            committed: committed.len() as u32,
+            uncommitted: Vec::new(),
+            finish,
+        })
+    }
+
+    /// Samples one token for every unfinished generation.
+    async fn step(&mut self) -> Result<(), WorkerError> {
+        let mut gens: Vec<Active> = std::mem::take(&mut self.active).into_values().collect();
+        let gens = tokio::task::spawn_blocking(move || {
+            for g in gens.iter_mut().filter(|g| g.finish.is_none()) {
+                match g.state.next_token()? {
+                    Some(step) => {
+                        g.uncommitted.push(step.token);
+                        g.finish = step.finish;
+                    }
+                    None => g.finish = g.state.finished().cloned(),
+                }
+            }
+            crate::Result::Ok(gens)
+        })
+        .await
+        .map_err(|e| WorkerError::Other(e.to_string()))??;
+        self.active = gens.into_iter().map(|g| (g.id, g)).collect();
+        Ok(())
+    }
+
+    /// Sends every generation's uncommitted tokens (and finish) as one append.
+    fn send(&self) -> Option<tokio::task::JoinHandle<Result<pb::AppendResponse, ClientError>>> {
+        let items: Vec<pb::AppendItem> = self
+            .active
+            .values()
+            .filter(|g| !g.uncommitted.is_empty() || g.finish.is_some())
+            .map(|g| {
+                let (finish, detail) = g
+                    .finish
+                    .as_ref()
+                    .map_or((pb::FinishReason::Unspecified, String::new()), finish_to_pb);
+                pb::AppendItem {
+                    generation_id: g.id,
+                    epoch: g.epoch,
+                    start_seq: g.committed,
+                    token_ids: g.uncommitted.clone(),
+                    finish: finish as i32,
+                    finish_detail: detail,
+                }
+            })
+            .collect();
+        if items.is_empty() {
+            return None;
+        }
+        let client = self.client.clone();
+        let req = pb::AppendRequest {
+            decoder_id: self.cfg.decoder_id.clone(),
+            lease_ms: self.cfg.lease_ms,
+            items,
+        };
+        Some(tokio::spawn(async move { client.append(req).await }))
+    }
+
+    /// Applies an append's answers.
+    fn absorb(&mut self, resp: Result<pb::AppendResponse, ClientError>) {
+        let resp = match resp {
+            Ok(r) => r,
+            Err(e) => {
+                // Unknown whether it committed: the same tokens are re-sent from `committed`
+                // with the next append, which the log acknowledges idempotently.
+                tracing::warn!(error = %e, "append failed; will re-send");
+                return;
+            }
+        };
+        for r in resp.results {
+            let Some(g) = self.active.get_mut(&r.generation_id) else {
+                continue;
+            };
+            if !r.accepted {
+                tracing::warn!(generation = g.id, epoch = g.epoch, rejection = ?r.rejection, "append rejected: dropping the generation");
+                self.stats.lock().expect("lock").fence_rejections += 1;
+                self.drop_generation(r.generation_id);
+                continue;
+            }
+            let sent = g.uncommitted.len() as u32;
+            let newly = r.frontier.saturating_sub(g.committed).min(sent);
+            g.uncommitted.drain(..newly as usize);
+            g.committed += newly;
+            g.state.mark_committed(g.committed as usize);
+            self.held.lock().expect("lock").insert(g.id, (g.epoch, Instant::now()));
+            let mut s = self.stats.lock().expect("lock");
+            s.tokens_committed += newly as u64;
+            if g.finish.is_some() && g.uncommitted.is_empty() {
+                s.finished += 1;
+                drop(s);
+                self.drop_generation(r.generation_id);
+            }
+        }
+    }
+
+    fn drop_generation(&mut self, id: u64) {
+        self.active.remove(&id);
+        self.held.lock().expect("lock").remove(&id);
+    }
+
+    async fn release_all(&mut self) {
+        for (id, g) in std::mem::take(&mut self.active) {
+            self.held.lock().expect("lock").remove(&id);
+            let _ = self
+                .client
+                .release(pb::ReleaseRequest {
+                    generation_id: id,
+                    epoch: g.epoch,
+                })
+                .await;
+        }
+    }
+}
+
+/// Reads the first `frontier` committed records of a generation.
+async fn read_prefix(client: &LogClient, id: u64, frontier: u32) -> Result<Vec<u32>, WorkerError> {
+    use futures::StreamExt;
+    let mut out = Vec::with_capacity(frontier as usize);
+    let deadline = Instant::now() + PREFIX_READ_TIMEOUT;
+    while (out.len() as u32) < frontier {
+        let mut stream = client.watch(id, out.len() as u32).await?;
+        while (out.len() as u32) < frontier {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(remaining, stream.next()).await {
+                Ok(Some(Ok(ev))) => {
+                    for r in ev.records {
+                        if r.seq as usize == out.len() && (out.len() as u32) < frontier {
+                            out.push(r.token_id);
+                        }
+                    }
+                    if ev.terminal.is_some() {
+                        break;
+                    }
+                }
+                Ok(_) => break,
+                Err(_) => {
+                    return Err(WorkerError::Other(format!(
+                        "committed prefix of generation {id} not readable within {PREFIX_READ_TIMEOUT:?}"
+                    )))
+                }
+            }
+        }
+        if Instant::now() > deadline {
+            return Err(WorkerError::Other(format!(
+                "committed prefix of generation {id} not readable"
+            )));
+        }
+    }
+    Ok(out)
+}
+
+/// Renews every held lease that the log has not confirmed for a third of the lease.
+async fn renew_loop(client: LogClient, cfg: WorkerConfig, held: Held) {
+    let period = Duration::from_millis((cfg.lease_ms / 3).max(50));
+    loop {
+        tokio::time::sleep(period).await;
+        let due: Vec<(u64, u64)> = held
+            .lock()
+            .expect("lock")
+            .iter()
+            .filter(|(_, (_, at))| at.elapsed() >= period)
+            .map(|(id, (e, _))| (*id, *e))
+            .collect();
+        for (id, epoch) in due {
+            let req = pb::RenewRequest {
+                generation_id: id,
+                epoch,
+                decoder_id: cfg.decoder_id.clone(),
+                lease_ms: cfg.lease_ms,
+            };
+            match client.renew(req).await {
+                Ok(r) if r.ok => {
+                    if let Some(v) = held.lock().expect("lock").get_mut(&id) {
+                        v.1 = Instant::now();
+                    }
+                }
+                Ok(r) => {
+                    tracing::warn!(generation = id, rejection = ?r.rejection, "renew rejected");
+                    held.lock().expect("lock").remove(&id);
+                }
+                Err(e) => tracing::warn!(generation = id, error = %e, "renew failed"),
+            }
+        }
+    }
+}

@@ -1,0 +1,249 @@
+//! The fake model: determinism, prefix dependence, resume, stop conditions, frontiers, and the
+//! byte-level tokenizer and detokenizer.
+
+use tokenlog_decoder::fake::{FAKE_BYTE_OFFSET, FAKE_IM_END};
+use tokenlog_decoder::{
+    generate, ChatMessage, DecodeState, FakeConfig, FakeModel, FinishReason, Model, ResumeMode, SamplingParams,
+    StopConditions,
+};
+
+fn model() -> FakeModel {
+    FakeModel::new(FakeConfig::default()).unwrap()
+}
+
+fn sampled() -> SamplingParams {
+    SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        top_k: 50,
+        repetition_penalty: 1.05,
+        frequency_penalty: 0.1,
+        presence_penalty: 0.1,
+        seed: 77,
+    }
+}
+
+fn stop(max_tokens: u32) -> StopConditions {
+    StopConditions {
+        max_tokens,
+        stop_strings: vec![],
+        eos_token_ids: vec![FAKE_IM_END],
+    }
+}
+
+fn prompt(m: &FakeModel, text: &str) -> Vec<u32> {
+    m.tokenizer().encode_chat(&[ChatMessage::user(text)]).unwrap()
+}
+
+#[test]
+fn deterministic_and_prefix_dependent() {
+    let m = model();
+    let p = prompt(&m, "hello");
+    let a = generate(&m, &p, &sampled(), &stop(64)).unwrap();
+    let b = generate(&m, &p, &sampled(), &stop(64)).unwrap();
+    assert_eq!(a.tokens, b.tokens);
+    assert_eq!(a.tokens.len(), 64);
+    assert_eq!(a.finish, FinishReason::Length);
+    // Changing only the first prompt token changes the output.
+    let mut p2 = p.clone();
+    p2[1] += 1;
+    let c = generate(&m, &p2, &sampled(), &stop(64)).unwrap();
+    assert_ne!(a.tokens, c.tokens);
+    // Another seed, another output; greedy is deterministic too.
+    let other_seed = SamplingParams { seed: 78, ..sampled() };
+    assert_ne!(a.tokens, generate(&m, &p, &other_seed, &stop(64)).unwrap().tokens);
+    let g = SamplingParams::greedy();
+    assert_eq!(
+        generate(&m, &p, &g, &stop(32)).unwrap().tokens,
+        generate(&m, &p, &g, &stop(32)).unwrap().tokens
+    );
+    let text = m.tokenizer().decode(&a.tokens, true).unwrap();
+    assert!(text.chars().filter(|c| c.is_ascii_lowercase()).count() > 20, "{text:?}");
+}
+
+#[test]
+fn resume_in_both_modes_continues_identically() {
+    let m = model();
+    let p = prompt(&m, "resume me");
+    let full = generate(&m, &p, &sampled(), &stop(40)).unwrap();
+    for mode in [ResumeMode::Exact, ResumeMode::Fast] {
+        for k in [0usize, 1, 7, 20, 39] {
+            let mut s = DecodeState::resume(&m, &p, &full.tokens[..k], sampled(), stop(40), mode).unwrap();
+            let f = s.frontiers();
+            assert_eq!((f.sampled, f.fed, f.committed, f.kv), (k, k, k, p.len() + k));
+            let (rest, finish) = s.run_to_end().unwrap();
+            assert_eq!(rest, full.tokens[k..], "{mode:?} at {k}");
+            assert_eq!(finish, FinishReason::Length);
+        }
+    }
+}
+
+#[test]
+fn interleaved_sequences_do_not_interfere() {
+    let m = model();
+    let (pa, pb) = (prompt(&m, "first"), prompt(&m, "second"));
+    let ga = generate(&m, &pa, &sampled(), &stop(30)).unwrap();
+    let gb = generate(&m, &pb, &sampled(), &stop(30)).unwrap();
+    let mut a = DecodeState::start(&m, &pa, sampled(), stop(30)).unwrap();
+    let mut b = DecodeState::start(&m, &pb, sampled(), stop(30)).unwrap();
+    let (mut ta, mut tb) = (vec![], vec![]);
+    loop {
+        let sa = a.next_token().unwrap();
+        let sb = b.next_token().unwrap();
+        if sa.is_none() && sb.is_none() {
+            break;
+        }
+        ta.extend(sa.map(|s| s.token));
+        tb.extend(sb.map(|s| s.token));
+    }
+    assert_eq!((ta, tb), (ga.tokens, gb.tokens));
+}
+
+#[test]
+fn eos_and_stop_strings_finish_and_survive_resume() {
+    let m = FakeModel::new(FakeConfig {
+        eos_one_in: 10,
+        ..Default::default()
+    })
+    .unwrap();
+    let p = prompt(&m, "stop soon");
+    let g = generate(&m, &p, &SamplingParams::greedy(), &stop(500)).unwrap();
+    assert_eq!(g.finish, FinishReason::Eos { token: FAKE_IM_END });
+    assert_eq!(*g.tokens.last().unwrap(), FAKE_IM_END);
+    // A prefix that already ends with EOS resumes as finished, without building a KV cache.
+    let s = DecodeState::resume(
+        &m,
+        &p,
+        &g.tokens,
+        SamplingParams::greedy(),
+        stop(500),
+        ResumeMode::Exact,
+    )
+    .unwrap();
+    assert_eq!(s.finished(), Some(&FinishReason::Eos { token: FAKE_IM_END }));
+    assert_eq!(s.frontiers().kv, 0);
+
+    // Stop string: a piece of the text the generation would produce.
+    let m = model();
+    let full = generate(&m, &p, &sampled(), &stop(60)).unwrap();
+    let text = m.tokenizer().decode(&full.tokens, true).unwrap();
+    let needle = text[30..34].to_string();
+    let first = text.find(&needle).unwrap();
+    let cond = StopConditions {
+        stop_strings: vec!["never there \u{1F389}".into(), needle.clone()],
+        ..stop(60)
+    };
+    let g = generate(&m, &p, &sampled(), &cond).unwrap();
+    assert_eq!(g.finish, FinishReason::StopString { index: 1 });
+    assert_eq!(g.tokens.len(), first + needle.len(), "byte tokens: one per char");
+    // The stop matcher rebuilt from a prefix that ends just before the stop token still stops.
+    let k = g.tokens.len() - 1;
+    let mut s = DecodeState::resume(&m, &p, &g.tokens[..k], sampled(), cond, ResumeMode::Exact).unwrap();
+    let last = s.next_token().unwrap().unwrap();
+    assert_eq!(last.token, g.tokens[k]);
+    assert_eq!(last.finish, Some(FinishReason::StopString { index: 1 }));
+}
+
+#[test]
+fn stop_string_split_across_byte_tokens() {
+    let m = model();
+    let tok = m.tokenizer();
+    let ids: Vec<u32> = "ok 🎉".bytes().map(|b| FAKE_BYTE_OFFSET + u32::from(b)).collect();
+    let mut matcher = tokenlog_decoder::StopMatcher::new(
+        StopConditions {
+            max_tokens: 0,
+            stop_strings: vec!["🎉".into()],
+            eos_token_ids: vec![],
+        },
+        tok,
+        &[],
+    );
+    let reasons: Vec<_> = ids.iter().map(|&t| matcher.push(t)).collect();
+    assert!(reasons[..ids.len() - 1].iter().all(Option::is_none));
+    assert_eq!(reasons.last().unwrap(), &Some(FinishReason::StopString { index: 0 }));
+    // The detokenizer holds the emoji's bytes back until the last one arrives.
+    let mut d = tok.detokenizer(true);
+    let deltas: Vec<String> = ids.iter().map(|&t| d.push(t)).collect();
+    assert_eq!(deltas, ["o", "k", " ", "", "", "", "🎉"]);
+    // An invalid byte sequence becomes U+FFFD, a truncated one too at the end.
+    let mut d = tok.detokenizer(true);
+    let bad = [0xFFu8, b'a', 0xF0, 0x9F];
+    let out: String = bad.iter().map(|&b| d.push(FAKE_BYTE_OFFSET + u32::from(b))).collect();
+    assert_eq!(out + &d.finish(), "\u{FFFD}a\u{FFFD}");
+}
+
+#[test]
+fn fake_tokenizer_round_trips() {
+    let m = model();
+    let t = m.tokenizer();
+    for text in ["héllo 日本 🎉\t\n 123", "", "  x"] {
+        let ids = t.encode(text).unwrap();
+        assert_eq!(ids.len(), text.len(), "one token per byte");
+        assert_eq!(t.decode(&ids, false).unwrap(), text);
+    }
+    let chat = t.encode_chat(&[ChatMessage::user("hi")]).unwrap();
+    assert_eq!(
+        t.decode(&chat, false).unwrap(),
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    );
+}
+
+#[test]
+fn context_limit_and_frontiers() {
+    let m = FakeModel::new(FakeConfig {
+        max_context: 24,
+        ..Default::default()
+    })
+    .unwrap();
+    let p: Vec<u32> = (0..20).map(|i| FAKE_BYTE_OFFSET + 97 + i % 26).collect();
+    let g = generate(&m, &p, &sampled(), &stop(0)).unwrap();
+    // Positions 20..24 hold 4 fed tokens; the 5th is drawn from the last logits, never fed.
+    assert_eq!(g.tokens.len(), 5);
+    assert_eq!(g.finish, FinishReason::ContextFull);
+    let s = DecodeState::resume(&m, &p, &g.tokens, sampled(), stop(0), ResumeMode::Exact).unwrap();
+    assert_eq!(s.finished(), Some(&FinishReason::ContextFull));
+
+    let mut s = DecodeState::start(&m, &p, sampled(), stop(0)).unwrap();
+    s.next_token().unwrap();
+    let f = s.frontiers();
+    assert_eq!((f.sampled, f.fed, f.kv, f.committed), (1, 0, 20, 0));
+    s.feed_pending().unwrap();
+    s.mark_committed(1);
+    let f = s.frontiers();
+    assert_eq!((f.sampled, f.fed, f.kv, f.committed), (1, 1, 21, 1));
+}
+
+#[test]
+#[should_panic(expected = "committed 3 ahead of sampled")]
+fn committing_unsampled_tokens_is_a_bug() {
+    let m = model();
+    let p = prompt(&m, "x");
+    let mut s = DecodeState::start(&m, &p, sampled(), stop(10)).unwrap();
+    s.next_token().unwrap();
+    s.mark_committed(3);
+}
+
+#[test]
+fn identities_differ_by_variant() {
+    let a = model();
+    let b = FakeModel::new(FakeConfig {
+        variant: 1,
+        ..Default::default()
+    })
+    .unwrap();
+    assert_eq!(a.identity().dtype_class, "fake");
+    assert_eq!(a.identity().tokenizer_sha256, b.identity().tokenizer_sha256);
+    assert_ne!(a.identity().weights_sha256, b.identity().weights_sha256);
+    assert_eq!(a.identity(), model().identity());
+}
+
+#[test]
+fn types_cross_threads() {
+    fn send<T: Send>() {}
+    fn shared<T: Send + Sync>() {}
+    send::<DecodeState>();
+    send::<Box<dyn tokenlog_decoder::Sequence>>();
+    shared::<FakeModel>();
+    shared::<tokenlog_decoder::GgufModel>();
+    shared::<std::sync::Arc<dyn Model>>();
+}

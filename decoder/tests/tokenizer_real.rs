@@ -1,0 +1,111 @@
+//! The tokenizer built from the real GGUF file: round trips, pre-tokenization details, ChatML,
+//! incremental detokenizing.
+
+mod common;
+
+use std::sync::OnceLock;
+
+use tokenlog_decoder::{ChatMessage, Tokenizer};
+
+fn tokenizer() -> &'static Tokenizer {
+    static T: OnceLock<Tokenizer> = OnceLock::new();
+    T.get_or_init(|| Tokenizer::from_gguf_file(&common::model_path()).expect("tokenizer"))
+}
+
+const TEXTS: &[&str] = &[
+    "Hello, world!",
+    "Héllo wörld — café, naïve, Ærøskøbing, señor",
+    "日本語のテキストと中文，한국어",
+    "emoji 🎉👍🏽 family 👨‍👩‍👧 flag 🇫🇷",
+    "tabs\tand\t\ttabs\t",
+    "digits 1234567890, 3.14159, 2025-02-07",
+    "line1\nline2\r\n\n   indented\n",
+    "  leading and trailing spaces  ",
+    "fn main() {\n    println!(\"{}\", x);\n}",
+    "",
+];
+
+#[test]
+fn round_trips() {
+    let t = tokenizer();
+    for text in TEXTS {
+        let ids = t.encode(text).unwrap();
+        assert_eq!(&t.decode(&ids, false).unwrap(), text, "ids {ids:?}");
+    }
+}
+
+#[test]
+fn pre_tokenization_matches_smollm2() {
+    let t = tokenizer();
+    // Digits one by one.
+    let ids = t.encode("12345").unwrap();
+    assert_eq!(ids.len(), 5, "{ids:?}");
+    // No prefix space: the first word is "Hello", not " Hello".
+    let ids = t.encode("Hello").unwrap();
+    assert_eq!(t.decode(&ids[..1], false).unwrap(), "Hello");
+    assert_ne!(t.encode("Hello").unwrap(), t.encode(" Hello").unwrap());
+    // Special tokens are recognised in text and keep their ids.
+    assert_eq!(t.encode("<|im_start|>").unwrap(), vec![1]);
+    assert_eq!(t.encode("<|im_end|>").unwrap(), vec![2]);
+    assert!(t.is_special(0) && t.is_special(2) && !t.is_special(100));
+    assert_eq!(t.eos_token_ids(), &[2, 0]);
+    assert_eq!(t.vocab_size(), 49152);
+}
+
+#[test]
+fn chatml_prompt() {
+    let t = tokenizer();
+    let msgs = [ChatMessage::user("What is the capital of France?")];
+    assert_eq!(
+        t.apply_chat_template(&msgs),
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging \
+         Face<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n\
+         <|im_start|>assistant\n"
+    );
+    let with_system = [ChatMessage::system("Be brief."), ChatMessage::user("Hi")];
+    assert_eq!(
+        t.apply_chat_template(&with_system),
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n\
+         <|im_start|>assistant\n"
+    );
+    let ids = t.encode_chat(&with_system).unwrap();
+    assert_eq!(ids[0], 1);
+    assert_eq!(ids.iter().filter(|&&i| i == 1).count(), 3);
+    assert_eq!(ids.iter().filter(|&&i| i == 2).count(), 2);
+    assert_eq!(t.decode(&ids, false).unwrap(), t.apply_chat_template(&with_system));
+}
+
+#[test]
+fn incremental_detokenizer_is_utf8_safe() {
+    let t = tokenizer();
+    let mut held_back = 0;
+    for text in TEXTS {
+        let ids = t.encode(text).unwrap();
+        let mut d = t.detokenizer(false);
+        let mut out = String::new();
+        for &id in &ids {
+            out.push_str(&d.push(id));
+            if !d.pending_bytes().is_empty() {
+                held_back += 1;
+            }
+        }
+        assert!(d.pending_bytes().is_empty());
+        assert_eq!(&out, text);
+    }
+    // Some emoji or CJK character was split across byte tokens and held back.
+    assert!(held_back > 0);
+    // Special tokens are skipped on request.
+    let ids = t.encode("<|im_start|>assistant\nHi<|im_end|>").unwrap();
+    let mut d = t.detokenizer(true);
+    let text: String = ids.iter().map(|&id| d.push(id)).collect();
+    assert_eq!(text, "assistant\nHi");
+}
+
+#[test]
+fn digest_is_stable() {
+    let a = Tokenizer::from_gguf_file(&common::model_path()).unwrap();
+    let da = tokenlog_decoder::identity::tokenizer_sha256(&a).unwrap();
+    let db = tokenlog_decoder::identity::tokenizer_sha256(tokenizer()).unwrap();
+    assert_eq!(da, db);
+    eprintln!("tokenizer sha256 {da}");
+}

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs what building and testing tokenlog needs beyond cargo, from Debian's packages:
+# libclang (bindgen for RocksDB's C API), a C++ compiler, etcd-server (the baseline of
+# `tokenlog bench log`), iproute2/iptables (network namespaces for the fault suite).
+# Idempotent and quiet when everything is present.
+set -euo pipefail
+need=()
+[ -e /usr/lib/llvm-14/lib/libclang.so ] || ls /usr/lib/llvm-*/lib/libclang.so >/dev/null 2>&1 || need+=(libclang-dev)
+command -v g++ >/dev/null || need+=(g++)
+command -v etcd >/dev/null || need+=(etcd-server)
+command -v ip >/dev/null || need+=(iproute2)
+command -v iptables >/dev/null || need+=(iptables)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "installing: ${need[*]}" >&2
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+fi

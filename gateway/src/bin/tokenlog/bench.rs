@@ -1,0 +1,382 @@
+//! `tokenlog bench log`: tokenlog's append path against etcd's put path, same machine, same run.
+//!
+//! Both systems run as 3 processes on loopback with their own data dirs, default fsync
+//! behaviour, and the same number of concurrent writers. One tokenlog writer is one "decoder":
+//! it owns `generations / writers` generations and, per step, sends one Append carrying
+//! `tokens_per_step` tokens for each of them (one Raft entry). The etcd writer sends, per step,
+//! one Put whose value has the same bytes (4 per token id). Reported: steps/s (= committed
+//! writes/s), tokens/s, p50/p99 commit latency, and tokenlog ÷ etcd.
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use hdrhistogram::Histogram;
+use tokenlog_proto::etcd;
+use tokenlog_proto::raftlog as pb;
+use tokenlog_raftlog::client::LogClient;
+
+#[derive(clap::Subcommand)]
+pub enum BenchCmd {
+    /// Append throughput and commit latency of a 3-node log vs a 3-member etcd (Debian's
+    /// etcd-server), same payload, same run.
+    Log(LogArgs),
+}
+
+#[derive(clap::Args, Clone)]
+pub struct LogArgs {
+    /// Concurrent writers (decoders) per system.
+    #[arg(long, default_value_t = 16)]
+    pub writers: usize,
+    /// Generations in all, split across writers.
+    #[arg(long, default_value_t = 256)]
+    pub generations: usize,
+    /// Tokens per generation per step.
+    #[arg(long, default_value_t = 1)]
+    pub tokens_per_step: usize,
+    /// Measured seconds per system.
+    #[arg(long, default_value_t = 10)]
+    pub seconds: u64,
+    /// First loopback port to use (tokenlog uses 3, etcd 6).
+    #[arg(long, default_value_t = 27_100)]
+    pub base_port: u16,
+    /// Skip the etcd baseline (no ratio is printed then).
+    #[arg(long)]
+    pub no_etcd: bool,
+    /// etcd binary.
+    #[arg(long, default_value = "etcd")]
+    pub etcd: String,
+}
+
+pub async fn run(cmd: BenchCmd) -> anyhow::Result<()> {
+    match cmd {
+        BenchCmd::Log(a) => bench_log(a).await,
+    }
+}
+
+/// Child processes killed on drop.
+struct Procs(Vec<Child>);
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+#[derive(Default)]
+struct Outcome {
+    steps: u64,
+    tokens: u64,
+    elapsed: Duration,
+    latency_us: Option<Histogram<u64>>,
+}
+
+impl Outcome {
+    fn steps_per_s(&self) -> f64 {
+        self.steps as f64 / self.elapsed.as_secs_f64()
+    }
+    fn tokens_per_s(&self) -> f64 {
+        self.tokens as f64 / self.elapsed.as_secs_f64()
+    }
+    fn print(&self, name: &str) {
+        let h = self.latency_us.as_ref().expect("measured");
+        println!(
+            "{name:<9} {:>10.0} writes/s {:>10.0} tokens/s   commit latency p50 {:>7.2} ms  p99 {:>7.2} ms",
+            self.steps_per_s(),
+            self.tokens_per_s(),
+            h.value_at_quantile(0.5) as f64 / 1000.0,
+            h.value_at_quantile(0.99) as f64 / 1000.0
+        );
+    }
+}
+
+async fn bench_log(a: LogArgs) -> anyhow::Result<()> {
+    if a.writers == 0 || a.generations < a.writers || a.tokens_per_step == 0 {
+        bail!("need writers >= 1, generations >= writers, tokens-per-step >= 1");
+    }
+    let dir = tempfile::tempdir()?;
+    println!(
+        "bench log: {} writers, {} generations, {} token(s) per generation per step, {} s per system",
+        a.writers, a.generations, a.tokens_per_step, a.seconds
+    );
+    let ours = {
+        let _procs = start_tokenlog(dir.path(), a.base_port)?;
+        let addrs: Vec<String> = (0..3).map(|i| format!("127.0.0.1:{}", a.base_port + i)).collect();
+        run_tokenlog(&a, addrs).await?
+    };
+    ours.print("tokenlog");
+    if a.no_etcd {
+        return Ok(());
+    }
+    let theirs = {
+        let _procs = start_etcd(&a.etcd, dir.path(), a.base_port + 10)?;
+        run_etcd(&a, a.base_port + 10).await?
+    };
+    theirs.print("etcd");
+    println!(
+        "ratio     tokenlog / etcd: {:.2}x writes/s, {:.2}x tokens/s, p50 latency {:.2}x",
+        ours.steps_per_s() / theirs.steps_per_s(),
+        ours.tokens_per_s() / theirs.tokens_per_s(),
+        ours.latency_us.as_ref().unwrap().value_at_quantile(0.5) as f64
+            / theirs.latency_us.as_ref().unwrap().value_at_quantile(0.5).max(1) as f64
+    );
+    Ok(())
+}
+
+fn start_tokenlog(dir: &Path, base: u16) -> anyhow::Result<Procs> {
+    let exe = std::env::current_exe()?;
+    let peers: Vec<String> = (0..3).map(|i| format!("{}=127.0.0.1:{}", i + 1, base + i)).collect();
+    let mut procs = Procs(Vec::new());
+    for i in 0..3u16 {
+        let child = Command::new(&exe)
+            .args([
+                "node",
+                "--id",
+                &(i + 1).to_string(),
+                "--listen",
+                &format!("127.0.0.1:{}", base + i),
+            ])
+            .arg("--data-dir")
+            .arg(dir.join(format!("tokenlog-{}", i + 1)))
+            .arg("--peers")
+            .arg(peers.join(","))
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .spawn()
+            .context("start tokenlog node")?;
+        procs.0.push(child);
+    }
+    Ok(procs)
+}
+
+fn start_etcd(etcd: &str, dir: &Path, base: u16) -> anyhow::Result<Procs> {
+    let peer = |i: u16| format!("http://127.0.0.1:{}", base + 3 + i);
+    let cluster: Vec<String> = (0..3).map(|i| format!("e{i}={}", peer(i))).collect();
+    let mut procs = Procs(Vec::new());
+    for i in 0..3u16 {
+        let client = format!("http://127.0.0.1:{}", base + i);
+        let child = Command::new(etcd)
+            .args(["--name", &format!("e{i}")])
+            .arg("--data-dir")
+            .arg(dir.join(format!("etcd-{i}")))
+            .args(["--listen-client-urls", &client, "--advertise-client-urls", &client])
+            .args([
+                "--listen-peer-urls",
+                &peer(i),
+                "--initial-advertise-peer-urls",
+                &peer(i),
+            ])
+            .args([
+                "--initial-cluster",
+                &cluster.join(","),
+                "--initial-cluster-state",
+                "new",
+            ])
+            .args(["--log-level", "error"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| format!("start {etcd} (apt-get install etcd-server)"))?;
+        procs.0.push(child);
+    }
+    Ok(procs)
+}
+
+fn model() -> pb::ModelIdentity {
+    pb::ModelIdentity {
+        weights_sha256: "bench".into(),
+        tokenizer_sha256: "bench".into(),
+        architecture: "bench".into(),
+        dtype_class: "bench".into(),
+    }
+}
+
+/// Submits and acquires this writer's generations; returns `(generation, epoch)` pairs.
+async fn setup_writer(
+    client: &LogClient,
+    writer: usize,
+    count: usize,
+    decoder: &str,
+) -> anyhow::Result<Vec<(u64, u64)>> {
+    let mut owned = Vec::new();
+    for j in 0..count {
+        let binding = pb::Binding {
+            model: Some(model()),
+            prompt_token_ids: vec![1, 2, 3],
+            stop: Some(pb::StopConfig {
+                max_tokens: tokenlog_raftlog::limits::GENERATION_TOKENS_MAX,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let sub = client
+            .submit(pb::SubmitRequest {
+                tenant: "bench".into(),
+                request_id: format!("w{writer}-g{j}"),
+                binding: Some(binding),
+            })
+            .await?;
+        let id = sub.generation.context("no generation")?.generation_id;
+        let acq = client
+            .acquire(pb::AcquireRequest {
+                generation_id: id,
+                decoder_id: decoder.into(),
+                lease_ms: 60_000,
+                model: Some(model()),
+                rng_version: 0,
+            })
+            .await?;
+        let epoch = acq
+            .generation
+            .context("acquire refused")?
+            .lease
+            .context("no lease")?
+            .epoch;
+        owned.push((id, epoch));
+    }
+    Ok(owned)
+}
+
+async fn wait_for_leader(client: &LogClient) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match client.cluster_status(true).await {
+            Ok(s) if s.leader_id != 0 => return Ok(()),
+            _ if Instant::now() > deadline => bail!("no leader within 30 s"),
+            _ => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
+async fn run_tokenlog(a: &LogArgs, addrs: Vec<String>) -> anyhow::Result<Outcome> {
+    let client = LogClient::new(addrs)?;
+    wait_for_leader(&client).await?;
+    let per_writer = a.generations / a.writers;
+    let mut owned = Vec::new();
+    for w in 0..a.writers {
+        owned.push(setup_writer(&client, w, per_writer, &format!("bench-decoder-{w}")).await?);
+    }
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs(a.seconds);
+    let mut tasks = Vec::new();
+    for (w, gens) in owned.into_iter().enumerate() {
+        let client = client.clone();
+        let tokens = a.tokens_per_step;
+        tasks.push(tokio::spawn(async move {
+            let mut h = Histogram::<u64>::new(3).expect("histogram");
+            let (mut steps, mut seq) = (0u64, 0u32);
+            while Instant::now() < deadline {
+                let items = gens
+                    .iter()
+                    .map(|&(id, epoch)| pb::AppendItem {
+                        generation_id: id,
+                        epoch,
+                        start_seq: seq,
+                        token_ids: vec![seq; tokens],
+                        ..Default::default()
+                    })
+                    .collect();
+                let t = Instant::now();
+                let resp = client
+                    .append(pb::AppendRequest {
+                        decoder_id: format!("bench-decoder-{w}"),
+                        lease_ms: 60_000,
+                        items,
+                    })
+                    .await?;
+                h.record(t.elapsed().as_micros() as u64)?;
+                if let Some(r) = resp.results.iter().find(|r| !r.accepted) {
+                    bail!("append rejected: {:?}", r.rejection);
+                }
+                steps += 1;
+                seq += tokens as u32;
+                if seq as usize + tokens > tokenlog_raftlog::limits::GENERATION_TOKENS_MAX as usize {
+                    break;
+                }
+            }
+            anyhow::Ok((steps, steps * (tokens * gens.len()) as u64, h))
+        }));
+    }
+    collect(tasks, start).await
+}
+
+async fn collect(
+    tasks: Vec<tokio::task::JoinHandle<anyhow::Result<(u64, u64, Histogram<u64>)>>>,
+    start: Instant,
+) -> anyhow::Result<Outcome> {
+    let mut out = Outcome::default();
+    let mut all = Histogram::<u64>::new(3)?;
+    for t in tasks {
+        let (steps, tokens, h) = t.await??;
+        out.steps += steps;
+        out.tokens += tokens;
+        all.add(&h)?;
+    }
+    out.elapsed = start.elapsed();
+    out.latency_us = Some(all);
+    Ok(out)
+}
+
+async fn etcd_leader(base: u16) -> anyhow::Result<String> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        for i in 0..3 {
+            let url = format!("http://127.0.0.1:{}", base + i);
+            let Ok(mut c) = etcd::maintenance_client::MaintenanceClient::connect(url.clone()).await else {
+                continue;
+            };
+            if let Ok(s) = c.status(etcd::StatusRequest {}).await {
+                let s = s.into_inner();
+                if s.leader != 0 && s.header.map(|h| h.member_id) == Some(s.leader) {
+                    return Ok(url);
+                }
+            }
+        }
+        if Instant::now() > deadline {
+            bail!("etcd elected no leader within 30 s");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+async fn run_etcd(a: &LogArgs, base: u16) -> anyhow::Result<Outcome> {
+    let leader = etcd_leader(base).await?;
+    let channel = tonic::transport::Endpoint::from_shared(leader)?
+        .tcp_nodelay(true)
+        .connect()
+        .await?;
+    let per_writer = a.generations / a.writers;
+    let value_bytes = per_writer * a.tokens_per_step * 4;
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs(a.seconds);
+    let value = Arc::new(vec![7u8; value_bytes]);
+    let mut tasks = Vec::new();
+    for w in 0..a.writers {
+        let mut kv = etcd::kv_client::KvClient::new(channel.clone());
+        let value = value.clone();
+        let tokens_per_put = (per_writer * a.tokens_per_step) as u64;
+        tasks.push(tokio::spawn(async move {
+            let mut h = Histogram::<u64>::new(3).expect("histogram");
+            let mut steps = 0u64;
+            while Instant::now() < deadline {
+                let key = format!("w{w}/{steps:010}").into_bytes();
+                let t = Instant::now();
+                kv.put(etcd::PutRequest {
+                    key,
+                    value: value.to_vec(),
+                    ..Default::default()
+                })
+                .await?;
+                h.record(t.elapsed().as_micros() as u64)?;
+                steps += 1;
+            }
+            anyhow::Ok((steps, steps * tokens_per_put, h))
+        }));
+    }
+    collect(tasks, start).await
+}

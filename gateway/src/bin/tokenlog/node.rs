@@ -1,0 +1,86 @@
+//! `tokenlog node`: one node of the replicated log, until SIGINT/SIGTERM.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use tokenlog_raftlog::node::{start, NodeConfig};
+
+#[derive(clap::Args)]
+pub struct NodeArgs {
+    /// This node's id (a positive integer, unique in the cluster).
+    #[arg(long)]
+    pub id: u64,
+    /// Address to listen on for both the client API and Raft traffic.
+    #[arg(long, default_value = "127.0.0.1:7001")]
+    pub listen: SocketAddr,
+    /// Address others use to reach this node, if not the listen address.
+    #[arg(long)]
+    pub advertise: Option<String>,
+    /// Where RocksDB keeps the log and the state machine.
+    #[arg(long)]
+    pub data_dir: PathBuf,
+    /// Initial voters as `id=host:port,...` (this node included). The lowest id initializes a
+    /// new cluster. Omit to start empty and be added later with `tokenlog members add`.
+    #[arg(long, value_delimiter = ',')]
+    pub peers: Vec<String>,
+    /// Raft heartbeat interval (ms).
+    #[arg(long, default_value_t = 100)]
+    pub heartbeat_ms: u64,
+    /// Raft election timeout range (ms).
+    #[arg(long, default_value_t = 500)]
+    pub election_min_ms: u64,
+    #[arg(long, default_value_t = 1000)]
+    pub election_max_ms: u64,
+    /// Build a snapshot and purge the log every this many applied entries.
+    #[arg(long, default_value_t = 20_000)]
+    pub snapshot_every: u64,
+    /// How long finished generations are kept before they are pruned (ms).
+    #[arg(long, default_value_t = tokenlog_raftlog::limits::RETENTION_MS_DEFAULT)]
+    pub retention_ms: u64,
+}
+
+pub fn parse_peers(peers: &[String]) -> anyhow::Result<Vec<(u64, String)>> {
+    peers
+        .iter()
+        .map(|p| {
+            let (id, addr) = p
+                .split_once('=')
+                .with_context(|| format!("peer {p:?} is not id=host:port"))?;
+            Ok((
+                id.parse().with_context(|| format!("peer id {id:?} is not a number"))?,
+                addr.to_string(),
+            ))
+        })
+        .collect()
+}
+
+pub async fn run(a: NodeArgs) -> anyhow::Result<()> {
+    if a.id == 0 {
+        bail!("--id must be positive");
+    }
+    let mut cfg = NodeConfig::new(a.id, a.listen, a.data_dir);
+    cfg.advertise = a.advertise.unwrap_or_else(|| a.listen.to_string());
+    cfg.initial_members = parse_peers(&a.peers)?;
+    if !cfg.initial_members.is_empty() && !cfg.initial_members.iter().any(|(id, _)| *id == a.id) {
+        bail!("--peers must include this node (id {})", a.id);
+    }
+    cfg.heartbeat_ms = a.heartbeat_ms;
+    cfg.election_timeout_ms = (a.election_min_ms, a.election_max_ms);
+    cfg.snapshot_every = a.snapshot_every;
+    cfg.retention_ms = a.retention_ms;
+    let node = start(cfg).await?;
+    eprintln!("tokenlog node {} serving on {} (Ctrl-C to stop)", a.id, node.local_addr);
+    shutdown_signal().await;
+    eprintln!("shutting down node {}", a.id);
+    node.shutdown().await;
+    Ok(())
+}
+
+pub async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}

@@ -1,0 +1,191 @@
+//! `tokenlog status`, `tokenlog verify`, `tokenlog members`.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use tokenlog_proto::raftlog as pb;
+use tokenlog_raftlog::client::LogClient;
+
+#[derive(clap::Args)]
+pub struct StatusArgs {
+    /// Addresses of any nodes (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "127.0.0.1:7001")]
+    pub cluster: Vec<String>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub async fn status(a: StatusArgs) -> anyhow::Result<()> {
+    let client = LogClient::new(a.cluster)?;
+    let s = client.cluster_status(true).await.context("no leader answered")?;
+    // Ask every member for its own view (lag is seen from each node's applied index).
+    let mut views = Vec::new();
+    for m in &s.members {
+        let mut c = client.node(&m.addr);
+        views.push((
+            m.clone(),
+            c.cluster_status(pb::ClusterStatusRequest { linearizable: false })
+                .await
+                .ok()
+                .map(|r| r.into_inner()),
+        ));
+    }
+    if a.json {
+        let members: Vec<_> = views
+            .iter()
+            .map(|(m, v)| {
+                serde_json::json!({
+                    "id": m.node_id, "addr": m.addr, "voter": m.voter, "matched_index": m.matched_index,
+                    "reachable": v.is_some(),
+                    "state": v.as_ref().map(|v| v.state.clone()),
+                    "applied_index": v.as_ref().map(|v| v.applied_index),
+                    "lag": v.as_ref().map(|v| s.commit_index.saturating_sub(v.applied_index)),
+                })
+            })
+            .collect();
+        let out = serde_json::json!({
+            "leader_id": s.leader_id, "leader_addr": s.leader_addr, "term": s.term,
+            "last_log_index": s.last_log_index, "commit_index": s.commit_index, "applied_index": s.applied_index,
+            "snapshot_index": s.snapshot_index, "purged_index": s.purged_index, "log_ms": s.log_ms,
+            "generations_by_state": s.generations_by_state, "members": members,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!("leader     node {} at {} (term {})", s.leader_id, s.leader_addr, s.term);
+    println!(
+        "log        last {}  committed {}  applied {}  snapshot {}  purged {}",
+        s.last_log_index, s.commit_index, s.applied_index, s.snapshot_index, s.purged_index
+    );
+    println!("members");
+    for (m, v) in &views {
+        let role = if m.voter { "voter" } else { "learner" };
+        match v {
+            Some(v) => println!(
+                "  node {:<3} {:<22} {:<8} {:<10} applied {:<8} lag {}",
+                m.node_id,
+                m.addr,
+                role,
+                v.state,
+                v.applied_index,
+                s.commit_index.saturating_sub(v.applied_index)
+            ),
+            None => println!("  node {:<3} {:<22} {:<8} unreachable", m.node_id, m.addr, role),
+        }
+    }
+    print!("generations");
+    if s.generations_by_state.is_empty() {
+        print!(" none");
+    }
+    for (state, n) in &s.generations_by_state {
+        print!("  {state} {n}");
+    }
+    println!();
+    Ok(())
+}
+
+#[derive(clap::Args)]
+pub struct VerifyArgs {
+    /// A stopped node's data dir.
+    #[arg(long, conflicts_with = "node")]
+    pub data_dir: Option<PathBuf>,
+    /// A live node's address.
+    #[arg(long)]
+    pub node: Option<String>,
+}
+
+pub async fn verify(a: VerifyArgs) -> anyhow::Result<()> {
+    let report = match (a.data_dir, a.node) {
+        (Some(dir), None) => {
+            if !dir.exists() {
+                bail!("{} does not exist", dir.display());
+            }
+            let db = tokenlog_raftlog::db::open(&dir)?;
+            let (_, r) = tokenlog_raftlog::sm_store::SmStore::open(db)?;
+            pb::VerifyResponse {
+                generations: r.generations,
+                records: r.records,
+                problems: r.problems,
+            }
+        }
+        (None, Some(addr)) => {
+            let client = LogClient::new(vec![addr.clone()])?;
+            client.node(&addr).verify(pb::VerifyRequest {}).await?.into_inner()
+        }
+        _ => bail!("give --data-dir DIR or --node HOST:PORT"),
+    };
+    println!("checked {} generations, {} records", report.generations, report.records);
+    for p in &report.problems {
+        println!("BROKEN {p}");
+    }
+    if !report.problems.is_empty() {
+        bail!("{} broken chain(s)", report.problems.len());
+    }
+    println!("every chain intact");
+    Ok(())
+}
+
+#[derive(clap::Args)]
+pub struct MembersArgs {
+    #[command(subcommand)]
+    pub op: MembersOp,
+    /// Addresses of any nodes (comma-separated).
+    #[arg(long, global = true, value_delimiter = ',', default_value = "127.0.0.1:7001")]
+    pub cluster: Vec<String>,
+}
+
+#[derive(clap::Subcommand)]
+pub enum MembersOp {
+    /// Add a running (empty or lagging) node: it catches up as a learner, then becomes a voter.
+    Add { id: u64, addr: String },
+    /// Remove voters.
+    Remove { ids: Vec<u64> },
+    /// Replace node OLD with a new node NEW at ADDR (add NEW, then remove OLD).
+    Replace { old: u64, new: u64, addr: String },
+}
+
+pub async fn members(a: MembersArgs) -> anyhow::Result<()> {
+    use pb::change_membership_request::Op;
+    let client = LogClient::new(a.cluster)?;
+    let change = |op| pb::ChangeMembershipRequest { op: Some(op) };
+    let add = |id, addr: String| {
+        let client = client.clone();
+        async move {
+            eprintln!("adding node {id} at {addr} as a learner (waits until it has caught up)");
+            client
+                .change_membership(change(Op::AddLearner(pb::MemberStatus {
+                    node_id: id,
+                    addr,
+                    voter: false,
+                    matched_index: 0,
+                })))
+                .await?;
+            eprintln!("promoting node {id} to voter");
+            client
+                .change_membership(change(Op::AddVoters(pb::AddVoters { node_ids: vec![id] })))
+                .await?;
+            anyhow::Ok(())
+        }
+    };
+    match a.op {
+        MembersOp::Add { id, addr } => add(id, addr).await?,
+        MembersOp::Remove { ids } => {
+            client
+                .change_membership(change(Op::RemoveVoters(pb::RemoveVoters { node_ids: ids })))
+                .await?;
+        }
+        MembersOp::Replace { old, new, addr } => {
+            add(new, addr).await?;
+            eprintln!("removing node {old}");
+            client
+                .change_membership(change(Op::RemoveVoters(pb::RemoveVoters { node_ids: vec![old] })))
+                .await?;
+        }
+    }
+    status(StatusArgs {
+        cluster: client.addrs().to_vec(),
+        json: false,
+    })
+    .await
+}

@@ -1,0 +1,223 @@
+//! Shared by the multi-process tests: a 3-node log cluster of real `tokenlog node` processes on
+//! free loopback ports, killed with SIGKILL; node logs are kept when a test fails.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tokenlog_proto::raftlog as pb;
+use tokenlog_raftlog::client::LogClient;
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_tokenlog");
+
+/// Cluster tests run one at a time: each runs three nodes, and the machine may have two cores.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+pub struct Cluster {
+    pub dir: tempfile::TempDir,
+    pub addrs: Vec<String>,
+    procs: Vec<Option<Child>>,
+    snapshot_every: u64,
+}
+
+impl Cluster {
+    pub fn start(snapshot_every: u64) -> Cluster {
+        let addrs: Vec<String> = (0..3).map(|_| format!("127.0.0.1:{}", free_port())).collect();
+        let mut c = Cluster {
+            dir: tempfile::tempdir().unwrap(),
+            addrs,
+            procs: vec![None, None, None],
+            snapshot_every,
+        };
+        for i in 0..3 {
+            c.start_node(i);
+        }
+        c
+    }
+
+    pub fn data_dir(&self, i: usize) -> PathBuf {
+        self.dir.path().join(format!("node{}", i + 1))
+    }
+
+    pub fn start_node(&mut self, i: usize) {
+        let peers: Vec<String> = self
+            .addrs
+            .iter()
+            .enumerate()
+            .map(|(j, a)| format!("{}={a}", j + 1))
+            .collect();
+        let log = std::fs::File::create(self.dir.path().join(format!("node{}.log", i + 1))).unwrap();
+        let child = Command::new(BIN)
+            .args(["node", "--id", &(i + 1).to_string(), "--listen", &self.addrs[i]])
+            .arg("--data-dir")
+            .arg(self.data_dir(i))
+            .args([
+                "--peers",
+                &peers.join(","),
+                "--snapshot-every",
+                &self.snapshot_every.to_string(),
+            ])
+            .args([
+                "--heartbeat-ms",
+                "50",
+                "--election-min-ms",
+                "300",
+                "--election-max-ms",
+                "600",
+            ])
+            .env("RUST_LOG", "info,openraft=warn")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn tokenlog node");
+        self.procs[i] = Some(child);
+    }
+
+    pub fn kill9(&mut self, i: usize) {
+        if let Some(mut c) = self.procs[i].take() {
+            c.kill().unwrap(); // SIGKILL
+            c.wait().unwrap();
+        }
+    }
+
+    pub fn client(&self) -> LogClient {
+        LogClient::new(self.addrs.clone()).unwrap()
+    }
+
+    pub async fn leader(&self) -> usize {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(s) = self.client().cluster_status(true).await {
+                if s.leader_id != 0 {
+                    return s.leader_id as usize - 1;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no leader within 30 s; logs in {}",
+                self.dir.path().display()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    pub async fn heads(&self, i: usize) -> Option<BTreeMap<u64, (u32, Vec<u8>)>> {
+        let mut c = self.client().node(&self.addrs[i]);
+        let r = c.chain_heads(pb::ChainHeadsRequest {}).await.ok()?.into_inner();
+        Some(
+            r.heads
+                .into_iter()
+                .map(|h| (h.generation_id, (h.frontier, h.head)))
+                .collect(),
+        )
+    }
+
+    /// Waits until every node reports the same chain heads; returns them.
+    pub async fn converged(&self) -> BTreeMap<u64, (u32, Vec<u8>)> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let mut all = Vec::new();
+            for i in 0..3 {
+                all.push(self.heads(i).await);
+            }
+            if all.iter().all(|h| h.is_some() && *h == all[0]) {
+                return all[0].clone().unwrap();
+            }
+            assert!(Instant::now() < deadline, "chain heads did not converge: {all:?}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for i in 0..3 {
+            self.kill9(i);
+        }
+        if std::thread::panicking() {
+            // Keep the logs of a failed run.
+            let kept = self.dir.path().to_path_buf();
+            let _ = std::mem::replace(&mut self.dir, tempfile::tempdir().unwrap()).keep();
+            eprintln!("node logs kept in {}", kept.display());
+        }
+    }
+}
+
+/// A decoder process (`tokenlog decoder --fake ...`) against this cluster.
+pub struct Decoder {
+    pub child: Option<Child>,
+    pub id: String,
+    pub log: PathBuf,
+}
+
+impl Cluster {
+    pub fn start_decoder(&self, id: &str, extra: &[&str]) -> Decoder {
+        let log = self.dir.path().join(format!("{id}.log"));
+        let child = Command::new(BIN)
+            .args([
+                "decoder",
+                "--fake",
+                "--decoder-id",
+                id,
+                "--cluster",
+                &self.addrs.join(","),
+            ])
+            .args(extra)
+            .env("RUST_LOG", "info,openraft=warn")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("spawn tokenlog decoder");
+        Decoder {
+            child: Some(child),
+            id: id.to_string(),
+            log,
+        }
+    }
+}
+
+impl Decoder {
+    pub fn pid(&self) -> String {
+        self.child.as_ref().expect("running").id().to_string()
+    }
+    pub fn signal(&self, sig: &str) {
+        let ok = Command::new("kill")
+            .args([sig, &self.pid()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill {sig} {}", self.pid());
+    }
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.kill().unwrap();
+            c.wait().unwrap();
+        }
+    }
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Decoder {
+    fn drop(&mut self) {
+        if let Some(c) = self.child.as_mut() {
+            let _ = Command::new("kill").args(["-CONT", &c.id().to_string()]).status();
+        }
+        self.kill9();
+    }
+}

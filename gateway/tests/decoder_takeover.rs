@@ -1,0 +1,217 @@
+//! Decoders over a real 3-node log (fake model, real processes): takeover after a pause past the
+//! lease (failure point 9) and after a kill between sampling and commit (failure point 7). The
+//! client's view must be continuous and equal to an uninterrupted run.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{serial, Cluster};
+use futures::StreamExt;
+use tokenlog_decoder::{generate, FakeConfig, FakeModel, Model, SamplingParams, StopConditions};
+use tokenlog_proto::raftlog as pb;
+use tokenlog_raftlog::client::LogClient;
+
+const MAX_TOKENS: u32 = 120;
+
+fn fake() -> FakeModel {
+    // Must match what `tokenlog decoder --fake` loads (identity is compared by the log).
+    FakeModel::new(FakeConfig {
+        eos_one_in: 64,
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+fn sampling() -> SamplingParams {
+    SamplingParams {
+        temperature: 0.8,
+        top_p: 0.95,
+        seed: 42,
+        ..Default::default()
+    }
+}
+
+/// What an uninterrupted run produces.
+fn expected(prompt: &[u32]) -> Vec<u32> {
+    let m = fake();
+    let stop = StopConditions {
+        max_tokens: MAX_TOKENS,
+        stop_strings: vec![],
+        eos_token_ids: vec![],
+    };
+    generate(&m, prompt, &sampling(), &stop).unwrap().tokens
+}
+
+async fn submit(client: &LogClient, rid: &str, prompt: &[u32]) -> u64 {
+    let m = fake();
+    let id = m.identity();
+    let s = sampling();
+    let binding = pb::Binding {
+        model: Some(pb::ModelIdentity {
+            weights_sha256: id.weights_sha256.clone(),
+            tokenizer_sha256: id.tokenizer_sha256.clone(),
+            architecture: id.architecture.clone(),
+            dtype_class: id.dtype_class.clone(),
+        }),
+        prompt_token_ids: prompt.to_vec(),
+        sampling: Some(pb::SamplingConfig {
+            temperature: s.temperature,
+            top_p: s.top_p,
+            seed: s.seed,
+            rng_version: tokenlog_decoder::RNG_VERSION,
+            ..Default::default()
+        }),
+        stop: Some(pb::StopConfig {
+            max_tokens: MAX_TOKENS,
+            ..Default::default()
+        }),
+        mode: pb::ResumeMode::Exact as i32,
+        ..Default::default()
+    };
+    let r = client
+        .submit(pb::SubmitRequest {
+            tenant: "t".into(),
+            request_id: rid.into(),
+            binding: Some(binding),
+        })
+        .await
+        .unwrap();
+    r.generation.unwrap().generation_id
+}
+
+/// Follows the generation like a client would, from seq 0, until it is terminal; checks every
+/// record arrives once and in order. Returns tokens, epochs and the terminal info.
+async fn follow(client: &LogClient, id: u64) -> (Vec<u32>, Vec<u64>, pb::GenerationInfo) {
+    let (mut toks, mut epochs) = (Vec::new(), Vec::new());
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let mut stream = client.watch(id, toks.len() as u32).await.unwrap();
+        while let Ok(Some(item)) = tokio::time::timeout(Duration::from_secs(30), stream.next()).await {
+            let ev = item.unwrap();
+            for r in ev.records {
+                assert_eq!(r.seq as usize, toks.len(), "gap or duplicate in the committed stream");
+                toks.push(r.token_id);
+                epochs.push(r.epoch);
+            }
+            if let Some(t) = ev.terminal {
+                return (toks, epochs, t);
+            }
+        }
+        assert!(Instant::now() < deadline, "generation {id} did not finish");
+    }
+}
+
+async fn owner(client: &LogClient, id: u64) -> (String, u64, u32) {
+    let g = client
+        .get(pb::GetRequest {
+            generation_id: id,
+            linearizable: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .generation
+        .unwrap();
+    let l = g.lease.unwrap_or_default();
+    (l.owner, l.epoch, g.frontier)
+}
+
+async fn wait_for(
+    client: &LogClient,
+    id: u64,
+    what: &str,
+    f: impl Fn(&(String, u64, u32)) -> bool,
+) -> (String, u64, u32) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let o = owner(client, id).await;
+        if f(&o) {
+            return o;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}: {o:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paused_owner_is_fenced_after_takeover_and_output_stays_continuous() {
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    cluster.leader().await;
+    let client = cluster.client();
+    // Slow steps so the pause lands mid-stream.
+    let slow = ["--fake-step-ms", "40", "--lease-ms", "800", "--capacity", "1"];
+    let d1 = cluster.start_decoder("dec-a", &slow);
+    let prompt = [10, 20, 30, 40];
+    let id = submit(&client, "pause", &prompt).await;
+    let (first, _, _) = wait_for(&client, id, "a first owner with records", |o| {
+        !o.0.is_empty() && o.2 >= 5
+    })
+    .await;
+    assert_eq!(first, "dec-a");
+    // A standby decoder; it cannot take the generation while dec-a renews.
+    let d2 = cluster.start_decoder("dec-b", &slow);
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert_eq!(
+        owner(&client, id).await.0,
+        "dec-a",
+        "a live, renewing owner keeps its lease"
+    );
+
+    d1.signal("-STOP");
+    let (second, epoch, at) = wait_for(&client, id, "takeover", |o| o.0 == "dec-b").await;
+    assert_eq!(epoch, 2);
+    eprintln!("dec-b took over at frontier {at}");
+    d1.signal("-CONT");
+    let (toks, epochs, terminal) = follow(&client, id).await;
+    assert_eq!(second, "dec-b");
+    assert_eq!(
+        toks,
+        expected(&prompt),
+        "the resumed output equals an uninterrupted run"
+    );
+    assert!(
+        epochs.windows(2).all(|w| w[0] <= w[1]),
+        "no record from a stale epoch after a newer one"
+    );
+    assert!(epochs.iter().all(|&e| e == 1 || e == 2));
+    assert_eq!(terminal.state, pb::GenerationState::Finished as i32);
+    // The paused decoder woke up, tried to write at epoch 1, was rejected, and stopped.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !d1.log_text().contains("dropping the generation") && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        d1.log_text().contains("dropping the generation"),
+        "dec-a log:\n{}",
+        d1.log_text()
+    );
+    drop(d2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_owner_is_replaced_and_uncommitted_tokens_are_resampled() {
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    cluster.leader().await;
+    let client = cluster.client();
+    let args = ["--fake-step-ms", "20", "--lease-ms", "600", "--capacity", "2"];
+    let mut d1 = cluster.start_decoder("dec-a", &args);
+    let prompts: Vec<Vec<u32>> = vec![vec![1, 2, 3], vec![7, 7, 7, 7]];
+    let mut ids = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        ids.push(submit(&client, &format!("kill-{i}"), p).await);
+    }
+    wait_for(&client, ids[0], "progress", |o| o.2 >= 10).await;
+    let d2 = cluster.start_decoder("dec-b", &args);
+    // SIGKILL: whatever dec-a sampled but had not committed dies with it.
+    d1.kill9();
+    for (id, p) in ids.iter().zip(&prompts) {
+        let (toks, _, terminal) = follow(&client, *id).await;
+        assert_eq!(toks, expected(p), "generation {id} equals an uninterrupted run");
+        assert_eq!(terminal.takeovers, 1, "{terminal:?}");
+        assert_eq!(terminal.lease.unwrap().owner, "dec-b");
+    }
+    drop(d2);
+}

@@ -1,0 +1,108 @@
+//! `jepsen-style-tests`: command-line front end of the checker.
+//!
+//! `jepsen-style-tests check-history --model cas-register|kv --format jepsen-log|edn FILE
+//! [--budget-ms N]` prints `linearizable`, `not-linearizable` (plus a report) or `unknown`, and
+//! exits 0, 1 or 2 respectively; 3 on an error (unreadable or malformed history). In the
+//! violation report, `t A..B` are the line numbers of an operation's invocation and completion.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand, ValueEnum};
+use jepsen_style_tests::checker::{check, CheckResult, DEFAULT_BUDGET};
+use jepsen_style_tests::model::Model;
+use jepsen_style_tests::models::{CasRegister, Kv};
+use jepsen_style_tests::parse::{self, EventDecoder, RawEvent};
+
+/// Exit status when the tool itself fails.
+const EXIT_ERROR: u8 = 3;
+
+#[derive(Parser)]
+#[command(version, about = "tokenlog's Jepsen-style test tools")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Check a recorded history for linearizability. Exit status: 0 linearizable,
+    /// 1 not linearizable, 2 unknown (budget exhausted), 3 error.
+    CheckHistory {
+        /// The sequential model to check against.
+        #[arg(long, value_enum)]
+        model: ModelKind,
+        /// The history's file format.
+        #[arg(long, value_enum)]
+        format: Format,
+        /// Give up (answer unknown) after this many milliseconds.
+        #[arg(long, default_value_t = DEFAULT_BUDGET.as_millis() as u64)]
+        budget_ms: u64,
+        /// The history file.
+        file: PathBuf,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ModelKind {
+    CasRegister,
+    Kv,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Format {
+    JepsenLog,
+    Edn,
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(EXIT_ERROR)
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<ExitCode> {
+    let Command::CheckHistory {
+        model,
+        format,
+        budget_ms,
+        file,
+    } = cli.command;
+    let text = std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
+    let events = match format {
+        Format::JepsenLog => parse::jepsen_log::parse(&text),
+        Format::Edn => parse::edn::parse(&text),
+    }
+    .with_context(|| format!("parsing {}", file.display()))?;
+    if events.iter().any(|e| e.key.is_none()) && matches!(model, ModelKind::Kv) {
+        bail!("the kv model needs keyed events (:key), which only the edn format carries");
+    }
+    let budget = Duration::from_millis(budget_ms);
+    match model {
+        ModelKind::CasRegister => check_with(&CasRegister, &events, budget),
+        ModelKind::Kv => check_with(&Kv, &events, budget),
+    }
+}
+
+fn check_with<M>(model: &M, events: &[RawEvent], budget: Duration) -> Result<ExitCode>
+where
+    M: Model + EventDecoder<Input = <M as Model>::Input, Output = <M as Model>::Output>,
+{
+    let ops = parse::operations(model, events)?;
+    let result = check(model, &ops, budget);
+    println!("{}", result.verdict());
+    Ok(match result {
+        CheckResult::Linearizable => ExitCode::from(0),
+        CheckResult::NotLinearizable(v) => {
+            print!("{}", v.render(model));
+            ExitCode::from(1)
+        }
+        CheckResult::Unknown => ExitCode::from(2),
+    })
+}

@@ -1,0 +1,268 @@
+//! The Rust client of the log. It knows a list of node addresses, remembers the leader, follows
+//! `NotLeader` redirects, and retries on unavailability within a time budget.
+//!
+//! Retrying is safe by construction: every command is idempotent when re-sent unchanged (same
+//! request id and binding for Submit; same epoch and start_seq for Append; same owner for Acquire;
+//! Renew, Finish, Release and Cancel repeat to the same result). The client never changes a
+//! command between tries.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokenlog_proto::raftlog as pb;
+use tokenlog_proto::raftlog::log_client::LogClient as PbClient;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Status};
+
+use crate::error::leader_hint;
+use crate::limits::GRPC_MESSAGE_BYTES_MAX;
+
+/// How long one call keeps retrying through leader changes and unreachable nodes.
+pub const RETRY_BUDGET_DEFAULT: Duration = Duration::from_secs(15);
+const RETRY_PAUSE_MIN: Duration = Duration::from_millis(20);
+const RETRY_PAUSE_MAX: Duration = Duration::from_millis(500);
+const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
+const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("no node answered within {0:?} (last error: {1})")]
+    Exhausted(Duration, String),
+    #[error("{0}")]
+    Status(#[from] Status),
+    #[error("bad node address {0:?}: {1}")]
+    BadAddress(String, String),
+}
+
+#[derive(Clone)]
+pub struct LogClient {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    addrs: Vec<String>,
+    leader: Mutex<Option<String>>,
+    channels: Mutex<HashMap<String, Channel>>,
+    retry_budget: Duration,
+}
+
+fn retryable(s: &Status) -> bool {
+    matches!(
+        s.code(),
+        Code::Unavailable | Code::Unknown | Code::DeadlineExceeded | Code::Cancelled | Code::Aborted
+    )
+}
+
+impl LogClient {
+    /// `addrs`: `host:port` of any nodes of the cluster.
+    pub fn new(addrs: Vec<String>) -> Result<Self, ClientError> {
+        Self::with_budget(addrs, RETRY_BUDGET_DEFAULT)
+    }
+
+    pub fn with_budget(addrs: Vec<String>, retry_budget: Duration) -> Result<Self, ClientError> {
+        if addrs.is_empty() {
+            return Err(ClientError::BadAddress(String::new(), "no addresses given".into()));
+        }
+        for a in &addrs {
+            Endpoint::from_shared(format!("http://{a}"))
+                .map_err(|e| ClientError::BadAddress(a.clone(), e.to_string()))?;
+        }
+        let inner = Inner {
+            addrs,
+            leader: Mutex::new(None),
+            channels: Mutex::new(HashMap::new()),
+            retry_budget,
+        };
+        Ok(LogClient { inner: Arc::new(inner) })
+    }
+
+    pub fn addrs(&self) -> &[String] {
+        &self.inner.addrs
+    }
+
+    fn client(&self, addr: &str) -> PbClient<Channel> {
+        let mut map = self.inner.channels.lock().expect("lock");
+        let ch = map
+            .entry(addr.to_string())
+            .or_insert_with(|| {
+                Endpoint::from_shared(format!("http://{addr}"))
+                    .expect("validated in new()")
+                    .connect_timeout(CONNECT_TIMEOUT)
+                    .timeout(CALL_TIMEOUT)
+                    .tcp_nodelay(true)
+                    .connect_lazy()
+            })
+            .clone();
+        PbClient::new(ch)
+            .max_decoding_message_size(GRPC_MESSAGE_BYTES_MAX)
+            .max_encoding_message_size(GRPC_MESSAGE_BYTES_MAX)
+    }
+
+    /// A client bound to one node's address (for per-node reads such as chain heads).
+    pub fn node(&self, addr: &str) -> PbClient<Channel> {
+        self.client(addr)
+    }
+
+    /// Runs `f` against the leader (or whoever answers), following redirects and retrying
+    /// retryable failures until the budget is spent.
+    pub async fn call<T, F, Fut>(&self, f: F) -> Result<T, ClientError>
+    where
+        F: Fn(PbClient<Channel>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, Status>>,
+    {
+        let start = tokio::time::Instant::now();
+        let mut next = 0usize;
+        let mut pause = RETRY_PAUSE_MIN;
+        loop {
+            let addr = self.inner.leader.lock().expect("lock").clone().unwrap_or_else(|| {
+                let a = self.inner.addrs[next % self.inner.addrs.len()].clone();
+                next += 1;
+                a
+            });
+            let status = match f(self.client(&addr)).await {
+                Ok(resp) => {
+                    *self.inner.leader.lock().expect("lock") = Some(addr);
+                    return Ok(resp.into_inner());
+                }
+                Err(s) if !retryable(&s) => return Err(ClientError::Status(s)),
+                Err(s) => s,
+            };
+            *self.inner.leader.lock().expect("lock") = leader_hint(&status);
+            if start.elapsed() >= self.inner.retry_budget {
+                return Err(ClientError::Exhausted(self.inner.retry_budget, status.to_string()));
+            }
+            if leader_hint(&status).is_none() {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(RETRY_PAUSE_MAX);
+            }
+        }
+    }
+
+    pub async fn submit(&self, req: pb::SubmitRequest) -> Result<pb::SubmitResponse, ClientError> {
+        self.call(|mut c| {
+            let r = req.clone();
+            async move { c.submit(r).await }
+        })
+        .await
+    }
+
+    pub async fn acquire(&self, req: pb::AcquireRequest) -> Result<pb::OwnershipResponse, ClientError> {
+        self.call(|mut c| {
+            let r = req.clone();
+            async move { c.acquire(r).await }
+        })
+        .await
+    }
+
+    pub async fn renew(&self, req: pb::RenewRequest) -> Result<pb::OwnershipResponse, ClientError> {
+        self.call(|mut c| {
+            let r = req.clone();
+            async move { c.renew(r).await }
+        })
+        .await
+    }
+
+    pub async fn bind_prompt(&self, req: pb::BindPromptRequest) -> Result<pb::OwnershipResponse, ClientError> {
+        self.call(|mut c| {
+            let r = req.clone();
+            async move { c.bind_prompt(r).await }
+        })
+        .await
+    }
+
+    pub async fn append(&self, req: pb::AppendRequest) -> Result<pb::AppendResponse, ClientError> {
+        self.call(|mut c| {
+            let r = req.clone();
+            async move { c.append(r).await }
+        })
+        .await
+    }
+
+    pub async fn finish(&self, req: pb::FinishRequest) -> Result<pb::OwnershipResponse, ClientError> {
+        self.call(|mut c| {
+            let r = req.clone();
+            async move { c.finish(r).await }
+        })
+        .await
+    }
+
+    pub async fn release(&self, req: pb::ReleaseRequest) -> Result<pb::OwnershipResponse, ClientError> {
+        self.call(|mut c| {
+            let r = req.clone();
+            async move { c.release(r).await }
+        })
+        .await
+    }
+
+    pub async fn cancel(&self, req: pb::CancelRequest) -> Result<pb::OwnershipResponse, ClientError> {
+        self.call(|mut c| {
+            let r = req.clone();
+            async move { c.cancel(r).await }
+        })
+        .await
+    }
+
+    pub async fn register(&self, req: pb::RegisterRequest) -> Result<pb::RegisterResponse, ClientError> {
+        self.call(|mut c| {
+            let r = req.clone();
+            async move { c.register(r).await }
+        })
+        .await
+    }
+
+    pub async fn list_models(&self) -> Result<pb::ListModelsResponse, ClientError> {
+        self.call(|mut c| async move { c.list_models(pb::ListModelsRequest {}).await })
+            .await
+    }
+
+    pub async fn get(&self, req: pb::GetRequest) -> Result<pb::GetResponse, ClientError> {
+        self.call(|mut c| {
+            let r = req.clone();
+            async move { c.get(r).await }
+        })
+        .await
+    }
+
+    pub async fn pending_work(&self, req: pb::PendingWorkRequest) -> Result<pb::PendingWorkResponse, ClientError> {
+        self.call(|mut c| {
+            let r = req.clone();
+            async move { c.pending_work(r).await }
+        })
+        .await
+    }
+
+    pub async fn cluster_status(&self, linearizable: bool) -> Result<pb::ClusterStatusResponse, ClientError> {
+        self.call(|mut c| async move { c.cluster_status(pb::ClusterStatusRequest { linearizable }).await })
+            .await
+    }
+
+    pub async fn change_membership(
+        &self,
+        req: pb::ChangeMembershipRequest,
+    ) -> Result<pb::ChangeMembershipResponse, ClientError> {
+        self.call(|mut c| {
+            let r = req.clone();
+            async move { c.change_membership(r).await }
+        })
+        .await
+    }
+
+    /// Opens a Watch stream on whichever node answers (any node serves it from applied state).
+    /// Not retried: the caller resumes with `from_seq` = the next seq it has not seen.
+    pub async fn watch(
+        &self,
+        generation_id: u64,
+        from_seq: u32,
+    ) -> Result<tonic::Streaming<pb::WatchEvent>, ClientError> {
+        self.call(|mut c| async move {
+            c.watch(pb::WatchRequest {
+                generation_id,
+                from_seq,
+            })
+            .await
+        })
+        .await
+    }
+}

@@ -1,0 +1,32 @@
+//! Opening a node's RocksDB: one database, column families for the Raft log (`logs`, `meta`)
+//! and the state machine (`sm`).
+
+use std::path::Path;
+use std::sync::Arc;
+
+use rocksdb::{ColumnFamilyDescriptor, Options, DB};
+
+use crate::log_store::{CF_LOGS, CF_META};
+use crate::sm_store::CF_SM;
+
+#[derive(Debug, thiserror::Error)]
+#[error("cannot open the data dir {path}: {source}")]
+pub struct OpenError {
+    pub path: String,
+    #[source]
+    pub source: rocksdb::Error,
+}
+
+pub fn open(path: &Path) -> Result<Arc<DB>, OpenError> {
+    let mut opts = Options::default();
+    opts.create_if_missing(true);
+    opts.create_missing_column_families(true);
+    opts.set_keep_log_file_num(4);
+    let cfs = [CF_LOGS, CF_META, CF_SM].map(|name| ColumnFamilyDescriptor::new(name, Options::default()));
+    DB::open_cf_descriptors(&opts, path, cfs)
+        .map(Arc::new)
+        .map_err(|source| OpenError {
+            path: path.display().to_string(),
+            source,
+        })
+}

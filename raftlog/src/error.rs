@@ -1,0 +1,71 @@
+//! The log's errors, and the one place that maps them (and typed rejections) to `tonic::Status`.
+
+use tonic::{Code, Status};
+
+use crate::types::{RejectReason, Rejection};
+
+/// gRPC metadata key naming the leader's address on a `NotLeader` answer.
+pub const LEADER_ADDR_HEADER: &str = "x-tokenlog-leader-addr";
+
+#[derive(Debug, thiserror::Error)]
+pub enum LogError {
+    /// This node cannot serve the call; the client should retry at the leader (nothing was
+    /// proposed here).
+    #[error("node is not the leader (leader: {})", leader_addr.as_deref().unwrap_or("unknown"))]
+    NotLeader { leader_addr: Option<String> },
+    /// Raft could not finish the call; it may or may not have been committed. Retrying the same
+    /// command is safe: every command is idempotent.
+    #[error("raft: {0}")]
+    Raft(String),
+    #[error("{}", .0.message)]
+    Rejected(Rejection),
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    #[error("not found: {0}")]
+    NotFound(String),
+    #[error("storage: {0}")]
+    Storage(String),
+}
+
+fn rejection_code(r: RejectReason) -> Code {
+    match r {
+        RejectReason::NotFound => Code::NotFound,
+        RejectReason::BindingConflict => Code::AlreadyExists,
+        RejectReason::Limit => Code::OutOfRange,
+        RejectReason::Invalid | RejectReason::ModelMismatch => Code::InvalidArgument,
+        RejectReason::StaleEpoch
+        | RejectReason::LeaseExpired
+        | RejectReason::SeqMismatch
+        | RejectReason::RecordConflict
+        | RejectReason::Terminal
+        | RejectReason::LeaseHeld => Code::FailedPrecondition,
+    }
+}
+
+impl From<LogError> for Status {
+    fn from(e: LogError) -> Status {
+        let msg = e.to_string();
+        match e {
+            LogError::NotLeader { leader_addr } => {
+                let mut s = Status::unavailable(msg);
+                if let Some(addr) = leader_addr.and_then(|a| a.parse().ok()) {
+                    s.metadata_mut().insert(LEADER_ADDR_HEADER, addr);
+                }
+                s
+            }
+            LogError::Raft(_) => Status::unavailable(msg),
+            LogError::Rejected(r) => Status::new(rejection_code(r.reason), msg),
+            LogError::Invalid(_) => Status::invalid_argument(msg),
+            LogError::NotFound(_) => Status::not_found(msg),
+            LogError::Storage(_) => Status::internal(msg),
+        }
+    }
+}
+
+/// The leader address a `NotLeader` status names, if any.
+pub fn leader_hint(s: &Status) -> Option<String> {
+    s.metadata()
+        .get(LEADER_ADDR_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+}

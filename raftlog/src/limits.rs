@@ -1,0 +1,46 @@
+//! Every bound the log enforces, in one place. A command that exceeds one is rejected with
+//! `RejectReason::Limit` and a message naming the limit; nothing is truncated silently.
+
+/// Longest request id a client may choose (bytes).
+pub const REQUEST_ID_BYTES_MAX: usize = 256;
+/// Longest tenant name (bytes).
+pub const TENANT_BYTES_MAX: usize = 128;
+/// Longest decoder id (bytes).
+pub const DECODER_ID_BYTES_MAX: usize = 256;
+/// Longest model name (bytes), and live decoder registrations.
+pub const MODEL_NAME_BYTES_MAX: usize = 256;
+pub const DECODERS_MAX: usize = 10_000;
+/// Distinct tenants with live (non-pruned) generations.
+pub const TENANTS_MAX: usize = 10_000;
+/// Prompt length in tokens.
+pub const PROMPT_TOKENS_MAX: usize = 32_768;
+/// Prompt length in bytes when submitted as text (tokenized by the first owner).
+pub const PROMPT_TEXT_BYTES_MAX: usize = 256 * 1024;
+/// `max_tokens` of one generation.
+pub const GENERATION_TOKENS_MAX: u32 = 32_768;
+/// Stop strings per generation, and bytes per stop string.
+pub const STOP_STRINGS_MAX: usize = 16;
+pub const STOP_STRING_BYTES_MAX: usize = 256;
+/// EOS ids per generation.
+pub const EOS_IDS_MAX: usize = 16;
+/// Records in one append item (one generation, one step), and items in one append command.
+pub const RECORDS_PER_APPEND_MAX: usize = 4_096;
+pub const ITEMS_PER_APPEND_MAX: usize = 1_024;
+/// Generations that are not yet pruned (live and retained) in the whole log.
+pub const GENERATIONS_MAX: usize = 1_000_000;
+/// Lease length a decoder may ask for.
+pub const LEASE_MS_MIN: u64 = 100;
+pub const LEASE_MS_MAX: u64 = 600_000;
+/// Deadline for a first record when the submit names none, and the largest one accepted.
+pub const DEADLINE_MS_DEFAULT: u64 = 120_000;
+pub const DEADLINE_MS_MAX: u64 = 24 * 3_600_000;
+/// How long finished generations are kept before `Tick` prunes them.
+pub const RETENTION_MS_DEFAULT: u64 = 24 * 3_600_000;
+/// Longest finish detail kept (bytes); longer ones are rejected.
+pub const FINISH_DETAIL_BYTES_MAX: usize = 1_024;
+/// Records per Watch event.
+pub const WATCH_RECORDS_PER_EVENT_MAX: usize = 256;
+/// Generations listed by one PendingWork answer.
+pub const PENDING_WORK_LIMIT_MAX: u32 = 1_024;
+/// Largest gRPC message a node accepts (bytes).
+pub const GRPC_MESSAGE_BYTES_MAX: usize = 64 * 1024 * 1024;

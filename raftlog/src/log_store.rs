@@ -1,0 +1,201 @@
+//! The Raft log in RocksDB: column family `logs` (big-endian index -> bincode entry) and `meta`
+//! (vote, committed, last purged).
+//!
+//! Durability rule: `append` writes its batch to RocksDB (WAL, not yet synced) and hands the
+//! completion callback to one flusher thread. The flusher takes every callback that is waiting,
+//! syncs the WAL once (`flush_wal(true)`, an fsync), and only then fires them: entries are on disk
+//! before openraft counts them, and concurrent appends share one fsync (group commit).
+
+use std::fmt::Debug;
+use std::io;
+use std::ops::{Bound, RangeBounds};
+use std::sync::mpsc;
+use std::sync::Arc;
+
+use openraft::storage::{IOFlushed, RaftLogStorage};
+use openraft::{LogState, OptionalSend, RaftLogReader};
+use rocksdb::{Direction, IteratorMode, WriteBatch, DB};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::raft_types::{Entry, LogId, TypeConfig, Vote};
+
+pub const CF_LOGS: &str = "logs";
+pub const CF_META: &str = "meta";
+
+const KEY_VOTE: &[u8] = b"vote";
+const KEY_COMMITTED: &[u8] = b"committed";
+const KEY_PURGED: &[u8] = b"last_purged";
+
+pub(crate) fn io_err(e: impl std::fmt::Display) -> io::Error {
+    io::Error::other(e.to_string())
+}
+
+pub(crate) fn encode<T: Serialize>(v: &T) -> io::Result<Vec<u8>> {
+    bincode::serialize(v).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+}
+
+pub(crate) fn decode<T: DeserializeOwned>(b: &[u8]) -> io::Result<T> {
+    bincode::deserialize(b).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+}
+
+fn index_key(index: u64) -> [u8; 8] {
+    index.to_be_bytes()
+}
+
+/// Test-only fault switch (planted bug for the fault suite): acknowledge appends before the fsync.
+/// Never set in production; read once at start-up.
+fn ack_before_fsync() -> bool {
+    std::env::var("TOKENLOG_PLANT_ACK_BEFORE_FSYNC").is_ok_and(|v| v == "1")
+}
+
+#[derive(Clone)]
+pub struct LogStore {
+    db: Arc<DB>,
+    flusher: mpsc::Sender<IOFlushed<TypeConfig>>,
+    ack_before_fsync: bool,
+}
+
+impl LogStore {
+    pub fn new(db: Arc<DB>) -> Self {
+        let (tx, rx) = mpsc::channel::<IOFlushed<TypeConfig>>();
+        let flush_db = db.clone();
+        std::thread::Builder::new()
+            .name("raftlog-fsync".into())
+            .spawn(move || flusher(flush_db, rx))
+            .expect("spawn fsync thread");
+        LogStore {
+            db,
+            flusher: tx,
+            ack_before_fsync: ack_before_fsync(),
+        }
+    }
+
+    fn cf(&self, name: &str) -> &rocksdb::ColumnFamily {
+        self.db.cf_handle(name).expect("column family exists: created at open")
+    }
+
+    fn get_meta<T: DeserializeOwned>(&self, key: &[u8]) -> io::Result<Option<T>> {
+        match self.db.get_cf(self.cf(CF_META), key).map_err(io_err)? {
+            Some(b) => Ok(Some(decode(&b)?)),
+            None => Ok(None),
+        }
+    }
+
+    fn put_meta_synced<T: Serialize>(&self, key: &[u8], v: &T) -> io::Result<()> {
+        self.db.put_cf(self.cf(CF_META), key, encode(v)?).map_err(io_err)?;
+        self.db.flush_wal(true).map_err(io_err)
+    }
+}
+
+/// One thread that syncs the WAL for every waiting append at once.
+fn flusher(db: Arc<DB>, rx: mpsc::Receiver<IOFlushed<TypeConfig>>) {
+    while let Ok(first) = rx.recv() {
+        let mut waiting = vec![first];
+        waiting.extend(rx.try_iter());
+        let result = db.flush_wal(true);
+        for cb in waiting {
+            cb.io_completed(result.as_ref().map(|_| ()).map_err(io_err));
+        }
+    }
+}
+
+impl RaftLogReader<TypeConfig> for LogStore {
+    async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + OptionalSend>(
+        &mut self,
+        range: RB,
+    ) -> Result<Vec<Entry>, io::Error> {
+        let start = match range.start_bound() {
+            Bound::Included(x) => *x,
+            Bound::Excluded(x) => *x + 1,
+            Bound::Unbounded => 0,
+        };
+        let mut out = Vec::new();
+        let key = index_key(start);
+        for item in self
+            .db
+            .iterator_cf(self.cf(CF_LOGS), IteratorMode::From(&key, Direction::Forward))
+        {
+            let (k, v) = item.map_err(io_err)?;
+            let index = u64::from_be_bytes(k[..8].try_into().map_err(io_err)?);
+            if !range.contains(&index) {
+                break;
+            }
+            out.push(decode::<Entry>(&v)?);
+        }
+        Ok(out)
+    }
+
+    async fn read_vote(&mut self) -> Result<Option<Vote>, io::Error> {
+        self.get_meta(KEY_VOTE)
+    }
+}
+
+impl RaftLogStorage<TypeConfig> for LogStore {
+    type LogReader = Self;
+
+    async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, io::Error> {
+        let last_purged_log_id: Option<LogId> = self.get_meta(KEY_PURGED)?;
+        let last = match self.db.iterator_cf(self.cf(CF_LOGS), IteratorMode::End).next() {
+            Some(item) => Some(decode::<Entry>(&item.map_err(io_err)?.1)?.log_id),
+            None => None,
+        };
+        Ok(LogState {
+            last_log_id: last.or(last_purged_log_id),
+            last_purged_log_id,
+        })
+    }
+
+    async fn get_log_reader(&mut self) -> Self::LogReader {
+        self.clone()
+    }
+
+    async fn save_vote(&mut self, vote: &Vote) -> Result<(), io::Error> {
+        self.put_meta_synced(KEY_VOTE, vote)
+    }
+
+    async fn save_committed(&mut self, committed: Option<LogId>) -> Result<(), io::Error> {
+        // Not synced: a lost committed index is recovered from the log by Raft itself.
+        let cf = self.cf(CF_META);
+        self.db.put_cf(cf, KEY_COMMITTED, encode(&committed)?).map_err(io_err)
+    }
+
+    async fn read_committed(&mut self) -> Result<Option<LogId>, io::Error> {
+        Ok(self.get_meta::<Option<LogId>>(KEY_COMMITTED)?.flatten())
+    }
+
+    async fn append<I>(&mut self, entries: I, callback: IOFlushed<TypeConfig>) -> Result<(), io::Error>
+    where
+        I: IntoIterator<Item = Entry> + Send,
+    {
+        let mut batch = WriteBatch::default();
+        for entry in entries {
+            batch.put_cf(self.cf(CF_LOGS), index_key(entry.log_id.index), encode(&entry)?);
+        }
+        // Written before returning, so the entries are readable at once; durable only after
+        // the flusher's fsync, which is when the callback fires.
+        self.db.write(batch).map_err(io_err)?;
+        if self.ack_before_fsync {
+            callback.io_completed(Ok(()));
+            return Ok(());
+        }
+        self.flusher.send(callback).map_err(|_| io_err("fsync thread stopped"))
+    }
+
+    async fn truncate_after(&mut self, last_log_id: Option<LogId>) -> Result<(), io::Error> {
+        let from = last_log_id.map_or(0, |id| id.index + 1);
+        self.db
+            .delete_range_cf(self.cf(CF_LOGS), index_key(from), index_key(u64::MAX))
+            .map_err(io_err)?;
+        // Make the truncation durable before later appends land at the same indexes.
+        self.db.flush_wal(true).map_err(io_err)
+    }
+
+    async fn purge(&mut self, log_id: LogId) -> Result<(), io::Error> {
+        // Record the purge point first: entries at or before it are ignored from then on.
+        self.put_meta_synced(KEY_PURGED, &log_id)?;
+        self.db
+            .delete_range_cf(self.cf(CF_LOGS), index_key(0), index_key(log_id.index + 1))
+            .map_err(io_err)
+    }
+}

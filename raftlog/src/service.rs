@@ -1,0 +1,380 @@
+//! `raftlog.v1.Log`, served by every node. Writes go through `NodeCtx::write` (leader only;
+//! others redirect); reads come from this node's applied state, after a read-index round when
+//! the caller asks for linearizability.
+
+use std::collections::BTreeSet;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use futures::Stream;
+use tokenlog_proto::raftlog as pb;
+use tokenlog_proto::raftlog::log_server::Log;
+use tokio::sync::mpsc;
+use tonic::{Request, Response as TonicResponse, Status};
+
+use crate::convert::{append_to_pb, ownership_to_pb, reason_from_pb, record_to_pb};
+use crate::error::LogError;
+use crate::limits::{PENDING_WORK_LIMIT_MAX, WATCH_RECORDS_PER_EVENT_MAX};
+use crate::node::NodeCtx;
+use crate::types::*;
+
+pub struct LogService {
+    ctx: Arc<NodeCtx>,
+}
+
+impl LogService {
+    pub fn new(ctx: Arc<NodeCtx>) -> Self {
+        LogService { ctx }
+    }
+
+    async fn ownership(&self, cmd: Command) -> Result<TonicResponse<pb::OwnershipResponse>, Status> {
+        let (resp, index) = self.ctx.write(cmd).await?;
+        match resp {
+            Response::Ownership(r) => Ok(TonicResponse::new(ownership_to_pb(r, index))),
+            other => Err(Status::internal(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    fn find(&self, req: &pb::GetRequest) -> Result<pb::GenerationInfo, LogError> {
+        let s = self.ctx.sm.read();
+        let g = if req.generation_id != 0 {
+            s.generations.get(&req.generation_id)
+        } else {
+            s.by_request(&req.tenant, &req.request_id)
+        };
+        g.map(pb::GenerationInfo::from)
+            .ok_or_else(|| LogError::NotFound("no such generation".into()))
+    }
+}
+
+type WatchStream = Pin<Box<dyn Stream<Item = Result<pb::WatchEvent, Status>> + Send>>;
+
+fn required<T>(v: Option<T>, what: &str) -> Result<T, Status> {
+    v.ok_or_else(|| Status::from(LogError::Invalid(format!("{what} is required"))))
+}
+
+#[tonic::async_trait]
+impl Log for LogService {
+    async fn submit(&self, req: Request<pb::SubmitRequest>) -> Result<TonicResponse<pb::SubmitResponse>, Status> {
+        let r = req.into_inner();
+        let binding = required(r.binding, "binding")?.into();
+        let (resp, _) = self
+            .ctx
+            .write(Command::Submit {
+                tenant: r.tenant,
+                request_id: r.request_id,
+                binding,
+            })
+            .await?;
+        match resp {
+            Response::Submitted { generation, created } => Ok(TonicResponse::new(pb::SubmitResponse {
+                generation: Some(generation.into()),
+                created,
+            })),
+            Response::Ownership(Err(rej)) => Err(LogError::Rejected(rej).into()),
+            other => Err(Status::internal(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    async fn acquire(&self, req: Request<pb::AcquireRequest>) -> Result<TonicResponse<pb::OwnershipResponse>, Status> {
+        let r = req.into_inner();
+        let model = required(r.model, "model")?.into();
+        self.ownership(Command::Acquire {
+            generation: r.generation_id,
+            decoder: r.decoder_id,
+            lease_ms: r.lease_ms,
+            model,
+            rng_version: r.rng_version,
+        })
+        .await
+    }
+
+    async fn renew(&self, req: Request<pb::RenewRequest>) -> Result<TonicResponse<pb::OwnershipResponse>, Status> {
+        let r = req.into_inner();
+        self.ownership(Command::Renew {
+            generation: r.generation_id,
+            epoch: r.epoch,
+            decoder: r.decoder_id,
+            lease_ms: r.lease_ms,
+        })
+        .await
+    }
+
+    async fn bind_prompt(
+        &self,
+        req: Request<pb::BindPromptRequest>,
+    ) -> Result<TonicResponse<pb::OwnershipResponse>, Status> {
+        let r = req.into_inner();
+        self.ownership(Command::BindPrompt {
+            generation: r.generation_id,
+            epoch: r.epoch,
+            prompt_token_ids: r.prompt_token_ids,
+        })
+        .await
+    }
+
+    async fn append(&self, req: Request<pb::AppendRequest>) -> Result<TonicResponse<pb::AppendResponse>, Status> {
+        let r = req.into_inner();
+        let items = r.items.into_iter().map(AppendItem::from).collect();
+        let (resp, index) = self
+            .ctx
+            .write(Command::Append {
+                decoder: r.decoder_id,
+                lease_ms: r.lease_ms,
+                items,
+            })
+            .await?;
+        match resp {
+            Response::Appended(outcomes) => Ok(TonicResponse::new(append_to_pb(outcomes, index))),
+            other => Err(Status::internal(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    async fn finish(&self, req: Request<pb::FinishRequest>) -> Result<TonicResponse<pb::OwnershipResponse>, Status> {
+        let r = req.into_inner();
+        let reason = reason_from_pb(r.reason)
+            .ok_or_else(|| Status::from(LogError::Invalid("a finish reason is required".into())))?;
+        self.ownership(Command::Finish {
+            generation: r.generation_id,
+            epoch: r.epoch,
+            reason,
+            detail: r.detail,
+        })
+        .await
+    }
+
+    async fn release(&self, req: Request<pb::ReleaseRequest>) -> Result<TonicResponse<pb::OwnershipResponse>, Status> {
+        let r = req.into_inner();
+        self.ownership(Command::Release {
+            generation: r.generation_id,
+            epoch: r.epoch,
+        })
+        .await
+    }
+
+    async fn cancel(&self, req: Request<pb::CancelRequest>) -> Result<TonicResponse<pb::OwnershipResponse>, Status> {
+        let r = req.into_inner();
+        self.ownership(Command::Cancel {
+            tenant: r.tenant,
+            request_id: r.request_id,
+        })
+        .await
+    }
+
+    async fn register(&self, req: Request<pb::RegisterRequest>) -> Result<TonicResponse<pb::RegisterResponse>, Status> {
+        let r = req.into_inner();
+        let info = DecoderInfo {
+            model_name: r.model_name,
+            model: required(r.model, "model")?.into(),
+            capacity: r.capacity,
+            chat_template: r.chat_template,
+            context_tokens: r.context_tokens,
+            expiry_log_ms: 0,
+        };
+        let (resp, _) = self
+            .ctx
+            .write(Command::Register {
+                decoder: r.decoder_id,
+                info,
+                ttl_ms: r.ttl_ms,
+            })
+            .await?;
+        match resp {
+            Response::Registered(Ok(expiry_log_ms)) => Ok(TonicResponse::new(pb::RegisterResponse { expiry_log_ms })),
+            Response::Registered(Err(rej)) => Err(LogError::Rejected(rej).into()),
+            other => Err(Status::internal(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    async fn list_models(
+        &self,
+        _req: Request<pb::ListModelsRequest>,
+    ) -> Result<TonicResponse<pb::ListModelsResponse>, Status> {
+        let s = self.ctx.sm.read();
+        let mut models: std::collections::BTreeMap<String, pb::ModelInfo> = Default::default();
+        for (id, d) in s.decoders.iter().filter(|(_, d)| d.expiry_log_ms > s.log_ms) {
+            let m = models.entry(d.model_name.clone()).or_insert_with(|| pb::ModelInfo {
+                name: d.model_name.clone(),
+                identity: Some(d.model.clone().into()),
+                chat_template: d.chat_template.clone(),
+                context_tokens: d.context_tokens,
+                ..Default::default()
+            });
+            m.decoders.push(id.clone());
+            m.capacity += d.capacity;
+        }
+        Ok(TonicResponse::new(pb::ListModelsResponse {
+            models: models.into_values().collect(),
+        }))
+    }
+
+    async fn get(&self, req: Request<pb::GetRequest>) -> Result<TonicResponse<pb::GetResponse>, Status> {
+        let r = req.into_inner();
+        if r.linearizable {
+            self.ctx.linearize().await?;
+        }
+        Ok(TonicResponse::new(pb::GetResponse {
+            generation: Some(self.find(&r)?),
+        }))
+    }
+
+    type WatchStream = WatchStream;
+
+    async fn watch(&self, req: Request<pb::WatchRequest>) -> Result<TonicResponse<WatchStream>, Status> {
+        let r = req.into_inner();
+        if !self.ctx.sm.read().generations.contains_key(&r.generation_id) {
+            return Err(
+                LogError::NotFound(format!("generation {} does not exist on this node", r.generation_id)).into(),
+            );
+        }
+        let (tx, rx) = mpsc::channel(16);
+        tokio::spawn(watch_loop(self.ctx.clone(), r.generation_id, r.from_seq, tx));
+        Ok(TonicResponse::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+
+    async fn pending_work(
+        &self,
+        req: Request<pb::PendingWorkRequest>,
+    ) -> Result<TonicResponse<pb::PendingWorkResponse>, Status> {
+        let r = req.into_inner();
+        let model: ModelIdentity = required(r.model, "model")?.into();
+        let limit = r.limit.clamp(1, PENDING_WORK_LIMIT_MAX) as usize;
+        let s = self.ctx.sm.read();
+        let generations = s
+            .pending_work(&model, s.log_ms, limit)
+            .into_iter()
+            .map(pb::GenerationInfo::from)
+            .collect();
+        Ok(TonicResponse::new(pb::PendingWorkResponse {
+            generations,
+            log_ms: s.log_ms,
+        }))
+    }
+
+    async fn cluster_status(
+        &self,
+        req: Request<pb::ClusterStatusRequest>,
+    ) -> Result<TonicResponse<pb::ClusterStatusResponse>, Status> {
+        if req.into_inner().linearizable {
+            self.ctx.linearize().await?;
+        }
+        Ok(TonicResponse::new(self.ctx.status()))
+    }
+
+    async fn change_membership(
+        &self,
+        req: Request<pb::ChangeMembershipRequest>,
+    ) -> Result<TonicResponse<pb::ChangeMembershipResponse>, Status> {
+        use pb::change_membership_request::Op;
+        match req.into_inner().op {
+            Some(Op::AddLearner(m)) => self.ctx.add_learner(m.node_id, m.addr).await?,
+            Some(Op::AddVoters(v)) => {
+                self.ctx
+                    .change_voters(v.node_ids.into_iter().collect(), BTreeSet::new())
+                    .await?
+            }
+            Some(Op::RemoveVoters(v)) => {
+                self.ctx
+                    .change_voters(BTreeSet::new(), v.node_ids.into_iter().collect())
+                    .await?
+            }
+            None => return Err(LogError::Invalid("no membership operation".into()).into()),
+        }
+        Ok(TonicResponse::new(pb::ChangeMembershipResponse {
+            status: Some(self.ctx.status()),
+        }))
+    }
+
+    async fn chain_heads(
+        &self,
+        _req: Request<pb::ChainHeadsRequest>,
+    ) -> Result<TonicResponse<pb::ChainHeadsResponse>, Status> {
+        let s = self.ctx.sm.read();
+        let heads = s
+            .generations
+            .values()
+            .map(|g| pb::ChainHead {
+                generation_id: g.id,
+                frontier: g.frontier(),
+                head: g.chain_head.to_vec(),
+            })
+            .collect();
+        Ok(TonicResponse::new(pb::ChainHeadsResponse {
+            applied_index: self.ctx.sm.applied_index(),
+            heads,
+        }))
+    }
+
+    async fn verify(&self, _req: Request<pb::VerifyRequest>) -> Result<TonicResponse<pb::VerifyResponse>, Status> {
+        let report = self
+            .ctx
+            .sm
+            .verify()
+            .map_err(|e| Status::from(LogError::Storage(e.to_string())))?;
+        Ok(TonicResponse::new(pb::VerifyResponse {
+            generations: report.generations,
+            records: report.records,
+            problems: report.problems,
+        }))
+    }
+}
+
+/// Streams committed records of one generation from `seq`, waking on every apply, until the
+/// generation is terminal and every record has been sent (or the client goes away).
+async fn watch_loop(
+    ctx: Arc<NodeCtx>,
+    id: GenerationId,
+    mut seq: Seq,
+    tx: mpsc::Sender<Result<pb::WatchEvent, Status>>,
+) {
+    let mut applied = ctx.sm.subscribe();
+    loop {
+        // Mark the current apply as seen before reading, so an apply after the read wakes us.
+        applied.borrow_and_update();
+        let event = {
+            let s = ctx.sm.read();
+            match s.generations.get(&id) {
+                None => Err(LogError::NotFound(format!("generation {id} was pruned"))),
+                Some(g) => {
+                    let end = g.records.len().min(seq as usize + WATCH_RECORDS_PER_EVENT_MAX);
+                    let records: Vec<pb::Record> = (seq as usize..end)
+                        .map(|i| record_to_pb(i as Seq, &g.records[i]))
+                        .collect();
+                    let done = g.state.is_terminal() && end == g.records.len();
+                    if records.is_empty() && !done {
+                        Ok(None)
+                    } else {
+                        seq = end.max(seq as usize) as Seq;
+                        Ok(Some(pb::WatchEvent {
+                            records,
+                            terminal: done.then(|| pb::GenerationInfo::from(g)),
+                        }))
+                    }
+                }
+            }
+        };
+        let event = match event {
+            Ok(e) => e,
+            Err(e) => {
+                let _ = tx.send(Err(e.into())).await;
+                return;
+            }
+        };
+        match event {
+            Some(e) => {
+                let last = e.terminal.is_some();
+                if tx.send(Ok(e)).await.is_err() || last {
+                    return;
+                }
+            }
+            None => {
+                tokio::select! {
+                    changed = applied.changed() => if changed.is_err() { return },
+                    _ = tx.closed() => return,
+                }
+            }
+        }
+    }
+}

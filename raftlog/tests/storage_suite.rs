@@ -1,0 +1,24 @@
+//! openraft's storage conformance suite against our RocksDB log store and state machine.
+
+use openraft::testing::log::{StoreBuilder, Suite};
+use openraft::StorageError;
+use tempfile::TempDir;
+use tokenlog_raftlog::log_store::LogStore;
+use tokenlog_raftlog::raft_types::TypeConfig;
+use tokenlog_raftlog::sm_store::SmStore;
+
+struct RocksBuilder;
+
+impl StoreBuilder<TypeConfig, LogStore, SmStore, TempDir> for RocksBuilder {
+    async fn build(&self) -> Result<(TempDir, LogStore, SmStore), StorageError<TypeConfig>> {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = tokenlog_raftlog::db::open(dir.path()).expect("open rocksdb");
+        let (sm, _) = SmStore::open(db.clone()).expect("open state machine");
+        Ok((dir, LogStore::new(db), sm))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openraft_storage_suite() {
+    Suite::test_all(RocksBuilder).await.expect("storage suite");
+}
