@@ -173,7 +173,7 @@ impl Worker {
         Ok(())
     }
 
-    async fn register(&self) {
+    async fn register(&mut self) {
         let req = pb::RegisterRequest {
             decoder_id: self.cfg.decoder_id.clone(),
             model_name: self.cfg.model_name.clone(),
@@ -263,7 +263,7 @@ impl Worker {
         }
     }
 
-    async fn prepare(&self, info: &pb::GenerationInfo, epoch: u64) -> Result<Active, WorkerError> {
+    async fn prepare(&mut self, info: &pb::GenerationInfo, epoch: u64) -> Result<Active, WorkerError> {
         let id = info.generation_id;
         let binding = info
             .binding
@@ -336,7 +336,7 @@ impl Worker {
                     None => g.finish = g.state.finished().cloned(),
                 }
             }
-            crate::Result::Ok(gens)
+            Ok::<_, crate::Error>(gens)
         })
         .await
         .map_err(|e| WorkerError::Other(e.to_string()))??;

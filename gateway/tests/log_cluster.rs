@@ -200,8 +200,28 @@ async fn restart_all_nodes_at_once_keeps_identical_state_and_wiped_node_catches_
     assert_eq!(before, after, "state identical after restarting every node");
 
     // Node 3 loses its disk and comes back empty.
-    let status = cluster.client().cluster_status(true).await.unwrap();
-    assert!(status.purged_index > 0, "log purged after snapshots: {status:?}");
+    // Purging follows snapshots lazily: keep writing (renewals) until the leader has purged.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let status = cluster.client().cluster_status(true).await.unwrap();
+        if status.purged_index > 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "log never purged after snapshots: {status:?}"
+        );
+        for &(id, epoch) in &gens {
+            let renew = pb::RenewRequest {
+                generation_id: id,
+                epoch,
+                decoder_id: "dec".into(),
+                lease_ms: 60_000,
+            };
+            assert!(client.renew(renew).await.unwrap().ok);
+        }
+    }
+    let before = cluster.converged().await;
     cluster.kill9(2);
     std::fs::remove_dir_all(cluster.data_dir(2)).unwrap();
     assert!(!Path::new(&cluster.data_dir(2)).exists());

@@ -49,6 +49,8 @@ pub struct NodeConfig {
     pub election_timeout_ms: (u64, u64),
     /// Build a snapshot (and purge the log before it) every this many applied entries.
     pub snapshot_every: u64,
+    /// Log entries kept behind the latest snapshot (the rest are purged).
+    pub keep_after_snapshot: u64,
     pub retention_ms: u64,
 }
 
@@ -63,6 +65,7 @@ impl NodeConfig {
             heartbeat_ms: 100,
             election_timeout_ms: (500, 1000),
             snapshot_every: 20_000,
+            keep_after_snapshot: 1_000,
             retention_ms: RETENTION_MS_DEFAULT,
         }
     }
@@ -230,7 +233,7 @@ fn raft_config(cfg: &NodeConfig) -> Result<Arc<Config>, LogError> {
         election_timeout_min: cfg.election_timeout_ms.0,
         election_timeout_max: cfg.election_timeout_ms.1,
         snapshot_policy: SnapshotPolicy::LogsSinceLast(cfg.snapshot_every),
-        max_in_snapshot_log_to_keep: 1_000,
+        max_in_snapshot_log_to_keep: cfg.keep_after_snapshot,
         ..Default::default()
     };
     config

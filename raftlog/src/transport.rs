@@ -53,7 +53,10 @@ pub struct Network {
 
 impl Network {
     pub fn new(self_id: NodeId) -> Self {
-        Network { self_id, channels: Default::default() }
+        Network {
+            self_id,
+            channels: Default::default(),
+        }
     }
 
     fn channel(&self, addr: &str) -> Result<Channel, String> {

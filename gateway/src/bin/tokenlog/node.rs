@@ -35,6 +35,9 @@ pub struct NodeArgs {
     /// Build a snapshot and purge the log every this many applied entries.
     #[arg(long, default_value_t = 20_000)]
     pub snapshot_every: u64,
+    /// Log entries kept behind the latest snapshot; older ones are purged.
+    #[arg(long, default_value_t = 1_000)]
+    pub keep_after_snapshot: u64,
     /// How long finished generations are kept before they are pruned (ms).
     #[arg(long, default_value_t = tokenlog_raftlog::limits::RETENTION_MS_DEFAULT)]
     pub retention_ms: u64,
@@ -68,6 +71,7 @@ pub async fn run(a: NodeArgs) -> anyhow::Result<()> {
     cfg.heartbeat_ms = a.heartbeat_ms;
     cfg.election_timeout_ms = (a.election_min_ms, a.election_max_ms);
     cfg.snapshot_every = a.snapshot_every;
+    cfg.keep_after_snapshot = a.keep_after_snapshot;
     cfg.retention_ms = a.retention_ms;
     let node = start(cfg).await?;
     eprintln!("tokenlog node {} serving on {} (Ctrl-C to stop)", a.id, node.local_addr);
