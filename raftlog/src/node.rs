@@ -280,7 +280,9 @@ pub async fn start(cfg: NodeConfig) -> Result<RunningNode, LogError> {
     });
 
     let (stop_tx, mut stop_rx) = watch::channel(false);
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    // Accepted connections need TCP_NODELAY too: without it small Raft messages meet delayed
+    // ACKs and every commit waits ~40 ms.
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let log_svc = LogServer::new(LogService::new(ctx.clone()))
         .max_decoding_message_size(GRPC_MESSAGE_BYTES_MAX)
         .max_encoding_message_size(GRPC_MESSAGE_BYTES_MAX);
