@@ -25,7 +25,7 @@ use crate::resume::{DecodeState, ResumeMode};
 use crate::sampler::{FinishReason, SamplingParams, StopConditions, RNG_VERSION};
 use crate::{Model, ModelIdentity};
 
-/// Records fetched per Watch event are bounded by the log; we just loop.
+/// How long a new owner waits to read the committed prefix it was told about at acquire.
 const PREFIX_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Clone, Debug)]
