@@ -34,6 +34,7 @@ pub mod error;
 pub mod fake;
 pub mod fetch;
 pub mod generate;
+pub mod history;
 pub mod identity;
 pub mod model;
 pub mod resume;

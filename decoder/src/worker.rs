@@ -117,9 +117,16 @@ pub struct Worker {
     active: BTreeMap<u64, Active>,
     held: Held,
     stats: Arc<Mutex<WorkerStats>>,
+    history: Option<Arc<crate::history::History>>,
 }
 
 impl Worker {
+    /// Records every acquire and append (with times and answers) as JSON lines in `h`.
+    pub fn with_history(mut self, h: crate::history::History) -> Self {
+        self.history = Some(Arc::new(h));
+        self
+    }
+
     pub fn new(cfg: WorkerConfig, client: LogClient, model: Arc<dyn Model>) -> Self {
         let identity = to_pb(model.identity());
         Worker {
@@ -130,6 +137,7 @@ impl Worker {
             active: BTreeMap::new(),
             held: Default::default(),
             stats: Default::default(),
+            history: None,
         }
     }
 
@@ -216,6 +224,7 @@ impl Worker {
 
     /// Acquire → read prefix → bind prompt → re-prefill.
     async fn take(&mut self, id: u64) -> Result<(), WorkerError> {
+        let invoke_us = crate::history::now_us();
         let acq = self
             .client
             .acquire(pb::AcquireRequest {
@@ -225,7 +234,24 @@ impl Worker {
                 model: Some(self.identity.clone()),
                 rng_version: RNG_VERSION,
             })
-            .await?;
+            .await;
+        if let Some(h) = &self.history {
+            let (ok, epoch) = match &acq {
+                Ok(a) => (
+                    serde_json::json!(a.ok),
+                    a.generation
+                        .as_ref()
+                        .and_then(|g| g.lease.as_ref())
+                        .map_or(0, |l| l.epoch),
+                ),
+                Err(_) => (serde_json::Value::Null, 0),
+            };
+            h.record(
+                serde_json::json!({"op": "acquire", "decoder": self.cfg.decoder_id, "gen": id,
+                "invoke_us": invoke_us, "complete_us": crate::history::now_us(), "ok": ok, "epoch": epoch}),
+            );
+        }
+        let acq = acq?;
         let Some(info) = acq.generation.filter(|_| acq.ok) else {
             tracing::debug!(generation = id, rejection = ?acq.rejection, "acquire refused");
             return Ok(());
@@ -374,7 +400,42 @@ impl Worker {
             lease_ms: self.cfg.lease_ms,
             items,
         };
-        Some(tokio::spawn(async move { client.append(req).await }))
+        let history = self.history.clone();
+        Some(tokio::spawn(async move {
+            let Some(h) = history else {
+                return client.append(req).await;
+            };
+            let invoke_us = crate::history::now_us();
+            let items: Vec<(u64, u64, u32, usize, bool)> = req
+                .items
+                .iter()
+                .map(|i| (i.generation_id, i.epoch, i.start_seq, i.token_ids.len(), i.finish != 0))
+                .collect();
+            let decoder = req.decoder_id.clone();
+            let resp = client.append(req).await;
+            let complete_us = crate::history::now_us();
+            for (gen, epoch, start, n, finish) in items {
+                let mut v = serde_json::json!({"op": "append", "decoder": decoder, "gen": gen, "epoch": epoch,
+                    "start_seq": start, "n": n, "finish": finish, "invoke_us": invoke_us, "complete_us": complete_us,
+                    "ok": null});
+                if let Some(r) = resp
+                    .as_ref()
+                    .ok()
+                    .and_then(|r| r.results.iter().find(|x| x.generation_id == gen))
+                {
+                    v["ok"] = serde_json::json!(r.accepted);
+                    v["frontier"] = serde_json::json!(r.frontier);
+                    let rej = r.rejection.as_ref();
+                    v["current_epoch"] = serde_json::json!(rej.map_or(r.epoch, |x| x.current_epoch));
+                    if let Some(x) = rej {
+                        v["frontier"] = serde_json::json!(x.frontier);
+                        v["reason"] = serde_json::json!(x.reason);
+                    }
+                }
+                h.record(v);
+            }
+            resp
+        }))
     }
 
     /// Applies an append's answers.

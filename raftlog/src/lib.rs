@@ -17,6 +17,7 @@ pub mod db;
 pub mod error;
 pub mod limits;
 pub mod log_store;
+pub mod metrics;
 pub mod node;
 pub mod raft_types;
 pub mod service;

@@ -52,21 +52,41 @@ fn ack_before_fsync() -> bool {
 #[derive(Clone)]
 pub struct LogStore {
     db: Arc<DB>,
-    flusher: mpsc::Sender<IOFlushed<TypeConfig>>,
+    flusher: Arc<Flusher>,
     ack_before_fsync: bool,
+}
+
+/// The fsync thread and the channel to it. Dropping the last `LogStore` clone closes the channel and
+/// joins the thread, so the thread's handle on the database is gone before the store is: a detached
+/// thread still closing RocksDB while the process exits aborts it ("pthread lock: Invalid argument").
+struct Flusher {
+    tx: Option<mpsc::Sender<IOFlushed<TypeConfig>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Flusher {
+    fn drop(&mut self) {
+        drop(self.tx.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 impl LogStore {
     pub fn new(db: Arc<DB>) -> Self {
         let (tx, rx) = mpsc::channel::<IOFlushed<TypeConfig>>();
         let flush_db = db.clone();
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("raftlog-fsync".into())
             .spawn(move || flusher(flush_db, rx))
             .expect("spawn fsync thread");
         LogStore {
             db,
-            flusher: tx,
+            flusher: Arc::new(Flusher {
+                tx: Some(tx),
+                thread: Some(thread),
+            }),
             ack_before_fsync: ack_before_fsync(),
         }
     }
@@ -179,7 +199,12 @@ impl RaftLogStorage<TypeConfig> for LogStore {
             callback.io_completed(Ok(()));
             return Ok(());
         }
-        self.flusher.send(callback).map_err(|_| io_err("fsync thread stopped"))
+        self.flusher
+            .tx
+            .as_ref()
+            .expect("sender lives until drop")
+            .send(callback)
+            .map_err(|_| io_err("fsync thread stopped"))
     }
 
     async fn truncate_after(&mut self, last_log_id: Option<LogId>) -> Result<(), io::Error> {

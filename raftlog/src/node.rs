@@ -79,6 +79,7 @@ pub struct NodeCtx {
     pub sm: Arc<SmShared>,
     /// The last log time this node stamped; stamps never go backwards.
     last_stamp_ms: Mutex<u64>,
+    pub metrics: crate::metrics::NodeMetrics,
 }
 
 fn wall_ms() -> u64 {
@@ -102,12 +103,18 @@ impl NodeCtx {
     /// Proposes `cmd` and waits until it is committed and applied. Returns the answer and the
     /// entry's log index.
     pub async fn write(&self, cmd: Command) -> Result<(Response, u64), LogError> {
+        let tokens = crate::metrics::NodeMetrics::tokens_of(&cmd);
         let req = Request {
             log_ms: self.stamp(),
             cmd,
         };
+        let started = std::time::Instant::now();
         match self.raft.client_write(req).await {
-            Ok(resp) => Ok((resp.response().clone(), resp.log_id().index)),
+            Ok(resp) => {
+                self.metrics
+                    .observe_write(tokens, started.elapsed().as_secs_f64(), resp.response());
+                Ok((resp.response().clone(), resp.log_id().index))
+            }
             Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f))) => Err(LogError::NotLeader {
                 leader_addr: f.leader_node.map(|n| n.addr),
             }),
@@ -127,6 +134,21 @@ impl NodeCtx {
                 None => Err(raft_err(e)),
             },
         }
+    }
+
+    /// This node's metrics in the Prometheus text format.
+    pub fn render_metrics(&self) -> String {
+        let st = self.status();
+        let takeovers: u64 = self.sm.read().generations.values().map(|g| g.takeovers()).sum();
+        let by_state: Vec<(String, u64)> = st.generations_by_state.into_iter().collect();
+        self.metrics.render(
+            &by_state,
+            takeovers,
+            st.term,
+            st.commit_index,
+            st.applied_index,
+            st.leader_id == self.id,
+        )
     }
 
     pub fn leader_addr(&self) -> Option<String> {
@@ -277,6 +299,7 @@ pub async fn start(cfg: NodeConfig) -> Result<RunningNode, LogError> {
         raft: raft.clone(),
         sm: shared,
         last_stamp_ms: Mutex::new(0),
+        metrics: Default::default(),
     });
 
     let (stop_tx, mut stop_rx) = watch::channel(false);
@@ -292,7 +315,6 @@ pub async fn start(cfg: NodeConfig) -> Result<RunningNode, LogError> {
     let mut shutdown_rx = stop_rx.clone();
     let server = tokio::spawn(
         tonic::transport::Server::builder()
-            .tcp_nodelay(true)
             .add_service(log_svc)
             .add_service(raft_svc)
             .serve_with_incoming_shutdown(incoming, async move {

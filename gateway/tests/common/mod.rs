@@ -221,3 +221,122 @@ impl Drop for Decoder {
         self.kill9();
     }
 }
+
+/// A gateway process (`tokenlog gateway --fake ...`) against this cluster.
+pub struct GatewayProc {
+    pub child: Option<Child>,
+    pub grpc: String,
+    pub http: String,
+    pub log: PathBuf,
+}
+
+impl Cluster {
+    pub fn start_gateway(&self, name: &str, extra: &[&str]) -> GatewayProc {
+        let grpc = format!("127.0.0.1:{}", free_port());
+        let http = format!("127.0.0.1:{}", free_port());
+        let log = self.dir.path().join(format!("{name}.log"));
+        let child = Command::new(BIN)
+            .args([
+                "gateway",
+                "--fake",
+                "--cluster",
+                &self.addrs.join(","),
+                "--grpc-listen",
+                &grpc,
+                "--http-listen",
+                &http,
+            ])
+            .args(extra)
+            .env("RUST_LOG", "info,openraft=warn")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("spawn tokenlog gateway");
+        wait_for_port(&grpc);
+        wait_for_port(&http);
+        GatewayProc {
+            child: Some(child),
+            grpc,
+            http,
+            log,
+        }
+    }
+}
+
+pub fn wait_for_port(addr: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(addr).is_err() {
+        assert!(Instant::now() < deadline, "nothing listens on {addr}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+impl GatewayProc {
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.kill().unwrap();
+            c.wait().unwrap();
+        }
+    }
+}
+
+impl Drop for GatewayProc {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// Waits until some decoder has registered a model with the log.
+pub async fn wait_for_model(client: &LogClient) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(r) = client.list_models().await {
+            if !r.models.is_empty() {
+                return;
+            }
+        }
+        assert!(Instant::now() < deadline, "no decoder registered");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Every committed record of a generation, read from the log until it is terminal.
+pub async fn committed(client: &LogClient, generation: u64) -> (Vec<u32>, pb::GenerationInfo) {
+    let mut s = client.watch(generation, 0).await.unwrap();
+    let mut out = Vec::new();
+    while let Some(ev) = s.message().await.unwrap() {
+        for r in ev.records {
+            assert_eq!(r.seq as usize, out.len());
+            out.push(r.token_id);
+        }
+        if let Some(t) = ev.terminal {
+            return (out, t);
+        }
+    }
+    panic!("watch ended before the generation did");
+}
+
+/// A plain HTTP/1.1 request (Connection: close); returns (status, body). For JSON answers only
+/// (no chunked bodies).
+pub fn http(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\ncontent-length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    req.push_str(body);
+    s.write_all(req.as_bytes()).unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    let status = resp.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = resp
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
+}

@@ -7,8 +7,10 @@
 //!
 //! - An acquire grants `epoch + 1` to the decoder.
 //! - An append is acceptable when its epoch is the current one (and some decoder holds it) and
-//!   `start_seq == frontier` (the frontier becomes `start_seq + n_tokens`), or it is an
-//!   identical re-send with `start_seq + n_tokens <= frontier` (idempotent, nothing changes).
+//!   `start_seq <= frontier`: the frontier becomes `max(frontier, start_seq + n_tokens)`. A start
+//!   below the frontier is a re-send overlapping committed records (after an append whose answer
+//!   was lost); the log accepts it only when the overlap is identical, which this model cannot
+//!   see (tokens are not modelled) and the exactly-once checker does.
 //!   `ok` reports the frontier after the append.
 //!
 //! Simplification: leases are not modelled. Lease expiry is a timing precondition the checker
@@ -129,7 +131,7 @@ fn acquire(s: &S, decoder: &str, out: Option<&OwnershipOutput>) -> Option<S> {
 /// The frontier after an acceptable append, `None` if the append is not acceptable.
 fn accepted_frontier(s: &S, epoch: u64, start: u64, n: u64) -> Option<u64> {
     let end = start.checked_add(n)?;
-    let acceptable = s.owner.is_some() && epoch == s.epoch && (start == s.frontier || end <= s.frontier);
+    let acceptable = s.owner.is_some() && epoch == s.epoch && start <= s.frontier;
     acceptable.then_some(s.frontier.max(end))
 }
 

@@ -45,6 +45,54 @@ pub struct DecoderArgs {
     /// Unique id of this process (default: host-pid-random).
     #[arg(long)]
     pub decoder_id: Option<String>,
+    /// Serve Prometheus metrics at http://ADDR/metrics (tokens committed, takeovers, fence
+    /// rejections, finished and failed generations).
+    #[arg(long)]
+    pub metrics_listen: Option<std::net::SocketAddr>,
+    /// Append a JSON line per acquire and append (times, epochs, answers) to this file, for
+    /// the fault suite's checkers.
+    #[arg(long)]
+    pub history: Option<PathBuf>,
+}
+
+/// A decoder's counters in the Prometheus text format.
+pub fn render_stats(stats: &std::sync::Mutex<tokenlog_decoder::worker::WorkerStats>) -> String {
+    use tokenlog_gateway::metrics::counter_text;
+    let s = stats.lock().expect("lock").clone();
+    [
+        counter_text(
+            "tokenlog_decoder_acquired",
+            "Generations acquired (first grants and takeovers)",
+            s.acquired,
+        ),
+        counter_text(
+            "tokenlog_decoder_takeovers",
+            "Generations acquired at an epoch above 1 (continued after another owner)",
+            s.takeovers,
+        ),
+        counter_text(
+            "tokenlog_decoder_tokens_committed",
+            "Token records this decoder committed",
+            s.tokens_committed,
+        ),
+        counter_text(
+            "tokenlog_decoder_fence_rejections",
+            "Appends refused because this decoder's epoch or lease was no longer current",
+            s.fence_rejections,
+        ),
+        counter_text(
+            "tokenlog_decoder_finished",
+            "Generations this decoder finished",
+            s.finished,
+        ),
+        counter_text(
+            "tokenlog_decoder_failed",
+            "Generations this decoder failed explicitly",
+            s.failed,
+        ),
+        "# EOF\n".to_string(),
+    ]
+    .concat()
 }
 
 fn device(s: &str) -> anyhow::Result<DeviceSpec> {
@@ -90,7 +138,19 @@ pub async fn run(a: DecoderArgs) -> anyhow::Result<()> {
     cfg.lease_ms = a.lease_ms;
     let client = LogClient::new(a.cluster.clone())?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let worker = tokio::spawn(Worker::new(cfg, client, model).run(stop_rx));
+    let mut worker = Worker::new(cfg, client, model);
+    if let Some(p) = &a.history {
+        let h = tokenlog_decoder::history::History::open(p).with_context(|| format!("opening {}", p.display()))?;
+        worker = worker.with_history(h);
+    }
+    if let Some(m) = a.metrics_listen {
+        let stats = worker.stats();
+        let (addr, _) = tokenlog_gateway::server::serve_metrics(m, Arc::new(move || render_stats(&stats)))
+            .await
+            .context("binding --metrics-listen")?;
+        eprintln!("metrics on http://{addr}/metrics");
+    }
+    let worker = tokio::spawn(worker.run(stop_rx));
     crate::node::shutdown_signal().await;
     eprintln!("decoder stopping: releasing held generations");
     let _ = stop_tx.send(true);

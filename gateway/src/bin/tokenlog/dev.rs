@@ -1,38 +1,129 @@
-//! `tokenlog dev`: the embedded single-machine default. Today it runs a single-node log in one
-//! process (RocksDB under `--data-dir`) and prints how to use it. The gateway and the CPU
-//! decoder with the bundled model join this command as they are built (issues #3 and #4).
+//! `tokenlog dev`: the embedded single-machine default. One process runs a single-node log
+//! (RocksDB under `--data-dir`), a CPU decoder with the bundled SmolLM2-135M-Instruct (fetched into
+//! ./models on first use, sha256-checked) and a gateway (gRPC + OpenAI-compatible HTTP). It prints
+//! the endpoints and an example, and stops cleanly on Ctrl-C (the decoder releases its
+//! generations, the node flushes).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use anyhow::Context;
+use tokenlog_decoder::worker::{Worker, WorkerConfig};
+use tokenlog_gateway::tenants::Tenants;
+use tokenlog_gateway::Gateway;
+use tokenlog_raftlog::client::LogClient;
 use tokenlog_raftlog::node::{start, NodeConfig};
+
+use crate::decoder::DecoderArgs;
 
 #[derive(clap::Args)]
 pub struct DevArgs {
     /// Where the single node keeps its data (kept across runs).
     #[arg(long, default_value = "data/dev")]
     pub data_dir: PathBuf,
-    /// Log API address.
+    /// Log API address (raftlog.v1).
     #[arg(long, default_value = "127.0.0.1:7001")]
     pub listen: SocketAddr,
+    /// Gateway gRPC address (tokenlog.v1).
+    #[arg(long, default_value = "127.0.0.1:7100")]
+    pub grpc_listen: SocketAddr,
+    /// Gateway HTTP address (OpenAI-compatible API, /metrics).
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    pub http_listen: SocketAddr,
+    /// GGUF model file (default: the bundled SmolLM2-135M-Instruct Q4_1).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Use the deterministic fake model instead of a real one.
+    #[arg(long, conflicts_with = "model")]
+    pub fake: bool,
+    /// Model threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Generations decoded at once.
+    #[arg(long, default_value_t = 4)]
+    pub capacity: usize,
+    /// API keys file (`<api-key> <tenant>` per line); default: open, tenant `default`.
+    #[arg(long)]
+    pub keys: Option<PathBuf>,
 }
 
 pub async fn run(a: DevArgs) -> anyhow::Result<()> {
+    let threads = a
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let dargs = DecoderArgs {
+        cluster: vec![a.listen.to_string()],
+        model: a.model.clone(),
+        fake: a.fake,
+        fake_step_ms: 0,
+        model_name: None,
+        device: "cpu".into(),
+        capacity: a.capacity,
+        lease_ms: 2_000,
+        threads,
+        decoder_id: Some("dev-decoder".into()),
+        metrics_listen: None,
+        history: None,
+    };
+    // Model first: the slow part (download on first use, with progress) before anything listens.
+    let (model, name) = crate::decoder::load_model(&dargs)?;
+    let tenants = match &a.keys {
+        Some(p) => Tenants::load(p).map_err(anyhow::Error::msg)?,
+        None => Tenants::Open,
+    };
+
     let mut cfg = NodeConfig::new(1, a.listen, a.data_dir.clone());
     cfg.initial_members = vec![(1, a.listen.to_string())];
     eprintln!("starting a single-node log in {} ...", a.data_dir.display());
     let node = start(cfg).await?;
-    let addr = node.local_addr;
-    println!("tokenlog dev is up");
-    println!("  log API (raftlog.v1, gRPC)  {addr}");
-    println!("  data dir                    {}", a.data_dir.display());
+    let log_addr = node.local_addr;
+
+    let mut wcfg = WorkerConfig::new("dev-decoder".into(), name.clone());
+    wcfg.capacity = a.capacity;
+    wcfg.lease_ms = dargs.lease_ms;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let worker = Worker::new(wcfg, LogClient::new(vec![log_addr.to_string()])?, model.clone());
+    let stats = worker.stats();
+    let worker = tokio::spawn(worker.run(stop_rx));
+
+    let gw = Gateway::new(
+        LogClient::new(vec![log_addr.to_string()])?,
+        tenants,
+        vec![tokenlog_decoder::fake::fake_tokenizer()?, model.tokenizer().clone()],
+    )?;
+    // One /metrics for the whole process: gateway, node and decoder.
+    let ctx = node.ctx.clone();
+    gw.metrics.add_source(std::sync::Arc::new(move || ctx.render_metrics()));
+    gw.metrics
+        .add_source(std::sync::Arc::new(move || crate::decoder::render_stats(&stats)));
+    let serving = tokenlog_gateway::server::serve(gw, a.grpc_listen, a.http_listen)
+        .await
+        .context("binding the gateway's listeners")?;
+    let (grpc, http) = (serving.grpc_addr, serving.http_addr);
+
+    println!("tokenlog dev is up: model {name}, {threads} CPU thread(s)");
+    println!("  gateway gRPC (tokenlog.v1)      {grpc}");
+    println!("  OpenAI-compatible HTTP          http://{http}/v1   (metrics: http://{http}/metrics)");
+    println!(
+        "  log API (raftlog.v1)            {log_addr}   data: {}",
+        a.data_dir.display()
+    );
     println!("try, in another shell:");
-    println!("  tokenlog status --cluster {addr}");
-    println!("  tokenlog verify --node {addr}");
-    println!("not yet part of dev: the gateway (client streaming) and the CPU decoder; see README.md");
+    println!("  tokenlog generate --gateway {grpc} \"Write a haiku about logs.\"");
+    println!(
+        "  curl -N http://{http}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"model\":\"{name}\",\"stream\":true,\"messages\":[{{\"role\":\"user\",\"content\":\"Hi!\"}}]}}'"
+    );
+    println!("  tokenlog status --cluster {log_addr}");
     println!("Ctrl-C stops it cleanly.");
     crate::node::shutdown_signal().await;
-    eprintln!("stopping ...");
+    eprintln!("stopping: gateway, decoder (releasing its generations), log ...");
+    serving.shutdown().await;
+    let _ = stop_tx.send(true);
+    match worker.await {
+        Ok(Err(e)) => eprintln!("decoder: {e}"),
+        Err(e) => eprintln!("decoder task: {e}"),
+        Ok(Ok(_)) => {}
+    }
     node.shutdown().await;
     Ok(())
 }

@@ -3,6 +3,8 @@
 mod bench;
 mod decoder;
 mod dev;
+mod gateway;
+mod generate;
 mod node;
 mod status;
 
@@ -19,7 +21,10 @@ through epoch-fenced appends; a client that reconnects sees every token exactly 
 Start a 3-node log on one machine:\n  \
 tokenlog node --id 1 --listen 127.0.0.1:7001 --data-dir d1 --peers 1=127.0.0.1:7001,2=127.0.0.1:7002,3=127.0.0.1:7003\n  \
 (and the same with --id 2 / 3)\n  \
-tokenlog status --cluster 127.0.0.1:7001"
+tokenlog status --cluster 127.0.0.1:7001\n\n\
+Or everything in one process, with the bundled model:\n  \
+tokenlog dev\n  \
+tokenlog generate \"Write a haiku about logs.\""
 )]
 struct Cli {
     #[command(subcommand)]
@@ -28,8 +33,14 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// The single-machine default: a one-node log in this process (see README).
+    /// The single-machine default: a one-node log, a CPU decoder with the bundled model and a
+    /// gateway, in this process (see README).
     Dev(dev::DevArgs),
+    /// Run a gateway: gRPC streaming (tokenlog.v1) and the OpenAI-compatible HTTP API.
+    Gateway(gateway::GatewayArgs),
+    /// Generate text through a gateway, printing tokens as they are committed; survives gateway
+    /// and decoder deaths (--request-id re-attaches).
+    Generate(generate::GenerateArgs),
     /// Run a decoder: a model that takes generations from the log and writes their tokens.
     Decoder(decoder::DecoderArgs),
     /// Run one node of the replicated log.
@@ -59,6 +70,8 @@ fn main() -> anyhow::Result<()> {
         match cli.cmd {
             Cmd::Dev(a) => dev::run(a).await,
             Cmd::Decoder(a) => decoder::run(a).await,
+            Cmd::Gateway(a) => gateway::run(a).await,
+            Cmd::Generate(a) => generate::run(a).await,
             Cmd::Node(a) => node::run(a).await,
             Cmd::Status(a) => status::status(a).await,
             Cmd::Verify(a) => status::verify(a).await,

@@ -41,6 +41,10 @@ pub struct NodeArgs {
     /// How long finished generations are kept before they are pruned (ms).
     #[arg(long, default_value_t = tokenlog_raftlog::limits::RETENTION_MS_DEFAULT)]
     pub retention_ms: u64,
+    /// Serve Prometheus metrics at http://ADDR/metrics (commit latency, tokens, fence
+    /// rejections, generations by state, takeovers, Raft indexes).
+    #[arg(long)]
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 pub fn parse_peers(peers: &[String]) -> anyhow::Result<Vec<(u64, String)>> {
@@ -75,6 +79,13 @@ pub async fn run(a: NodeArgs) -> anyhow::Result<()> {
     cfg.retention_ms = a.retention_ms;
     let node = start(cfg).await?;
     eprintln!("tokenlog node {} serving on {} (Ctrl-C to stop)", a.id, node.local_addr);
+    if let Some(m) = a.metrics_listen {
+        let ctx = node.ctx.clone();
+        let (addr, _) = tokenlog_gateway::server::serve_metrics(m, std::sync::Arc::new(move || ctx.render_metrics()))
+            .await
+            .context("binding --metrics-listen")?;
+        eprintln!("metrics on http://{addr}/metrics");
+    }
     shutdown_signal().await;
     eprintln!("shutting down node {}", a.id);
     node.shutdown().await;

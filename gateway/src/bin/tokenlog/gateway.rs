@@ -1,0 +1,73 @@
+//! `tokenlog gateway`: a stateless gateway process. gRPC (`tokenlog.v1`) and OpenAI-compatible
+//! HTTP on two listeners, over a log cluster.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use tokenlog_decoder::{fake::fake_tokenizer, fetch, Tokenizer};
+use tokenlog_gateway::tenants::Tenants;
+use tokenlog_gateway::Gateway;
+use tokenlog_raftlog::client::LogClient;
+
+#[derive(clap::Args, Clone)]
+pub struct GatewayArgs {
+    /// Addresses of log nodes (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "127.0.0.1:7001")]
+    pub cluster: Vec<String>,
+    /// gRPC listen address (tokenlog.v1 Generation service).
+    #[arg(long, default_value = "127.0.0.1:7100")]
+    pub grpc_listen: SocketAddr,
+    /// HTTP listen address (OpenAI-compatible API, /metrics).
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    pub http_listen: SocketAddr,
+    /// API keys file: one `<api-key> <tenant>` per line. Without it the gateway is open and
+    /// every caller is the tenant `default`.
+    #[arg(long)]
+    pub keys: Option<PathBuf>,
+    /// GGUF files whose tokenizers this gateway detokenizes with (repeatable). Default: the
+    /// bundled SmolLM2 model (fetched into ./models on first use).
+    #[arg(long)]
+    pub model: Vec<PathBuf>,
+    /// Only the fake model's tokenizer (for tests; no model file needed).
+    #[arg(long, conflicts_with = "model")]
+    pub fake: bool,
+}
+
+pub fn tokenizers(models: &[PathBuf], fake_only: bool) -> anyhow::Result<Vec<Tokenizer>> {
+    let mut out = vec![fake_tokenizer()?];
+    if fake_only {
+        return Ok(out);
+    }
+    let paths = if models.is_empty() {
+        vec![fetch::ensure_default_model(&fetch::repo_models_dir()).context("fetching the default model")?]
+    } else {
+        models.to_vec()
+    };
+    for p in paths {
+        out.push(Tokenizer::from_gguf_file(&p).with_context(|| format!("reading the tokenizer of {}", p.display()))?);
+    }
+    Ok(out)
+}
+
+pub async fn run(a: GatewayArgs) -> anyhow::Result<()> {
+    let tenants = match &a.keys {
+        Some(p) => Tenants::load(p).map_err(anyhow::Error::msg)?,
+        None => Tenants::Open,
+    };
+    let toks = tokenizers(&a.model, a.fake)?;
+    let gw = Gateway::new(LogClient::new(a.cluster.clone())?, tenants, toks)?;
+    let serving = tokenlog_gateway::server::serve(gw, a.grpc_listen, a.http_listen)
+        .await
+        .context("binding the gateway's listeners")?;
+    println!(
+        "gateway: gRPC {}  HTTP {}  log {}",
+        serving.grpc_addr,
+        serving.http_addr,
+        a.cluster.join(",")
+    );
+    crate::node::shutdown_signal().await;
+    eprintln!("gateway stopping ...");
+    serving.shutdown().await;
+    Ok(())
+}

@@ -1,0 +1,144 @@
+//! `tokenlog generate`: a command-line client. Streams a generation as it is committed, and keeps
+//! streaming across gateway deaths (it resumes on the next gateway after the last seq it printed).
+
+use std::io::Write;
+use std::time::Instant;
+
+use anyhow::Context;
+use futures::StreamExt;
+use tokenlog_gateway::client::GatewayClient;
+use tokenlog_proto::tokenlog as tpb;
+
+#[derive(clap::Args)]
+pub struct GenerateArgs {
+    /// The prompt (a user message; see --raw).
+    pub prompt: Option<String>,
+    /// Gateway gRPC addresses (comma-separated); the client fails over between them.
+    #[arg(long, value_delimiter = ',', default_value = "127.0.0.1:7100")]
+    pub gateway: Vec<String>,
+    /// API key (bearer token), when the gateway has a keys file.
+    #[arg(long, env = "TOKENLOG_API_KEY")]
+    pub api_key: Option<String>,
+    /// Request id: the idempotency key. Running again with the same id re-attaches to the same
+    /// generation instead of starting another. Default: a random one (printed).
+    #[arg(long)]
+    pub request_id: Option<String>,
+    /// Only re-attach to --request-id (no new submit); print events after --after.
+    #[arg(long, requires = "request_id")]
+    pub resume: bool,
+    /// With --resume: the last seq already seen (-1 = from the start).
+    #[arg(long, default_value_t = -1, allow_hyphen_values = true)]
+    pub after: i64,
+    /// Model name (default: the first one the gateway serves).
+    #[arg(long, default_value = "")]
+    pub model: String,
+    /// System message.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Send the prompt as raw text (no chat template).
+    #[arg(long)]
+    pub raw: bool,
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: u32,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 0.0)]
+    pub top_p: f32,
+    /// 0 = derived from the request id.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Stop strings (repeatable).
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// Print every event as a JSON line instead of the text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub async fn run(a: GenerateArgs) -> anyhow::Result<()> {
+    let client = GatewayClient::new(a.gateway.clone(), a.api_key.clone())?;
+    let rid = a
+        .request_id
+        .clone()
+        .unwrap_or_else(|| format!("cli-{:016x}", rand::random::<u64>()));
+    let started = Instant::now();
+    let mut stream = if a.resume {
+        client.resume(rid.clone(), a.after).boxed()
+    } else {
+        let prompt = a
+            .prompt
+            .clone()
+            .context("give a prompt (or --resume --request-id ID)")?;
+        let mut req = tpb::GenerateRequest {
+            request_id: rid.clone(),
+            model: a.model.clone(),
+            max_tokens: a.max_tokens,
+            temperature: a.temperature,
+            top_p: a.top_p,
+            seed: a.seed,
+            stop: a.stop.clone(),
+            ..Default::default()
+        };
+        if a.raw {
+            req.prompt = prompt;
+        } else {
+            if let Some(s) = &a.system {
+                req.messages.push(tpb::ChatMessage {
+                    role: "system".into(),
+                    content: s.clone(),
+                });
+            }
+            req.messages.push(tpb::ChatMessage {
+                role: "user".into(),
+                content: prompt,
+            });
+        }
+        client.generate(req).boxed()
+    };
+    eprintln!("request {rid}");
+    let mut out = std::io::stdout();
+    let mut first = None;
+    let mut tokens = 0u32;
+    while let Some(ev) = stream.next().await {
+        let ev = ev.with_context(|| format!("request {rid}"))?;
+        if !ev.last {
+            tokens += 1;
+            first.get_or_insert_with(Instant::now);
+        }
+        if a.json {
+            let line = serde_json::json!({"request_id": ev.request_id, "generation": ev.generation, "epoch": ev.epoch,
+                "seq": ev.seq, "token_id": ev.token_id, "text": ev.text_delta, "last": ev.last,
+                "finish_reason": ev.finish_reason, "finish_detail": ev.finish_detail});
+            writeln!(out, "{line}")?;
+        } else {
+            write!(out, "{}", ev.text_delta)?;
+        }
+        out.flush()?;
+        if ev.last {
+            if !a.json {
+                writeln!(out)?;
+            }
+            let secs = first.map_or(0.0, |f| f.elapsed().as_secs_f64());
+            let detail = if ev.finish_detail.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", ev.finish_detail)
+            };
+            eprintln!(
+                "finished: {}{detail}; {} tokens in {:.1}s ({:.1} tok/s after the first, first token after {:.2}s); {} reconnects",
+                ev.finish_reason,
+                ev.usage.as_ref().map_or(tokens, |u| u.completion_tokens),
+                started.elapsed().as_secs_f64(),
+                if secs > 0.0 { f64::from(tokens.saturating_sub(1)) / secs } else { 0.0 },
+                first.map_or(0.0, |f| (f - started).as_secs_f64()),
+                client.reconnects()
+            );
+            if ev.finish_reason == "error" {
+                anyhow::bail!("generation failed: {}", ev.finish_detail);
+            }
+            return Ok(());
+        }
+    }
+    anyhow::bail!("the stream ended before the generation did")
+}

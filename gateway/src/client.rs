@@ -1,0 +1,218 @@
+//! The Rust client of the gateway's gRPC API: it knows several gateway addresses, and when a
+//! stream breaks (the gateway died, the connection dropped) it reconnects to the next one and
+//! resumes after the last seq it delivered, so the caller sees every event exactly once: no
+//! duplicate (events with seq <= the last delivered one are dropped) and no gap (Resume starts
+//! right after it).
+
+use std::time::{Duration, Instant};
+
+use futures::Stream;
+use tokenlog_proto::tokenlog as tpb;
+use tokenlog_proto::tokenlog::generation_client::GenerationClient;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Status};
+
+/// How long the client keeps trying gateways without receiving anything before it gives up.
+pub const RECONNECT_BUDGET: Duration = Duration::from_secs(60);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+const PAUSE: Duration = Duration::from_millis(100);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("{}: {}", .0.code(), .0.message())]
+    Status(Status),
+    #[error("no gateway answered for {0:?} (last error: {1})")]
+    Exhausted(Duration, String),
+    #[error("bad gateway address {0:?}")]
+    BadAddress(String),
+}
+
+#[derive(Clone)]
+pub struct GatewayClient {
+    channels: Vec<(String, Channel)>,
+    api_key: Option<String>,
+    /// Counts reconnects, for callers and tests.
+    reconnects: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// Statuses after which another try (on the next gateway) may succeed.
+fn retryable(s: &Status) -> bool {
+    matches!(
+        s.code(),
+        Code::Unavailable | Code::Unknown | Code::Cancelled | Code::DeadlineExceeded | Code::Aborted | Code::Internal
+    )
+}
+
+impl GatewayClient {
+    /// `addrs`: `host:port` of gateways (their gRPC address). `api_key`: sent as a bearer token.
+    pub fn new(addrs: Vec<String>, api_key: Option<String>) -> Result<Self, ClientError> {
+        if addrs.is_empty() {
+            return Err(ClientError::BadAddress(String::new()));
+        }
+        let channels = addrs
+            .into_iter()
+            .map(|a| {
+                let ep =
+                    Endpoint::from_shared(format!("http://{a}")).map_err(|_| ClientError::BadAddress(a.clone()))?;
+                Ok((a, ep.connect_timeout(CONNECT_TIMEOUT).tcp_nodelay(true).connect_lazy()))
+            })
+            .collect::<Result<_, ClientError>>()?;
+        Ok(GatewayClient {
+            channels,
+            api_key,
+            reconnects: Default::default(),
+        })
+    }
+
+    pub fn reconnects(&self) -> u64 {
+        self.reconnects.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn client(&self, i: usize) -> GenerationClient<Channel> {
+        GenerationClient::new(self.channels[i % self.channels.len()].1.clone())
+    }
+
+    fn request<T>(&self, msg: T) -> tonic::Request<T> {
+        let mut r = tonic::Request::new(msg);
+        if let Some(k) = &self.api_key {
+            if let Ok(v) = format!("Bearer {k}").parse() {
+                r.metadata_mut().insert("authorization", v);
+            }
+        }
+        r
+    }
+
+    /// Starts (or re-attaches to, by request id) a generation and streams its events, surviving
+    /// gateway deaths. An empty request id is replaced by a random one.
+    pub fn generate(
+        &self,
+        mut req: tpb::GenerateRequest,
+    ) -> impl Stream<Item = Result<tpb::GenerationEvent, ClientError>> {
+        if req.request_id.is_empty() {
+            req.request_id = format!("cli-{:016x}", rand::random::<u64>());
+        }
+        self.run(Some(req.clone()), req.request_id, -1)
+    }
+
+    /// Streams the events of an existing request after `after_seq` (-1: all), surviving gateway
+    /// deaths.
+    pub fn resume(
+        &self,
+        request_id: String,
+        after_seq: i64,
+    ) -> impl Stream<Item = Result<tpb::GenerationEvent, ClientError>> {
+        self.run(None, request_id, after_seq)
+    }
+
+    fn run(
+        &self,
+        generate: Option<tpb::GenerateRequest>,
+        request_id: String,
+        after_seq: i64,
+    ) -> impl Stream<Item = Result<tpb::GenerationEvent, ClientError>> {
+        let (tx, rx) = tokio::sync::mpsc::channel(256);
+        let this = self.clone();
+        tokio::spawn(async move {
+            let mut last = after_seq;
+            let mut at = 0usize;
+            let mut progress = Instant::now();
+            let mut first_try = true;
+            loop {
+                if !first_try {
+                    this.reconnects.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                first_try = false;
+                let mut c = this.client(at);
+                // Until an event has arrived, Generate again (idempotent by request id); after that,
+                // Resume after the last delivered seq.
+                let opened = match (&generate, last) {
+                    (Some(g), -1) => c.generate(this.request(g.clone())).await,
+                    _ => {
+                        c.resume(this.request(tpb::ResumeRequest {
+                            request_id: request_id.clone(),
+                            after_seq: last,
+                        }))
+                        .await
+                    }
+                };
+                let err = match opened {
+                    Ok(resp) => {
+                        let mut s = resp.into_inner();
+                        loop {
+                            match s.message().await {
+                                Ok(Some(ev)) => {
+                                    progress = Instant::now();
+                                    if i64::from(ev.seq) <= last {
+                                        continue;
+                                    }
+                                    last = i64::from(ev.seq);
+                                    let end = ev.last;
+                                    if tx.send(Ok(ev)).await.is_err() || end {
+                                        return;
+                                    }
+                                }
+                                Ok(None) => break Status::unavailable("stream ended before the last event"),
+                                Err(s) => break s,
+                            }
+                        }
+                    }
+                    Err(s) => s,
+                };
+                if !retryable(&err) {
+                    let _ = tx.send(Err(ClientError::Status(err))).await;
+                    return;
+                }
+                if progress.elapsed() > RECONNECT_BUDGET {
+                    let _ = tx
+                        .send(Err(ClientError::Exhausted(RECONNECT_BUDGET, err.to_string())))
+                        .await;
+                    return;
+                }
+                tracing::debug!(
+                    "gateway {} failed ({err}); resuming after seq {last} on the next",
+                    this.channels[at % this.channels.len()].0
+                );
+                at += 1;
+                tokio::time::sleep(PAUSE).await;
+            }
+        });
+        tokio_stream::wrappers::ReceiverStream::new(rx)
+    }
+
+    /// Status of a request, from whichever gateway answers.
+    pub async fn status(&self, request_id: &str) -> Result<tpb::StatusResponse, ClientError> {
+        let mut last = String::new();
+        for i in 0..self.channels.len() {
+            match self
+                .client(i)
+                .status(self.request(tpb::StatusRequest {
+                    request_id: request_id.to_string(),
+                }))
+                .await
+            {
+                Ok(r) => return Ok(r.into_inner()),
+                Err(s) if retryable(&s) => last = s.to_string(),
+                Err(s) => return Err(ClientError::Status(s)),
+            }
+        }
+        Err(ClientError::Exhausted(Duration::ZERO, last))
+    }
+
+    pub async fn cancel(&self, request_id: &str) -> Result<tpb::CancelResponse, ClientError> {
+        let mut last = String::new();
+        for i in 0..self.channels.len() {
+            match self
+                .client(i)
+                .cancel(self.request(tpb::CancelRequest {
+                    request_id: request_id.to_string(),
+                }))
+                .await
+            {
+                Ok(r) => return Ok(r.into_inner()),
+                Err(s) if retryable(&s) => last = s.to_string(),
+                Err(s) => return Err(ClientError::Status(s)),
+            }
+        }
+        Err(ClientError::Exhausted(Duration::ZERO, last))
+    }
+}

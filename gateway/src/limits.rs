@@ -1,0 +1,28 @@
+//! Every bound the gateway enforces, in one place. The log enforces its own (see
+//! `tokenlog_raftlog::limits`); the gateway checks the same ones early so a client gets a clear
+//! error before anything is submitted.
+
+use std::time::Duration;
+
+pub use tokenlog_raftlog::limits::{
+    GENERATION_TOKENS_MAX, PROMPT_TEXT_BYTES_MAX, PROMPT_TOKENS_MAX, REQUEST_ID_BYTES_MAX, STOP_STRINGS_MAX,
+    STOP_STRING_BYTES_MAX,
+};
+
+/// `max_tokens` when a request names none.
+pub const MAX_TOKENS_DEFAULT: u32 = 256;
+/// Chat messages in one request.
+pub const MESSAGES_MAX: usize = 1_024;
+/// Streams one gateway serves at once; more are refused with RESOURCE_EXHAUSTED ("overloaded").
+pub const STREAMS_MAX: usize = 4_096;
+/// Largest HTTP request body (bytes): a full-size prompt plus JSON overhead.
+pub const HTTP_BODY_BYTES_MAX: usize = 2 * PROMPT_TEXT_BYTES_MAX;
+/// How long the list of registered models is reused before asking the log again.
+pub const MODELS_CACHE_TTL: Duration = Duration::from_secs(2);
+/// How long a gateway keeps re-opening a broken Watch (log node died) before failing the stream.
+pub const WATCH_RETRY_BUDGET: Duration = Duration::from_secs(30);
+/// Events buffered per stream between the log and a slow client.
+pub const STREAM_BUFFER_EVENTS: usize = 256;
+/// Temperature, top_p and penalty ranges accepted (OpenAI's).
+pub const TEMPERATURE_MAX: f32 = 2.0;
+pub const PENALTY_ABS_MAX: f32 = 2.0;

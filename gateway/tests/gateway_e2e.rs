@@ -1,0 +1,389 @@
+//! The gateway end to end, over real processes: a 3-node log, fake-model decoders and gateway
+//! processes, driven through gRPC. What a client sees must be exactly the committed records, once
+//! each, whatever happens to its connection or its gateway (CONTRACT §3, failure points 8, 11).
+
+mod common;
+
+use std::collections::BTreeSet;
+
+use common::{committed, serial, wait_for_model, Cluster};
+use futures::StreamExt;
+use rand::Rng;
+use tokenlog_decoder::fake::fake_tokenizer;
+use tokenlog_gateway::client::GatewayClient;
+use tokenlog_proto::tokenlog as tpb;
+use tokenlog_proto::tokenlog::generation_client::GenerationClient;
+use tonic::Code;
+
+fn request(rid: &str, max_tokens: u32) -> tpb::GenerateRequest {
+    tpb::GenerateRequest {
+        request_id: rid.into(),
+        messages: vec![tpb::ChatMessage {
+            role: "user".into(),
+            content: format!("tell me about {rid}"),
+        }],
+        max_tokens,
+        temperature: 0.8,
+        top_p: 0.95,
+        seed: 7,
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+/// Checks a client's view against the log: seqs 0..n then the last event at n, token ids equal to
+/// the committed records, text equal to the detokenized records.
+fn check_view(events: &[tpb::GenerationEvent], records: &[u32]) {
+    let n = records.len();
+    assert_eq!(events.len(), n + 1, "one event per record plus the last one");
+    for (i, e) in events.iter().enumerate() {
+        assert_eq!(e.seq as usize, i, "seqs are consecutive: no gap, no duplicate");
+        if i < n {
+            assert_eq!(e.token_id, records[i], "token at seq {i}");
+            assert!(!e.last);
+        }
+    }
+    let last = events.last().unwrap();
+    assert!(last.last, "the stream ends with the last event");
+    assert_eq!(last.usage.as_ref().unwrap().completion_tokens as usize, n);
+    let text: String = events.iter().map(|e| e.text_delta.as_str()).collect();
+    let tok = fake_tokenizer().unwrap();
+    assert_eq!(
+        text,
+        tok.decode(records, true).unwrap(),
+        "text is the detokenized records"
+    );
+}
+
+/// Failure point 8: the gateway is killed after sending a token and before the client saw the
+/// next; the client resumes on a second gateway with no duplicate and no gap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_killed_mid_stream_client_resumes_on_another_gateway() {
+    let _g = serial();
+    let cluster = Cluster::start(0);
+    let _d = cluster.start_decoder("d1", &["--fake-step-ms", "15"]);
+    let log = cluster.client();
+    wait_for_model(&log).await;
+    let mut g1 = cluster.start_gateway("g1", &[]);
+    let g2 = cluster.start_gateway("g2", &[]);
+
+    let client = GatewayClient::new(vec![g1.grpc.clone(), g2.grpc.clone()], None).unwrap();
+    let mut stream = client.generate(request("fp8", 160)).boxed();
+    let mut events = Vec::new();
+    while let Some(e) = stream.next().await {
+        let e = e.expect("stream survives the gateway's death");
+        if e.seq == 30 {
+            // Token 30 reached the client through g1; g1 dies before the client reads another.
+            g1.kill9();
+        }
+        let end = e.last;
+        events.push(e);
+        if end {
+            break;
+        }
+    }
+    assert!(client.reconnects() >= 1, "the client had to reconnect");
+    let (records, info) = committed(&log, events[0].generation).await;
+    assert_eq!(records.len(), 160);
+    assert_eq!(info.finish_reason, tokenlog_proto::raftlog::FinishReason::Length as i32);
+    check_view(&events, &records);
+}
+
+/// 50 random client disconnects in one stream: each time the client drops the stream after 0..3
+/// events and resumes after the last seq it saw (alternating between two gateways).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_client_disconnects_in_one_stream_lose_and_repeat_nothing() {
+    let _g = serial();
+    let cluster = Cluster::start(0);
+    let _d = cluster.start_decoder("d1", &["--fake-step-ms", "10"]);
+    let log = cluster.client();
+    wait_for_model(&log).await;
+    let g1 = cluster.start_gateway("g1", &[]);
+    let g2 = cluster.start_gateway("g2", &[]);
+    let addrs = [g1.grpc.clone(), g2.grpc.clone()];
+    let mut clients = Vec::new();
+    for a in &addrs {
+        clients.push(GenerationClient::connect(format!("http://{a}")).await.unwrap());
+    }
+
+    let mut rng = rand::rng();
+    let mut events: Vec<tpb::GenerationEvent> = Vec::new();
+    let mut disconnects = 0;
+    let mut s = clients[0].generate(request("disc", 400)).await.unwrap().into_inner();
+    loop {
+        let budget = if disconnects < 50 {
+            rng.random_range(0..4)
+        } else {
+            usize::MAX
+        };
+        let mut ended = false;
+        for _ in 0..budget {
+            match s.message().await.unwrap() {
+                Some(e) => {
+                    ended = e.last;
+                    events.push(e);
+                    if ended {
+                        break;
+                    }
+                }
+                None => panic!("stream ended without the last event"),
+            }
+        }
+        if ended {
+            break;
+        }
+        // Drop the connection's stream and resume, on the other gateway every other time.
+        drop(s);
+        disconnects += 1;
+        let after = events.last().map_or(-1, |e| i64::from(e.seq));
+        let c = &mut clients[disconnects % 2];
+        s = c
+            .resume(tpb::ResumeRequest {
+                request_id: "disc".into(),
+                after_seq: after,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+    }
+    assert!(disconnects >= 50, "{disconnects} disconnects");
+    let (records, _) = committed(&log, events[0].generation).await;
+    check_view(&events, &records);
+    // Resuming after the last event yields nothing more.
+    let mut tail = clients[1]
+        .resume(tpb::ResumeRequest {
+            request_id: "disc".into(),
+            after_seq: i64::from(events.last().unwrap().seq),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(tail.message().await.unwrap().is_none());
+}
+
+/// Failure point 11: Submit retried 100 times concurrently with one request id makes one
+/// generation; status queries never create generations.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hundred_concurrent_submits_of_one_request_make_one_generation() {
+    let _g = serial();
+    let cluster = Cluster::start(0);
+    let _d = cluster.start_decoder("d1", &[]);
+    let log = cluster.client();
+    wait_for_model(&log).await;
+    let g1 = cluster.start_gateway("g1", &[]);
+    let g2 = cluster.start_gateway("g2", &[]);
+
+    // Status of requests that do not exist: NOT_FOUND, and nothing is created.
+    let client = GatewayClient::new(vec![g1.grpc.clone()], None).unwrap();
+    for i in 0..20 {
+        let e = client.status(&format!("ghost-{i}")).await.unwrap_err();
+        assert!(
+            matches!(&e, tokenlog_gateway::client::ClientError::Status(s) if s.code() == Code::NotFound),
+            "{e}"
+        );
+    }
+
+    let mut tasks = Vec::new();
+    for i in 0..100 {
+        let addr = if i % 2 == 0 { g1.grpc.clone() } else { g2.grpc.clone() };
+        tasks.push(tokio::spawn(async move {
+            let c = GatewayClient::new(vec![addr], None).unwrap();
+            let events: Vec<tpb::GenerationEvent> = c.generate(request("same", 40)).map(|e| e.unwrap()).collect().await;
+            events
+        }));
+    }
+    let mut generations = BTreeSet::new();
+    let mut views = BTreeSet::new();
+    for t in tasks {
+        let events = t.await.unwrap();
+        generations.insert(events[0].generation);
+        views.insert(
+            events
+                .iter()
+                .map(|e| (e.seq, e.token_id, e.text_delta.clone()))
+                .collect::<Vec<_>>(),
+        );
+    }
+    assert_eq!(generations.len(), 1, "one generation for one request id");
+    assert_eq!(views.len(), 1, "every caller saw the same stream");
+    let status = log.cluster_status(true).await.unwrap();
+    let total: u64 = status.generations_by_state.values().sum();
+    assert_eq!(
+        total, 1,
+        "only one generation exists: {:?}",
+        status.generations_by_state
+    );
+
+    // A different request under the same id is a conflict, not a second generation.
+    let mut other = request("same", 40);
+    other.max_tokens = 41;
+    let mut s = client.generate(other).boxed();
+    let e = s.next().await.unwrap().unwrap_err();
+    assert!(
+        matches!(&e, tokenlog_gateway::client::ClientError::Status(s) if s.code() == Code::AlreadyExists),
+        "{e}"
+    );
+}
+
+/// Tenancy: one tenant can neither resume, read, nor cancel another's request; a request id is
+/// per tenant; calls without a known key are refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_cannot_see_each_others_requests() {
+    let _g = serial();
+    let cluster = Cluster::start(0);
+    let _d = cluster.start_decoder("d1", &[]);
+    let log = cluster.client();
+    wait_for_model(&log).await;
+    let keys = cluster.dir.path().join("keys");
+    std::fs::write(&keys, "# test keys\nkey-alice alice\nkey-bob bob\n").unwrap();
+    let g = cluster.start_gateway("g1", &["--keys", keys.to_str().unwrap()]);
+
+    let alice = GatewayClient::new(vec![g.grpc.clone()], Some("key-alice".into())).unwrap();
+    let bob = GatewayClient::new(vec![g.grpc.clone()], Some("key-bob".into())).unwrap();
+    let nobody = GatewayClient::new(vec![g.grpc.clone()], None).unwrap();
+    let stranger = GatewayClient::new(vec![g.grpc.clone()], Some("key-eve".into())).unwrap();
+
+    let a: Vec<_> = alice
+        .generate(request("shared-id", 20))
+        .map(|e| e.unwrap())
+        .collect()
+        .await;
+    let code = |e: tokenlog_gateway::client::ClientError| match e {
+        tokenlog_gateway::client::ClientError::Status(s) => s.code(),
+        other => panic!("{other}"),
+    };
+    let mut r = bob.resume("shared-id".into(), -1).boxed();
+    assert_eq!(code(r.next().await.unwrap().unwrap_err()), Code::NotFound);
+    assert_eq!(code(bob.status("shared-id").await.unwrap_err()), Code::NotFound);
+    assert_eq!(code(bob.cancel("shared-id").await.unwrap_err()), Code::NotFound);
+    assert_eq!(
+        code(nobody.status("shared-id").await.unwrap_err()),
+        Code::Unauthenticated
+    );
+    assert_eq!(
+        code(stranger.status("shared-id").await.unwrap_err()),
+        Code::Unauthenticated
+    );
+    // The same id under bob is bob's own request.
+    let b: Vec<_> = bob
+        .generate(request("shared-id", 20))
+        .map(|e| e.unwrap())
+        .collect()
+        .await;
+    assert_ne!(a[0].generation, b[0].generation);
+    assert_eq!(alice.status("shared-id").await.unwrap().generation, a[0].generation);
+    // Over HTTP too.
+    let (code_http, body) = common::http(
+        &g.http,
+        "GET",
+        "/v1/responses/resp_shared-id",
+        &[("authorization", "Bearer key-eve")],
+        "",
+    );
+    assert_eq!(code_http, 401, "{body}");
+    let (code_http, _) = common::http(
+        &g.http,
+        "GET",
+        "/v1/chat/completions/shared-id/stream",
+        &[("x-api-key", "key-bob")],
+        "",
+    );
+    assert_eq!(code_http, 200, "bob's own request of that id streams");
+    let other = cluster.start_gateway("g2", &["--keys", keys.to_str().unwrap()]);
+    let (code_http, body) = common::http(
+        &other.http,
+        "GET",
+        "/v1/responses/resp_nope",
+        &[("authorization", "Bearer key-alice")],
+        "",
+    );
+    assert_eq!(code_http, 404, "{body}");
+}
+
+/// Bad input gets a clear, typed error and creates nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_clear_errors() {
+    let _g = serial();
+    let cluster = Cluster::start(0);
+    let _d = cluster.start_decoder("d1", &[]);
+    let log = cluster.client();
+    wait_for_model(&log).await;
+    let g = cluster.start_gateway("g1", &[]);
+    let client = GatewayClient::new(vec![g.grpc.clone()], None).unwrap();
+    let first_err = |req: tpb::GenerateRequest| {
+        let client = client.clone();
+        async move {
+            match client.generate(req).boxed().next().await.unwrap() {
+                Err(tokenlog_gateway::client::ClientError::Status(s)) => (s.code(), s.message().to_string()),
+                other => panic!("expected an error, got {other:?}"),
+            }
+        }
+    };
+    let mut r = request("bad-model", 5);
+    r.model = "no-such-model".into();
+    let (c, m) = first_err(r).await;
+    assert_eq!(c, Code::NotFound);
+    assert!(m.contains("unknown model"), "{m}");
+    let mut r = request("too-long", 5);
+    r.messages[0].content = "x".repeat(5_000);
+    let (c, m) = first_err(r).await;
+    assert_eq!(c, Code::InvalidArgument);
+    assert!(m.contains("tokens"), "{m}");
+    let mut r = request("both", 5);
+    r.prompt = "also text".into();
+    assert_eq!(first_err(r).await.0, Code::InvalidArgument);
+    let mut r = request("hot", 5);
+    r.temperature = 9.0;
+    assert_eq!(first_err(r).await.0, Code::InvalidArgument);
+    let mut r = request("vocab", 5);
+    r.messages.clear();
+    r.prompt_token_ids = vec![1, 2, 999_999];
+    assert_eq!(first_err(r).await.0, Code::InvalidArgument);
+    // The client library fills in an empty request id; the server refuses one.
+    let mut raw = GenerationClient::connect(format!("http://{}", g.grpc)).await.unwrap();
+    let e = raw.generate(request("", 5)).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+
+    // HTTP: garbage, bad UTF-8, missing fields.
+    let (s, body) = common::http(
+        &g.http,
+        "POST",
+        "/v1/chat/completions",
+        &[("content-type", "application/json")],
+        "{not json",
+    );
+    assert_eq!(s, 400, "{body}");
+    assert!(body.contains("not valid JSON"), "{body}");
+    let (s, body) = common::http(&g.http, "POST", "/v1/chat/completions", &[], "{\"messages\": 3}");
+    assert_eq!(s, 400, "{body}");
+    let (s, body) = common::http(
+        &g.http,
+        "POST",
+        "/v1/completions",
+        &[],
+        "{\"prompt\": \"hi\", \"max_tokens\": 0}",
+    );
+    assert_eq!(s, 400, "{body}");
+    let status = log.cluster_status(true).await.unwrap();
+    let total: u64 = status.generations_by_state.values().sum();
+    assert_eq!(
+        total, 0,
+        "no bad request created a generation: {:?}",
+        status.generations_by_state
+    );
+    // A good non-streaming HTTP completion, and /metrics.
+    let (s, body) = common::http(
+        &g.http,
+        "POST",
+        "/v1/completions",
+        &[("idempotency-key", "http-1")],
+        "{\"prompt\": \"hello\", \"max_tokens\": 12, \"ignore_eos\": true}",
+    );
+    assert_eq!(s, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 12);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    let (s, body) = common::http(&g.http, "GET", "/metrics", &[], "");
+    assert_eq!(s, 200);
+    assert!(body.contains("tokenlog_gateway_tokens_streamed_total"), "{body}");
+}
