@@ -224,7 +224,10 @@ impl Worker {
 
     /// Acquire → read prefix → bind prompt → re-prefill.
     async fn take(&mut self, id: u64) -> Result<(), WorkerError> {
-        let invoke_us = crate::history::now_us();
+        let hid = self
+            .history
+            .as_ref()
+            .map(|h| h.invoke(serde_json::json!({"op": "acquire", "decoder": self.cfg.decoder_id, "gen": id})));
         let acq = self
             .client
             .acquire(pb::AcquireRequest {
@@ -235,7 +238,7 @@ impl Worker {
                 rng_version: RNG_VERSION,
             })
             .await;
-        if let Some(h) = &self.history {
+        if let (Some(h), Some(hid)) = (&self.history, hid) {
             let (ok, epoch) = match &acq {
                 Ok(a) => (
                     serde_json::json!(a.ok),
@@ -246,9 +249,9 @@ impl Worker {
                 ),
                 Err(_) => (serde_json::Value::Null, 0),
             };
-            h.record(
-                serde_json::json!({"op": "acquire", "decoder": self.cfg.decoder_id, "gen": id,
-                "invoke_us": invoke_us, "complete_us": crate::history::now_us(), "ok": ok, "epoch": epoch}),
+            h.complete(
+                hid,
+                serde_json::json!({"decoder": self.cfg.decoder_id, "ok": ok, "epoch": epoch}),
             );
         }
         let acq = acq?;
@@ -405,19 +408,21 @@ impl Worker {
             let Some(h) = history else {
                 return client.append(req).await;
             };
-            let invoke_us = crate::history::now_us();
-            let items: Vec<(u64, u64, u32, usize, bool)> = req
+            let decoder = req.decoder_id.clone();
+            let ids: Vec<(u64, u64)> = req
                 .items
                 .iter()
-                .map(|i| (i.generation_id, i.epoch, i.start_seq, i.token_ids.len(), i.finish != 0))
+                .map(|i| {
+                    let id = h.invoke(
+                        serde_json::json!({"op": "append", "decoder": decoder, "gen": i.generation_id,
+                        "epoch": i.epoch, "start_seq": i.start_seq, "n": i.token_ids.len(), "finish": i.finish != 0}),
+                    );
+                    (id, i.generation_id)
+                })
                 .collect();
-            let decoder = req.decoder_id.clone();
             let resp = client.append(req).await;
-            let complete_us = crate::history::now_us();
-            for (gen, epoch, start, n, finish) in items {
-                let mut v = serde_json::json!({"op": "append", "decoder": decoder, "gen": gen, "epoch": epoch,
-                    "start_seq": start, "n": n, "finish": finish, "invoke_us": invoke_us, "complete_us": complete_us,
-                    "ok": null});
+            for (id, gen) in ids {
+                let mut v = serde_json::json!({"decoder": decoder, "ok": null});
                 if let Some(r) = resp
                     .as_ref()
                     .ok()
@@ -432,7 +437,7 @@ impl Worker {
                         v["reason"] = serde_json::json!(x.reason);
                     }
                 }
-                h.record(v);
+                h.complete(id, v);
             }
             resp
         }))

@@ -15,11 +15,16 @@
 //! - [`parse`]: readers for Jepsen log lines and EDN event maps, and
 //!   [`parse::EventDecoder`] to type their events for a model.
 //!
+//! - [`harness`]: the fault suite: a real cluster of `tokenlog` processes, a client workload,
+//!   seeded nemeses, the checkers over the recorded history, and a report per run.
+//!
 //! The `jepsen-style-tests` binary (`src/main.rs`) checks a recorded history from the command
-//! line; `tests/public_histories.rs` validates the checker against histories with known
-//! verdicts.
+//! line (`check-history`) and runs the fault suite (`run`); `tests/public_histories.rs`
+//! validates the checker against histories with known verdicts, `tests/fault_suite.rs` runs
+//! short seeded fault runs and a planted bug.
 
 pub mod checker;
+pub mod harness;
 pub mod history;
 pub mod model;
 pub mod models;

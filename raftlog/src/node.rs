@@ -256,6 +256,12 @@ fn raft_config(cfg: &NodeConfig) -> Result<Arc<Config>, LogError> {
         election_timeout_max: cfg.election_timeout_ms.1,
         snapshot_policy: SnapshotPolicy::LogsSinceLast(cfg.snapshot_every),
         max_in_snapshot_log_to_keep: cfg.keep_after_snapshot,
+        // A follower that lost its data dir and rejoins under its old id has an empty log where
+        // the leader remembers a match; without this the leader's replication panics (found by
+        // the fault suite's wipe-node nemesis). The node catches up by snapshot. Caveat: it
+        // also lost its vote, so the safe way to replace a disk is `tokenlog members replace`
+        // with a new id; rejoining under the old id is tolerated, not recommended.
+        allow_log_reversion: Some(true),
         ..Default::default()
     };
     config
@@ -266,6 +272,10 @@ fn raft_config(cfg: &NodeConfig) -> Result<Arc<Config>, LogError> {
 
 /// Opens storage, starts Raft and serves both gRPC services on `cfg.listen`.
 pub async fn start(cfg: NodeConfig) -> Result<RunningNode, LogError> {
+    if std::env::var("TOKENLOG_PLANT_NO_FENCE").is_ok_and(|v| v == "1") {
+        tracing::error!("PLANTED BUG: appends skip the epoch fence (TOKENLOG_PLANT_NO_FENCE=1); test use only");
+        crate::state::plant_no_fence(true);
+    }
     std::fs::create_dir_all(&cfg.data_dir)
         .map_err(|e| LogError::Storage(format!("{}: {e}", cfg.data_dir.display())))?;
     let db = crate::db::open(&cfg.data_dir).map_err(|e| LogError::Storage(e.to_string()))?;

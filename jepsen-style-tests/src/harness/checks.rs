@@ -1,0 +1,283 @@
+//! The checkers of a run. Each answers a [`Verdict`]: what it checked and the first problems.
+//!
+//! - `exactly-once`: each client's received events for a request are seqs 0, 1, ..., n with no
+//!   duplicate and no gap, the last event last, and every token (and its epoch) equal to the
+//!   final committed record at that seq.
+//! - `durability`: every token any client saw is in the final log at its seq.
+//! - `fencing`: one grant per epoch per generation; epochs of the final records never decrease
+//!   along a generation; every final record's epoch was granted to some decoder.
+//! - `linearizability`: the decoders' acquires and appends, per generation, against the
+//!   ownership/frontier model ([`crate::models::Ownership`]).
+//! - `status`: a status read after the last event says terminal, with the same frontier.
+//! - `liveness`: every request finished (after the healing phase), none failed.
+//! - `convergence`: chain heads are equal on every node, and every node's chains verify.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::Duration;
+
+use serde_json::Value;
+
+use super::workload::RequestRecord;
+use crate::checker::{check, CheckResult};
+use crate::history::Operation;
+use crate::models::ownership::{Ownership, OwnershipInput, OwnershipOp, OwnershipOutput};
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Verdict {
+    pub ok: bool,
+    pub checked: usize,
+    pub problems: Vec<String>,
+}
+
+const PROBLEMS_KEPT: usize = 20;
+
+impl Verdict {
+    fn new() -> Self {
+        Verdict {
+            ok: true,
+            checked: 0,
+            problems: vec![],
+        }
+    }
+    fn fail(&mut self, p: String) {
+        self.ok = false;
+        if self.problems.len() < PROBLEMS_KEPT {
+            self.problems.push(p);
+        }
+    }
+}
+
+/// A generation's final committed records: (token, epoch) per seq, and whether it is terminal.
+#[derive(Clone, Debug, Default)]
+pub struct FinalGen {
+    pub records: Vec<(u32, u64)>,
+    pub terminal: bool,
+    pub state: String,
+}
+
+pub fn exactly_once(reqs: &[RequestRecord], finals: &HashMap<u64, FinalGen>) -> Verdict {
+    let mut v = Verdict::new();
+    for r in reqs {
+        v.checked += 1;
+        let Some(f) = finals.get(&r.generation) else {
+            if !r.events.is_empty() {
+                v.fail(format!(
+                    "{}: generation {} missing from the final log",
+                    r.request_id, r.generation
+                ));
+            }
+            continue;
+        };
+        for (i, &(seq, token, epoch, last)) in r.events.iter().enumerate() {
+            if seq as usize != i {
+                v.fail(format!(
+                    "{}: event #{i} has seq {seq} ({})",
+                    r.request_id,
+                    if (seq as usize) < i { "duplicate" } else { "gap" }
+                ));
+                break;
+            }
+            if last {
+                if seq as usize != f.records.len() {
+                    v.fail(format!(
+                        "{}: last event at seq {seq} but the log has {} records",
+                        r.request_id,
+                        f.records.len()
+                    ));
+                }
+                if i + 1 != r.events.len() {
+                    v.fail(format!("{}: events after the last one", r.request_id));
+                }
+                continue;
+            }
+            match f.records.get(seq as usize) {
+                Some(&(t, e)) if t == token && e == epoch => {}
+                Some(&(t, e)) => {
+                    v.fail(format!(
+                        "{}: seq {seq}: client saw token {token} epoch {epoch}, the log has {t} epoch {e}",
+                        r.request_id
+                    ));
+                    break;
+                }
+                None => {}
+            }
+        }
+    }
+    v
+}
+
+pub fn durability(reqs: &[RequestRecord], finals: &HashMap<u64, FinalGen>) -> Verdict {
+    let mut v = Verdict::new();
+    for r in reqs {
+        for &(seq, token, _, last) in &r.events {
+            if last {
+                continue;
+            }
+            v.checked += 1;
+            let have = finals
+                .get(&r.generation)
+                .and_then(|f| f.records.get(seq as usize))
+                .map(|x| x.0);
+            if have != Some(token) {
+                v.fail(format!(
+                    "{}: token {token} at seq {seq} was shown to a client but the final log has {have:?}",
+                    r.request_id
+                ));
+            }
+        }
+    }
+    v
+}
+
+pub fn status(reqs: &[RequestRecord]) -> Verdict {
+    let mut v = Verdict::new();
+    for r in reqs.iter().filter(|r| r.finished) {
+        v.checked += 1;
+        let n = r.events.last().map_or(0, |e| e.0);
+        match &r.status_after {
+            Some((state, frontier))
+                if matches!(state.as_str(), "finished" | "failed" | "cancelled") && *frontier == n => {}
+            other => v.fail(format!(
+                "{}: after the last event (seq {n}) status said {other:?}",
+                r.request_id
+            )),
+        }
+    }
+    v
+}
+
+pub fn liveness(reqs: &[RequestRecord]) -> Verdict {
+    let mut v = Verdict::new();
+    for r in reqs {
+        v.checked += 1;
+        if !r.finished {
+            v.fail(format!(
+                "{}: never finished ({} events, last error {:?})",
+                r.request_id,
+                r.events.len(),
+                r.error
+            ));
+        } else if r.finish_reason == "error" {
+            v.fail(format!("{}: failed explicitly", r.request_id));
+        }
+    }
+    v
+}
+
+/// Decoder history lines (`op` = acquire | append).
+pub fn fencing(decoder_ops: &[Value], finals: &HashMap<u64, FinalGen>) -> Verdict {
+    let mut v = Verdict::new();
+    let mut grants: BTreeMap<(u64, u64), BTreeSet<String>> = BTreeMap::new();
+    for op in decoder_ops.iter().filter(|o| o["op"] == "acquire" && o["ok"] == true) {
+        let key = (op["gen"].as_u64().unwrap_or(0), op["epoch"].as_u64().unwrap_or(0));
+        grants
+            .entry(key)
+            .or_default()
+            .insert(op["decoder"].as_str().unwrap_or("?").to_string());
+    }
+    for ((g, e), who) in &grants {
+        v.checked += 1;
+        if who.len() > 1 {
+            v.fail(format!(
+                "generation {g}: epoch {e} granted to {} decoders: {who:?}",
+                who.len()
+            ));
+        }
+    }
+    for (g, f) in finals {
+        let mut prev = 0;
+        for (seq, &(_, e)) in f.records.iter().enumerate() {
+            v.checked += 1;
+            if e < prev {
+                v.fail(format!("generation {g}: record {seq} has epoch {e} after epoch {prev}"));
+                break;
+            }
+            prev = e;
+            if !decoder_ops.is_empty() && !grants.contains_key(&(*g, e)) {
+                // The grant may be in a history line lost to a kill -9 mid-write; only a record
+                // at an epoch no decoder ever reported *and* above every reported one is flagged.
+                let max = grants
+                    .keys()
+                    .filter(|(gg, _)| gg == g)
+                    .map(|(_, e)| *e)
+                    .max()
+                    .unwrap_or(0);
+                if e > max {
+                    v.fail(format!("generation {g}: record {seq} has epoch {e}, never granted"));
+                    break;
+                }
+            }
+        }
+    }
+    v
+}
+
+pub fn linearizability(decoder_ops: &[Value], budget: Duration) -> (Verdict, usize) {
+    let mut v = Verdict::new();
+    let mut clients: HashMap<String, u64> = HashMap::new();
+    let mut ops = Vec::new();
+    for o in decoder_ops {
+        let dec = o["decoder"].as_str().unwrap_or("?").to_string();
+        let n = clients.len() as u64;
+        let client = *clients.entry(dec.clone()).or_insert(n);
+        let generation = o["gen"].as_u64().unwrap_or(0);
+        let call = o["invoke_us"].as_u64().unwrap_or(0);
+        let ret = o["complete_us"].as_u64().unwrap_or(call);
+        let (op, out) = match o["op"].as_str() {
+            Some("acquire") => (
+                OwnershipOp::Acquire { decoder: dec },
+                match o["ok"].as_bool() {
+                    Some(true) => Some(OwnershipOutput::Acquired {
+                        epoch: o["epoch"].as_u64().unwrap_or(0),
+                    }),
+                    Some(false) => Some(OwnershipOutput::AcquireRejected),
+                    None => None,
+                },
+            ),
+            Some("append") => (
+                OwnershipOp::Append {
+                    epoch: o["epoch"].as_u64().unwrap_or(0),
+                    start_seq: o["start_seq"].as_u64().unwrap_or(0),
+                    n_tokens: o["n"].as_u64().unwrap_or(0),
+                },
+                match o["ok"].as_bool() {
+                    Some(true) => Some(OwnershipOutput::Appended {
+                        frontier: o["frontier"].as_u64().unwrap_or(0),
+                    }),
+                    Some(false) => Some(OwnershipOutput::AppendRejected {
+                        current_epoch: o["current_epoch"].as_u64().unwrap_or(0),
+                        frontier: o["frontier"].as_u64().unwrap_or(0),
+                    }),
+                    None => None,
+                },
+            ),
+            _ => continue,
+        };
+        let input = OwnershipInput { generation, op };
+        ops.push(match out {
+            Some(out) => Operation::returned(client, input, call, out, ret.max(call)),
+            None => Operation::indeterminate(client, input, call),
+        });
+    }
+    ops.sort_by_key(|o| o.call_time);
+    v.checked = ops.len();
+    match check(&Ownership, &ops, budget) {
+        CheckResult::Linearizable => {}
+        CheckResult::Unknown => v.fail(format!("unknown: the checker's budget ({budget:?}) ran out")),
+        CheckResult::NotLinearizable(x) => {
+            let stuck = x
+                .stuck
+                .as_ref()
+                .map(|o| format!("{:?} -> {:?}", o.input, o.output()))
+                .unwrap_or_default();
+            v.fail(format!(
+                "generation {} ({} ops) is not linearizable; stuck at {stuck} after {} linearized ops",
+                x.partition,
+                x.partition_size,
+                x.linearized.len()
+            ));
+        }
+    }
+    let n = ops.len();
+    (v, n)
+}

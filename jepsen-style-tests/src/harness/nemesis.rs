@@ -1,0 +1,181 @@
+//! Nemeses: faults injected one after another during the fault window, chosen and timed by one
+//! seeded RNG, each recorded as an interval in the history. Every fault ends healed (processes
+//! restarted or continued) before the next starts, so faults of different kinds combine over the
+//! window; `RestartAll` takes every node down at once.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::{json, Value};
+
+use super::now_us;
+use super::procs::Proc;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Fault {
+    /// kill -9 a log node (the leader half the time), restart it.
+    KillNode,
+    /// SIGSTOP a log node (the leader half the time) for a while, then SIGCONT.
+    PauseNode,
+    /// kill -9 a decoder between sampling and commit, restart it (a new incarnation).
+    KillDecoder,
+    /// SIGSTOP a decoder past its lease, then SIGCONT: it must be fenced.
+    PauseDecoder,
+    /// kill -9 a gateway mid-stream, restart it.
+    KillGateway,
+    /// A node loses its data dir and rejoins (catches up by snapshot).
+    WipeNode,
+    /// Every node killed at once, then all restarted.
+    RestartAll,
+}
+
+impl Fault {
+    pub const ALL: [Fault; 7] = [
+        Fault::KillNode,
+        Fault::PauseNode,
+        Fault::KillDecoder,
+        Fault::PauseDecoder,
+        Fault::KillGateway,
+        Fault::WipeNode,
+        Fault::RestartAll,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Fault::KillNode => "kill-node",
+            Fault::PauseNode => "pause-node",
+            Fault::KillDecoder => "kill-decoder",
+            Fault::PauseDecoder => "pause-decoder",
+            Fault::KillGateway => "kill-gateway",
+            Fault::WipeNode => "wipe-node",
+            Fault::RestartAll => "restart-all",
+        }
+    }
+}
+
+pub struct Procs {
+    pub nodes: Vec<Proc>,
+    pub node_dirs: Vec<PathBuf>,
+    pub gateways: Vec<Proc>,
+    pub decoders: Vec<Proc>,
+}
+
+impl Procs {
+    /// Continues every paused process and starts every stopped one.
+    pub fn heal(&mut self) -> anyhow::Result<()> {
+        for p in self
+            .nodes
+            .iter_mut()
+            .chain(self.gateways.iter_mut())
+            .chain(self.decoders.iter_mut())
+        {
+            p.resume();
+            p.start()?;
+        }
+        Ok(())
+    }
+}
+
+/// Runs faults until `window` has passed. `leader` answers the current leader's index (0-based)
+/// when known. Returns the nemesis records.
+pub async fn run(
+    procs: Arc<Mutex<Procs>>,
+    faults: Vec<Fault>,
+    seed: u64,
+    window: Duration,
+    leader: Arc<Mutex<Option<usize>>>,
+) -> anyhow::Result<Vec<Value>> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut out = Vec::new();
+    let start = Instant::now();
+    if faults.is_empty() {
+        tokio::time::sleep(window).await;
+        return Ok(out);
+    }
+    // Let the workload get going first.
+    tokio::time::sleep(Duration::from_millis(rng.random_range(500..1500))).await;
+    while start.elapsed() < window {
+        let fault = faults[rng.random_range(0..faults.len())];
+        let ms = |rng: &mut StdRng, lo: u64, hi: u64| Duration::from_millis(rng.random_range(lo..hi));
+        let t0 = now_us();
+        let target;
+        match fault {
+            Fault::KillNode | Fault::PauseNode => {
+                let n = procs.lock().expect("lock").nodes.len();
+                let known = *leader.lock().expect("lock");
+                let i = match known {
+                    Some(l) if rng.random_bool(0.5) => l,
+                    _ => rng.random_range(0..n),
+                };
+                target = format!("node{}", i + 1);
+                let hold = ms(&mut rng, 500, 2500);
+                if fault == Fault::KillNode {
+                    procs.lock().expect("lock").nodes[i].kill9();
+                    tokio::time::sleep(hold).await;
+                    procs.lock().expect("lock").nodes[i].start()?;
+                } else {
+                    procs.lock().expect("lock").nodes[i].pause();
+                    tokio::time::sleep(hold).await;
+                    procs.lock().expect("lock").nodes[i].resume();
+                }
+            }
+            Fault::KillDecoder | Fault::PauseDecoder => {
+                let n = procs.lock().expect("lock").decoders.len();
+                let i = rng.random_range(0..n);
+                target = procs.lock().expect("lock").decoders[i].name.clone();
+                if fault == Fault::KillDecoder {
+                    procs.lock().expect("lock").decoders[i].kill9();
+                    tokio::time::sleep(ms(&mut rng, 200, 1500)).await;
+                    procs.lock().expect("lock").decoders[i].start()?;
+                } else {
+                    procs.lock().expect("lock").decoders[i].pause();
+                    tokio::time::sleep(ms(&mut rng, 1500, 3500)).await;
+                    procs.lock().expect("lock").decoders[i].resume();
+                }
+            }
+            Fault::KillGateway => {
+                let n = procs.lock().expect("lock").gateways.len();
+                let i = rng.random_range(0..n);
+                target = procs.lock().expect("lock").gateways[i].name.clone();
+                procs.lock().expect("lock").gateways[i].kill9();
+                tokio::time::sleep(ms(&mut rng, 200, 1000)).await;
+                procs.lock().expect("lock").gateways[i].start()?;
+            }
+            Fault::WipeNode => {
+                // Not node 1: the lowest id initializes a cluster when its data dir is empty.
+                let n = procs.lock().expect("lock").nodes.len();
+                let i = rng.random_range(1..n);
+                target = format!("node{}", i + 1);
+                {
+                    let mut p = procs.lock().expect("lock");
+                    p.nodes[i].kill9();
+                    let dir = p.node_dirs[i].clone();
+                    let _ = std::fs::remove_dir_all(&dir);
+                }
+                tokio::time::sleep(ms(&mut rng, 200, 1000)).await;
+                procs.lock().expect("lock").nodes[i].start()?;
+            }
+            Fault::RestartAll => {
+                target = "all nodes".into();
+                {
+                    let mut p = procs.lock().expect("lock");
+                    for n in p.nodes.iter_mut() {
+                        n.kill9();
+                    }
+                }
+                tokio::time::sleep(ms(&mut rng, 300, 1200)).await;
+                let mut p = procs.lock().expect("lock");
+                for n in p.nodes.iter_mut() {
+                    n.start()?;
+                }
+            }
+        }
+        out.push(json!({"op": "nemesis", "fault": fault.name(), "target": target, "start_us": t0, "end_us": now_us()}));
+        tokio::time::sleep(ms(&mut rng, 300, 1500)).await;
+    }
+    Ok(out)
+}

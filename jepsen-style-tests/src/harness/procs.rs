@@ -1,0 +1,139 @@
+//! The processes of a run: 3 log nodes, gateways and decoders, each a real `tokenlog` process on
+//! loopback, killed with SIGKILL, paused with SIGSTOP, restarted with the same arguments.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
+
+pub fn wait_for_port(addr: &str, within: Duration) -> Result<()> {
+    let deadline = Instant::now() + within;
+    while std::net::TcpStream::connect(addr).is_err() {
+        if Instant::now() > deadline {
+            bail!("nothing listens on {addr} after {within:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum Role {
+    Node,
+    Gateway,
+    Decoder,
+}
+
+/// One process slot: what to run, and the running child if any.
+pub struct Proc {
+    pub name: String,
+    pub role: Role,
+    bin: PathBuf,
+    /// Arguments; `{inc}` is replaced by the incarnation number (decoder ids must be unique per
+    /// incarnation).
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+    log: PathBuf,
+    child: Option<Child>,
+    pub paused: bool,
+    pub incarnation: u32,
+    /// The address to wait for after a start (gRPC port).
+    pub ready_addr: Option<String>,
+}
+
+impl Proc {
+    pub fn new(name: &str, role: Role, bin: &Path, args: Vec<String>, dir: &Path) -> Proc {
+        Proc {
+            name: name.to_string(),
+            role,
+            bin: bin.to_path_buf(),
+            args,
+            env: vec![],
+            log: dir.join(format!("{name}.log")),
+            child: None,
+            paused: false,
+            incarnation: 0,
+            ready_addr: None,
+        }
+    }
+
+    pub fn env(mut self, k: &str, v: &str) -> Proc {
+        self.env.push((k.into(), v.into()));
+        self
+    }
+
+    pub fn running(&self) -> bool {
+        self.child.is_some()
+    }
+
+    pub fn start(&mut self) -> Result<()> {
+        if self.child.is_some() {
+            return Ok(());
+        }
+        self.incarnation += 1;
+        let args: Vec<String> = self
+            .args
+            .iter()
+            .map(|a| a.replace("{inc}", &self.incarnation.to_string()))
+            .collect();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .with_context(|| format!("{}", self.log.display()))?;
+        let child = Command::new(&self.bin)
+            .args(&args)
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .env("RUST_LOG", "info,openraft=warn")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting {} ({})", self.name, self.bin.display()))?;
+        self.child = Some(child);
+        self.paused = false;
+        Ok(())
+    }
+
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        self.paused = false;
+    }
+
+    fn signal(&self, sig: &str) {
+        if let Some(c) = &self.child {
+            let _ = Command::new("kill").args([sig, &c.id().to_string()]).status();
+        }
+    }
+
+    pub fn pause(&mut self) {
+        if self.child.is_some() && !self.paused {
+            self.signal("-STOP");
+            self.paused = true;
+        }
+    }
+
+    pub fn resume(&mut self) {
+        if self.paused {
+            self.signal("-CONT");
+            self.paused = false;
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.resume();
+        self.kill9();
+    }
+}

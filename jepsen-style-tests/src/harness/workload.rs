@@ -1,0 +1,184 @@
+//! Clients: each runs generations one after another through the gateways, disconnects at random
+//! and resumes (on a random gateway) after the last seq it received, and records every event it
+//! received, raw, before any deduplication, so the checkers see exactly what a client saw.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::{json, Value};
+use tokenlog_proto::tokenlog as tpb;
+use tokenlog_proto::tokenlog::generation_client::GenerationClient;
+use tonic::transport::{Channel, Endpoint};
+
+use super::now_us;
+
+/// Per received event, the chance that the client drops the stream and resumes.
+pub const DISCONNECT_CHANCE: f64 = 0.03;
+/// How long one request may take, faults included, before the client gives up on it.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// What one client saw of one request.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct RequestRecord {
+    pub client: usize,
+    pub request_id: String,
+    pub invoke_us: u64,
+    pub complete_us: u64,
+    pub generation: u64,
+    /// Every event received, in order: (seq, token_id, epoch, last).
+    pub events: Vec<(u32, u32, u64, bool)>,
+    /// Streams opened (1 + resumes).
+    pub connections: u32,
+    pub finished: bool,
+    pub finish_reason: String,
+    pub error: Option<String>,
+    /// Status read right after the last event: (state, frontier).
+    pub status_after: Option<(String, u32)>,
+}
+
+fn channel(addr: &str) -> Channel {
+    Endpoint::from_shared(format!("http://{addr}"))
+        .expect("loopback address")
+        .connect_timeout(Duration::from_millis(500))
+        .tcp_nodelay(true)
+        .connect_lazy()
+}
+
+pub async fn client_loop(
+    id: usize,
+    gateways: Vec<String>,
+    seed: u64,
+    max_tokens: (u32, u32),
+    stop_new: tokio::sync::watch::Receiver<bool>,
+    out: Arc<Mutex<Vec<RequestRecord>>>,
+) {
+    let mut rng = StdRng::seed_from_u64(seed ^ (id as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    let channels: Vec<Channel> = gateways.iter().map(|a| channel(a)).collect();
+    let mut k = 0;
+    while !*stop_new.borrow() {
+        let rid = format!("c{id}-{k}");
+        k += 1;
+        let n = rng.random_range(max_tokens.0..=max_tokens.1);
+        let rec = one_request(id, &rid, n, &channels, &mut rng).await;
+        out.lock().expect("lock").push(rec);
+    }
+}
+
+async fn one_request(
+    client: usize,
+    rid: &str,
+    max_tokens: u32,
+    channels: &[Channel],
+    rng: &mut StdRng,
+) -> RequestRecord {
+    let req = tpb::GenerateRequest {
+        request_id: rid.to_string(),
+        prompt: format!("story {rid}: "),
+        max_tokens,
+        temperature: 0.8,
+        top_p: 0.95,
+        seed: rng.random(),
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let mut rec = RequestRecord {
+        client,
+        request_id: rid.to_string(),
+        invoke_us: now_us(),
+        complete_us: 0,
+        generation: 0,
+        events: vec![],
+        connections: 0,
+        finished: false,
+        finish_reason: String::new(),
+        error: None,
+        status_after: None,
+    };
+    let started = Instant::now();
+    let mut last: i64 = -1;
+    'outer: while started.elapsed() < REQUEST_TIMEOUT {
+        let mut c = GenerationClient::new(channels[rng.random_range(0..channels.len())].clone());
+        rec.connections += 1;
+        // Generate is idempotent by request id: until an event arrived, submit again; after,
+        // resume after the last seq received.
+        let opened = if last < 0 {
+            c.generate(req.clone()).await
+        } else {
+            c.resume(tpb::ResumeRequest {
+                request_id: rid.to_string(),
+                after_seq: last,
+            })
+            .await
+        };
+        let mut s = match opened {
+            Ok(r) => r.into_inner(),
+            Err(e) => {
+                rec.error = Some(e.to_string());
+                if !matches!(
+                    e.code(),
+                    tonic::Code::Unavailable
+                        | tonic::Code::Unknown
+                        | tonic::Code::Cancelled
+                        | tonic::Code::Internal
+                        | tonic::Code::DeadlineExceeded
+                ) {
+                    break 'outer;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        loop {
+            match tokio::time::timeout(Duration::from_secs(15), s.message()).await {
+                Ok(Ok(Some(ev))) => {
+                    rec.generation = ev.generation;
+                    rec.events.push((ev.seq, ev.token_id, ev.epoch, ev.last));
+                    last = last.max(i64::from(ev.seq));
+                    if ev.last {
+                        rec.finished = true;
+                        rec.finish_reason = ev.finish_reason.clone();
+                        rec.error = None;
+                        break 'outer;
+                    }
+                    if rng.random_bool(DISCONNECT_CHANCE) {
+                        break;
+                    }
+                }
+                Ok(Ok(None)) => break,
+                Ok(Err(e)) => {
+                    rec.error = Some(e.to_string());
+                    break;
+                }
+                Err(_) => {
+                    rec.error = Some("no event for 15 s".into());
+                    break;
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(rng.random_range(0..50))).await;
+    }
+    rec.complete_us = now_us();
+    if rec.finished {
+        for ch in channels {
+            if let Ok(st) = GenerationClient::new(ch.clone())
+                .status(tpb::StatusRequest {
+                    request_id: rid.to_string(),
+                })
+                .await
+            {
+                let st = st.into_inner();
+                rec.status_after = Some((st.state, st.frontier));
+                break;
+            }
+        }
+    }
+    rec
+}
+
+pub fn to_json(r: &RequestRecord) -> Value {
+    let mut v = serde_json::to_value(r).expect("serializable");
+    v["op"] = json!("request");
+    v
+}
