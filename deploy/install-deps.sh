@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what building and testing tokenlog needs beyond cargo, from Debian's packages:
 # libclang (bindgen for RocksDB's C API), a C++ compiler, etcd-server (the baseline of
-# `tokenlog bench log`), iproute2/iptables (network namespaces for the fault suite).
+# `tokenlog bench log`), iproute2/iptables (network namespaces for the fault suite), python3-venv
+# (the test that drives tokenlog with the `openai` Python package).
 # Idempotent and quiet when everything is present.
 set -euo pipefail
 need=()
@@ -10,6 +11,8 @@ command -v g++ >/dev/null || need+=(g++)
 command -v etcd >/dev/null || need+=(etcd-server)
 command -v ip >/dev/null || need+=(iproute2)
 command -v iptables >/dev/null || need+=(iptables)
+# The OpenAI-client test makes a Python venv (Debian's python3 needs python3-venv for that).
+python3 -c 'import venv, ensurepip' 2>/dev/null || need+=(python3-venv)
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing: ${need[*]}" >&2
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo

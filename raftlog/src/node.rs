@@ -82,7 +82,7 @@ pub struct NodeCtx {
     pub metrics: crate::metrics::NodeMetrics,
 }
 
-fn wall_ms() -> u64 {
+pub(crate) fn wall_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)

@@ -271,6 +271,46 @@ mod tests {
     }
 
     #[test]
+    fn overlapping_resends_extend_and_stale_resends_inside_the_prefix_are_acknowledged() {
+        let ops = [
+            acq(0, "a", 0, Some(O::Acquired { epoch: 1 }), 1),
+            app(0, (1, 0, 3), 2, Some(O::Appended { frontier: 3 }), 3),
+            // A re-send after a lost answer: 1..3 committed already, 3..5 new.
+            app(0, (1, 1, 4), 4, Some(O::Appended { frontier: 5 }), 5),
+            acq(1, "b", 6, Some(O::Acquired { epoch: 2 }), 7),
+            // a's stale re-send lies inside the committed prefix: acknowledged, no effect.
+            app(0, (1, 2, 3), 8, Some(O::Appended { frontier: 5 }), 9),
+        ];
+        assert_eq!(verdict(&ops), "linearizable");
+        let mut extends = ops.clone();
+        extends[4] = app(0, (1, 4, 3), 8, Some(O::Appended { frontier: 7 }), 9);
+        assert_eq!(
+            verdict(&extends),
+            "not-linearizable",
+            "a stale epoch extended the prefix"
+        );
+    }
+
+    #[test]
+    fn a_retried_acquire_may_skip_epochs_but_never_repeat_one() {
+        let skipped = [
+            acq(0, "a", 0, Some(O::Acquired { epoch: 1 }), 1),
+            acq(1, "b", 2, Some(O::Acquired { epoch: 3 }), 3),
+        ];
+        assert_eq!(verdict(&skipped), "linearizable");
+        let repeated = [
+            acq(0, "a", 0, Some(O::Acquired { epoch: 2 }), 1),
+            acq(1, "b", 2, Some(O::Acquired { epoch: 2 }), 3),
+        ];
+        assert_eq!(verdict(&repeated), "not-linearizable");
+        let backwards = [
+            acq(0, "a", 0, Some(O::Acquired { epoch: 2 }), 1),
+            acq(1, "b", 2, Some(O::Acquired { epoch: 1 }), 3),
+        ];
+        assert_eq!(verdict(&backwards), "not-linearizable");
+    }
+
+    #[test]
     fn stale_epoch_append_must_not_be_accepted() {
         let ops = [
             acq(0, "a", 0, Some(O::Acquired { epoch: 1 }), 1),

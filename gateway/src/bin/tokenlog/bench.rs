@@ -23,6 +23,12 @@ pub enum BenchCmd {
     /// Append throughput and commit latency of a 3-node log vs a 3-member etcd (Debian's
     /// etcd-server), same payload, same run.
     Log(LogArgs),
+    /// Raw candle decode vs the decoder writing to a 3-node log (same model, same run), and
+    /// re-prefill time vs prefix length in exact and fast mode.
+    Decode(crate::bench_decoder::DecodeArgs),
+    /// kill -9 the owning decoder repeatedly with a warm standby; p50/p99 of kill -> next token
+    /// visible, split into detection (lease expiry) and re-prefill + first step.
+    Failover(crate::bench_decoder::FailoverArgs),
 }
 
 #[derive(clap::Args, Clone)]
@@ -53,11 +59,13 @@ pub struct LogArgs {
 pub async fn run(cmd: BenchCmd) -> anyhow::Result<()> {
     match cmd {
         BenchCmd::Log(a) => bench_log(a).await,
+        BenchCmd::Decode(a) => crate::bench_decoder::decode(a).await,
+        BenchCmd::Failover(a) => crate::bench_decoder::failover(a).await,
     }
 }
 
 /// Child processes killed on drop.
-struct Procs(Vec<Child>);
+pub struct Procs(Vec<Child>);
 
 impl Drop for Procs {
     fn drop(&mut self) {
@@ -128,7 +136,7 @@ async fn bench_log(a: LogArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn start_tokenlog(dir: &Path, base: u16) -> anyhow::Result<Procs> {
+pub fn start_tokenlog(dir: &Path, base: u16) -> anyhow::Result<Procs> {
     let exe = std::env::current_exe()?;
     let peers: Vec<String> = (0..3).map(|i| format!("{}=127.0.0.1:{}", i + 1, base + i)).collect();
     let mut procs = Procs(Vec::new());
@@ -242,7 +250,7 @@ async fn setup_writer(
     Ok(owned)
 }
 
-async fn wait_for_leader(client: &LogClient) -> anyhow::Result<()> {
+pub async fn wait_for_leader(client: &LogClient) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         match client.cluster_status(true).await {

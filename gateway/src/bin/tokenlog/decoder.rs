@@ -36,7 +36,7 @@ pub struct DecoderArgs {
     #[arg(long, default_value_t = 4)]
     pub capacity: usize,
     /// Lease length (ms); renewed by every append and by a timer when a step is slow.
-    #[arg(long, default_value_t = 1_000)]
+    #[arg(long, default_value_t = 800)]
     pub lease_ms: u64,
     /// Model threads. One per decoder when several share a host (candle's pool collapses
     /// under shared cores).

@@ -1,6 +1,7 @@
 //! `tokenlog`: the one user-facing binary. Each subcommand lives in its own module.
 
 mod bench;
+mod bench_decoder;
 mod decoder;
 mod dev;
 mod gateway;

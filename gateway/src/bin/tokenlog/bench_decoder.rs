@@ -1,0 +1,438 @@
+//! `tokenlog bench decode` and `tokenlog bench failover`: the decoder's cost of writing through
+//! the log, re-prefill time, and how long a client waits when the owning decoder dies.
+
+use std::process::{Child, Command, Stdio};
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use hdrhistogram::Histogram;
+use tokenlog_decoder::worker::{Worker, WorkerConfig};
+use tokenlog_decoder::{DecodeState, Model, ResumeMode, SamplingParams, StopConditions};
+use tokenlog_proto::raftlog as pb;
+use tokenlog_raftlog::client::LogClient;
+
+use crate::bench::{start_tokenlog, wait_for_leader};
+use crate::decoder::{load_model, DecoderArgs};
+
+#[derive(clap::Args, Clone)]
+pub struct DecodeArgs {
+    /// Tokens generated per measurement.
+    #[arg(long, default_value_t = 128)]
+    pub tokens: u32,
+    /// Prefix lengths for the re-prefill timings (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "16,64,128,256")]
+    pub prefixes: Vec<usize>,
+    /// Use the fake model (instant; checks the plumbing, not the ratio).
+    #[arg(long)]
+    pub fake: bool,
+    /// GGUF model (default: the bundled SmolLM2).
+    #[arg(long)]
+    pub model: Option<std::path::PathBuf>,
+    /// Model threads.
+    #[arg(long, default_value_t = 1)]
+    pub threads: usize,
+    /// First loopback port for the 3 log nodes.
+    #[arg(long, default_value_t = 27_300)]
+    pub base_port: u16,
+}
+
+#[derive(clap::Args, Clone)]
+pub struct FailoverArgs {
+    /// How many times to kill the owning decoder.
+    #[arg(long, default_value_t = 20)]
+    pub kills: usize,
+    /// Lease (ms) of the decoders: the detection time is bounded by it.
+    #[arg(long, default_value_t = 800)]
+    pub lease_ms: u64,
+    /// Records committed before the kill.
+    #[arg(long, default_value_t = 8)]
+    pub after: u32,
+    /// Use the fake model (with --fake-step-ms per step) instead of SmolLM2.
+    #[arg(long)]
+    pub fake: bool,
+    #[arg(long, default_value_t = 20)]
+    pub fake_step_ms: u64,
+    /// First loopback port for the 3 log nodes.
+    #[arg(long, default_value_t = 27_400)]
+    pub base_port: u16,
+}
+
+fn dargs(fake: bool, model: Option<std::path::PathBuf>, threads: usize) -> DecoderArgs {
+    DecoderArgs {
+        cluster: vec![],
+        model,
+        fake,
+        fake_step_ms: 0,
+        model_name: None,
+        device: "cpu".into(),
+        capacity: 1,
+        lease_ms: 2_000,
+        threads,
+        decoder_id: None,
+        metrics_listen: None,
+        history: None,
+    }
+}
+
+fn binding(model: &dyn Model, prompt: &[u32], max_tokens: u32) -> pb::Binding {
+    let id = model.identity();
+    pb::Binding {
+        model: Some(pb::ModelIdentity {
+            weights_sha256: id.weights_sha256.clone(),
+            tokenizer_sha256: id.tokenizer_sha256.clone(),
+            architecture: id.architecture.clone(),
+            dtype_class: id.dtype_class.clone(),
+        }),
+        prompt_token_ids: prompt.to_vec(),
+        sampling: Some(pb::SamplingConfig {
+            temperature: 0.0,
+            top_p: 1.0,
+            repetition_penalty: 1.0,
+            rng_version: tokenlog_decoder::RNG_VERSION,
+            ..Default::default()
+        }),
+        stop: Some(pb::StopConfig {
+            max_tokens,
+            ..Default::default()
+        }),
+        mode: pb::ResumeMode::Exact as i32,
+        ..Default::default()
+    }
+}
+
+fn prompt_ids(model: &dyn Model) -> anyhow::Result<Vec<u32>> {
+    let t = model.tokenizer();
+    Ok(t.encode_chat(&[tokenlog_decoder::ChatMessage::user(
+        "Write a long story about a lighthouse keeper and the sea.",
+    )])?)
+}
+
+fn stop(n: u32) -> StopConditions {
+    StopConditions {
+        max_tokens: n,
+        stop_strings: vec![],
+        eos_token_ids: vec![],
+    }
+}
+
+pub async fn decode(a: DecodeArgs) -> anyhow::Result<()> {
+    let (model, name) = load_model(&dargs(a.fake, a.model.clone(), a.threads))?;
+    let prompt = prompt_ids(model.as_ref())?;
+    println!(
+        "bench decode: model {name}, {} thread(s), prompt {} tokens, {} tokens per run",
+        a.threads,
+        prompt.len(),
+        a.tokens
+    );
+
+    // 1. Raw decode: the model alone, one token per step.
+    let m = model.clone();
+    let (p2, n) = (prompt.clone(), a.tokens);
+    let (raw_tokens, raw_secs) = tokio::task::spawn_blocking(move || -> anyhow::Result<(Vec<u32>, f64)> {
+        let mut st = DecodeState::start(m.as_ref(), &p2, SamplingParams::greedy(), stop(n))?;
+        let t = Instant::now();
+        let mut out = Vec::new();
+        while let Some(step) = st.next_token()? {
+            out.push(step.token);
+        }
+        Ok((out, t.elapsed().as_secs_f64()))
+    })
+    .await??;
+    let raw_rate = raw_tokens.len() as f64 / raw_secs;
+    println!(
+        "raw candle decode         {:>8.1} tok/s  ({} tokens in {:.2} s, prefill excluded)",
+        raw_rate,
+        raw_tokens.len(),
+        raw_secs
+    );
+
+    // 2. The same generation through the lease worker writing to a 3-node log.
+    let dir = tempfile::tempdir()?;
+    let _procs = start_tokenlog(dir.path(), a.base_port)?;
+    let addrs: Vec<String> = (0..3).map(|i| format!("127.0.0.1:{}", a.base_port + i)).collect();
+    let client = LogClient::new(addrs.clone())?;
+    wait_for_leader(&client).await?;
+    let mut cfg = WorkerConfig::new("bench-decoder".into(), name.clone());
+    cfg.capacity = 1;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let worker = tokio::spawn(Worker::new(cfg, LogClient::new(addrs)?, model.clone()).run(stop_rx));
+    let sub = client
+        .submit(pb::SubmitRequest {
+            tenant: "bench".into(),
+            request_id: "decode".into(),
+            binding: Some(binding(model.as_ref(), &prompt, a.tokens)),
+        })
+        .await?;
+    let gid = sub.generation.context("no generation")?.generation_id;
+    let mut w = client.watch(gid, 0).await?;
+    let mut first: Option<Instant> = None;
+    let mut logged = Vec::new();
+    while let Some(ev) = w.message().await? {
+        for r in ev.records {
+            first.get_or_insert_with(Instant::now);
+            logged.push(r.token_id);
+        }
+        if ev.terminal.is_some() {
+            break;
+        }
+    }
+    let secs = first.map_or(0.0, |f| f.elapsed().as_secs_f64());
+    let _ = stop_tx.send(true);
+    let _ = worker.await;
+    // The first record's time includes prefill; rate over the remaining ones.
+    let log_rate = (logged.len().saturating_sub(1)) as f64 / secs.max(1e-9);
+    println!(
+        "decoder -> 3-node log     {:>8.1} tok/s  ({} tokens committed, visible at the client)",
+        log_rate,
+        logged.len()
+    );
+    println!(
+        "ratio log / raw           {:>8.2}x  (goal >= 0.95)",
+        log_rate / raw_rate
+    );
+    if logged != raw_tokens {
+        println!("WARNING: the logged tokens differ from the raw run (same greedy prompt)");
+    }
+
+    // 3. Re-prefill time vs prefix length, exact and fast.
+    println!("re-prefill (prompt {} tokens + committed prefix):", prompt.len());
+    println!("  prefix   exact: prefill + replay     fast: one batch");
+    for &len in a.prefixes.iter().filter(|&&l| l <= raw_tokens.len()) {
+        let (m, p, pre) = (model.clone(), prompt.clone(), raw_tokens[..len].to_vec());
+        let (exact, fast) = tokio::task::spawn_blocking(move || -> anyhow::Result<(Duration, Duration)> {
+            let t = Instant::now();
+            let _ = DecodeState::resume(
+                m.as_ref(),
+                &p,
+                &pre,
+                SamplingParams::greedy(),
+                stop(u32::MAX / 2),
+                ResumeMode::Exact,
+            )?;
+            let exact = t.elapsed();
+            let t = Instant::now();
+            let _ = DecodeState::resume(
+                m.as_ref(),
+                &p,
+                &pre,
+                SamplingParams::greedy(),
+                stop(u32::MAX / 2),
+                ResumeMode::Fast,
+            )?;
+            Ok((exact, t.elapsed()))
+        })
+        .await??;
+        println!(
+            "  {len:>6}   {:>10.1} ms                {:>8.1} ms   (exact/fast {:.1}x)",
+            ms(exact),
+            ms(fast),
+            ms(exact) / ms(fast).max(1e-9)
+        );
+    }
+    Ok(())
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+struct Dec {
+    child: Option<Child>,
+    id: String,
+}
+
+impl Drop for Dec {
+    fn drop(&mut self) {
+        if let Some(c) = self.child.as_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn spawn_decoder(a: &FailoverArgs, cluster: &str, id: &str, log: &std::path::Path) -> anyhow::Result<Dec> {
+    let exe = std::env::current_exe()?;
+    let mut cmd = Command::new(exe);
+    cmd.args(["decoder", "--cluster", cluster, "--decoder-id", id, "--capacity", "1"])
+        .args(["--lease-ms", &a.lease_ms.to_string()]);
+    if a.fake {
+        cmd.args(["--fake", "--fake-step-ms", &a.fake_step_ms.to_string()]);
+    }
+    let child = cmd
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(log)?)
+        .spawn()
+        .context("start decoder")?;
+    Ok(Dec {
+        child: Some(child),
+        id: id.to_string(),
+    })
+}
+
+async fn registered(client: &LogClient, id: &str) -> bool {
+    client
+        .list_models()
+        .await
+        .is_ok_and(|m| m.models.iter().any(|x| x.decoders.iter().any(|d| d == id)))
+}
+
+pub async fn failover(a: FailoverArgs) -> anyhow::Result<()> {
+    let (model, name) = load_model(&dargs(a.fake, None, 1))?;
+    let mut prompt = prompt_ids(model.as_ref())?;
+    if a.fake {
+        prompt.truncate(16);
+    }
+    let dir = tempfile::tempdir()?;
+    let _procs = start_tokenlog(dir.path(), a.base_port)?;
+    let addrs: Vec<String> = (0..3).map(|i| format!("127.0.0.1:{}", a.base_port + i)).collect();
+    let cluster = addrs.join(",");
+    let client = LogClient::new(addrs)?;
+    wait_for_leader(&client).await?;
+    println!(
+        "bench failover: model {name}, 2 decoders (one warm standby), lease {} ms, {} kills after {} records each",
+        a.lease_ms, a.kills, a.after
+    );
+    let mut incarnation = 0;
+    let mut next_id = |slot: usize| {
+        incarnation += 1;
+        format!("fo{slot}-{incarnation}")
+    };
+    let mut decs = vec![];
+    for slot in 0..2 {
+        let id = next_id(slot);
+        decs.push(spawn_decoder(&a, &cluster, &id, &dir.path().join(format!("{id}.log")))?);
+    }
+    let mut hist = [
+        Histogram::<u64>::new(3)?,
+        Histogram::<u64>::new(3)?,
+        Histogram::<u64>::new(3)?,
+    ];
+    let mut extra_takeovers = 0u64;
+    for k in 0..a.kills {
+        // Both decoders registered (the standby has its model loaded).
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while !(registered(&client, &decs[0].id).await && registered(&client, &decs[1].id).await) {
+            if Instant::now() > deadline {
+                bail!(
+                    "decoders did not register within 120 s (logs in {})",
+                    dir.path().display()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let sub = client
+            .submit(pb::SubmitRequest {
+                tenant: "bench".into(),
+                request_id: format!("failover-{k}"),
+                binding: Some(binding(model.as_ref(), &prompt, a.after + 400)),
+            })
+            .await?;
+        let gid = sub.generation.context("no generation")?.generation_id;
+        let mut w = client.watch(gid, 0).await?;
+        let mut seen = 0u32;
+        while seen < a.after {
+            let ev = w.message().await?.context("watch ended")?;
+            seen += ev.records.len() as u32;
+        }
+        let info = client
+            .get(pb::GetRequest {
+                generation_id: gid,
+                linearizable: true,
+                ..Default::default()
+            })
+            .await?
+            .generation
+            .context("gone")?;
+        let lease = info.lease.unwrap_or_default();
+        let Some(victim) = decs.iter().position(|d| d.id == lease.owner) else {
+            bail!("owner {} is not one of ours", lease.owner);
+        };
+        let killed = Instant::now();
+        if let Some(mut c) = decs[victim].child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let frontier_at_kill = seen;
+        // Detection: the standby's grant of the next epoch.
+        let acquired = loop {
+            let g = client
+                .get(pb::GetRequest {
+                    generation_id: gid,
+                    linearizable: false,
+                    ..Default::default()
+                })
+                .await?
+                .generation
+                .context("gone")?;
+            if g.lease.as_ref().is_some_and(|l| l.epoch > lease.epoch) {
+                break Instant::now();
+            }
+            if killed.elapsed() > Duration::from_secs(60) {
+                bail!("no takeover within 60 s");
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        // The next record after the ones committed by the dead owner.
+        let committed_now = info.frontier.max(frontier_at_kill);
+        let mut w = client.watch(gid, committed_now).await?;
+        let visible = loop {
+            let ev = w.message().await?.context("watch ended")?;
+            if ev.records.iter().any(|r| r.epoch > lease.epoch) {
+                break Instant::now();
+            }
+        };
+        let total = visible - killed;
+        let detect = acquired - killed;
+        let rest = visible.saturating_duration_since(acquired);
+        hist[0].record(total.as_micros() as u64)?;
+        hist[1].record(detect.as_micros() as u64)?;
+        hist[2].record(rest.as_micros() as u64)?;
+        println!(
+            "kill {:>2}: next token visible after {:>7.1} ms = detection {:>7.1} ms + re-prefill and first step {:>7.1} ms",
+            k + 1,
+            ms(total),
+            ms(detect),
+            ms(rest)
+        );
+        let _ = client
+            .cancel(pb::CancelRequest {
+                tenant: "bench".into(),
+                request_id: format!("failover-{k}"),
+            })
+            .await;
+        let g = client
+            .get(pb::GetRequest {
+                generation_id: gid,
+                linearizable: true,
+                ..Default::default()
+            })
+            .await?
+            .generation
+            .context("gone")?;
+        extra_takeovers += g.takeovers.saturating_sub(1);
+        // The dead slot gets a fresh decoder, which becomes the next standby.
+        let id = next_id(victim);
+        decs[victim] = spawn_decoder(&a, &cluster, &id, &dir.path().join(format!("{id}.log")))?;
+    }
+    let q = |h: &Histogram<u64>, p: f64| h.value_at_quantile(p) as f64 / 1e3;
+    println!("over {} kills (ms):            p50      p99", a.kills);
+    println!(
+        "  kill -> next token     {:>8.1} {:>8.1}",
+        q(&hist[0], 0.5),
+        q(&hist[0], 0.99)
+    );
+    println!(
+        "  detection (lease)      {:>8.1} {:>8.1}",
+        q(&hist[1], 0.5),
+        q(&hist[1], 0.99)
+    );
+    println!(
+        "  re-prefill + 1st step  {:>8.1} {:>8.1}",
+        q(&hist[2], 0.5),
+        q(&hist[2], 0.99)
+    );
+    println!("takeovers beyond the kills (of slow-but-renewing owners): {extra_takeovers}");
+    Ok(())
+}
