@@ -215,3 +215,152 @@ async fn killed_owner_is_replaced_and_uncommitted_tokens_are_resampled() {
     }
     drop(d2);
 }
+
+fn identity_pb(m: &FakeModel) -> pb::ModelIdentity {
+    let id = m.identity();
+    pb::ModelIdentity {
+        weights_sha256: id.weights_sha256.clone(),
+        tokenizer_sha256: id.tokenizer_sha256.clone(),
+        architecture: id.architecture.clone(),
+        dtype_class: id.dtype_class.clone(),
+    }
+}
+
+/// CONTRACT §5: a generation bound to a model no decoder serves is refused by every decoder
+/// (model mismatch, with the reason) and fails explicitly at its deadline instead of hanging.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generation_for_a_model_nobody_serves_is_refused_and_fails_at_its_deadline() {
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    let _d = cluster.start_decoder("d1", &[]);
+    let client = cluster.client();
+    let other = FakeModel::new(FakeConfig {
+        variant: 7,
+        eos_one_in: 64,
+        ..Default::default()
+    })
+    .unwrap();
+    let binding = pb::Binding {
+        model: Some(identity_pb(&other)),
+        prompt_token_ids: vec![10, 11, 12],
+        sampling: Some(pb::SamplingConfig {
+            rng_version: tokenlog_decoder::RNG_VERSION,
+            ..Default::default()
+        }),
+        stop: Some(pb::StopConfig {
+            max_tokens: 10,
+            ..Default::default()
+        }),
+        deadline_ms: 1_500,
+        ..Default::default()
+    };
+    let id = client
+        .submit(pb::SubmitRequest {
+            tenant: "t".into(),
+            request_id: "orphan".into(),
+            binding: Some(binding),
+        })
+        .await
+        .unwrap()
+        .generation
+        .unwrap()
+        .generation_id;
+    // A decoder of another model asking for it is refused, with the reason.
+    let refused = client
+        .acquire(pb::AcquireRequest {
+            generation_id: id,
+            decoder_id: "wrong-model".into(),
+            lease_ms: 1_000,
+            model: Some(identity_pb(&fake())),
+            rng_version: tokenlog_decoder::RNG_VERSION,
+        })
+        .await
+        .unwrap();
+    assert!(!refused.ok);
+    let rej = refused.rejection.unwrap();
+    assert_eq!(rej.reason, pb::RejectReason::ModelMismatch as i32, "{rej:?}");
+    assert!(!rej.message.is_empty());
+    let started = Instant::now();
+    let (toks, _, info) = follow(&client, id).await;
+    assert!(toks.is_empty());
+    assert_eq!(info.state, pb::GenerationState::Failed as i32);
+    assert_eq!(info.finish_reason, pb::FinishReason::Error as i32);
+    assert!(info.finish_detail.contains("deadline"), "{}", info.finish_detail);
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "failed in {:?}",
+        started.elapsed()
+    );
+    assert_eq!(info.lease.unwrap_or_default().epoch, 0, "no decoder ever owned it");
+}
+
+/// Failure point 10: a delayed append from a previous owner incarnation arrives after the
+/// takeover. It must not change anything: the old epoch is refused, whether the message would
+/// extend the prefix or only repeat committed records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delayed_append_from_a_previous_owner_incarnation_changes_nothing() {
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    let client = cluster.client();
+    // No decoder runs: the test plays both owners.
+    let id = submit(&client, "delayed", &[5, 6, 7]).await;
+    let m = identity_pb(&fake());
+    let acquire = |who: &'static str| {
+        let (client, m) = (client.clone(), m.clone());
+        async move {
+            client
+                .acquire(pb::AcquireRequest {
+                    generation_id: id,
+                    decoder_id: who.into(),
+                    lease_ms: 200,
+                    model: Some(m),
+                    rng_version: tokenlog_decoder::RNG_VERSION,
+                })
+                .await
+                .unwrap()
+        }
+    };
+    let append = |who: &'static str, epoch: u64, start_seq: u32, tokens: Vec<u32>| {
+        let client = client.clone();
+        async move {
+            let r = client
+                .append(pb::AppendRequest {
+                    decoder_id: who.into(),
+                    lease_ms: 200,
+                    items: vec![pb::AppendItem {
+                        generation_id: id,
+                        epoch,
+                        start_seq,
+                        token_ids: tokens,
+                        ..Default::default()
+                    }],
+                })
+                .await
+                .unwrap();
+            r.results.into_iter().next().unwrap()
+        }
+    };
+    assert!(acquire("old").await.ok);
+    assert!(append("old", 1, 0, vec![40, 41]).await.accepted);
+    // The old incarnation goes silent; its lease runs out; a new owner takes over.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let new = acquire("new").await;
+    assert!(new.ok, "{:?}", new.rejection);
+    assert_eq!(new.generation.unwrap().lease.unwrap().epoch, 2);
+    assert!(append("new", 2, 2, vec![42]).await.accepted);
+    // The old incarnation's delayed messages arrive now.
+    let late = append("old", 1, 2, vec![99]).await;
+    assert!(!late.accepted);
+    assert_eq!(late.rejection.unwrap().reason, pb::RejectReason::StaleEpoch as i32);
+    let repeat = append("old", 1, 0, vec![40, 41]).await;
+    assert!(!repeat.accepted);
+    let rej = repeat.rejection.unwrap();
+    assert_eq!(rej.reason, pb::RejectReason::StaleEpoch as i32);
+    assert_eq!((rej.current_epoch, rej.frontier), (2, 3));
+    let (_, epoch, frontier) = owner(&client, id).await;
+    assert_eq!((epoch, frontier), (2, 3), "nothing changed");
+    let mut s = client.watch(id, 0).await.unwrap();
+    let ev = s.next().await.unwrap().unwrap();
+    let got: Vec<(u32, u64)> = ev.records.iter().map(|r| (r.token_id, r.epoch)).collect();
+    assert_eq!(got, vec![(40, 1), (41, 1), (42, 2)]);
+}
