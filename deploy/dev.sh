@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 deploy/install-deps.sh
-cargo build --release -p tokenlog-gateway --bin tokenlog
+cargo build --release --workspace --bins
 exec "${CARGO_TARGET_DIR:-target}/release/tokenlog" dev "$@"

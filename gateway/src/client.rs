@@ -179,17 +179,15 @@ impl GatewayClient {
         tokio_stream::wrappers::ReceiverStream::new(rx)
     }
 
-    /// Status of a request, from whichever gateway answers.
-    pub async fn status(&self, request_id: &str) -> Result<tpb::StatusResponse, ClientError> {
+    /// Runs a unary call on the first gateway that answers.
+    async fn unary<T, F, Fut>(&self, f: F) -> Result<T, ClientError>
+    where
+        F: Fn(GenerationClient<Channel>) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<T>, Status>>,
+    {
         let mut last = String::new();
         for i in 0..self.channels.len() {
-            match self
-                .client(i)
-                .status(self.request(tpb::StatusRequest {
-                    request_id: request_id.to_string(),
-                }))
-                .await
-            {
+            match f(self.client(i)).await {
                 Ok(r) => return Ok(r.into_inner()),
                 Err(s) if retryable(&s) => last = s.to_string(),
                 Err(s) => return Err(ClientError::Status(s)),
@@ -198,21 +196,26 @@ impl GatewayClient {
         Err(ClientError::Exhausted(Duration::ZERO, last))
     }
 
+    /// Status of a request, from whichever gateway answers.
+    pub async fn status(&self, request_id: &str) -> Result<tpb::StatusResponse, ClientError> {
+        let msg = tpb::StatusRequest {
+            request_id: request_id.to_string(),
+        };
+        self.unary(|mut c| {
+            let r = self.request(msg.clone());
+            async move { c.status(r).await }
+        })
+        .await
+    }
+
     pub async fn cancel(&self, request_id: &str) -> Result<tpb::CancelResponse, ClientError> {
-        let mut last = String::new();
-        for i in 0..self.channels.len() {
-            match self
-                .client(i)
-                .cancel(self.request(tpb::CancelRequest {
-                    request_id: request_id.to_string(),
-                }))
-                .await
-            {
-                Ok(r) => return Ok(r.into_inner()),
-                Err(s) if retryable(&s) => last = s.to_string(),
-                Err(s) => return Err(ClientError::Status(s)),
-            }
-        }
-        Err(ClientError::Exhausted(Duration::ZERO, last))
+        let msg = tpb::CancelRequest {
+            request_id: request_id.to_string(),
+        };
+        self.unary(|mut c| {
+            let r = self.request(msg.clone());
+            async move { c.cancel(r).await }
+        })
+        .await
     }
 }

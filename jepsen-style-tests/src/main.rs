@@ -73,6 +73,10 @@ enum Command {
         /// Where reports go.
         #[arg(long, default_value = "reports")]
         out: PathBuf,
+        /// Run the log nodes in network namespaces (needs root, iproute2, iptables); enables
+        /// the `partition` nemesis.
+        #[arg(long)]
+        netns: bool,
     },
 }
 
@@ -115,7 +119,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
             plant,
             bin,
             out,
-        } => return fault_runs(&nemesis, time, seed, seeds, clients, plant, bin, out),
+            netns,
+        } => return fault_runs(&nemesis, time, seed, seeds, clients, plant, bin, out, netns),
     };
     let text = std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
     let events = match format {
@@ -160,6 +165,7 @@ fn fault_runs(
     plant: Option<jepsen_style_tests::harness::Plant>,
     bin: Option<PathBuf>,
     out: PathBuf,
+    netns: bool,
 ) -> Result<ExitCode> {
     use jepsen_style_tests::harness::{self, RunConfig};
     let faults = harness::parse_faults(nemesis)?;
@@ -175,6 +181,7 @@ fn fault_runs(
         cfg.faults = faults.clone();
         cfg.clients = clients;
         cfg.plant = plant;
+        cfg.netns = netns;
         let sum = rt.block_on(harness::run(&cfg))?;
         println!("{}", harness::summary_line(&sum));
         for (name, v) in &sum.verdicts {

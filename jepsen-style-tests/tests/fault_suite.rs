@@ -74,3 +74,34 @@ async fn planted_missing_epoch_fence_is_caught() {
         s.verdicts
     );
 }
+
+/// Partitions need network namespaces (root, iproute2, iptables: what `deploy/install-deps.sh`
+/// sets up and CI has): each node in its own namespace, partitions cut with iptables.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitions_between_nodes_in_network_namespaces_show_no_violation() {
+    assert!(
+        harness::net::available(),
+        "network namespaces are not available here (needs root, iproute2, iptables)"
+    );
+    let mut cfg = config(31);
+    cfg.netns = true;
+    // Listed three times: faults are drawn uniformly from the list, so partitions dominate.
+    cfg.faults = vec![
+        Fault::Partition,
+        Fault::Partition,
+        Fault::Partition,
+        Fault::KillNode,
+        Fault::PauseDecoder,
+    ];
+    let s = harness::run(&cfg).await.unwrap();
+    eprintln!("{}", harness::summary_line(&s));
+    for (name, v) in &s.verdicts {
+        assert!(
+            v.ok,
+            "{name} failed: {:?} (report in {})",
+            v.problems,
+            cfg.out.display()
+        );
+    }
+    assert!(s.faults.get("partition").copied().unwrap_or(0) >= 1, "{:?}", s.faults);
+}

@@ -3,11 +3,14 @@
 //! nemeses, a healing phase, and the checkers of [`checks`] over the recorded history. One run
 //! writes `history.jsonl`, `verdicts.json` and `timeline.html` into its output directory.
 //!
-//! Not yet here: network partitions (the processes share loopback; netns + iptables is the next
-//! step), the real model as an option, and the handoff failure points 1-6.
+//! With `netns`, each log node runs in its own network namespace (see [`net`]) and the
+//! `partition` nemesis cuts node-to-node traffic with iptables; without it everything shares
+//! loopback and partitions are left out. Not yet here: the real model as an option, and the
+//! handoff failure points 1-6.
 
 pub mod checks;
 pub mod nemesis;
+pub mod net;
 pub mod procs;
 pub mod report;
 pub mod workload;
@@ -55,6 +58,8 @@ pub struct RunConfig {
     /// Decoder lease (ms) and fake-model step delay (ms).
     pub lease_ms: u64,
     pub step_ms: u64,
+    /// Log nodes in network namespaces (partitions possible); needs root.
+    pub netns: bool,
 }
 
 impl RunConfig {
@@ -72,6 +77,7 @@ impl RunConfig {
             plant: None,
             lease_ms: 800,
             step_ms: 10,
+            netns: false,
         }
     }
 }
@@ -148,7 +154,20 @@ pub async fn run(cfg: &RunConfig) -> Result<RunSummary> {
     );
 
     // --- the cluster
-    let node_addrs: Vec<String> = (0..3).map(|_| format!("127.0.0.1:{}", free_port())).collect();
+    let net = if cfg.netns {
+        Some(net::Netns::create(3).context("making network namespaces")?)
+    } else {
+        None
+    };
+    let node_addrs: Vec<String> = match &net {
+        Some(n) => n.ips.iter().map(|ip| format!("{ip}:7001")).collect(),
+        None => (0..3).map(|_| format!("127.0.0.1:{}", free_port())).collect(),
+    };
+    let mut faults = cfg.faults.clone();
+    if net.is_none() && faults.contains(&Fault::Partition) {
+        eprintln!("partition left out: it needs --netns");
+        faults.retain(|f| *f != Fault::Partition);
+    }
     let peers = node_addrs
         .iter()
         .enumerate()
@@ -179,7 +198,22 @@ pub async fn run(cfg: &RunConfig) -> Result<RunSummary> {
             "--snapshot-every".into(),
             "500".into(),
         ];
-        let mut p = Proc::new(&format!("node{}", i + 1), Role::Node, bin, args, &dir);
+        let mut p = match &net {
+            // `ip netns exec NS tokenlog ...` execs tokenlog in place: the pid is the node's.
+            Some(n) => {
+                let mut full = n.exec_prefix(i);
+                full.push(bin.display().to_string());
+                full.extend(args);
+                Proc::new(
+                    &format!("node{}", i + 1),
+                    Role::Node,
+                    std::path::Path::new("ip"),
+                    full,
+                    &dir,
+                )
+            }
+            None => Proc::new(&format!("node{}", i + 1), Role::Node, bin, args, &dir),
+        };
         if cfg.plant == Some(Plant::NoFence) {
             p = p.env("TOKENLOG_PLANT_NO_FENCE", "1");
         }
@@ -236,6 +270,7 @@ pub async fn run(cfg: &RunConfig) -> Result<RunSummary> {
     let log = LogClient::new(node_addrs.clone())?;
     wait_for_model(&log).await?;
     let procs = Arc::new(Mutex::new(nemesis::Procs {
+        net,
         nodes,
         node_dirs,
         gateways,

@@ -31,10 +31,13 @@ pub enum Fault {
     WipeNode,
     /// Every node killed at once, then all restarted.
     RestartAll,
+    /// A network partition between log nodes (leader isolated, a random node cut off from the
+    /// other two, or a bridge where two nodes only see the third), then healed. Needs --netns.
+    Partition,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 7] = [
+    pub const ALL: [Fault; 8] = [
         Fault::KillNode,
         Fault::PauseNode,
         Fault::KillDecoder,
@@ -42,6 +45,7 @@ impl Fault {
         Fault::KillGateway,
         Fault::WipeNode,
         Fault::RestartAll,
+        Fault::Partition,
     ];
 
     pub fn name(self) -> &'static str {
@@ -53,6 +57,7 @@ impl Fault {
             Fault::KillGateway => "kill-gateway",
             Fault::WipeNode => "wipe-node",
             Fault::RestartAll => "restart-all",
+            Fault::Partition => "partition",
         }
     }
 }
@@ -62,11 +67,16 @@ pub struct Procs {
     pub node_dirs: Vec<PathBuf>,
     pub gateways: Vec<Proc>,
     pub decoders: Vec<Proc>,
+    /// Last, so that it is torn down after the processes are gone.
+    pub net: Option<super::net::Netns>,
 }
 
 impl Procs {
     /// Continues every paused process and starts every stopped one.
     pub fn heal(&mut self) -> anyhow::Result<()> {
+        if let Some(n) = &self.net {
+            n.heal()?;
+        }
         for p in self
             .nodes
             .iter_mut()
@@ -158,6 +168,41 @@ pub async fn run(
                 }
                 tokio::time::sleep(ms(&mut rng, 200, 1000)).await;
                 procs.lock().expect("lock").nodes[i].start()?;
+            }
+            Fault::Partition => {
+                let known = *leader.lock().expect("lock");
+                let kind = rng.random_range(0..3);
+                let (lone, others, label) = match (kind, known) {
+                    (0, Some(l)) => (l, vec![(l + 1) % 3, (l + 2) % 3], "leader isolated"),
+                    (2, _) => {
+                        let mid = rng.random_range(0..3);
+                        // The two nodes other than `mid` cannot see each other; both see `mid`.
+                        ((mid + 1) % 3, vec![(mid + 2) % 3], "bridge")
+                    }
+                    _ => {
+                        let l = rng.random_range(0..3);
+                        (l, vec![(l + 1) % 3, (l + 2) % 3], "minority | majority")
+                    }
+                };
+                target = format!(
+                    "{label}: node{} | {:?}",
+                    lone + 1,
+                    others.iter().map(|o| o + 1).collect::<Vec<_>>()
+                );
+                {
+                    let p = procs.lock().expect("lock");
+                    let net = p
+                        .net
+                        .as_ref()
+                        .ok_or_else(|| anyhow::anyhow!("the partition nemesis needs --netns"))?;
+                    for o in &others {
+                        net.cut(lone, *o)?;
+                    }
+                }
+                tokio::time::sleep(ms(&mut rng, 1000, 3000)).await;
+                if let Some(net) = &procs.lock().expect("lock").net {
+                    net.heal()?;
+                }
             }
             Fault::RestartAll => {
                 target = "all nodes".into();

@@ -271,6 +271,18 @@ fn spawn_decoder(a: &FailoverArgs, cluster: &str, id: &str, log: &std::path::Pat
     })
 }
 
+async fn info(client: &LogClient, gid: u64, linearizable: bool) -> anyhow::Result<pb::GenerationInfo> {
+    client
+        .get(pb::GetRequest {
+            generation_id: gid,
+            linearizable,
+            ..Default::default()
+        })
+        .await?
+        .generation
+        .context("generation gone")
+}
+
 async fn registered(client: &LogClient, id: &str) -> bool {
     client
         .list_models()
@@ -336,16 +348,8 @@ pub async fn failover(a: FailoverArgs) -> anyhow::Result<()> {
             let ev = w.message().await?.context("watch ended")?;
             seen += ev.records.len() as u32;
         }
-        let info = client
-            .get(pb::GetRequest {
-                generation_id: gid,
-                linearizable: true,
-                ..Default::default()
-            })
-            .await?
-            .generation
-            .context("gone")?;
-        let lease = info.lease.unwrap_or_default();
+        let before = info(&client, gid, true).await?;
+        let lease = before.lease.unwrap_or_default();
         let Some(victim) = decs.iter().position(|d| d.id == lease.owner) else {
             bail!("owner {} is not one of ours", lease.owner);
         };
@@ -357,15 +361,7 @@ pub async fn failover(a: FailoverArgs) -> anyhow::Result<()> {
         let frontier_at_kill = seen;
         // Detection: the standby's grant of the next epoch.
         let acquired = loop {
-            let g = client
-                .get(pb::GetRequest {
-                    generation_id: gid,
-                    linearizable: false,
-                    ..Default::default()
-                })
-                .await?
-                .generation
-                .context("gone")?;
+            let g = info(&client, gid, false).await?;
             if g.lease.as_ref().is_some_and(|l| l.epoch > lease.epoch) {
                 break Instant::now();
             }
@@ -375,7 +371,7 @@ pub async fn failover(a: FailoverArgs) -> anyhow::Result<()> {
             tokio::time::sleep(Duration::from_millis(5)).await;
         };
         // The next record after the ones committed by the dead owner.
-        let committed_now = info.frontier.max(frontier_at_kill);
+        let committed_now = before.frontier.max(frontier_at_kill);
         let mut w = client.watch(gid, committed_now).await?;
         let visible = loop {
             let ev = w.message().await?.context("watch ended")?;
@@ -402,15 +398,7 @@ pub async fn failover(a: FailoverArgs) -> anyhow::Result<()> {
                 request_id: format!("failover-{k}"),
             })
             .await;
-        let g = client
-            .get(pb::GetRequest {
-                generation_id: gid,
-                linearizable: true,
-                ..Default::default()
-            })
-            .await?
-            .generation
-            .context("gone")?;
+        let g = info(&client, gid, true).await?;
         extra_takeovers += g.takeovers.saturating_sub(1);
         // The dead slot gets a fresh decoder, which becomes the next standby.
         let id = next_id(victim);
