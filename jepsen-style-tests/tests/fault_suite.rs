@@ -105,3 +105,23 @@ async fn partitions_between_nodes_in_network_namespaces_show_no_violation() {
     }
     assert!(s.faults.get("partition").copied().unwrap_or(0) >= 1, "{:?}", s.faults);
 }
+
+/// A planted ack-before-fsync bug (acknowledged appends still in process memory when every node
+/// is killed at once) must be caught by the durability checker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn planted_ack_before_fsync_is_caught_by_durability() {
+    let mut caught = None;
+    for seed in [41, 42, 43] {
+        let mut cfg = config(seed);
+        cfg.faults = vec![Fault::RestartAll];
+        cfg.plant = Some(Plant::AckBeforeFsync);
+        let s = harness::run(&cfg).await.unwrap();
+        eprintln!("{}", harness::summary_line(&s));
+        if !s.verdicts["durability"].ok {
+            caught = Some(s);
+            break;
+        }
+    }
+    let s = caught.expect("tokens lost with the unsynced WAL were never flagged in 3 seeds");
+    assert!(!s.verdicts["durability"].ok);
+}

@@ -22,6 +22,12 @@ pub fn open(path: &Path) -> Result<Arc<DB>, OpenError> {
     opts.create_if_missing(true);
     opts.create_missing_column_families(true);
     opts.set_keep_log_file_num(4);
+    if crate::log_store::ack_before_fsync() {
+        // The planted ack-before-fsync bug (test only) also keeps written WAL data in this
+        // process until a flush, so that kill -9 loses acknowledged entries the way a power cut
+        // loses unsynced ones. The fault suite must catch it.
+        opts.set_manual_wal_flush(true);
+    }
     let cfs = [CF_LOGS, CF_META, CF_SM].map(|name| ColumnFamilyDescriptor::new(name, Options::default()));
     DB::open_cf_descriptors(&opts, path, cfs)
         .map(Arc::new)

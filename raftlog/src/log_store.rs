@@ -45,7 +45,7 @@ fn index_key(index: u64) -> [u8; 8] {
 
 /// Test-only fault switch (planted bug for the fault suite): acknowledge appends before the fsync.
 /// Never set in production; read once at start-up.
-fn ack_before_fsync() -> bool {
+pub(crate) fn ack_before_fsync() -> bool {
     std::env::var("TOKENLOG_PLANT_ACK_BEFORE_FSYNC").is_ok_and(|v| v == "1")
 }
 
