@@ -125,3 +125,24 @@ async fn planted_ack_before_fsync_is_caught_by_durability() {
     let s = caught.expect("tokens lost with the unsynced WAL were never flagged in 3 seeds");
     assert!(!s.verdicts["durability"].ok);
 }
+
+/// A planted visibility bug (Watch shows proposed, uncommitted records) must be caught by the
+/// exactly-once checker: clients saw records the log never committed as shown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn planted_visibility_before_commit_is_caught_by_exactly_once() {
+    let mut caught = None;
+    for seed in [51, 52, 53] {
+        let mut cfg = config(seed);
+        cfg.faults = vec![Fault::PauseDecoder, Fault::KillNode];
+        cfg.clients = 8;
+        cfg.plant = Some(Plant::EarlyVisibility);
+        let s = harness::run(&cfg).await.unwrap();
+        eprintln!("{}", harness::summary_line(&s));
+        if !s.verdicts["exactly-once"].ok {
+            caught = Some(s);
+            break;
+        }
+    }
+    let s = caught.expect("tokens shown before commit were never flagged in 3 seeds");
+    assert!(!s.verdicts["exactly-once"].ok);
+}

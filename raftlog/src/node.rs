@@ -80,6 +80,18 @@ pub struct NodeCtx {
     /// The last log time this node stamped; stamps never go backwards.
     last_stamp_ms: Mutex<u64>,
     pub metrics: crate::metrics::NodeMetrics,
+    /// Planted bug only (`TOKENLOG_PLANT_EARLY_VISIBILITY=1`): the records of appends proposed
+    /// through this node, per generation `(start_seq, [(token, epoch)])`, which Watch then
+    /// shows before they are committed. Empty otherwise.
+    pub proposed: Mutex<std::collections::HashMap<u64, (u32, Vec<(u32, u64)>)>>,
+}
+
+/// Planted bug for the fault suite (test-only): Watch shows records of proposed, uncommitted
+/// appends. Set once at node start from `TOKENLOG_PLANT_EARLY_VISIBILITY=1`.
+static PLANT_EARLY_VISIBILITY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+pub fn planted_early_visibility() -> bool {
+    PLANT_EARLY_VISIBILITY.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 pub(crate) fn wall_ms() -> u64 {
@@ -104,6 +116,15 @@ impl NodeCtx {
     /// entry's log index.
     pub async fn write(&self, cmd: Command) -> Result<(Response, u64), LogError> {
         let tokens = crate::metrics::NodeMetrics::tokens_of(&cmd);
+        if planted_early_visibility() {
+            if let Command::Append { items, .. } = &cmd {
+                let mut p = self.proposed.lock().expect("lock");
+                for i in items {
+                    let recs = i.token_ids.iter().map(|&t| (t, i.epoch)).collect();
+                    p.insert(i.generation, (i.start_seq, recs));
+                }
+            }
+        }
         let req = Request {
             log_ms: self.stamp(),
             cmd,
@@ -272,6 +293,12 @@ fn raft_config(cfg: &NodeConfig) -> Result<Arc<Config>, LogError> {
 
 /// Opens storage, starts Raft and serves both gRPC services on `cfg.listen`.
 pub async fn start(cfg: NodeConfig) -> Result<RunningNode, LogError> {
+    if std::env::var("TOKENLOG_PLANT_EARLY_VISIBILITY").is_ok_and(|v| v == "1") {
+        tracing::error!(
+            "PLANTED BUG: Watch shows uncommitted records (TOKENLOG_PLANT_EARLY_VISIBILITY=1); test use only"
+        );
+        PLANT_EARLY_VISIBILITY.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
     if std::env::var("TOKENLOG_PLANT_NO_FENCE").is_ok_and(|v| v == "1") {
         tracing::error!("PLANTED BUG: appends skip the epoch fence (TOKENLOG_PLANT_NO_FENCE=1); test use only");
         crate::state::plant_no_fence(true);
@@ -310,6 +337,7 @@ pub async fn start(cfg: NodeConfig) -> Result<RunningNode, LogError> {
         sm: shared,
         last_stamp_ms: Mutex::new(0),
         metrics: Default::default(),
+        proposed: Default::default(),
     });
 
     let (stop_tx, mut stop_rx) = watch::channel(false);

@@ -327,6 +327,27 @@ impl Log for LogService {
 
 /// Streams committed records of one generation from `seq`, waking on every apply, until the
 /// generation is terminal and every record has been sent (or the client goes away).
+/// Planted bug only: proposed, uncommitted records of `id` from `seq` on.
+fn early_records(ctx: &NodeCtx, id: GenerationId, seq: Seq) -> Option<Vec<pb::Record>> {
+    if !crate::node::planted_early_visibility() {
+        return None;
+    }
+    let p = ctx.proposed.lock().expect("lock");
+    let (start, recs) = p.get(&id)?;
+    let from = seq.checked_sub(*start)? as usize;
+    let out: Vec<pb::Record> = recs
+        .get(from..)?
+        .iter()
+        .enumerate()
+        .map(|(k, &(token_id, epoch))| pb::Record {
+            seq: seq + k as Seq,
+            token_id,
+            epoch,
+        })
+        .collect();
+    (!out.is_empty()).then_some(out)
+}
+
 async fn watch_loop(
     ctx: Arc<NodeCtx>,
     id: GenerationId,
@@ -348,7 +369,17 @@ async fn watch_loop(
                         .collect();
                     let done = g.state.is_terminal() && end == g.records.len();
                     if records.is_empty() && !done {
-                        Ok(None)
+                        // The planted bug: show what was proposed here but is not committed.
+                        match early_records(&ctx, id, seq) {
+                            Some(early) => {
+                                seq += early.len() as Seq;
+                                Ok(Some(pb::WatchEvent {
+                                    records: early,
+                                    terminal: None,
+                                }))
+                            }
+                            None => Ok(None),
+                        }
                     } else {
                         seq = end.max(seq as usize) as Seq;
                         Ok(Some(pb::WatchEvent {

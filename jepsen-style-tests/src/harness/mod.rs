@@ -43,6 +43,9 @@ pub enum Plant {
     /// Log nodes acknowledge appends before the WAL is synced, and keep unsynced WAL data in
     /// the process, so kill -9 acts as a power cut (TOKENLOG_PLANT_ACK_BEFORE_FSYNC=1).
     AckBeforeFsync,
+    /// Log nodes' Watch shows records of proposed, uncommitted appends
+    /// (TOKENLOG_PLANT_EARLY_VISIBILITY=1).
+    EarlyVisibility,
 }
 
 #[derive(Clone, Debug)]
@@ -222,6 +225,7 @@ pub async fn run(cfg: &RunConfig) -> Result<RunSummary> {
         match cfg.plant {
             Some(Plant::NoFence) => p = p.env("TOKENLOG_PLANT_NO_FENCE", "1"),
             Some(Plant::AckBeforeFsync) => p = p.env("TOKENLOG_PLANT_ACK_BEFORE_FSYNC", "1"),
+            Some(Plant::EarlyVisibility) => p = p.env("TOKENLOG_PLANT_EARLY_VISIBILITY", "1"),
             None => {}
         }
         p.ready_addr = Some(a.clone());
