@@ -228,7 +228,7 @@ impl LogState {
             return fail(r);
         }
         if let Some(g) = self.by_request(tenant, request_id) {
-            if g.binding == *binding {
+            if same_submission(&g.binding, binding) {
                 return Response::Submitted {
                     generation: g.into(),
                     created: false,
@@ -698,6 +698,18 @@ impl LogState {
             .take(limit)
             .collect()
     }
+}
+
+/// Whether `incoming` is the submission that created `stored`. A text prompt is tokenized later
+/// (BindPrompt adds the ids to the stored binding), so a retried text submission is compared
+/// without them.
+fn same_submission(stored: &Binding, incoming: &Binding) -> bool {
+    if stored.prompt_text.is_empty() || stored.prompt_token_ids.is_empty() {
+        return stored == incoming;
+    }
+    let mut as_submitted = stored.clone();
+    as_submitted.prompt_token_ids.clear();
+    as_submitted == *incoming
 }
 
 /// Planted bug for the fault suite (test-only): appends skip the epoch fence. Set once at node

@@ -590,6 +590,35 @@ fn prompt_text_is_bound_once_before_records() {
     t.ownership(3, bind(vec![9, 9])).unwrap();
     assert_eq!(reason(t.ownership(4, bind(vec![8]))), RejectReason::BindingConflict);
     t.append(5, g, "d1", 1, 0, &[1]).unwrap();
+    // A retried submit of the same text request (found by the fault suite: a client that saw no
+    // event yet submits again) is the same request, although the prompt is now tokenized.
+    let mut same = binding();
+    same.prompt_token_ids.clear();
+    same.prompt_text = "hello".into();
+    let Response::Submitted { generation, created } = t.at(
+        6,
+        Command::Submit {
+            tenant: "a".into(),
+            request_id: "r".into(),
+            binding: same.clone(),
+        },
+    ) else {
+        panic!("a retried text submit after BindPrompt must be idempotent")
+    };
+    assert_eq!((generation.id, created), (g, false));
+    same.prompt_text = "other".into();
+    let r = t.at(
+        7,
+        Command::Submit {
+            tenant: "a".into(),
+            request_id: "r".into(),
+            binding: same,
+        },
+    );
+    assert!(
+        matches!(r, Response::Ownership(Err(ref j)) if j.reason == RejectReason::BindingConflict),
+        "{r:?}"
+    );
 }
 
 #[test]

@@ -347,9 +347,9 @@ pub async fn run(cfg: &RunConfig) -> Result<RunSummary> {
         "run seed {}: {} s of faults {:?}",
         cfg.seed,
         cfg.time.as_secs(),
-        cfg.faults.iter().map(|f| f.name()).collect::<Vec<_>>()
+        faults.iter().map(|f| f.name()).collect::<Vec<_>>()
     );
-    let nemesis_records = nemesis::run(procs.clone(), cfg.faults.clone(), cfg.seed, cfg.time, leader.clone()).await?;
+    let nemesis_records = nemesis::run(procs.clone(), faults, cfg.seed, cfg.time, leader.clone()).await?;
 
     // --- heal, then every started request must finish
     eprintln!("healing: every process up; waiting for the clients' last requests");
