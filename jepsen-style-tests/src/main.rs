@@ -77,6 +77,10 @@ enum Command {
         /// the `partition` nemesis.
         #[arg(long)]
         netns: bool,
+        /// Decoders run the real SmolLM2 model (fetched into ./models on first use) instead of
+        /// the fake one; slower, so use fewer clients and shorter generations.
+        #[arg(long)]
+        real_model: bool,
     },
 }
 
@@ -120,7 +124,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
             bin,
             out,
             netns,
-        } => return fault_runs(&nemesis, time, seed, seeds, clients, plant, bin, out, netns),
+            real_model,
+        } => return fault_runs(&nemesis, time, seed, seeds, clients, plant, bin, out, netns, real_model),
     };
     let text = std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
     let events = match format {
@@ -166,6 +171,7 @@ fn fault_runs(
     bin: Option<PathBuf>,
     out: PathBuf,
     netns: bool,
+    real_model: bool,
 ) -> Result<ExitCode> {
     use jepsen_style_tests::harness::{self, RunConfig};
     let faults = harness::parse_faults(nemesis)?;
@@ -182,6 +188,10 @@ fn fault_runs(
         cfg.clients = clients;
         cfg.plant = plant;
         cfg.netns = netns;
+        cfg.real_model = real_model;
+        if real_model {
+            cfg.max_tokens = (8, 24);
+        }
         let sum = rt.block_on(harness::run(&cfg))?;
         println!("{}", harness::summary_line(&sum));
         for (name, v) in &sum.verdicts {

@@ -5,8 +5,8 @@
 //!
 //! With `netns`, each log node runs in its own network namespace (see [`net`]) and the
 //! `partition` nemesis cuts node-to-node traffic with iptables; without it everything shares
-//! loopback and partitions are left out. Not yet here: the real model as an option, and the
-//! handoff failure points 1-6.
+//! loopback and partitions are left out. `real_model` runs the decoders on SmolLM2 instead of
+//! the fake model. Not yet here: the handoff failure points 1-6.
 
 pub mod checks;
 pub mod nemesis;
@@ -66,6 +66,8 @@ pub struct RunConfig {
     pub step_ms: u64,
     /// Log nodes in network namespaces (partitions possible); needs root.
     pub netns: bool,
+    /// Decoders run the real SmolLM2 model (and gateways its tokenizer) instead of the fake.
+    pub real_model: bool,
 }
 
 impl RunConfig {
@@ -84,6 +86,7 @@ impl RunConfig {
             lease_ms: 800,
             step_ms: 10,
             netns: false,
+            real_model: false,
         }
     }
 }
@@ -234,22 +237,28 @@ pub async fn run(cfg: &RunConfig) -> Result<RunSummary> {
     }
     let mut decoders = Vec::new();
     for i in 0..cfg.decoders {
-        let args = vec![
-            "decoder".into(),
-            "--fake".into(),
-            "--fake-step-ms".into(),
-            cfg.step_ms.to_string(),
-            "--lease-ms".into(),
-            cfg.lease_ms.to_string(),
-            "--capacity".into(),
-            "4".into(),
-            "--decoder-id".into(),
-            format!("d{}-{{inc}}", i + 1),
-            "--history".into(),
-            dir.join(format!("decoder{}.jsonl", i + 1)).display().to_string(),
-            "--cluster".into(),
-            cluster.clone(),
-        ];
+        let model: Vec<String> = if cfg.real_model {
+            vec!["--threads".into(), "1".into()]
+        } else {
+            vec!["--fake".into(), "--fake-step-ms".into(), cfg.step_ms.to_string()]
+        };
+        let args = [
+            vec!["decoder".to_string()],
+            model,
+            vec![
+                "--lease-ms".into(),
+                cfg.lease_ms.to_string(),
+                "--capacity".into(),
+                "4".into(),
+                "--decoder-id".into(),
+                format!("d{}-{{inc}}", i + 1),
+                "--history".into(),
+                dir.join(format!("decoder{}.jsonl", i + 1)).display().to_string(),
+                "--cluster".into(),
+                cluster.clone(),
+            ],
+        ]
+        .concat();
         decoders.push(Proc::new(&format!("decoder{}", i + 1), Role::Decoder, bin, args, &dir));
     }
     let mut gateways = Vec::new();
@@ -257,16 +266,18 @@ pub async fn run(cfg: &RunConfig) -> Result<RunSummary> {
     for i in 0..cfg.gateways {
         let grpc = format!("127.0.0.1:{}", free_port());
         let http = format!("127.0.0.1:{}", free_port());
-        let args = vec![
-            "gateway".into(),
-            "--fake".into(),
+        let mut args: Vec<String> = vec!["gateway".into()];
+        if !cfg.real_model {
+            args.push("--fake".into());
+        }
+        args.extend([
             "--cluster".into(),
             cluster.clone(),
             "--grpc-listen".into(),
             grpc.clone(),
             "--http-listen".into(),
             http,
-        ];
+        ]);
         let mut p = Proc::new(&format!("gateway{}", i + 1), Role::Gateway, bin, args, &dir);
         p.ready_addr = Some(grpc.clone());
         gateways.push(p);
@@ -443,14 +454,14 @@ pub async fn run(cfg: &RunConfig) -> Result<RunSummary> {
 }
 
 async fn wait_for_model(log: &LogClient) -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         if let Ok(r) = log.list_models().await {
             if !r.models.is_empty() {
                 return Ok(());
             }
         }
-        anyhow::ensure!(Instant::now() < deadline, "no decoder registered within 30 s");
+        anyhow::ensure!(Instant::now() < deadline, "no decoder registered within 60 s");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
