@@ -201,26 +201,12 @@ pub async fn decode(a: DecodeArgs) -> anyhow::Result<()> {
     for &len in a.prefixes.iter().filter(|&&l| l <= raw_tokens.len()) {
         let (m, p, pre) = (model.clone(), prompt.clone(), raw_tokens[..len].to_vec());
         let (exact, fast) = tokio::task::spawn_blocking(move || -> anyhow::Result<(Duration, Duration)> {
-            let t = Instant::now();
-            let _ = DecodeState::resume(
-                m.as_ref(),
-                &p,
-                &pre,
-                SamplingParams::greedy(),
-                stop(u32::MAX / 2),
-                ResumeMode::Exact,
-            )?;
-            let exact = t.elapsed();
-            let t = Instant::now();
-            let _ = DecodeState::resume(
-                m.as_ref(),
-                &p,
-                &pre,
-                SamplingParams::greedy(),
-                stop(u32::MAX / 2),
-                ResumeMode::Fast,
-            )?;
-            Ok((exact, t.elapsed()))
+            let time = |mode: ResumeMode| -> anyhow::Result<Duration> {
+                let t = Instant::now();
+                DecodeState::resume(m.as_ref(), &p, &pre, SamplingParams::greedy(), stop(u32::MAX / 2), mode)?;
+                Ok(t.elapsed())
+            };
+            Ok((time(ResumeMode::Exact)?, time(ResumeMode::Fast)?))
         })
         .await??;
         println!(
