@@ -286,6 +286,18 @@ pub enum FinishReason {
     ContextFull,
 }
 
+impl std::fmt::Display for FinishReason {
+    /// The finish detail clients see.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FinishReason::Eos { token } => write!(f, "end-of-sequence token {token}"),
+            FinishReason::StopString { index } => write!(f, "stop string #{index}"),
+            FinishReason::Length => write!(f, "max_tokens reached"),
+            FinishReason::ContextFull => write!(f, "the model's context window is full"),
+        }
+    }
+}
+
 impl FinishReason {
     /// The OpenAI name: `stop` or `length`.
     pub fn as_str(&self) -> &'static str {

@@ -89,7 +89,7 @@ fn to_pb(m: &ModelIdentity) -> pb::ModelIdentity {
 }
 
 fn finish_to_pb(f: &FinishReason) -> (pb::FinishReason, String) {
-    let detail = format!("{f:?}");
+    let detail = f.to_string();
     match f.as_str() {
         "length" => (pb::FinishReason::Length, detail),
         _ => (pb::FinishReason::Stop, detail),
