@@ -498,6 +498,13 @@ impl Gateway {
         let _active = self.metrics.stream_guard();
         let gid = info.generation_id;
         let mut detok = tokenizer.detokenizer(true);
+        let stops = info
+            .binding
+            .as_ref()
+            .and_then(|b| b.stop.as_ref())
+            .map(|s| s.stop_strings.clone())
+            .unwrap_or_default();
+        let mut stop_text = StopText::new(stops);
         let mut next: u32 = 0;
         let mut last_progress = Instant::now();
         let mk = |seq: u32, epoch: u64, token_id: Option<u32>, text: String, finish: Option<Finish>| Event {
@@ -549,7 +556,7 @@ impl Gateway {
                             .await;
                         return;
                     }
-                    let text = detok.push(r.token_id);
+                    let text = stop_text.push(&detok.push(r.token_id));
                     last_epoch = r.epoch;
                     if i64::from(r.seq) > after_seq {
                         if tx
@@ -572,7 +579,8 @@ impl Gateway {
                             completion_tokens: term.frontier,
                         };
                         let epoch = term.lease.as_ref().map_or(last_epoch, |l| l.epoch);
-                        let _ = tx.send(Ok(mk(next, epoch, None, detok.finish(), Some(finish)))).await;
+                        let rest = stop_text.finish(&detok.finish());
+                        let _ = tx.send(Ok(mk(next, epoch, None, rest, Some(finish)))).await;
                     }
                     return;
                 }
@@ -582,6 +590,71 @@ impl Gateway {
             }
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         }
+    }
+}
+
+/// Client-visible text with OpenAI's stop-string semantics: the stop string and everything after
+/// it are not shown. Text that could still become a stop string is held back until it cannot;
+/// the decoder has committed the tokens that contain the stop string (it stops after them), so
+/// only the text is cut, never the records. A pure function of the text so far, so every
+/// gateway cuts the same way.
+pub struct StopText {
+    stops: Vec<String>,
+    held: String,
+    stopped: bool,
+}
+
+impl StopText {
+    pub fn new(stops: Vec<String>) -> Self {
+        StopText {
+            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
+            held: String::new(),
+            stopped: false,
+        }
+    }
+
+    /// The text that can be shown after `delta`.
+    pub fn push(&mut self, delta: &str) -> String {
+        if self.stopped {
+            return String::new();
+        }
+        if self.stops.is_empty() {
+            return delta.to_string();
+        }
+        self.held.push_str(delta);
+        if let Some(pos) = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min() {
+            self.stopped = true;
+            let out = self.held[..pos].to_string();
+            self.held.clear();
+            return out;
+        }
+        // Keep the longest tail of `held` that is the start of some stop string.
+        let keep = self
+            .stops
+            .iter()
+            .flat_map(|s| {
+                s.char_indices()
+                    .skip(1)
+                    .map(|(i, _)| &s[..i])
+                    .chain(std::iter::once(s.as_str()))
+            })
+            .filter(|p| self.held.ends_with(p))
+            .map(str::len)
+            .max()
+            .unwrap_or(0);
+        let cut = self.held.len() - keep;
+        let out = self.held[..cut].to_string();
+        self.held.drain(..cut);
+        out
+    }
+
+    /// The rest at the end of the generation (held-back text that never became a stop string).
+    pub fn finish(&mut self, delta: &str) -> String {
+        let mut out = self.push(delta);
+        if !self.stopped {
+            out.push_str(&std::mem::take(&mut self.held));
+        }
+        out
     }
 }
 
@@ -623,4 +696,44 @@ pub fn default_seed(tenant: &str, request_id: &str) -> u64 {
 /// A fresh random request id (for HTTP requests without an Idempotency-Key).
 pub fn random_request_id() -> String {
     format!("req-{:016x}{:016x}", rand::random::<u64>(), rand::random::<u64>())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StopText;
+
+    fn run(stops: &[&str], deltas: &[&str]) -> (Vec<String>, String) {
+        let mut s = StopText::new(stops.iter().map(|x| x.to_string()).collect());
+        let (last, body) = deltas.split_last().unwrap();
+        let shown: Vec<String> = body.iter().map(|d| s.push(d)).collect();
+        (shown, s.finish(last))
+    }
+
+    #[test]
+    fn stop_string_and_what_follows_are_cut() {
+        let (shown, rest) = run(&["END"], &["hello ", "wor", "ld E", "N", "D and more", ""]);
+        assert_eq!(shown.concat() + &rest, "hello world ");
+        // "E" and "N" were held back while they could still become "END".
+        assert_eq!(shown, vec!["hello ", "wor", "ld ", "", ""]);
+    }
+
+    #[test]
+    fn held_text_is_released_when_it_cannot_become_a_stop_string() {
+        let (shown, rest) = run(&["END"], &["an E", "NOUGH", " text", ""]);
+        assert_eq!(shown.concat() + &rest, "an ENOUGH text");
+        let (shown, rest) = run(&["END"], &["the E"]);
+        assert!(shown.is_empty());
+        assert_eq!(
+            rest, "the E",
+            "a generation that ends for another reason shows everything"
+        );
+    }
+
+    #[test]
+    fn earliest_of_several_stop_strings_wins_and_no_stops_is_identity() {
+        let (shown, rest) = run(&["xyz", "b"], &["aab", "cxyz", ""]);
+        assert_eq!(shown.concat() + &rest, "aa");
+        let (shown, rest) = run(&[], &["a", "b", "c"]);
+        assert_eq!(shown.concat() + &rest, "abc");
+    }
 }

@@ -387,3 +387,29 @@ async fn bad_requests_get_clear_errors() {
     assert_eq!(s, 200);
     assert!(body.contains("tokenlog_gateway_tokens_streamed_total"), "{body}");
 }
+
+/// Stop strings as OpenAI has them: the generation ends at the stop string, and neither it nor
+/// anything after it is shown, although its tokens are committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_strings_end_the_generation_and_are_not_shown() {
+    let _g = serial();
+    let cluster = Cluster::start(0);
+    let _d = cluster.start_decoder("d1", &[]);
+    let log = cluster.client();
+    wait_for_model(&log).await;
+    let g = cluster.start_gateway("g1", &[]);
+    let client = GatewayClient::new(vec![g.grpc.clone()], None).unwrap();
+    for (rid, stop) in [("stop-space", " "), ("stop-e", "e")] {
+        let mut req = request(rid, 200);
+        req.stop = vec![stop.into()];
+        let events: Vec<_> = client.generate(req).map(|e| e.unwrap()).collect().await;
+        let last = events.last().unwrap();
+        assert_eq!(last.finish_reason, "stop", "{rid}");
+        let text: String = events.iter().map(|e| e.text_delta.as_str()).collect();
+        let (records, _) = committed(&log, events[0].generation).await;
+        let full = fake_tokenizer().unwrap().decode(&records, true).unwrap();
+        let cut = full.find(stop).expect("the committed text contains the stop string");
+        assert_eq!(text, full[..cut], "{rid}: shown text ends before the stop string");
+        assert!(records.len() < 200, "{rid}: stopped early");
+    }
+}
