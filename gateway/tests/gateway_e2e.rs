@@ -31,6 +31,15 @@ fn request(rid: &str, max_tokens: u32) -> tpb::GenerateRequest {
     }
 }
 
+/// A 3-node cluster with one fake-model decoder (`args`), once the decoder has registered.
+async fn cluster_with_decoder(args: &[&str]) -> (Cluster, common::Decoder, tokenlog_raftlog::client::LogClient) {
+    let cluster = Cluster::start(0);
+    let d = cluster.start_decoder("d1", args);
+    let log = cluster.client();
+    wait_for_model(&log).await;
+    (cluster, d, log)
+}
+
 /// Checks a client's view against the log: seqs 0..n then the last event at n, token ids equal to
 /// the committed records, text equal to the detokenized records.
 fn check_view(events: &[tpb::GenerationEvent], records: &[u32]) {
@@ -60,10 +69,7 @@ fn check_view(events: &[tpb::GenerationEvent], records: &[u32]) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gateway_killed_mid_stream_client_resumes_on_another_gateway() {
     let _g = serial();
-    let cluster = Cluster::start(0);
-    let _d = cluster.start_decoder("d1", &["--fake-step-ms", "15"]);
-    let log = cluster.client();
-    wait_for_model(&log).await;
+    let (cluster, _d, log) = cluster_with_decoder(&["--fake-step-ms", "15"]).await;
     let mut g1 = cluster.start_gateway("g1", &[]);
     let g2 = cluster.start_gateway("g2", &[]);
 
@@ -94,10 +100,7 @@ async fn gateway_killed_mid_stream_client_resumes_on_another_gateway() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_client_disconnects_in_one_stream_lose_and_repeat_nothing() {
     let _g = serial();
-    let cluster = Cluster::start(0);
-    let _d = cluster.start_decoder("d1", &["--fake-step-ms", "10"]);
-    let log = cluster.client();
-    wait_for_model(&log).await;
+    let (cluster, _d, log) = cluster_with_decoder(&["--fake-step-ms", "10"]).await;
     let g1 = cluster.start_gateway("g1", &[]);
     let g2 = cluster.start_gateway("g2", &[]);
     let addrs = [g1.grpc.clone(), g2.grpc.clone()];
@@ -166,10 +169,7 @@ async fn fifty_client_disconnects_in_one_stream_lose_and_repeat_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hundred_concurrent_submits_of_one_request_make_one_generation() {
     let _g = serial();
-    let cluster = Cluster::start(0);
-    let _d = cluster.start_decoder("d1", &[]);
-    let log = cluster.client();
-    wait_for_model(&log).await;
+    let (cluster, _d, log) = cluster_with_decoder(&[]).await;
     let g1 = cluster.start_gateway("g1", &[]);
     let g2 = cluster.start_gateway("g2", &[]);
 
@@ -230,10 +230,7 @@ async fn hundred_concurrent_submits_of_one_request_make_one_generation() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tenants_cannot_see_each_others_requests() {
     let _g = serial();
-    let cluster = Cluster::start(0);
-    let _d = cluster.start_decoder("d1", &[]);
-    let log = cluster.client();
-    wait_for_model(&log).await;
+    let (cluster, _d, log) = cluster_with_decoder(&[]).await;
     let keys = cluster.dir.path().join("keys");
     std::fs::write(&keys, "# test keys\nkey-alice alice\nkey-bob bob\n").unwrap();
     let g = cluster.start_gateway("g1", &["--keys", keys.to_str().unwrap()]);
@@ -304,10 +301,7 @@ async fn tenants_cannot_see_each_others_requests() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_clear_errors() {
     let _g = serial();
-    let cluster = Cluster::start(0);
-    let _d = cluster.start_decoder("d1", &[]);
-    let log = cluster.client();
-    wait_for_model(&log).await;
+    let (cluster, _d, log) = cluster_with_decoder(&[]).await;
     let g = cluster.start_gateway("g1", &[]);
     let client = GatewayClient::new(vec![g.grpc.clone()], None).unwrap();
     let first_err = |req: tpb::GenerateRequest| {
@@ -393,10 +387,7 @@ async fn bad_requests_get_clear_errors() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stop_strings_end_the_generation_and_are_not_shown() {
     let _g = serial();
-    let cluster = Cluster::start(0);
-    let _d = cluster.start_decoder("d1", &[]);
-    let log = cluster.client();
-    wait_for_model(&log).await;
+    let (cluster, _d, log) = cluster_with_decoder(&[]).await;
     let g = cluster.start_gateway("g1", &[]);
     let client = GatewayClient::new(vec![g.grpc.clone()], None).unwrap();
     for (rid, stop) in [("stop-space", " "), ("stop-e", "e")] {
