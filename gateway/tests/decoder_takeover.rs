@@ -364,3 +364,79 @@ async fn delayed_append_from_a_previous_owner_incarnation_changes_nothing() {
     let got: Vec<(u32, u64)> = ev.records.iter().map(|r| (r.token_id, r.epoch)).collect();
     assert_eq!(got, vec![(40, 1), (41, 1), (42, 2)]);
 }
+
+/// The real SmolLM2 model across processes: the owning decoder is killed with SIGKILL mid-stream,
+/// a second decoder process re-prefills (exact mode) from the committed prefix, and the whole
+/// committed sequence equals an uninterrupted run of the same binding in this process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_model_takeover_after_kill_continues_the_uninterrupted_sequence() {
+    let _serial = serial();
+    let path = tokenlog_decoder::fetch::ensure_default_model(&tokenlog_decoder::fetch::repo_models_dir()).unwrap();
+    tokenlog_decoder::threads::init_cpu_threads(1);
+    let model = tokenlog_decoder::GgufModel::load(&path, tokenlog_decoder::DeviceSpec::Cpu).unwrap();
+    let prompt = model
+        .tokenizer()
+        .encode_chat(&[tokenlog_decoder::ChatMessage::user("Tell me about lighthouses.")])
+        .unwrap();
+    let params = sampling();
+    const N: u32 = 40;
+    let stop = StopConditions {
+        max_tokens: N,
+        stop_strings: vec![],
+        eos_token_ids: vec![],
+    };
+    let expected = generate(&model, &prompt, &params, &stop).unwrap().tokens;
+
+    let cluster = Cluster::start(20_000);
+    let mut a = cluster.start_real_decoder("real-a", &path, &["--capacity", "1"]);
+    let client = cluster.client();
+    // Only a is up: it takes the generation.
+    let id = {
+        let mid = model.identity();
+        let binding = pb::Binding {
+            model: Some(pb::ModelIdentity {
+                weights_sha256: mid.weights_sha256.clone(),
+                tokenizer_sha256: mid.tokenizer_sha256.clone(),
+                architecture: mid.architecture.clone(),
+                dtype_class: mid.dtype_class.clone(),
+            }),
+            prompt_token_ids: prompt.clone(),
+            sampling: Some(pb::SamplingConfig {
+                temperature: params.temperature,
+                top_p: params.top_p,
+                seed: params.seed,
+                repetition_penalty: 1.0,
+                rng_version: tokenlog_decoder::RNG_VERSION,
+                ..Default::default()
+            }),
+            stop: Some(pb::StopConfig {
+                max_tokens: N,
+                ..Default::default()
+            }),
+            mode: pb::ResumeMode::Exact as i32,
+            ..Default::default()
+        };
+        client
+            .submit(pb::SubmitRequest {
+                tenant: "t".into(),
+                request_id: "real".into(),
+                binding: Some(binding),
+            })
+            .await
+            .unwrap()
+            .generation
+            .unwrap()
+            .generation_id
+    };
+    let (owner_a, _, _) = wait_for(&client, id, "a to commit 10 records", |(o, _, f)| {
+        o == "real-a" && *f >= 10
+    })
+    .await;
+    assert_eq!(owner_a, "real-a");
+    let _b = cluster.start_real_decoder("real-b", &path, &["--capacity", "1"]);
+    a.kill9();
+    let (toks, epochs, info) = follow(&client, id).await;
+    assert_eq!(info.finish_reason, pb::FinishReason::Length as i32);
+    assert!(epochs.iter().any(|&e| e > 1), "real-b took over: {epochs:?}");
+    assert_eq!(toks, expected, "the committed sequence equals the uninterrupted run");
+}

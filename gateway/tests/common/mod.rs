@@ -166,16 +166,20 @@ pub struct Decoder {
 
 impl Cluster {
     pub fn start_decoder(&self, id: &str, extra: &[&str]) -> Decoder {
+        self.start_decoder_of(id, &["--fake"], extra)
+    }
+
+    /// A decoder process on a real GGUF model, one model thread.
+    pub fn start_real_decoder(&self, id: &str, model: &std::path::Path, extra: &[&str]) -> Decoder {
+        self.start_decoder_of(id, &["--model", model.to_str().unwrap(), "--threads", "1"], extra)
+    }
+
+    fn start_decoder_of(&self, id: &str, model: &[&str], extra: &[&str]) -> Decoder {
         let log = self.dir.path().join(format!("{id}.log"));
         let child = Command::new(BIN)
-            .args([
-                "decoder",
-                "--fake",
-                "--decoder-id",
-                id,
-                "--cluster",
-                &self.addrs.join(","),
-            ])
+            .arg("decoder")
+            .args(model)
+            .args(["--decoder-id", id, "--cluster", &self.addrs.join(",")])
             .args(extra)
             .env("RUST_LOG", "info,openraft=warn")
             .stdout(Stdio::null())
