@@ -230,7 +230,7 @@ async fn hundred_concurrent_submits_of_one_request_make_one_generation() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tenants_cannot_see_each_others_requests() {
     let _g = serial();
-    let (cluster, _d, log) = cluster_with_decoder(&[]).await;
+    let (cluster, _d, _log) = cluster_with_decoder(&[]).await;
     let keys = cluster.dir.path().join("keys");
     std::fs::write(&keys, "# test keys\nkey-alice alice\nkey-bob bob\n").unwrap();
     let g = cluster.start_gateway("g1", &["--keys", keys.to_str().unwrap()]);
