@@ -83,27 +83,35 @@ async fn partitions_between_nodes_in_network_namespaces_show_no_violation() {
         harness::net::available(),
         "network namespaces are not available here (needs root, iproute2, iptables)"
     );
-    let mut cfg = config(31);
-    cfg.netns = true;
-    // Listed three times: faults are drawn uniformly from the list, so partitions dominate.
-    cfg.faults = vec![
-        Fault::Partition,
-        Fault::Partition,
-        Fault::Partition,
-        Fault::KillNode,
-        Fault::PauseDecoder,
-    ];
-    let s = harness::run(&cfg).await.unwrap();
-    eprintln!("{}", harness::summary_line(&s));
-    for (name, v) in &s.verdicts {
-        assert!(
-            v.ok,
-            "{name} failed: {:?} (report in {})",
-            v.problems,
-            cfg.out.display()
-        );
+    // Faults are drawn uniformly from the list, so partitions dominate; a seed that drew none
+    // (about 1 in 100) is followed by the next seed.
+    let mut partitions = 0;
+    for seed in [31, 32, 33] {
+        let mut cfg = config(seed);
+        cfg.netns = true;
+        cfg.faults = vec![
+            Fault::Partition,
+            Fault::Partition,
+            Fault::Partition,
+            Fault::KillNode,
+            Fault::PauseDecoder,
+        ];
+        let s = harness::run(&cfg).await.unwrap();
+        eprintln!("{}", harness::summary_line(&s));
+        for (name, v) in &s.verdicts {
+            assert!(
+                v.ok,
+                "{name} failed: {:?} (report in {})",
+                v.problems,
+                cfg.out.display()
+            );
+        }
+        partitions = s.faults.get("partition").copied().unwrap_or(0);
+        if partitions > 0 {
+            break;
+        }
     }
-    assert!(s.faults.get("partition").copied().unwrap_or(0) >= 1, "{:?}", s.faults);
+    assert!(partitions >= 1, "no partition in 3 seeds");
 }
 
 /// A planted ack-before-fsync bug (acknowledged appends still in process memory when every node
