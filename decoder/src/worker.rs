@@ -79,7 +79,8 @@ struct Active {
     finish: Option<FinishReason>,
 }
 
-fn to_pb(m: &ModelIdentity) -> pb::ModelIdentity {
+/// A model identity in the log's wire form (what bindings, acquires and registrations carry).
+pub fn identity_to_pb(m: &ModelIdentity) -> pb::ModelIdentity {
     pb::ModelIdentity {
         weights_sha256: m.weights_sha256.clone(),
         tokenizer_sha256: m.tokenizer_sha256.clone(),
@@ -128,7 +129,7 @@ impl Worker {
     }
 
     pub fn new(cfg: WorkerConfig, client: LogClient, model: Arc<dyn Model>) -> Self {
-        let identity = to_pb(model.identity());
+        let identity = identity_to_pb(model.identity());
         Worker {
             cfg,
             client,

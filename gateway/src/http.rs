@@ -621,22 +621,22 @@ async fn get_response(
     // Not streaming: the response as it stands (text up to the current frontier).
     let frontier = info.frontier;
     let terminal = is_terminal(&info);
-    let mut rx = gw.events(info.clone(), -1)?;
     let mut text = String::new();
     let mut last = None;
-    while let Some(e) = rx.recv().await {
-        let e = e?;
-        text.push_str(&e.text);
-        if e.finish.is_some() {
-            last = Some(e);
-            break;
+    // Nothing committed and not over: there is no text to read (and no event would come yet).
+    if terminal || frontier > 0 {
+        let mut rx = gw.events(info.clone(), -1)?;
+        while let Some(e) = rx.recv().await {
+            let e = e?;
+            text.push_str(&e.text);
+            if e.finish.is_some() {
+                last = Some(e);
+                break;
+            }
+            if !terminal && e.seq + 1 >= frontier {
+                break;
+            }
         }
-        if !terminal && e.seq + 1 >= frontier {
-            break;
-        }
-    }
-    if !terminal && frontier == 0 {
-        text.clear();
     }
     Ok(Json(response_json(&info, &model, true, &text, last.as_ref())).into_response())
 }

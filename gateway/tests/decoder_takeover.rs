@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::{serial, Cluster};
 use futures::StreamExt;
+use tokenlog_decoder::worker::identity_to_pb;
 use tokenlog_decoder::{generate, FakeConfig, FakeModel, Model, SamplingParams, StopConditions};
 use tokenlog_proto::raftlog as pb;
 use tokenlog_raftlog::client::LogClient;
@@ -45,15 +46,9 @@ fn expected(prompt: &[u32]) -> Vec<u32> {
 
 async fn submit(client: &LogClient, rid: &str, prompt: &[u32]) -> u64 {
     let m = fake();
-    let id = m.identity();
     let s = sampling();
     let binding = pb::Binding {
-        model: Some(pb::ModelIdentity {
-            weights_sha256: id.weights_sha256.clone(),
-            tokenizer_sha256: id.tokenizer_sha256.clone(),
-            architecture: id.architecture.clone(),
-            dtype_class: id.dtype_class.clone(),
-        }),
+        model: Some(identity_to_pb(m.identity())),
         prompt_token_ids: prompt.to_vec(),
         sampling: Some(pb::SamplingConfig {
             temperature: s.temperature,
@@ -216,16 +211,6 @@ async fn killed_owner_is_replaced_and_uncommitted_tokens_are_resampled() {
     drop(d2);
 }
 
-fn identity_pb(m: &FakeModel) -> pb::ModelIdentity {
-    let id = m.identity();
-    pb::ModelIdentity {
-        weights_sha256: id.weights_sha256.clone(),
-        tokenizer_sha256: id.tokenizer_sha256.clone(),
-        architecture: id.architecture.clone(),
-        dtype_class: id.dtype_class.clone(),
-    }
-}
-
 /// CONTRACT §5: a generation bound to a model no decoder serves is refused by every decoder
 /// (model mismatch, with the reason) and fails explicitly at its deadline instead of hanging.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -241,7 +226,7 @@ async fn generation_for_a_model_nobody_serves_is_refused_and_fails_at_its_deadli
     })
     .unwrap();
     let binding = pb::Binding {
-        model: Some(identity_pb(&other)),
+        model: Some(identity_to_pb(other.identity())),
         prompt_token_ids: vec![10, 11, 12],
         sampling: Some(pb::SamplingConfig {
             rng_version: tokenlog_decoder::RNG_VERSION,
@@ -271,7 +256,7 @@ async fn generation_for_a_model_nobody_serves_is_refused_and_fails_at_its_deadli
             generation_id: id,
             decoder_id: "wrong-model".into(),
             lease_ms: 1_000,
-            model: Some(identity_pb(&fake())),
+            model: Some(identity_to_pb(fake().identity())),
             rng_version: tokenlog_decoder::RNG_VERSION,
         })
         .await
@@ -304,7 +289,7 @@ async fn delayed_append_from_a_previous_owner_incarnation_changes_nothing() {
     let client = cluster.client();
     // No decoder runs: the test plays both owners.
     let id = submit(&client, "delayed", &[5, 6, 7]).await;
-    let m = identity_pb(&fake());
+    let m = identity_to_pb(fake().identity());
     let acquire = |who: &'static str| {
         let (client, m) = (client.clone(), m.clone());
         async move {
@@ -392,14 +377,8 @@ async fn real_model_takeover_after_kill_continues_the_uninterrupted_sequence() {
     let client = cluster.client();
     // Only a is up: it takes the generation.
     let id = {
-        let mid = model.identity();
         let binding = pb::Binding {
-            model: Some(pb::ModelIdentity {
-                weights_sha256: mid.weights_sha256.clone(),
-                tokenizer_sha256: mid.tokenizer_sha256.clone(),
-                architecture: mid.architecture.clone(),
-                dtype_class: mid.dtype_class.clone(),
-            }),
+            model: Some(identity_to_pb(model.identity())),
             prompt_token_ids: prompt.clone(),
             sampling: Some(pb::SamplingConfig {
                 temperature: params.temperature,

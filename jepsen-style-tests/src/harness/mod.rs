@@ -304,19 +304,18 @@ pub async fn run(cfg: &RunConfig) -> Result<RunSummary> {
     let leader_changes = Arc::new(Mutex::new(Vec::<Value>::new()));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let watcher = {
-        let (leader, changes, addrs, mut stop) = (
-            leader.clone(),
-            leader_changes.clone(),
-            node_addrs.clone(),
-            stop_rx.clone(),
-        );
+        let (leader, changes, mut stop) = (leader.clone(), leader_changes.clone(), stop_rx.clone());
+        // One client per node (each asks only its own node), made once.
+        let clients = node_addrs
+            .iter()
+            .map(|a| LogClient::with_budget(vec![a.clone()], Duration::from_millis(200)))
+            .collect::<Result<Vec<_>, _>>()?;
         tokio::spawn(async move {
             // A leader is counted when it is the first seen at a higher term (a deposed leader
             // that has not noticed yet still answers as leader of its old term).
             let mut last = (0u64, 0u64);
             loop {
-                for (i, a) in addrs.iter().enumerate() {
-                    let mut c = LogClient::with_budget(vec![a.clone()], Duration::from_millis(200)).expect("address");
+                for (i, c) in clients.iter().enumerate() {
                     if let Ok(Ok(st)) =
                         tokio::time::timeout(Duration::from_millis(300), async { c.cluster_status(false).await }).await
                     {
@@ -330,7 +329,6 @@ pub async fn run(cfg: &RunConfig) -> Result<RunSummary> {
                             }
                         }
                     }
-                    let _ = &mut c;
                 }
                 tokio::select! {
                     _ = stop.wait_for(|s| *s) => return,
@@ -382,7 +380,7 @@ pub async fn run(cfg: &RunConfig) -> Result<RunSummary> {
                     finals.insert(r.generation, f);
                 }
                 // A generation a client saw is gone from the log: the checkers report it.
-                Err(e) if e.to_string().contains("no such generation") => {}
+                Err(e) if is_not_found(&e) => {}
                 Err(e) => return Err(e),
             }
         }
@@ -451,6 +449,13 @@ pub async fn run(cfg: &RunConfig) -> Result<RunSummary> {
         let _ = std::fs::remove_dir_all(dir.join(format!("node{}-data", i + 1)));
     }
     Ok(summary)
+}
+
+fn is_not_found(e: &anyhow::Error) -> bool {
+    matches!(
+        e.downcast_ref::<tokenlog_raftlog::client::ClientError>(),
+        Some(tokenlog_raftlog::client::ClientError::Status(s)) if s.code() == tonic::Code::NotFound
+    )
 }
 
 async fn wait_for_model(log: &LogClient) -> Result<()> {

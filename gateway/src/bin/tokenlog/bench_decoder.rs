@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use hdrhistogram::Histogram;
-use tokenlog_decoder::worker::{Worker, WorkerConfig};
+use tokenlog_decoder::worker::{identity_to_pb, Worker, WorkerConfig};
 use tokenlog_decoder::{DecodeState, Model, ResumeMode, SamplingParams, StopConditions};
 use tokenlog_proto::raftlog as pb;
 use tokenlog_raftlog::client::LogClient;
@@ -76,14 +76,8 @@ fn dargs(fake: bool, model: Option<std::path::PathBuf>, threads: usize) -> Decod
 }
 
 fn binding(model: &dyn Model, prompt: &[u32], max_tokens: u32) -> pb::Binding {
-    let id = model.identity();
     pb::Binding {
-        model: Some(pb::ModelIdentity {
-            weights_sha256: id.weights_sha256.clone(),
-            tokenizer_sha256: id.tokenizer_sha256.clone(),
-            architecture: id.architecture.clone(),
-            dtype_class: id.dtype_class.clone(),
-        }),
+        model: Some(identity_to_pb(model.identity())),
         prompt_token_ids: prompt.to_vec(),
         sampling: Some(pb::SamplingConfig {
             temperature: 0.0,
