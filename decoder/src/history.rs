@@ -4,7 +4,8 @@
 //! (with its input) and `"phase": "complete"` after it (with the answer, `"ok": null` when the
 //! answer was lost), joined by `(decoder, id)`. Each line is one `write`, so a decoder killed with
 //! SIGKILL leaves whole lines; an operation with no completion line is indeterminate: it may
-//! have taken effect.
+//! have taken effect. Single `"phase": "event"` lines record instants: a generation resumed
+//! (with its four frontiers), a failpoint fired.
 
 use std::io::Write;
 use std::path::Path;
@@ -47,6 +48,14 @@ impl History {
         v["phase"] = "complete".into();
         v["id"] = id.into();
         v["complete_us"] = now_us().into();
+        self.record(v);
+    }
+
+    /// Records something that happened at one instant (`"phase": "event"`), e.g. a generation
+    /// resumed with its frontiers, or a failpoint fired.
+    pub fn event(&self, mut v: serde_json::Value) {
+        v["phase"] = "event".into();
+        v["at_us"] = now_us().into();
         self.record(v);
     }
 

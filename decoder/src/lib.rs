@@ -21,6 +21,9 @@
 //! - [`fetch`]: locating and fetching the default model (SmolLM2-135M-Instruct, Q4_1).
 //! - [`threads`]: the process-wide CPU thread count of candle.
 //! - [`worker`]: the lease worker: acquire, re-prefill, decode, fenced appends, renewals.
+//! - [`failpoint`]: test-only failpoints of the worker (`TOKENLOG_FAILPOINTS`), for the fault
+//!   suite's scenarios.
+//! - [`history`]: the worker's optional JSONL record of acquires and appends, for the checkers.
 //!
 //! # Invariants
 //! - The random draw at position `seq` is a pure function of `(seed, seq)` ([`RNG_VERSION`]).
@@ -31,6 +34,7 @@
 //! - Nothing here re-tokenizes committed text: the worker hands ids in, ids come out.
 
 pub mod error;
+pub mod failpoint;
 pub mod fake;
 pub mod fetch;
 pub mod generate;

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use tokenlog_proto::raftlog as pb;
 use tokenlog_raftlog::client::{ClientError, LogClient};
 
+use crate::failpoint::{self, Failpoints};
 use crate::resume::{DecodeState, ResumeMode};
 use crate::sampler::{FinishReason, SamplingParams, StopConditions, RNG_VERSION};
 use crate::{Model, ModelIdentity};
@@ -79,6 +80,13 @@ struct Active {
     finish: Option<FinishReason>,
 }
 
+impl Active {
+    /// Tokens sampled so far (committed or not): the seq of the next draw.
+    fn sampled(&self) -> u32 {
+        self.committed + self.uncommitted.len() as u32
+    }
+}
+
 /// A model identity in the log's wire form (what bindings, acquires and registrations carry).
 pub fn identity_to_pb(m: &ModelIdentity) -> pb::ModelIdentity {
     pb::ModelIdentity {
@@ -119,9 +127,16 @@ pub struct Worker {
     held: Held,
     stats: Arc<Mutex<WorkerStats>>,
     history: Option<Arc<crate::history::History>>,
+    failpoints: Failpoints,
 }
 
 impl Worker {
+    /// Arms test-only failpoints ([`crate::failpoint`]).
+    pub fn with_failpoints(mut self, f: Failpoints) -> Self {
+        self.failpoints = f;
+        self
+    }
+
     /// Records every acquire and append (with times and answers) as JSON lines in `h`.
     pub fn with_history(mut self, h: crate::history::History) -> Self {
         self.history = Some(Arc::new(h));
@@ -139,6 +154,7 @@ impl Worker {
             held: Default::default(),
             stats: Default::default(),
             history: None,
+            failpoints: Failpoints::default(),
         }
     }
 
@@ -169,8 +185,36 @@ impl Worker {
                 continue;
             }
             self.step().await?;
+            if let Some(seq) = self.failpoints.exit_after_sample {
+                if let Some(g) = self
+                    .active
+                    .values()
+                    .find(|g| g.sampled() == seq + 1 && !g.uncommitted.is_empty())
+                {
+                    self.fired("exit-after-sample", g, seq);
+                    std::process::exit(failpoint::EXIT_CODE);
+                }
+            }
             if let Some(h) = inflight.take() {
                 self.absorb(h.await.map_err(|e| WorkerError::Other(e.to_string()))?);
+            }
+            if let Some((seq, delay)) = self.failpoints.delay_append {
+                let due = self
+                    .active
+                    .values()
+                    .find(|g| g.committed <= seq && seq < g.sampled())
+                    .map(|g| g.id);
+                if let Some(id) = due {
+                    // Gone silent: no renewal, no decoding; only the held message arrives late.
+                    self.fired("delay-append", &self.active[&id], seq);
+                    renewer.abort();
+                    self.held.lock().expect("lock").clear();
+                    tokio::time::sleep(delay).await;
+                    if let Some(h) = self.send() {
+                        let _ = h.await;
+                    }
+                    std::process::exit(failpoint::EXIT_CODE);
+                }
             }
             inflight = self.send();
         }
@@ -180,6 +224,18 @@ impl Worker {
         renewer.abort();
         self.release_all().await;
         Ok(())
+    }
+
+    /// Records a fired failpoint (before it acts).
+    fn fired(&self, name: &str, g: &Active, seq: u32) {
+        tracing::error!(failpoint = name, generation = g.id, seq, "failpoint fired");
+        if let Some(h) = &self.history {
+            let token = g.uncommitted.get(seq.saturating_sub(g.committed) as usize);
+            h.event(
+                serde_json::json!({"op": "failpoint", "name": name, "decoder": self.cfg.decoder_id,
+                "gen": g.id, "epoch": g.epoch, "seq": seq, "token": token}),
+            );
+        }
     }
 
     async fn register(&mut self) {
@@ -240,19 +296,20 @@ impl Worker {
             })
             .await;
         if let (Some(h), Some(hid)) = (&self.history, hid) {
-            let (ok, epoch) = match &acq {
+            let (ok, epoch, frontier) = match &acq {
                 Ok(a) => (
                     serde_json::json!(a.ok),
                     a.generation
                         .as_ref()
                         .and_then(|g| g.lease.as_ref())
                         .map_or(0, |l| l.epoch),
+                    a.generation.as_ref().map_or(0, |g| g.frontier),
                 ),
-                Err(_) => (serde_json::Value::Null, 0),
+                Err(_) => (serde_json::Value::Null, 0, 0),
             };
             h.complete(
                 hid,
-                serde_json::json!({"decoder": self.cfg.decoder_id, "ok": ok, "epoch": epoch}),
+                serde_json::json!({"decoder": self.cfg.decoder_id, "ok": ok, "epoch": epoch, "frontier": frontier}),
             );
         }
         let acq = acq?;
@@ -270,6 +327,14 @@ impl Worker {
         match self.prepare(&info, epoch).await {
             Ok(active) => {
                 tracing::info!(generation = id, epoch, frontier = active.committed, "generation taken");
+                if let Some(h) = &self.history {
+                    let f = active.state.frontiers();
+                    h.event(
+                        serde_json::json!({"op": "resumed", "decoder": self.cfg.decoder_id, "gen": id,
+                        "epoch": epoch, "prompt_len": f.prompt_len, "sampled": f.sampled, "fed": f.fed,
+                        "kv": f.kv, "committed": f.committed}),
+                    );
+                }
                 self.active.insert(id, active);
                 Ok(())
             }

@@ -6,13 +6,16 @@
 //! With `netns`, each log node runs in its own network namespace (see [`net`]) and the
 //! `partition` nemesis cuts node-to-node traffic with iptables; without it everything shares
 //! loopback and partitions are left out. `real_model` runs the decoders on SmolLM2 instead of
-//! the fake model. Not yet here: the handoff failure points 1-6.
+//! the fake model. [`scenario`] drives the same cluster through one scripted fault per failure
+//! point of CONTRACT §8 instead of the seeded nemesis. Not yet here: the handoff failure points
+//! 1-6 (no handoff protocol yet).
 
 pub mod checks;
 pub mod nemesis;
 pub mod net;
 pub mod procs;
 pub mod report;
+pub mod scenario;
 pub mod workload;
 
 use std::collections::{BTreeMap, HashMap};
@@ -34,6 +37,10 @@ pub fn now_us() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_micros() as u64)
 }
+
+/// The decoder's failpoint variable (`tokenlog_decoder::failpoint::ENV`; this crate does not
+/// link the model code).
+pub const FAILPOINTS_ENV: &str = "TOKENLOG_FAILPOINTS";
 
 /// A test-only bug switched on in the processes, which the checkers must catch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
@@ -68,6 +75,11 @@ pub struct RunConfig {
     pub netns: bool,
     /// Decoders run the real SmolLM2 model (and gateways its tokenizer) instead of the fake.
     pub real_model: bool,
+    /// `TOKENLOG_FAILPOINTS` for decoder 1's first incarnation (scenarios).
+    pub decoder1_failpoints: Option<String>,
+    /// Start only decoder 1 with the cluster; the scenario starts the others (so that decoder 1
+    /// owns the first generation).
+    pub standby_later: bool,
 }
 
 impl RunConfig {
@@ -87,6 +99,8 @@ impl RunConfig {
             step_ms: 10,
             netns: false,
             real_model: false,
+            decoder1_failpoints: None,
+            standby_later: false,
         }
     }
 }
@@ -150,8 +164,68 @@ pub fn summary_line(s: &RunSummary) -> String {
     )
 }
 
+/// A started cluster: its processes, addresses, and the leader watcher.
+pub struct Cluster {
+    pub procs: Arc<Mutex<nemesis::Procs>>,
+    pub node_addrs: Vec<String>,
+    pub gateway_addrs: Vec<String>,
+    pub log: LogClient,
+    /// The current leader's index (0-based), when known.
+    pub leader: Arc<Mutex<Option<usize>>>,
+    /// The faults the run may use (partition left out without network namespaces).
+    pub faults: Vec<Fault>,
+    leader_changes: Arc<Mutex<Vec<Value>>>,
+    stop_watcher: tokio::sync::watch::Sender<bool>,
+    watcher: tokio::task::JoinHandle<()>,
+    started: Instant,
+}
+
 /// Runs one seeded test and writes its report into `cfg.out`.
 pub async fn run(cfg: &RunConfig) -> Result<RunSummary> {
+    let cluster = start_cluster(cfg).await?;
+    let records = Arc::new(Mutex::new(Vec::new()));
+    let (stop_new_tx, stop_new_rx) = tokio::sync::watch::channel(false);
+    let mut clients = Vec::new();
+    for i in 0..cfg.clients {
+        clients.push(tokio::spawn(workload::client_loop(
+            i,
+            cluster.gateway_addrs.clone(),
+            cfg.seed,
+            cfg.max_tokens,
+            stop_new_rx.clone(),
+            records.clone(),
+        )));
+    }
+    eprintln!(
+        "run seed {}: {} s of faults {:?}",
+        cfg.seed,
+        cfg.time.as_secs(),
+        cluster.faults.iter().map(|f| f.name()).collect::<Vec<_>>()
+    );
+    let nemesis_records = nemesis::run(
+        cluster.procs.clone(),
+        cluster.faults.clone(),
+        cfg.seed,
+        cfg.time,
+        cluster.leader.clone(),
+    )
+    .await?;
+
+    // --- heal, then every started request must finish
+    eprintln!("healing: every process up; waiting for the clients' last requests");
+    cluster.procs.lock().expect("lock").heal()?;
+    let _ = stop_new_tx.send(true);
+    for c in clients {
+        let _ = c.await;
+    }
+    let reqs: Vec<workload::RequestRecord> = records.lock().expect("lock").clone();
+    let (summary, _) = conclude(cfg, cluster, reqs, nemesis_records).await?;
+    Ok(summary)
+}
+
+/// Starts the processes of `cfg` (decoder 1 only when `cfg.standby_later`) and the leader
+/// watcher; returns once the nodes and gateways listen and a decoder has registered.
+pub async fn start_cluster(cfg: &RunConfig) -> Result<Cluster> {
     let started = Instant::now();
     std::fs::create_dir_all(&cfg.out).with_context(|| format!("{}", cfg.out.display()))?;
     let dir = cfg.out.clone();
@@ -161,7 +235,6 @@ pub async fn run(cfg: &RunConfig) -> Result<RunSummary> {
         "no tokenlog binary at {} (cargo build --workspace)",
         bin.display()
     );
-
     // --- the cluster
     let net = if cfg.netns {
         Some(net::Netns::create(3).context("making network namespaces")?)
@@ -259,7 +332,13 @@ pub async fn run(cfg: &RunConfig) -> Result<RunSummary> {
             ],
         ]
         .concat();
-        decoders.push(Proc::new(&format!("decoder{}", i + 1), Role::Decoder, bin, args, &dir));
+        let mut p = Proc::new(&format!("decoder{}", i + 1), Role::Decoder, bin, args, &dir);
+        if i == 0 {
+            if let Some(fp) = &cfg.decoder1_failpoints {
+                p = p.first_env(FAILPOINTS_ENV, fp);
+            }
+        }
+        decoders.push(p);
     }
     let mut gateways = Vec::new();
     let mut gateway_addrs = Vec::new();
@@ -283,7 +362,12 @@ pub async fn run(cfg: &RunConfig) -> Result<RunSummary> {
         gateways.push(p);
         gateway_addrs.push(grpc);
     }
-    for p in nodes.iter_mut().chain(gateways.iter_mut()).chain(decoders.iter_mut()) {
+    let first_decoders = if cfg.standby_later { 1 } else { decoders.len() };
+    for p in nodes
+        .iter_mut()
+        .chain(gateways.iter_mut())
+        .chain(decoders.iter_mut().take(first_decoders))
+    {
         p.start()?;
     }
     for p in nodes.iter().chain(gateways.iter()) {
@@ -337,41 +421,43 @@ pub async fn run(cfg: &RunConfig) -> Result<RunSummary> {
             }
         })
     };
+    Ok(Cluster {
+        procs,
+        node_addrs,
+        gateway_addrs,
+        log,
+        leader,
+        faults,
+        leader_changes,
+        stop_watcher: stop_tx,
+        watcher,
+        started,
+    })
+}
 
-    // --- workload + nemesis
-    let records = Arc::new(Mutex::new(Vec::new()));
-    let (stop_new_tx, stop_new_rx) = tokio::sync::watch::channel(false);
-    let mut clients = Vec::new();
-    for i in 0..cfg.clients {
-        clients.push(tokio::spawn(workload::client_loop(
-            i,
-            gateway_addrs.clone(),
-            cfg.seed,
-            cfg.max_tokens,
-            stop_new_rx.clone(),
-            records.clone(),
-        )));
-    }
-    eprintln!(
-        "run seed {}: {} s of faults {:?}",
-        cfg.seed,
-        cfg.time.as_secs(),
-        faults.iter().map(|f| f.name()).collect::<Vec<_>>()
-    );
-    let nemesis_records = nemesis::run(procs.clone(), faults, cfg.seed, cfg.time, leader.clone()).await?;
-
-    // --- heal, then every started request must finish
-    eprintln!("healing: every process up; waiting for the clients' last requests");
-    procs.lock().expect("lock").heal()?;
-    let _ = stop_new_tx.send(true);
-    for c in clients {
-        let _ = c.await;
-    }
-    let _ = stop_tx.send(true);
+/// Stops the leader watcher, reads the final state, stops every process, runs the checkers
+/// over `reqs` and the decoders' histories, and writes the report into `cfg.out`. Call it once
+/// the cluster is healed and the clients are done. Also returns the decoders' joined history.
+pub async fn conclude(
+    cfg: &RunConfig,
+    cluster: Cluster,
+    reqs: Vec<workload::RequestRecord>,
+    nemesis_records: Vec<Value>,
+) -> Result<(RunSummary, Vec<Value>)> {
+    let Cluster {
+        procs,
+        node_addrs,
+        log,
+        leader_changes,
+        stop_watcher,
+        watcher,
+        started,
+        ..
+    } = cluster;
+    let dir = cfg.out.clone();
+    let _ = stop_watcher.send(true);
     let _ = watcher.await;
-
     // --- final state
-    let reqs: Vec<workload::RequestRecord> = records.lock().expect("lock").clone();
     let mut finals = HashMap::new();
     for r in &reqs {
         if r.generation != 0 && !finals.contains_key(&r.generation) {
@@ -448,7 +534,7 @@ pub async fn run(cfg: &RunConfig) -> Result<RunSummary> {
     for i in 0..3 {
         let _ = std::fs::remove_dir_all(dir.join(format!("node{}-data", i + 1)));
     }
-    Ok(summary)
+    Ok((summary, decoder_ops))
 }
 
 fn is_not_found(e: &anyhow::Error) -> bool {
@@ -567,7 +653,8 @@ async fn convergence(addrs: &[String]) -> Verdict {
 }
 
 /// Joins each decoder's invoke and complete lines into one operation each (`ok: null` when the
-/// completion is missing: the decoder died with the call in flight).
+/// completion is missing: the decoder died with the call in flight); event lines (`resumed`,
+/// `failpoint`) stay as they are, with `invoke_us` = their time.
 fn read_decoder_histories(dir: &std::path::Path, n: usize) -> Result<Vec<Value>> {
     let mut out = Vec::new();
     for i in 0..n {
@@ -586,6 +673,11 @@ fn read_decoder_histories(dir: &std::path::Path, n: usize) -> Result<Vec<Value>>
                 v["id"].as_u64().unwrap_or(0),
             );
             match v["phase"].as_str() {
+                Some("event") => {
+                    let mut ev = v.clone();
+                    ev["invoke_us"] = v["at_us"].clone();
+                    ops.push(ev);
+                }
                 Some("invoke") => {
                     let mut op = v.clone();
                     op["ok"] = Value::Null;

@@ -41,6 +41,8 @@ pub struct Proc {
     /// incarnation).
     args: Vec<String>,
     env: Vec<(String, String)>,
+    /// Environment of the first incarnation only (a failpoint that must not fire again).
+    first_env: Vec<(String, String)>,
     log: PathBuf,
     child: Option<Child>,
     pub paused: bool,
@@ -57,6 +59,7 @@ impl Proc {
             bin: bin.to_path_buf(),
             args,
             env: vec![],
+            first_env: vec![],
             log: dir.join(format!("{name}.log")),
             child: None,
             paused: false,
@@ -70,13 +73,32 @@ impl Proc {
         self
     }
 
+    pub fn first_env(mut self, k: &str, v: &str) -> Proc {
+        self.first_env.push((k.into(), v.into()));
+        self
+    }
+
+    /// The child's process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
+    /// The exit status, once the process ended on its own (not after [`Proc::kill9`]).
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.as_mut().and_then(|c| c.try_wait().ok().flatten())
+    }
+
     pub fn running(&self) -> bool {
         self.child.is_some()
     }
 
+    /// Starts the process unless it runs (one that exited on its own is started again).
     pub fn start(&mut self) -> Result<()> {
-        if self.child.is_some() {
-            return Ok(());
+        if let Some(c) = &mut self.child {
+            if c.try_wait().ok().flatten().is_none() {
+                return Ok(());
+            }
+            self.child = None;
         }
         self.incarnation += 1;
         let args: Vec<String> = self
@@ -89,9 +111,10 @@ impl Proc {
             .append(true)
             .open(&self.log)
             .with_context(|| format!("{}", self.log.display()))?;
+        let first: &[(String, String)] = if self.incarnation == 1 { &self.first_env } else { &[] };
         let child = Command::new(&self.bin)
             .args(&args)
-            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .envs(self.env.iter().chain(first).map(|(k, v)| (k.as_str(), v.as_str())))
             .env("RUST_LOG", "info,openraft=warn")
             .stdout(Stdio::null())
             .stderr(log)

@@ -61,28 +61,76 @@ pub async fn client_loop(
         let rid = format!("c{id}-{k}");
         k += 1;
         let n = rng.random_range(max_tokens.0..=max_tokens.1);
-        let rec = one_request(id, &rid, n, &channels, &mut rng).await;
+        let req = request(&rid, n, rng.random());
+        let mut routing = Routing::Random(StdRng::seed_from_u64(rng.random()));
+        let rec = one_request(id, req, &channels, &mut routing, None).await;
         out.lock().expect("lock").push(rec);
     }
 }
 
-async fn one_request(
-    client: usize,
-    rid: &str,
-    max_tokens: u32,
-    channels: &[Channel],
-    rng: &mut StdRng,
-) -> RequestRecord {
-    let req = tpb::GenerateRequest {
+/// The request a workload client sends: sampled (temperature 0.8, top-p 0.95), EOS ignored, so
+/// it runs to `max_tokens`.
+pub fn request(rid: &str, max_tokens: u32, seed: u64) -> tpb::GenerateRequest {
+    tpb::GenerateRequest {
         request_id: rid.to_string(),
         prompt: format!("story {rid}: "),
         max_tokens,
         temperature: 0.8,
         top_p: 0.95,
-        seed: rng.random(),
+        seed,
         ignore_eos: true,
         ..Default::default()
-    };
+    }
+}
+
+/// How a client picks gateways and when it drops a stream on purpose.
+pub enum Routing {
+    /// A random gateway per connection; drops the stream after an event with
+    /// [`DISCONNECT_CHANCE`].
+    Random(StdRng),
+    /// Gateway `k % n` for the k-th connection; never drops a stream on purpose (scenarios).
+    RoundRobin,
+}
+
+impl Routing {
+    fn gateway(&mut self, connection: u32, n: usize) -> usize {
+        match self {
+            Routing::Random(rng) => rng.random_range(0..n),
+            Routing::RoundRobin => connection as usize % n,
+        }
+    }
+    fn disconnect(&mut self) -> bool {
+        match self {
+            Routing::Random(rng) => rng.random_bool(DISCONNECT_CHANCE),
+            Routing::RoundRobin => false,
+        }
+    }
+    fn pause(&mut self) -> Duration {
+        match self {
+            Routing::Random(rng) => Duration::from_millis(rng.random_range(0..50)),
+            Routing::RoundRobin => Duration::from_millis(50),
+        }
+    }
+}
+
+/// What a running request has received so far: events, and the gateway of the open stream.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Progress {
+    pub events: usize,
+    pub gateway: usize,
+}
+
+/// Runs one request to its end (or [`REQUEST_TIMEOUT`]) through `channels`, resuming after the
+/// last seq received whenever a stream breaks; records every event as received. `progress`, if
+/// given, is told of every event.
+pub async fn one_request(
+    client: usize,
+    req: tpb::GenerateRequest,
+    channels: &[Channel],
+    routing: &mut Routing,
+    progress: Option<&tokio::sync::watch::Sender<Progress>>,
+) -> RequestRecord {
+    let rid = req.request_id.as_str();
     let mut rec = RequestRecord {
         client,
         request_id: rid.to_string(),
@@ -99,7 +147,8 @@ async fn one_request(
     let started = Instant::now();
     let mut last: i64 = -1;
     'outer: while started.elapsed() < REQUEST_TIMEOUT {
-        let mut c = GenerationClient::new(channels[rng.random_range(0..channels.len())].clone());
+        let gateway = routing.gateway(rec.connections, channels.len());
+        let mut c = GenerationClient::new(channels[gateway].clone());
         rec.connections += 1;
         // Generate is idempotent by request id: until an event arrived, submit again; after,
         // resume after the last seq received.
@@ -136,13 +185,19 @@ async fn one_request(
                     rec.generation = ev.generation;
                     rec.events.push((ev.seq, ev.token_id, ev.epoch, ev.last));
                     last = last.max(i64::from(ev.seq));
+                    if let Some(p) = progress {
+                        p.send_replace(Progress {
+                            events: rec.events.len(),
+                            gateway,
+                        });
+                    }
                     if ev.last {
                         rec.finished = true;
                         rec.finish_reason = ev.finish_reason.clone();
                         rec.error = None;
                         break 'outer;
                     }
-                    if rng.random_bool(DISCONNECT_CHANCE) {
+                    if routing.disconnect() {
                         break;
                     }
                 }
@@ -157,7 +212,7 @@ async fn one_request(
                 }
             }
         }
-        tokio::time::sleep(Duration::from_millis(rng.random_range(0..50))).await;
+        tokio::time::sleep(routing.pause()).await;
     }
     rec.complete_us = now_us();
     if rec.finished {

@@ -143,6 +143,11 @@ pub async fn run(a: DecoderArgs) -> anyhow::Result<()> {
         let h = tokenlog_decoder::history::History::open(p).with_context(|| format!("opening {}", p.display()))?;
         worker = worker.with_history(h);
     }
+    let failpoints = tokenlog_decoder::failpoint::Failpoints::from_env().map_err(anyhow::Error::msg)?;
+    if failpoints.any() {
+        eprintln!("TEST FAILPOINTS ARMED: {failpoints:?}");
+        worker = worker.with_failpoints(failpoints);
+    }
     if let Some(m) = a.metrics_listen {
         let stats = worker.stats();
         let (addr, _) = tokenlog_gateway::server::serve_metrics(m, Arc::new(move || render_stats(&stats)))
