@@ -9,6 +9,9 @@
 //! - [`model`]: the [`Model`] / [`Sequence`] traits the worker drives, and [`GgufModel`], a real
 //!   llama-family LLM (candle, GGUF, CPU or CUDA). One `Sequence` per generation, each with its
 //!   own KV cache, so generations can be interleaved without touching each other's numerics.
+//! - [`safetensors_model`]: [`SafetensorsModel`], a llama-family model folder in Hugging Face
+//!   layout (`config.json`, `*.safetensors`, `tokenizer.json`).
+//! - [`export`]: writes a GGUF llama model as such a folder (dequantized), for tests and tries.
 //! - [`fake`]: [`FakeModel`], an instant deterministic twin of the real model for tests.
 //! - [`tokenizer`]: [`Tokenizer`] built from the GGUF file's own vocabulary, ChatML prompts, and
 //!   [`IncrementalDetokenizer`] (UTF-8-safe text deltas).
@@ -34,6 +37,7 @@
 //! - Nothing here re-tokenizes committed text: the worker hands ids in, ids come out.
 
 pub mod error;
+pub mod export;
 pub mod failpoint;
 pub mod fake;
 pub mod fetch;
@@ -42,6 +46,7 @@ pub mod history;
 pub mod identity;
 pub mod model;
 pub mod resume;
+pub mod safetensors_model;
 pub mod sampler;
 pub mod threads;
 pub mod tokenizer;
@@ -51,7 +56,8 @@ pub use error::{Error, Result};
 pub use fake::{FakeConfig, FakeModel};
 pub use generate::{generate, Generated};
 pub use identity::ModelIdentity;
-pub use model::{DeviceSpec, GgufModel, Logits, Model, Sequence};
+pub use model::{load_model, DeviceSpec, GgufModel, Logits, Model, Sequence};
 pub use resume::{DecodeState, Frontiers, ResumeMode, ResumeStats, Step};
+pub use safetensors_model::SafetensorsModel;
 pub use sampler::{FinishReason, Sampler, SamplingParams, StopConditions, StopMatcher, RNG_VERSION};
 pub use tokenizer::{ChatMessage, IncrementalDetokenizer, Tokenizer};

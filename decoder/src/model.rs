@@ -68,7 +68,7 @@ pub enum DeviceSpec {
 }
 
 impl DeviceSpec {
-    fn device(self) -> Result<Device> {
+    pub(crate) fn device(self) -> Result<Device> {
         match self {
             DeviceSpec::Cpu => Ok(Device::Cpu),
             #[cfg(feature = "cuda")]
@@ -87,6 +87,16 @@ impl DeviceSpec {
             DeviceSpec::Cuda(i) => format!("cuda:{i}"),
         }
     }
+}
+
+/// Loads a model by its path: a folder is a Hugging Face model folder
+/// ([`crate::SafetensorsModel`]), a file is GGUF ([`GgufModel`]).
+pub fn load_model(path: &Path, device: DeviceSpec) -> Result<std::sync::Arc<dyn Model>> {
+    Ok(if path.is_dir() {
+        std::sync::Arc::new(crate::SafetensorsModel::load(path, device)?)
+    } else {
+        std::sync::Arc::new(GgufModel::load(path, device)?)
+    })
 }
 
 /// A llama-family model from a GGUF file (SmolLM2, Llama, Mistral, ...).
@@ -189,29 +199,56 @@ impl Model for GgufModel {
     }
 
     fn new_sequence(&self) -> Result<Box<dyn Sequence>> {
-        Ok(Box::new(GgufSequence {
-            weights: self.template.clone(),
-            device: self.device.clone(),
-            kv_len: 0,
-            max_context: self.max_context,
-            vocab_size: self.vocab_size(),
-        }))
+        Ok(Box::new(KvSequence::new(
+            self.template.clone(),
+            &self.device,
+            self.max_context,
+            self.vocab_size(),
+        )))
     }
 }
 
-struct GgufSequence {
-    /// A clone of the model's weights (shared) with this sequence's own KV cache.
-    weights: ModelWeights,
+/// What differs between model kinds inside a [`Sequence`]: one forward pass over `input`
+/// (1 × n token ids) at position `pos`, appending to the sequence's own KV cache, returning the
+/// last position's logits; and emptying that cache.
+pub(crate) trait Forward: Send {
+    fn run(&mut self, input: &Tensor, pos: usize) -> candle_core::Result<Tensor>;
+    fn clear(&mut self);
+}
+
+/// A GGUF model's weights clone (shared) with its own KV cache.
+impl Forward for ModelWeights {
+    fn run(&mut self, input: &Tensor, pos: usize) -> candle_core::Result<Tensor> {
+        self.forward(input, pos)
+    }
+    fn clear(&mut self) {
+        self.clear_kv_cache();
+    }
+}
+
+/// A [`Sequence`] over any [`Forward`]: the feed rules, the KV length, reset on error.
+pub(crate) struct KvSequence<F> {
+    model: F,
     device: Device,
     kv_len: usize,
     max_context: usize,
     vocab_size: usize,
 }
 
-impl GgufSequence {
+impl<F: Forward> KvSequence<F> {
+    pub(crate) fn new(model: F, device: &Device, max_context: usize, vocab_size: usize) -> Self {
+        KvSequence {
+            model,
+            device: device.clone(),
+            kv_len: 0,
+            max_context,
+            vocab_size,
+        }
+    }
+
     fn forward(&mut self, tokens: &[u32]) -> Result<Logits> {
         let input = Tensor::new(tokens, &self.device)?.unsqueeze(0)?;
-        let logits = self.weights.forward(&input, self.kv_len)?;
+        let logits = self.model.run(&input, self.kv_len)?;
         let logits = logits.squeeze(0)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
         if logits.len() != self.vocab_size {
             return Err(Error::Unsupported(format!(
@@ -224,7 +261,7 @@ impl GgufSequence {
     }
 }
 
-impl Sequence for GgufSequence {
+impl<F: Forward> Sequence for KvSequence<F> {
     fn prefill(&mut self, tokens: &[u32]) -> Result<Logits> {
         check_feed(tokens, self.kv_len, self.max_context, self.vocab_size)?;
         match self.forward(tokens) {
@@ -245,7 +282,7 @@ impl Sequence for GgufSequence {
     }
 
     fn reset(&mut self) {
-        self.weights.clear_kv_cache();
+        self.model.clear();
         self.kv_len = 0;
     }
 }

@@ -1,4 +1,6 @@
-//! The tokenizer a model is bound to, built from the model file's own vocabulary.
+//! The tokenizer a model is bound to, built from the model file's own vocabulary (GGUF), or
+//! read from the model folder's `tokenizer.json` (safetensors models,
+//! [`Tokenizer::from_tokenizer_json`]).
 //!
 //! GGUF files carry their tokenizer as metadata (`tokenizer.ggml.*`). For byte-level BPE files
 //! (`tokenizer.ggml.model = "gpt2"`) we build a `tokenizers` BPE from the file's tokens and
@@ -14,6 +16,8 @@
 //! the bytes of a character split across tokens until it is complete (CONTRACT §3).
 
 use std::collections::HashMap;
+use std::path::Path;
+use std::str::FromStr;
 use std::sync::Arc;
 
 use candle_core::quantized::gguf_file;
@@ -122,6 +126,16 @@ impl Tokenizer {
         Self::from_gguf(&content)
     }
 
+    /// The tokenizer of a model path as [`crate::load_model`] takes it: a folder's
+    /// `tokenizer.json`, or a GGUF file's metadata.
+    pub fn from_model_path(path: &Path) -> Result<Self> {
+        if path.is_dir() {
+            Self::from_tokenizer_json(&path.join("tokenizer.json"))
+        } else {
+            Self::from_gguf_file(path)
+        }
+    }
+
     /// Builds the tokenizer from its parts (used for GGUF files and for the fake model).
     pub fn from_spec(spec: TokenizerSpec) -> Result<Self> {
         if spec.tokens.is_empty() || spec.tokens.len() != spec.token_types.len() {
@@ -159,22 +173,112 @@ impl Tokenizer {
             .filter(|(_, &s)| s)
             .map(|(t, _)| AddedToken::from(t.clone(), true));
         inner.add_special_tokens(added).map_err(Error::tokenizer)?;
+        let tokens: Vec<Option<String>> = spec.tokens.iter().cloned().map(Some).collect();
+        Ok(Self::assemble(
+            inner,
+            &tokens,
+            special,
+            TokenBytes::ByteLevel,
+            spec.bos_token_id,
+            spec.eos_token_id,
+            spec.chat_template.as_deref(),
+        ))
+    }
 
-        let token_bytes: Vec<Box<[u8]>> = spec
-            .tokens
+    /// Reads a Hugging Face `tokenizer.json`, with what its model folder says beside it:
+    /// `tokenizer_config.json` (`bos_token`, `eos_token`, `chat_template`), else `config.json`'s
+    /// `bos_token_id` / `eos_token_id`. Byte-level BPE (GPT-2, Llama 3, SmolLM) and
+    /// SentencePiece-style vocabularies (`▁` for a space, `<0xNN>` byte tokens) are supported.
+    pub fn from_tokenizer_json(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let inner =
+            tokenizers::Tokenizer::from_str(&text).map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
+        let mapping = if json.to_string().contains("\"ByteLevel\"") {
+            TokenBytes::ByteLevel
+        } else {
+            TokenBytes::SentencePiece
+        };
+        let n = inner.get_vocab_size(true);
+        let mut tokens: Vec<Option<String>> = vec![None; n];
+        for (t, id) in inner.get_vocab(true) {
+            if let Some(slot) = tokens.get_mut(id as usize) {
+                *slot = Some(t);
+            }
+        }
+        if let Some(missing) = tokens.iter().position(Option::is_none) {
+            return Err(Error::Tokenizer(format!(
+                "{}: the vocabulary has no token with id {missing} below its size {n}",
+                path.display()
+            )));
+        }
+        let mut special = vec![false; n];
+        for (id, t) in inner.get_added_tokens_decoder() {
+            if let Some(s) = special.get_mut(id as usize) {
+                *s = t.special;
+            }
+        }
+        let dir = path.parent().unwrap_or(Path::new("."));
+        let read_json = |name: &str| -> Result<Option<serde_json::Value>> {
+            let p = dir.join(name);
+            match std::fs::read_to_string(&p) {
+                Ok(t) => serde_json::from_str(&t)
+                    .map(Some)
+                    .map_err(|e| Error::Tokenizer(format!("{}: {e}", p.display()))),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                Err(e) => Err(Error::io(p, e)),
+            }
+        };
+        let tcfg = read_json("tokenizer_config.json")?.unwrap_or_default();
+        let mcfg = read_json("config.json")?.unwrap_or_default();
+        // `"eos_token": "<|im_end|>"` or `{"content": "<|im_end|>", ...}`.
+        let named = |k: &str| {
+            let v = &tcfg[k];
+            v.as_str()
+                .or_else(|| v["content"].as_str())
+                .and_then(|t| inner.token_to_id(t))
+        };
+        let numbered = |k: &str| mcfg[k].as_u64().map(|x| x as u32);
+        let bos = named("bos_token").or_else(|| numbered("bos_token_id"));
+        let eos = named("eos_token").or_else(|| numbered("eos_token_id"));
+        let template = tcfg["chat_template"].as_str().map(str::to_string);
+        Ok(Self::assemble(
+            inner,
+            &tokens,
+            special,
+            mapping,
+            bos,
+            eos,
+            template.as_deref(),
+        ))
+    }
+
+    /// The parts every constructor shares: token bytes, EOS set, chat template.
+    fn assemble(
+        inner: tokenizers::Tokenizer,
+        tokens: &[Option<String>],
+        special: Vec<bool>,
+        mapping: TokenBytes,
+        bos_token_id: Option<u32>,
+        eos_token_id: Option<u32>,
+        chat_template: Option<&str>,
+    ) -> Self {
+        let token_bytes: Vec<Box<[u8]>> = tokens
             .iter()
             .zip(&special)
             .map(|(t, &s)| {
+                let t = t.as_deref().unwrap_or("");
                 if s {
                     t.as_bytes().into()
                 } else {
-                    byte_level_to_bytes(t).into()
+                    mapping.bytes(t).into()
                 }
             })
             .collect();
 
-        let id_of = |s: &str| spec.tokens.iter().position(|t| t == s).map(|i| i as u32);
-        let mut eos_token_ids: Vec<u32> = spec.eos_token_id.into_iter().collect();
+        let id_of = |s: &str| tokens.iter().position(|t| t.as_deref() == Some(s)).map(|i| i as u32);
+        let mut eos_token_ids: Vec<u32> = eos_token_id.into_iter().collect();
         for extra in [IM_END, END_OF_TEXT] {
             if let Some(id) = id_of(extra) {
                 if !eos_token_ids.contains(&id) {
@@ -182,20 +286,20 @@ impl Tokenizer {
                 }
             }
         }
-        let chat_template = match &spec.chat_template {
+        let chat_template = match chat_template {
             Some(t) if t.contains(IM_START) && id_of(IM_START).is_some() => ChatTemplate::ChatMl {
                 default_system: chatml_default_system(t),
             },
             _ => ChatTemplate::Plain,
         };
-        Ok(Tokenizer {
+        Tokenizer {
             inner,
             token_bytes: token_bytes.into(),
             special: special.into(),
-            bos_token_id: spec.bos_token_id,
+            bos_token_id,
             eos_token_ids,
             chat_template,
-        })
+        }
     }
 
     /// The underlying `tokenizers` pipeline.
@@ -369,6 +473,34 @@ pub fn byte_level_alphabet() -> [char; 256] {
         };
     }
     table
+}
+
+/// How a vocabulary spells a token's bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TokenBytes {
+    /// GPT-2 byte-level: every byte is one character of [`byte_level_alphabet`].
+    ByteLevel,
+    /// SentencePiece: text with `▁` for a space; byte-fallback tokens `<0xNN>`.
+    SentencePiece,
+}
+
+impl TokenBytes {
+    fn bytes(self, token: &str) -> Vec<u8> {
+        match self {
+            TokenBytes::ByteLevel => byte_level_to_bytes(token),
+            TokenBytes::SentencePiece => {
+                let hex = token
+                    .strip_prefix("<0x")
+                    .and_then(|r| r.strip_suffix('>'))
+                    .filter(|h| h.len() == 2)
+                    .and_then(|h| u8::from_str_radix(h, 16).ok());
+                match hex {
+                    Some(b) => vec![b],
+                    None => token.replace('\u{2581}', " ").into_bytes(),
+                }
+            }
+        }
+    }
 }
 
 /// Byte-level token text (`Ġhello`) to its raw bytes (` hello`). Characters outside the

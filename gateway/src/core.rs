@@ -193,7 +193,7 @@ impl Gateway {
         self.tokenizers.get(tokenizer_sha256).cloned().ok_or_else(|| {
             GatewayError::Precondition(format!(
                 "this gateway has no tokenizer for model {name:?} (tokenizer sha256 {tokenizer_sha256}); \
-                 start it with --model <the model's GGUF file>"
+                 start it with --model <the model's GGUF file or folder>"
             ))
         })
     }

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use tokenlog_decoder::worker::{Worker, WorkerConfig};
-use tokenlog_decoder::{fetch, threads, DeviceSpec, FakeConfig, FakeModel, GgufModel, Model};
+use tokenlog_decoder::{fetch, threads, DeviceSpec, FakeConfig, FakeModel, Model};
 use tokenlog_raftlog::client::LogClient;
 
 #[derive(clap::Args, Clone)]
@@ -16,8 +16,9 @@ pub struct DecoderArgs {
     /// Addresses of log nodes (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "127.0.0.1:7001")]
     pub cluster: Vec<String>,
-    /// GGUF model file. Default: the bundled SmolLM2-135M-Instruct (Q4_1), fetched into
-    /// ./models on first use.
+    /// The model: a GGUF file, or a Hugging Face llama model folder (config.json,
+    /// *.safetensors, tokenizer.json). Default: the bundled SmolLM2-135M-Instruct (Q4_1),
+    /// fetched into ./models on first use.
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// Use the deterministic fake model instead (instant; for tests).
@@ -26,7 +27,8 @@ pub struct DecoderArgs {
     /// Per-step delay of the fake model (ms), to make a slow decoder.
     #[arg(long, default_value_t = 0)]
     pub fake_step_ms: u64,
-    /// Name clients use for this model (default: derived from the model).
+    /// Name clients use for this model (default: `smollm2-135m-instruct` for the bundled
+    /// model, else the model file's stem or folder's name, lowercase).
     #[arg(long)]
     pub model_name: Option<String>,
     /// `cpu` or `cuda:N` (needs a build with `--features cuda`).
@@ -53,6 +55,31 @@ pub struct DecoderArgs {
     /// the fault suite's checkers.
     #[arg(long)]
     pub history: Option<PathBuf>,
+}
+
+#[derive(clap::Args, Clone)]
+pub struct ExportArgs {
+    /// The GGUF file (default: the bundled SmolLM2 model, fetched into ./models if missing).
+    #[arg(long)]
+    pub gguf: Option<PathBuf>,
+    /// The folder to write (created).
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+pub fn export(a: ExportArgs) -> anyhow::Result<()> {
+    let gguf = match a.gguf {
+        Some(p) => p,
+        None => fetch::ensure_default_model(&fetch::repo_models_dir()).context("fetching the default model")?,
+    };
+    let n = tokenlog_decoder::export::export_gguf_as_safetensors(&gguf, &a.out)
+        .with_context(|| format!("exporting {}", gguf.display()))?;
+    println!(
+        "wrote {n} tensors and the tokenizer of {} to {}",
+        gguf.display(),
+        a.out.display()
+    );
+    Ok(())
 }
 
 /// A decoder's counters in the Prometheus text format.
@@ -124,9 +151,24 @@ pub fn load_model(a: &DecoderArgs) -> anyhow::Result<(Arc<dyn Model>, String)> {
         None => fetch::ensure_default_model(&fetch::repo_models_dir()).context("fetching the default model")?,
     };
     eprintln!("loading {} on {} ...", path.display(), a.device);
-    let model = GgufModel::load(&path, device(&a.device)?).with_context(|| format!("loading {}", path.display()))?;
-    let name = a.model_name.clone().unwrap_or_else(|| "smollm2-135m-instruct".into());
-    Ok((Arc::new(model), name))
+    let model = tokenlog_decoder::load_model(&path, device(&a.device)?)
+        .with_context(|| format!("loading {}", path.display()))?;
+    let name = a.model_name.clone().unwrap_or_else(|| model_name_of(&path));
+    Ok((model, name))
+}
+
+/// The name clients use for a model when `--model-name` is not given: `smollm2-135m-instruct`
+/// for the bundled model, else the file's stem or the folder's name, lowercase.
+fn model_name_of(path: &std::path::Path) -> String {
+    if path.file_name().is_some_and(|n| n == fetch::DEFAULT_MODEL_FILE) {
+        return "smollm2-135m-instruct".into();
+    }
+    let base = if path.is_dir() {
+        path.file_name()
+    } else {
+        path.file_stem()
+    };
+    base.map_or_else(|| "model".into(), |n| n.to_string_lossy().to_lowercase())
 }
 
 pub async fn run(a: DecoderArgs) -> anyhow::Result<()> {

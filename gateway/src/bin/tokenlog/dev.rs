@@ -30,7 +30,8 @@ pub struct DevArgs {
     /// Gateway HTTP address (OpenAI-compatible API, /metrics).
     #[arg(long, default_value = "127.0.0.1:8000")]
     pub http_listen: SocketAddr,
-    /// GGUF model file (default: the bundled SmolLM2-135M-Instruct Q4_1).
+    /// The model: a GGUF file or a Hugging Face llama folder (default: the bundled
+    /// SmolLM2-135M-Instruct Q4_1).
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// Use the deterministic fake model instead of a real one.

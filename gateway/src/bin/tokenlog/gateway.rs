@@ -25,8 +25,9 @@ pub struct GatewayArgs {
     /// every caller is the tenant `default`.
     #[arg(long)]
     pub keys: Option<PathBuf>,
-    /// GGUF files whose tokenizers this gateway detokenizes with (repeatable). Default: the
-    /// bundled SmolLM2 model (fetched into ./models on first use).
+    /// Models whose tokenizers this gateway detokenizes with (repeatable): GGUF files or
+    /// Hugging Face model folders (their tokenizer.json). Default: the bundled SmolLM2 model
+    /// (fetched into ./models on first use).
     #[arg(long)]
     pub model: Vec<PathBuf>,
     /// Only the fake model's tokenizer (for tests; no model file needed).
@@ -45,7 +46,7 @@ pub fn tokenizers(models: &[PathBuf], fake_only: bool) -> anyhow::Result<Vec<Tok
         models.to_vec()
     };
     for p in paths {
-        out.push(Tokenizer::from_gguf_file(&p).with_context(|| format!("reading the tokenizer of {}", p.display()))?);
+        out.push(Tokenizer::from_model_path(&p).with_context(|| format!("reading the tokenizer of {}", p.display()))?);
     }
     Ok(out)
 }

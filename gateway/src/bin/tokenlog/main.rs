@@ -53,6 +53,9 @@ enum Cmd {
     Verify(status::VerifyArgs),
     /// Change cluster membership: add a node (as learner, then voter) or remove voters.
     Members(status::MembersArgs),
+    /// Write a llama GGUF model as a Hugging Face model folder (f32 safetensors, config.json,
+    /// tokenizer.json) that `tokenlog decoder --model DIR` runs through the safetensors path.
+    ExportSafetensors(decoder::ExportArgs),
     /// Benchmarks; each prints ratios against a baseline measured in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCmd),
@@ -77,6 +80,7 @@ fn main() -> anyhow::Result<()> {
             Cmd::Status(a) => status::status(a).await,
             Cmd::Verify(a) => status::verify(a).await,
             Cmd::Members(a) => status::members(a).await,
+            Cmd::ExportSafetensors(a) => decoder::export(a),
             Cmd::Bench(b) => bench::run(b).await,
         }
     })
