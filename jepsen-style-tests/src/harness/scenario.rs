@@ -21,9 +21,9 @@ use anyhow::{Context, Result};
 use serde_json::{json, Value};
 use tokenlog_proto::tokenlog as tpb;
 use tokenlog_proto::tokenlog::generation_client::GenerationClient;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
-use super::workload::{self, Progress, RequestRecord, Routing};
+use super::workload::{self, transient, Progress, RequestRecord, Routing};
 use super::{conclude, now_us, start_cluster, Plant, RunConfig, RunSummary};
 
 /// Tokens of the scenario's request.
@@ -36,6 +36,8 @@ pub const SCENARIO_TIMEOUT: Duration = Duration::from_secs(90);
 pub const DELAY_MS: u64 = 2_500;
 /// How long the harness-made faults last.
 const FAULT_HOLD: Duration = Duration::from_millis(2_000);
+/// Bound on each of the retrier's calls.
+const CALL_TIMEOUT: Duration = Duration::from_secs(3);
 /// The retrier's period.
 const RETRY_EVERY: Duration = Duration::from_millis(40);
 /// Decoder ids are `d<i>-<incarnation>`.
@@ -199,26 +201,6 @@ pub struct RetrierLog {
     pub unknown_queries: u64,
 }
 
-fn channel(addr: &str) -> Channel {
-    Endpoint::from_shared(format!("http://{addr}"))
-        .expect("loopback address")
-        .connect_timeout(Duration::from_millis(500))
-        .timeout(Duration::from_secs(3))
-        .tcp_nodelay(true)
-        .connect_lazy()
-}
-
-fn transient(code: tonic::Code) -> bool {
-    matches!(
-        code,
-        tonic::Code::Unavailable
-            | tonic::Code::Unknown
-            | tonic::Code::Cancelled
-            | tonic::Code::Internal
-            | tonic::Code::DeadlineExceeded
-    )
-}
-
 /// Status reads, re-submits and unknown-id reads until `stop`, alternating gateways.
 async fn retrier(
     channels: Vec<Channel>,
@@ -309,7 +291,8 @@ pub async fn run(bin: PathBuf, out: PathBuf, sc: Scenario, plant: Option<Plant>)
     cfg.decoder1_failpoints = sc.failpoints();
     eprintln!("scenario {} (failure point {})", sc.name(), sc.point());
     let cluster = start_cluster(&cfg).await?;
-    let channels: Vec<Channel> = cluster.gateway_addrs.iter().map(|a| channel(a)).collect();
+    let channel_of = |t| -> Vec<Channel> { cluster.gateway_addrs.iter().map(|a| workload::channel(a, t)).collect() };
+    let channels = channel_of(None);
     let req = workload::request("scenario-1", MAX_TOKENS, 0x5eed);
 
     let (progress_tx, mut progress) = tokio::sync::watch::channel(Progress::default());
@@ -325,7 +308,7 @@ pub async fn run(bin: PathBuf, out: PathBuf, sc: Scenario, plant: Option<Plant>)
         d.start()?;
     }
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let retrier = tokio::spawn(retrier(channels.clone(), req.clone(), stop_rx));
+    let retrier = tokio::spawn(retrier(channel_of(Some(CALL_TIMEOUT)), req.clone(), stop_rx));
 
     let mut nemesis = Vec::new();
     let mut killed_gateway = None;

@@ -38,12 +38,28 @@ pub struct RequestRecord {
     pub status_after: Option<(String, u32)>,
 }
 
-fn channel(addr: &str) -> Channel {
-    Endpoint::from_shared(format!("http://{addr}"))
+/// A lazily connecting channel to a gateway; `call_timeout` bounds each call (not for streams).
+pub fn channel(addr: &str, call_timeout: Option<Duration>) -> Channel {
+    let mut e = Endpoint::from_shared(format!("http://{addr}"))
         .expect("loopback address")
         .connect_timeout(Duration::from_millis(500))
-        .tcp_nodelay(true)
-        .connect_lazy()
+        .tcp_nodelay(true);
+    if let Some(t) = call_timeout {
+        e = e.timeout(t);
+    }
+    e.connect_lazy()
+}
+
+/// Errors a client retries: the gateway or the log behind it is down or moving.
+pub fn transient(code: tonic::Code) -> bool {
+    matches!(
+        code,
+        tonic::Code::Unavailable
+            | tonic::Code::Unknown
+            | tonic::Code::Cancelled
+            | tonic::Code::Internal
+            | tonic::Code::DeadlineExceeded
+    )
 }
 
 pub async fn client_loop(
@@ -55,7 +71,7 @@ pub async fn client_loop(
     out: Arc<Mutex<Vec<RequestRecord>>>,
 ) {
     let mut rng = StdRng::seed_from_u64(seed ^ (id as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
-    let channels: Vec<Channel> = gateways.iter().map(|a| channel(a)).collect();
+    let channels: Vec<Channel> = gateways.iter().map(|a| channel(a, None)).collect();
     let mut k = 0;
     while !*stop_new.borrow() {
         let rid = format!("c{id}-{k}");
@@ -165,14 +181,7 @@ pub async fn one_request(
             Ok(r) => r.into_inner(),
             Err(e) => {
                 rec.error = Some(e.to_string());
-                if !matches!(
-                    e.code(),
-                    tonic::Code::Unavailable
-                        | tonic::Code::Unknown
-                        | tonic::Code::Cancelled
-                        | tonic::Code::Internal
-                        | tonic::Code::DeadlineExceeded
-                ) {
+                if !transient(e.code()) {
                     break 'outer;
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;
