@@ -70,9 +70,21 @@ pub fn export_gguf_as_safetensors(gguf: &Path, out: &Path) -> Result<usize> {
             .and_then(|v| v.to_f32().ok())
             .unwrap_or(default)
     };
+    // Rotary scaling (Llama 3.1+) has no place in the exported config: refuse rather than
+    // write a folder that computes another model.
+    if content.tensor_infos.contains_key("rope_freqs.weight") || md.contains_key("llama.rope.scaling.type") {
+        return Err(Error::Unsupported(
+            "rotary scaling (rope_freqs / rope.scaling) does not export".into(),
+        ));
+    }
     let heads = num("attention.head_count")? as usize;
     let kv_heads = num("attention.head_count_kv").map_or(heads, |n| n as usize);
     let layers = num("block_count")? as usize;
+    if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+        return Err(Error::Unsupported(format!(
+            "{heads} attention heads, {kv_heads} key/value heads"
+        )));
+    }
     let tokenizer = Tokenizer::from_gguf(&content)?;
 
     std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use candle_transformers::models::llama::{Cache, Config, Llama, LlamaConfig};
+use candle_transformers::models::llama::{Cache, Llama, LlamaConfig};
 
 use crate::error::{Error, Result};
 use crate::identity::{self, ModelIdentity};
@@ -24,8 +24,8 @@ const LLAMA_MODEL_TYPES: [&str; 1] = ["llama"];
 
 pub struct SafetensorsModel {
     weights: Arc<Llama>,
-    config: Config,
-    dtype: DType,
+    /// An empty cache with the rotary tables, cloned (tensors shared) for each sequence.
+    template: Cache,
     device: Device,
     device_spec: DeviceSpec,
     tokenizer: Tokenizer,
@@ -136,7 +136,21 @@ impl SafetensorsModel {
         let dtype = if dev.is_cpu() { DType::F32 } else { stored };
         // SAFETY: as in `stored_dtype`.
         let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, dtype, &dev)? };
-        let weights = Llama::load(vb, &config)?;
+        // candle's `Llama::load` unwraps each layer's tensors: a folder whose weights do not
+        // match its config.json would panic; report it instead.
+        let weights =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Llama::load(vb, &config))).map_err(|p| {
+                let why = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                Error::Unsupported(format!(
+                    "{}: the weights do not match config.json: {why}",
+                    dir.display()
+                ))
+            })??;
+        let template = Cache::new(true, dtype, &config, &dev)?;
         let identity = ModelIdentity {
             weights_sha256: weights_digest(&files)?,
             tokenizer_sha256: identity::tokenizer_sha256(&tokenizer)?,
@@ -145,8 +159,7 @@ impl SafetensorsModel {
         };
         Ok(SafetensorsModel {
             weights: Arc::new(weights),
-            config,
-            dtype,
+            template,
             device: dev,
             device_spec: device,
             tokenizer,
@@ -184,11 +197,10 @@ impl Model for SafetensorsModel {
     }
 
     fn new_sequence(&self) -> Result<Box<dyn Sequence>> {
-        let cache = Cache::new(true, self.dtype, &self.config, &self.device)?;
         let state = LlamaState {
             weights: self.weights.clone(),
-            fresh: cache.clone(),
-            cache,
+            fresh: self.template.clone(),
+            cache: self.template.clone(),
         };
         Ok(Box::new(KvSequence::new(
             state,

@@ -180,14 +180,14 @@ impl Tokenizer {
             special,
             TokenBytes::ByteLevel,
             spec.bos_token_id,
-            spec.eos_token_id,
+            spec.eos_token_id.into_iter().collect(),
             spec.chat_template.as_deref(),
         ))
     }
 
     /// Reads a Hugging Face `tokenizer.json`, with what its model folder says beside it:
-    /// `tokenizer_config.json` (`bos_token`, `eos_token`, `chat_template`), else `config.json`'s
-    /// `bos_token_id` / `eos_token_id`. Byte-level BPE (GPT-2, Llama 3, SmolLM) and
+    /// `tokenizer_config.json` (`bos_token`, `eos_token`, `chat_template`), `config.json` and
+    /// `generation_config.json` (`bos_token_id`, `eos_token_id`: a number or a list). Byte-level BPE (GPT-2, Llama 3, SmolLM) and
     /// SentencePiece-style vocabularies (`▁` for a space, `<0xNN>` byte tokens) are supported.
     pub fn from_tokenizer_json(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
@@ -195,7 +195,7 @@ impl Tokenizer {
             tokenizers::Tokenizer::from_str(&text).map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
         let json: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
-        let mapping = if json.to_string().contains("\"ByteLevel\"") {
+        let mapping = if uses_byte_level(&json["pre_tokenizer"]) || uses_byte_level(&json["decoder"]) {
             TokenBytes::ByteLevel
         } else {
             TokenBytes::SentencePiece
@@ -232,6 +232,7 @@ impl Tokenizer {
         };
         let tcfg = read_json("tokenizer_config.json")?.unwrap_or_default();
         let mcfg = read_json("config.json")?.unwrap_or_default();
+        let gcfg = read_json("generation_config.json")?.unwrap_or_default();
         // `"eos_token": "<|im_end|>"` or `{"content": "<|im_end|>", ...}`.
         let named = |k: &str| {
             let v = &tcfg[k];
@@ -239,9 +240,24 @@ impl Tokenizer {
                 .or_else(|| v["content"].as_str())
                 .and_then(|t| inner.token_to_id(t))
         };
-        let numbered = |k: &str| mcfg[k].as_u64().map(|x| x as u32);
-        let bos = named("bos_token").or_else(|| numbered("bos_token_id"));
-        let eos = named("eos_token").or_else(|| numbered("eos_token_id"));
+        // `"eos_token_id": 2` or `[128001, 128009]`.
+        let numbered = |v: &serde_json::Value| -> Vec<u32> {
+            match v {
+                serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+                x => x.as_u64().map(|x| x as u32).into_iter().collect(),
+            }
+        };
+        let bos = named("bos_token").or_else(|| numbered(&mcfg["bos_token_id"]).first().copied());
+        // Every source of end-of-sequence ids counts (Llama 3 lists end-of-turn only in some).
+        let mut eos: Vec<u32> = named("eos_token").into_iter().collect();
+        for id in numbered(&mcfg["eos_token_id"])
+            .into_iter()
+            .chain(numbered(&gcfg["eos_token_id"]))
+        {
+            if !eos.contains(&id) {
+                eos.push(id);
+            }
+        }
         let template = tcfg["chat_template"].as_str().map(str::to_string);
         Ok(Self::assemble(
             inner,
@@ -261,7 +277,7 @@ impl Tokenizer {
         special: Vec<bool>,
         mapping: TokenBytes,
         bos_token_id: Option<u32>,
-        eos_token_id: Option<u32>,
+        eos: Vec<u32>,
         chat_template: Option<&str>,
     ) -> Self {
         let token_bytes: Vec<Box<[u8]>> = tokens
@@ -278,7 +294,7 @@ impl Tokenizer {
             .collect();
 
         let id_of = |s: &str| tokens.iter().position(|t| t.as_deref() == Some(s)).map(|i| i as u32);
-        let mut eos_token_ids: Vec<u32> = eos_token_id.into_iter().collect();
+        let mut eos_token_ids = eos;
         for extra in [IM_END, END_OF_TEXT] {
             if let Some(id) = id_of(extra) {
                 if !eos_token_ids.contains(&id) {
@@ -315,8 +331,9 @@ impl Tokenizer {
         self.bos_token_id
     }
 
-    /// Ids that end a generation: the file's EOS id, plus `<|im_end|>` and `<|endoftext|>` when
-    /// the vocabulary has them. First entry is the file's own EOS.
+    /// Ids that end a generation: the model's EOS ids (GGUF: the file's; a folder: the
+    /// tokenizer config's, then config.json's and generation_config.json's), plus `<|im_end|>`
+    /// and `<|endoftext|>` when the vocabulary has them. First entry is the model's own EOS.
     pub fn eos_token_ids(&self) -> &[u32] {
         &self.eos_token_ids
     }
@@ -473,6 +490,16 @@ pub fn byte_level_alphabet() -> [char; 256] {
         };
     }
     table
+}
+
+/// Whether a `tokenizer.json` pre-tokenizer or decoder (possibly a `Sequence`) is byte-level.
+fn uses_byte_level(v: &serde_json::Value) -> bool {
+    v["type"] == "ByteLevel"
+        || ["pretokenizers", "decoders"]
+            .iter()
+            .filter_map(|k| v[*k].as_array())
+            .flatten()
+            .any(uses_byte_level)
 }
 
 /// How a vocabulary spells a token's bytes.

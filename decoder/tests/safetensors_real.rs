@@ -45,8 +45,8 @@ fn tokenizer_json_reproduces_the_gguf_tokenizer() {
         let streamed: String = ids.iter().map(|&i| d.push(i)).collect();
         assert_eq!(streamed, text);
     }
-    // A folder's tokenizer without tokenizer_config.json still loads; EOS falls back to
-    // config.json, the chat format to plain.
+    // A folder's tokenizer without tokenizer_config.json still loads; EOS ids come from
+    // config.json and generation_config.json (a list), the chat format falls back to plain.
     let tmp = tempfile::tempdir().unwrap();
     std::fs::copy(
         common::safetensors_dir().join("tokenizer.json"),
@@ -54,8 +54,13 @@ fn tokenizer_json_reproduces_the_gguf_tokenizer() {
     )
     .unwrap();
     std::fs::write(tmp.path().join("config.json"), r#"{"eos_token_id": 2}"#).unwrap();
+    std::fs::write(tmp.path().join("generation_config.json"), r#"{"eos_token_id": [2, 5]}"#).unwrap();
     let bare = Tokenizer::from_tokenizer_json(&tmp.path().join("tokenizer.json")).unwrap();
-    assert_eq!(bare.eos_token_ids()[0], 2);
+    assert_eq!(
+        bare.eos_token_ids()[..2],
+        [2, 5],
+        "config.json, then generation_config.json"
+    );
     assert_eq!(*bare.chat_template(), tokenlog_decoder::tokenizer::ChatTemplate::Plain);
 }
 

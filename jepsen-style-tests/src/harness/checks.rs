@@ -11,6 +11,8 @@
 //! - `status`: a status read after the last event says terminal, with the same frontier.
 //! - `liveness`: every request finished (after the healing phase), none failed.
 //! - `convergence`: chain heads are equal on every node, and every node's chains verify.
+//! - `processes`: no process ended on its own (a crash), except decoder 1's first incarnation
+//!   with the failpoint exit code when a scenario armed a failpoint there.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
@@ -146,6 +148,24 @@ pub fn status(reqs: &[RequestRecord]) -> Verdict {
     v
 }
 
+pub fn processes(exits: &[super::procs::SelfExit], decoder1_failpoint: bool) -> Verdict {
+    let mut v = Verdict::new();
+    for e in exits {
+        v.checked += 1;
+        let meant = decoder1_failpoint && e.name == "decoder1" && e.incarnation == 1 && e.code == Some(FAILPOINT_EXIT);
+        if !meant {
+            v.fail(format!(
+                "{} (incarnation {}) ended on its own: {}",
+                e.name, e.incarnation, e.status
+            ));
+        }
+    }
+    v
+}
+
+/// `tokenlog_decoder::failpoint::EXIT_CODE`.
+const FAILPOINT_EXIT: i32 = 137;
+
 pub fn liveness(reqs: &[RequestRecord]) -> Verdict {
     let mut v = Verdict::new();
     for r in reqs {
@@ -280,4 +300,30 @@ pub fn linearizability(decoder_ops: &[Value], budget: Duration) -> (Verdict, usi
     }
     let n = ops.len();
     (v, n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::procs::SelfExit;
+    use super::*;
+
+    fn exit(name: &str, incarnation: u32, code: Option<i32>) -> SelfExit {
+        SelfExit {
+            name: name.into(),
+            incarnation,
+            code,
+            status: format!("{code:?}"),
+        }
+    }
+
+    #[test]
+    fn only_the_armed_failpoint_exit_is_not_a_crash() {
+        assert!(processes(&[], false).ok);
+        let failpoint = [exit("decoder1", 1, Some(FAILPOINT_EXIT))];
+        assert!(processes(&failpoint, true).ok);
+        assert!(!processes(&failpoint, false).ok, "no failpoint armed: a crash");
+        assert!(!processes(&[exit("decoder1", 2, Some(FAILPOINT_EXIT))], true).ok);
+        assert!(!processes(&[exit("node2", 1, Some(101))], true).ok, "a panic");
+        assert!(!processes(&[exit("decoder1", 1, None)], true).ok, "killed by a signal");
+    }
 }

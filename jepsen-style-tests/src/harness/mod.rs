@@ -473,6 +473,22 @@ pub async fn conclude(
     }
     let convergence = convergence(&node_addrs).await;
     let decoder_ops = read_decoder_histories(&dir, cfg.decoders)?;
+    // Stop every process (kill9 first records one that had ended on its own).
+    let self_exits: Vec<procs::SelfExit> = {
+        let mut p = procs.lock().expect("lock");
+        let p = &mut *p;
+        let mut out = Vec::new();
+        for x in p
+            .nodes
+            .iter_mut()
+            .chain(p.gateways.iter_mut())
+            .chain(p.decoders.iter_mut())
+        {
+            x.kill9();
+            out.append(&mut x.self_exits);
+        }
+        out
+    };
     // Stop the processes before checking (and before the report).
     drop(procs);
 
@@ -485,6 +501,10 @@ pub async fn conclude(
     verdicts.insert("status".to_string(), checks::status(&reqs));
     verdicts.insert("liveness".to_string(), checks::liveness(&reqs));
     verdicts.insert("convergence".to_string(), convergence);
+    verdicts.insert(
+        "processes".to_string(),
+        checks::processes(&self_exits, cfg.decoder1_failpoints.is_some()),
+    );
 
     let mut faults = BTreeMap::new();
     for n in &nemesis_records {

@@ -25,6 +25,16 @@ pub fn wait_for_port(addr: &str, within: Duration) -> Result<()> {
     Ok(())
 }
 
+/// A process that ended on its own.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct SelfExit {
+    pub name: String,
+    pub incarnation: u32,
+    /// The exit code; `None` when a signal ended it.
+    pub code: Option<i32>,
+    pub status: String,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub enum Role {
     Node,
@@ -47,6 +57,9 @@ pub struct Proc {
     child: Option<Child>,
     pub paused: bool,
     pub incarnation: u32,
+    /// Every time the process ended on its own (not by [`Proc::kill9`]): a crash unless a
+    /// failpoint meant it. The run reports them.
+    pub self_exits: Vec<SelfExit>,
     /// The address to wait for after a start (gRPC port).
     pub ready_addr: Option<String>,
 }
@@ -64,6 +77,7 @@ impl Proc {
             child: None,
             paused: false,
             incarnation: 0,
+            self_exits: vec![],
             ready_addr: None,
         }
     }
@@ -88,17 +102,30 @@ impl Proc {
         self.child.as_mut().and_then(|c| c.try_wait().ok().flatten())
     }
 
+    /// Records the exit of a child that ended on its own, and forgets the child.
+    fn note_exit(&mut self) {
+        if let Some(st) = self.exited() {
+            self.self_exits.push(SelfExit {
+                name: self.name.clone(),
+                incarnation: self.incarnation,
+                code: st.code(),
+                status: st.to_string(),
+            });
+        }
+        self.child = None;
+    }
+
     pub fn running(&self) -> bool {
         self.child.is_some()
     }
 
     /// Starts the process unless it runs (one that exited on its own is started again).
     pub fn start(&mut self) -> Result<()> {
-        if let Some(c) = &mut self.child {
-            if c.try_wait().ok().flatten().is_none() {
+        if self.child.is_some() {
+            if self.exited().is_none() {
                 return Ok(());
             }
-            self.child = None;
+            self.note_exit();
         }
         self.incarnation += 1;
         let args: Vec<String> = self
@@ -126,6 +153,9 @@ impl Proc {
     }
 
     pub fn kill9(&mut self) {
+        if self.exited().is_some() {
+            self.note_exit();
+        }
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();

@@ -7,7 +7,8 @@
 //! Each scenario runs one request (80 tokens, fake model, 15 ms a step) that decoder 1 owns
 //! (decoder 2 is started, warm, once the first token is visible). The fault strikes at seq 20:
 //! through a decoder failpoint (`TOKENLOG_FAILPOINTS`, see `tokenlog_decoder::failpoint`) for
-//! points 7 and 10, by the harness when the client has seen 20 events for the others. All along
+//! points 7 and 10, by the harness once the client has seen 20 events (seqs 0-19) for the
+//! others. All along
 //! (failure point 11) a second client polls the request's status on alternating gateways,
 //! re-submits the same request id, and asks for an id nobody submitted: every answer must name
 //! the one generation (or not-found for the unknown id), and the cluster must end with exactly
@@ -48,10 +49,11 @@ const OWNER: &str = "d1-1";
 pub enum Scenario {
     /// 7: the owner exits right after sampling seq 20, before sending it (failpoint).
     DecoderDiesAfterSample,
-    /// 8: the gateway streaming to the client is killed (SIGKILL) after it sent seq 20.
+    /// 8: the gateway streaming to the client is killed (SIGKILL) once the client received
+    /// seqs 0-19 (the gateway may have sent more).
     GatewayDiesAfterSend,
-    /// 9: the owner is paused (SIGSTOP) past its lease at seq 20, then continued: its next
-    /// write must be rejected.
+    /// 9: the owner is paused (SIGSTOP) past its lease once the client received seqs 0-19,
+    /// then continued: its next write must be rejected.
     PausedOwnerWritesAfterTakeover,
     /// 10: the owner's append carrying seq 20 is held 2.5 s (renewals stop), then arrives after
     /// another decoder took over (failpoint).
@@ -229,12 +231,15 @@ async fn retrier(
             match c.generate(req.clone()).await {
                 Ok(s) => {
                     let mut s = s.into_inner();
-                    match tokio::time::timeout(Duration::from_secs(2), s.message()).await {
+                    match tokio::time::timeout(CALL_TIMEOUT, s.message()).await {
                         Ok(Ok(Some(ev))) => {
                             log.submits_ok += 1;
                             log.generations.insert(ev.generation);
                         }
-                        _ => log.transient_errors += 1,
+                        Ok(Err(e)) if transient(e.code()) => log.transient_errors += 1,
+                        Err(_) => log.transient_errors += 1,
+                        Ok(Err(e)) => log.wrong.push(format!("re-submit stream: {e}")),
+                        Ok(Ok(None)) => log.wrong.push("re-submit: the stream ended without an event".into()),
                     }
                 }
                 Err(e) if transient(e.code()) => log.transient_errors += 1,
@@ -259,7 +264,7 @@ async fn retrier(
             }
         }
         tokio::select! {
-            _ = stop.changed() => {}
+            r = stop.changed() => if r.is_err() { break },
             _ = tokio::time::sleep(RETRY_EVERY) => {}
         }
     }
@@ -521,14 +526,26 @@ fn expectations(
         format!("final epoch {last_epoch} granted to {grants:?}, written from seq {first_at}"),
     );
 
-    // Frontiers of every owner at its resume: committed = the acquire's frontier; exact mode
-    // replayed all of it (sampled = fed = committed; KV = prompt + committed).
+    // Frontiers of every owner at its resume. Committed = the acquire's frontier, and that is no
+    // less than any frontier acknowledged to an earlier owner before the acquire was invoked
+    // (nothing acknowledged is lost) and exactly where the owner's first append starts; exact
+    // mode replayed all of it (sampled = fed = committed; KV = prompt + committed).
     let mut frontier_problems = Vec::new();
     let resumed: Vec<&Value> = gen_ops(ops, gen, "resumed").collect();
     for r in &resumed {
-        let acquired = gen_ops(ops, gen, "acquire")
-            .find(|a| a["ok"] == true && a["decoder"] == r["decoder"] && a["epoch"] == r["epoch"])
-            .map(|a| u(&a["frontier"]));
+        let acquire = gen_ops(ops, gen, "acquire")
+            .find(|a| a["ok"] == true && a["decoder"] == r["decoder"] && a["epoch"] == r["epoch"]);
+        let acknowledged = acquire.map_or(0, |a| {
+            gen_ops(ops, gen, "append")
+                .filter(|x| x["ok"] == true && u(&x["epoch"]) < u(&r["epoch"]))
+                .filter(|x| u(&x["complete_us"]) < u(&a["invoke_us"]))
+                .map(|x| u(&x["frontier"]))
+                .max()
+                .unwrap_or(0)
+        });
+        let first_append = gen_ops(ops, gen, "append")
+            .find(|x| x["decoder"] == r["decoder"] && x["epoch"] == r["epoch"])
+            .map(|x| u(&x["start_seq"]));
         let (c, s, f, kv, p) = (
             u(&r["committed"]),
             u(&r["sampled"]),
@@ -536,9 +553,16 @@ fn expectations(
             u(&r["kv"]),
             u(&r["prompt_len"]),
         );
-        if acquired != Some(c) || s != c || f != c || kv != p + c {
+        let acquired = acquire.map(|a| u(&a["frontier"]));
+        let ok = acquired == Some(c)
+            && c >= acknowledged
+            && first_append.is_none_or(|st| st == c)
+            && s == c
+            && f == c
+            && kv == p + c;
+        if !ok {
             frontier_problems.push(format!(
-                "{} epoch {}: acquire frontier {acquired:?}, committed {c}, sampled {s}, fed {f}, kv {kv}, prompt {p}",
+                "{} epoch {}: acquire frontier {acquired:?}, acknowledged before it {acknowledged}, first append at {first_append:?}, committed {c}, sampled {s}, fed {f}, kv {kv}, prompt {p}",
                 r["decoder"], r["epoch"]
             ));
         }
@@ -546,7 +570,7 @@ fn expectations(
     let takeovers = resumed.iter().filter(|r| u(&r["epoch"]) > 1).count();
     expect(
         &mut out,
-        "each owner resumed at the committed frontier, KV = prompt + committed",
+        "each owner resumed at the committed frontier (nothing acknowledged lost), KV = prompt + committed",
         frontier_problems.is_empty() && !resumed.is_empty() && (!sc.takes_over() || takeovers >= 1),
         format!(
             "{} resumes ({takeovers} takeovers){}",
