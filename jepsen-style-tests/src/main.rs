@@ -101,6 +101,9 @@ enum Command {
         /// Turn on a planted bug that the scenarios must catch.
         #[arg(long, value_enum)]
         plant: Option<jepsen_style_tests::harness::Plant>,
+        /// Decoders run the real SmolLM2 model (exact resume) instead of the fake one.
+        #[arg(long)]
+        real_model: bool,
     },
 }
 
@@ -146,7 +149,16 @@ fn run(cli: Cli) -> Result<ExitCode> {
             netns,
             real_model,
         } => return fault_runs(&nemesis, time, seed, seeds, clients, plant, bin, out, netns, real_model),
-        Command::Scenario { names, bin, out, plant } => return scenarios(names, bin, out, plant),
+        Command::Scenario {
+            names,
+            bin,
+            out,
+            plant,
+            real_model,
+        } => {
+            let opts = jepsen_style_tests::harness::scenario::Options { plant, real_model };
+            return scenarios(names, bin, out, opts);
+        }
     };
     let text = std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
     let events = match format {
@@ -192,7 +204,7 @@ fn scenarios(
     names: Vec<jepsen_style_tests::harness::scenario::Scenario>,
     bin: Option<PathBuf>,
     out: PathBuf,
-    plant: Option<jepsen_style_tests::harness::Plant>,
+    opts: jepsen_style_tests::harness::scenario::Options,
 ) -> Result<ExitCode> {
     use jepsen_style_tests::harness::scenario::{self, Scenario};
     let bin = tokenlog_bin(bin)?;
@@ -205,7 +217,7 @@ fn scenarios(
     let mut all_ok = true;
     for sc in names {
         let dir = out.join(sc.name());
-        let r = rt.block_on(scenario::run(bin.clone(), dir.clone(), sc, plant))?;
+        let r = rt.block_on(scenario::run(bin.clone(), dir.clone(), sc, opts))?;
         println!("{}", r.line());
         for e in r.expectations.iter().filter(|e| !e.ok) {
             println!("  expected: {}: {}", e.what, e.detail);

@@ -24,7 +24,7 @@ async fn every_failure_point_scenario_holds() {
     for sc in Scenario::ALL {
         let out = root.join(sc.name());
         let _ = std::fs::remove_dir_all(&out);
-        let r = scenario::run(bin(), out.clone(), sc, None).await.unwrap();
+        let r = scenario::run(bin(), out.clone(), sc, Default::default()).await.unwrap();
         eprintln!("{}", r.line());
         points.insert(r.point);
         if !r.ok {
@@ -55,7 +55,11 @@ async fn a_planted_missing_fence_fails_the_paused_owner_scenario() {
     let sc = Scenario::PausedOwnerWritesAfterTakeover;
     let out = std::env::temp_dir().join("tokenlog-scenarios-planted").join(sc.name());
     let _ = std::fs::remove_dir_all(&out);
-    let r = scenario::run(bin(), out, sc, Some(Plant::NoFence)).await.unwrap();
+    let opts = scenario::Options {
+        plant: Some(Plant::NoFence),
+        ..Default::default()
+    };
+    let r = scenario::run(bin(), out, sc, opts).await.unwrap();
     eprintln!("{}", r.line());
     assert!(!r.ok, "the planted bug went unnoticed");
     let failed: Vec<&str> = r

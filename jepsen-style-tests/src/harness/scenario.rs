@@ -4,7 +4,8 @@
 //! point: the surviving owner is unambiguous, the new owner's committed and cache frontiers are
 //! as expected, the client's observed prefix is preserved, and no stale epoch wrote anything.
 //!
-//! Each scenario runs one request (80 tokens, fake model, 15 ms a step) that decoder 1 owns
+//! Each scenario runs one request (80 tokens; fake model at 15 ms a step, or with
+//! `real_model` SmolLM2 in exact mode) that decoder 1 owns
 //! (decoder 2 is started, warm, once the first token is visible). The fault strikes at seq 20:
 //! through a decoder failpoint (`TOKENLOG_FAILPOINTS`, see `tokenlog_decoder::failpoint`) for
 //! points 7 and 10, by the harness once the client has seen 20 events (seqs 0-19) for the
@@ -133,6 +134,15 @@ impl Scenario {
                 | Scenario::DelayedAppendFromOldOwner
         )
     }
+}
+
+/// How to run a scenario.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Options {
+    /// A planted bug (to show that the scenario catches it).
+    pub plant: Option<Plant>,
+    /// Decoders on the real SmolLM2 model (exact resume) instead of the fake one.
+    pub real_model: bool,
 }
 
 /// One expectation of a scenario and whether it held.
@@ -284,10 +294,10 @@ async fn wait_progress(
 }
 
 /// Runs one scenario; its report (history, verdicts, timeline, scenario.json) goes to `out`.
-/// `plant` switches on a planted bug (to show that the scenario catches it).
-pub async fn run(bin: PathBuf, out: PathBuf, sc: Scenario, plant: Option<Plant>) -> Result<ScenarioReport> {
+pub async fn run(bin: PathBuf, out: PathBuf, sc: Scenario, opts: Options) -> Result<ScenarioReport> {
     let mut cfg = RunConfig::new(bin, out, u64::from(sc.point()));
-    cfg.plant = plant;
+    cfg.plant = opts.plant;
+    cfg.real_model = opts.real_model;
     cfg.faults = vec![];
     cfg.clients = 0;
     cfg.step_ms = 15;
