@@ -155,3 +155,21 @@ pub fn export_gguf_as_safetensors(gguf: &Path, out: &Path) -> Result<usize> {
     candle_core::safetensors::save(&tensors, out.join("model.safetensors"))?;
     Ok(n)
 }
+
+/// The folder `export_gguf_as_safetensors(gguf, ...)` wrote under `parent`, made on first use
+/// and reused after (named by the GGUF's digest, so a changed file gets a new folder). Safe to
+/// race: each caller exports into its own temporary folder and renames it into place.
+pub fn ensure_exported(gguf: &Path, parent: &Path) -> Result<std::path::PathBuf> {
+    let digest = crate::identity::weights_sha256(gguf)?;
+    let dir = parent.join(format!("safetensors-{}", &digest[..16]));
+    if !dir.join("model.safetensors").is_file() {
+        let tmp = parent.join(format!(".export-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        export_gguf_as_safetensors(gguf, &tmp)?;
+        // Another process may have won the race: keep its folder.
+        if std::fs::rename(&tmp, &dir).is_err() {
+            let _ = std::fs::remove_dir_all(&tmp);
+        }
+    }
+    Ok(dir)
+}

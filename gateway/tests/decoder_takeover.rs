@@ -357,8 +357,24 @@ async fn delayed_append_from_a_previous_owner_incarnation_changes_nothing() {
 async fn real_model_takeover_after_kill_continues_the_uninterrupted_sequence() {
     let _serial = serial();
     let path = tokenlog_decoder::fetch::ensure_default_model(&tokenlog_decoder::fetch::repo_models_dir()).unwrap();
+    real_takeover(&path, "real").await;
+}
+
+/// The same with the model as a Hugging Face folder (safetensors + tokenizer.json, exported from
+/// the GGUF file): the decoder processes run it through the safetensors path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn safetensors_model_takeover_after_kill_continues_the_uninterrupted_sequence() {
+    let _serial = serial();
+    let models = tokenlog_decoder::fetch::repo_models_dir();
+    let gguf = tokenlog_decoder::fetch::ensure_default_model(&models).unwrap();
+    let dir = tokenlog_decoder::export::ensure_exported(&gguf, &models).unwrap();
+    real_takeover(&dir, "folder").await;
+}
+
+async fn real_takeover(path: &std::path::Path, rid: &str) {
     tokenlog_decoder::threads::init_cpu_threads(1);
-    let model = tokenlog_decoder::GgufModel::load(&path, tokenlog_decoder::DeviceSpec::Cpu).unwrap();
+    let model = tokenlog_decoder::load_model(path, tokenlog_decoder::DeviceSpec::Cpu).unwrap();
+    let model = model.as_ref();
     let prompt = model
         .tokenizer()
         .encode_chat(&[tokenlog_decoder::ChatMessage::user("Tell me about lighthouses.")])
@@ -370,10 +386,10 @@ async fn real_model_takeover_after_kill_continues_the_uninterrupted_sequence() {
         stop_strings: vec![],
         eos_token_ids: vec![],
     };
-    let expected = generate(&model, &prompt, &params, &stop).unwrap().tokens;
+    let expected = generate(model, &prompt, &params, &stop).unwrap().tokens;
 
     let cluster = Cluster::start(20_000);
-    let mut a = cluster.start_real_decoder("real-a", &path, &["--capacity", "1"]);
+    let mut a = cluster.start_real_decoder("real-a", path, &["--capacity", "1"]);
     let client = cluster.client();
     // Only a is up: it takes the generation.
     let id = {
@@ -398,7 +414,7 @@ async fn real_model_takeover_after_kill_continues_the_uninterrupted_sequence() {
         client
             .submit(pb::SubmitRequest {
                 tenant: "t".into(),
-                request_id: "real".into(),
+                request_id: rid.into(),
                 binding: Some(binding),
             })
             .await
@@ -412,7 +428,7 @@ async fn real_model_takeover_after_kill_continues_the_uninterrupted_sequence() {
     })
     .await;
     assert_eq!(owner_a, "real-a");
-    let _b = cluster.start_real_decoder("real-b", &path, &["--capacity", "1"]);
+    let _b = cluster.start_real_decoder("real-b", path, &["--capacity", "1"]);
     a.kill9();
     let (toks, epochs, info) = follow(&client, id).await;
     assert_eq!(info.finish_reason, pb::FinishReason::Length as i32);

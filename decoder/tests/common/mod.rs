@@ -31,25 +31,11 @@ pub fn real_model() -> Arc<GgufModel> {
 }
 
 /// The default model exported as a Hugging Face folder (f32 safetensors + tokenizer.json), made
-/// once under `<repo>/models/` from the GGUF file and reused (keyed by the GGUF's digest).
+/// once under `<repo>/models/` from the GGUF file and reused.
 pub fn safetensors_dir() -> PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let gguf = model_path();
-        let digest = tokenlog_decoder::identity::weights_sha256(&gguf).expect("digest");
-        let dir = repo_models_dir().join(format!("safetensors-{}", &digest[..16]));
-        if !dir.join("model.safetensors").is_file() {
-            let tmp = repo_models_dir().join(format!(".export-{}", std::process::id()));
-            let _ = std::fs::remove_dir_all(&tmp);
-            let t0 = std::time::Instant::now();
-            tokenlog_decoder::export::export_gguf_as_safetensors(&gguf, &tmp).expect("export");
-            eprintln!("exported {} in {:?}", gguf.display(), t0.elapsed());
-            // Another test binary may have won the race: keep its folder.
-            if std::fs::rename(&tmp, &dir).is_err() {
-                let _ = std::fs::remove_dir_all(&tmp);
-            }
-        }
-        dir
+        tokenlog_decoder::export::ensure_exported(&model_path(), &repo_models_dir()).expect("export the model")
     })
     .clone()
 }

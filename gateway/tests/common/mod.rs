@@ -169,7 +169,7 @@ impl Cluster {
         self.start_decoder_of(id, &["--fake"], extra)
     }
 
-    /// A decoder process on a real GGUF model, one model thread.
+    /// A decoder process on a real model (GGUF file or Hugging Face folder), one model thread.
     pub fn start_real_decoder(&self, id: &str, model: &std::path::Path, extra: &[&str]) -> Decoder {
         self.start_decoder_of(id, &["--model", model.to_str().unwrap(), "--threads", "1"], extra)
     }
