@@ -27,12 +27,10 @@ pub struct SafetensorsModel {
     /// An empty cache with the rotary tables, cloned (tensors shared) for each sequence.
     template: Cache,
     device: Device,
-    device_spec: DeviceSpec,
     tokenizer: Tokenizer,
     identity: ModelIdentity,
     vocab_size: usize,
     max_context: usize,
-    dir: PathBuf,
 }
 
 /// The weight files of a model folder, in name order.
@@ -161,21 +159,11 @@ impl SafetensorsModel {
             weights: Arc::new(weights),
             template,
             device: dev,
-            device_spec: device,
             tokenizer,
             identity,
             vocab_size,
             max_context,
-            dir: dir.to_path_buf(),
         })
-    }
-
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
-    pub fn device(&self) -> DeviceSpec {
-        self.device_spec
     }
 }
 

@@ -473,22 +473,7 @@ pub async fn conclude(
     }
     let convergence = convergence(&node_addrs).await;
     let decoder_ops = read_decoder_histories(&dir, cfg.decoders)?;
-    // Stop every process (kill9 first records one that had ended on its own).
-    let self_exits: Vec<procs::SelfExit> = {
-        let mut p = procs.lock().expect("lock");
-        let p = &mut *p;
-        let mut out = Vec::new();
-        for x in p
-            .nodes
-            .iter_mut()
-            .chain(p.gateways.iter_mut())
-            .chain(p.decoders.iter_mut())
-        {
-            x.kill9();
-            out.append(&mut x.self_exits);
-        }
-        out
-    };
+    let self_exits = procs.lock().expect("lock").stop_all();
     // Stop the processes before checking (and before the report).
     drop(procs);
 

@@ -77,16 +77,30 @@ impl Procs {
         if let Some(n) = &self.net {
             n.heal()?;
         }
-        for p in self
-            .nodes
-            .iter_mut()
-            .chain(self.gateways.iter_mut())
-            .chain(self.decoders.iter_mut())
-        {
+        for p in self.all_mut() {
             p.resume();
             p.start()?;
         }
         Ok(())
+    }
+
+    /// Every process slot: nodes, gateways, decoders.
+    pub fn all_mut(&mut self) -> impl Iterator<Item = &mut Proc> {
+        self.nodes
+            .iter_mut()
+            .chain(self.gateways.iter_mut())
+            .chain(self.decoders.iter_mut())
+    }
+
+    /// Stops every process; returns the exits that had happened on their own (crashes, or an
+    /// armed failpoint), `kill9` recording one before it kills.
+    pub fn stop_all(&mut self) -> Vec<super::procs::SelfExit> {
+        let mut out = Vec::new();
+        for p in self.all_mut() {
+            p.kill9();
+            out.append(&mut p.self_exits);
+        }
+        out
     }
 }
 

@@ -115,10 +115,6 @@ impl Proc {
         self.child = None;
     }
 
-    pub fn running(&self) -> bool {
-        self.child.is_some()
-    }
-
     /// Starts the process unless it runs (one that exited on its own is started again).
     pub fn start(&mut self) -> Result<()> {
         if self.child.is_some() {
