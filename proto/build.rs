@@ -10,7 +10,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("cargo:rerun-if-changed={p}");
     }
     // SAFETY: build scripts are single-threaded; nothing else reads the environment concurrently.
-    unsafe { std::env::set_var("PROTOC", protoc_bin_vendored::protoc_bin_path()?) };
+    #[allow(unsafe_code)]
+    unsafe {
+        std::env::set_var("PROTOC", protoc_bin_vendored::protoc_bin_path()?)
+    };
     tonic_prost_build::configure().compile_protos(&protos, &["proto"])?;
     Ok(())
 }

@@ -5,7 +5,7 @@
 
 use tokenlog_decoder::fetch::{locate_model, repo_models_dir};
 use tokenlog_decoder::threads::init_cpu_threads;
-use tokenlog_decoder::{generate, ChatMessage, DeviceSpec, GgufModel, Model, SamplingParams, StopConditions};
+use tokenlog_decoder::{generate, ChatMessage, DeviceSpec, GgufModel, Model, SamplingConfig, StopConfig};
 
 fn env_or<T: std::str::FromStr>(key: &str, default: T) -> T {
     std::env::var(key).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
@@ -24,13 +24,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|&id| format!("{id}:{:?}", tok.decode(&[id], false).unwrap_or_default()))
         .collect();
     eprintln!("prompt ({} tokens): {}", prompt.len(), pieces.join(" "));
-    let params = SamplingParams {
+    let params = SamplingConfig {
         temperature: env_or("TEMPERATURE", 0.0),
         top_p: 0.9,
         seed: env_or("SEED", 0),
         ..Default::default()
     };
-    let stop = StopConditions {
+    let stop = StopConfig {
         max_tokens: env_or("MAX_TOKENS", 48),
         stop_strings: vec![],
         eos_token_ids: model.eos_token_ids(),

@@ -8,6 +8,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A tensor operation or model load failed inside candle.
+    #[cfg(feature = "model")]
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
 

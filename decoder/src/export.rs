@@ -80,12 +80,12 @@ pub fn export_gguf_as_safetensors(gguf: &Path, out: &Path) -> Result<usize> {
     let heads = num("attention.head_count")? as usize;
     let kv_heads = num("attention.head_count_kv").map_or(heads, |n| n as usize);
     let layers = num("block_count")? as usize;
-    if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+    if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
         return Err(Error::Unsupported(format!(
             "{heads} attention heads, {kv_heads} key/value heads"
         )));
     }
-    let tokenizer = Tokenizer::from_gguf(&content)?;
+    let tokenizer = Tokenizer::from_gguf_file(gguf)?;
 
     std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
     let mut tensors: HashMap<String, Tensor> = HashMap::new();
@@ -114,25 +114,59 @@ pub fn export_gguf_as_safetensors(gguf: &Path, out: &Path) -> Result<usize> {
     }
     eprintln!();
     let vocab = tensors["model.embed_tokens.weight"].dims2()?.0;
+    let shape = Shape {
+        hidden: num("embedding_length")?,
+        intermediate: num("feed_forward_length")?,
+        layers,
+        heads,
+        kv_heads,
+        rms_norm_eps: float("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta: float("rope.freq_base", 10_000.0),
+        context: num("context_length")?,
+        vocab,
+        tied,
+    };
+    let chat_template = md.get("tokenizer.chat_template").and_then(|v| v.to_string().ok());
+    write_text_files(out, &shape, &tokenizer, chat_template.map(String::as_str))?;
+    let n = tensors.len();
+    candle_core::safetensors::save(&tensors, out.join("model.safetensors"))?;
+    Ok(n)
+}
+
+/// The numbers `config.json` names.
+struct Shape {
+    hidden: u64,
+    intermediate: u64,
+    layers: usize,
+    heads: usize,
+    kv_heads: usize,
+    rms_norm_eps: f32,
+    rope_theta: f32,
+    context: u64,
+    vocab: usize,
+    tied: bool,
+}
+
+/// Writes `config.json`, `tokenizer_config.json` and `tokenizer.json` into `out`.
+fn write_text_files(out: &Path, shape: &Shape, tokenizer: &Tokenizer, chat_template: Option<&str>) -> Result<()> {
     let config = serde_json::json!({
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": num("embedding_length")?,
-        "intermediate_size": num("feed_forward_length")?,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "rms_norm_eps": float("attention.layer_norm_rms_epsilon", 1e-5),
-        "rope_theta": float("rope.freq_base", 10_000.0),
-        "max_position_embeddings": num("context_length")?,
-        "vocab_size": vocab,
-        "tie_word_embeddings": tied,
+        "hidden_size": shape.hidden,
+        "intermediate_size": shape.intermediate,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
+        "rms_norm_eps": shape.rms_norm_eps,
+        "rope_theta": shape.rope_theta,
+        "max_position_embeddings": shape.context,
+        "vocab_size": shape.vocab,
+        "tie_word_embeddings": shape.tied,
         "bos_token_id": tokenizer.bos_token_id(),
         "eos_token_id": tokenizer.eos_token_ids().first(),
         "torch_dtype": "float32",
     });
     let token_text = |id: Option<u32>| id.and_then(|i| tokenizer.inner().id_to_token(i));
-    let chat_template = md.get("tokenizer.chat_template").and_then(|v| v.to_string().ok());
     let tokenizer_config = serde_json::json!({
         "bos_token": token_text(tokenizer.bos_token_id()),
         "eos_token": token_text(tokenizer.eos_token_ids().first().copied()),
@@ -150,10 +184,7 @@ pub fn export_gguf_as_safetensors(gguf: &Path, out: &Path) -> Result<usize> {
     write(
         "tokenizer.json",
         tokenizer.inner().to_string(true).map_err(Error::tokenizer)?,
-    )?;
-    let n = tensors.len();
-    candle_core::safetensors::save(&tensors, out.join("model.safetensors"))?;
-    Ok(n)
+    )
 }
 
 /// The folder `export_gguf_as_safetensors(gguf, ...)` wrote under `parent`, made on first use

@@ -1,5 +1,7 @@
 //! Test-only failpoints of the lease worker, for the fault suite's deterministic scenarios
-//! (CONTRACT §8). Off unless `TOKENLOG_FAILPOINTS` names them; a production decoder never sets it.
+//! (CONTRACT §8), as [`StepHooks`]. Compiled only with the cargo feature `faults`; the binary
+//! parses `TOKENLOG_FAILPOINTS` once at start-up and installs them with
+//! [`crate::worker::Worker::with_hooks`].
 //!
 //! Syntax: comma-separated `name=arg` items.
 //! - `exit-after-sample=SEQ`: the process exits (as if killed) right after it sampled the token
@@ -13,10 +15,7 @@
 
 use std::time::Duration;
 
-/// The environment variable the `tokenlog decoder` binary reads.
-pub const ENV: &str = "TOKENLOG_FAILPOINTS";
-/// Exit status of a process ended by a failpoint (137 = 128 + SIGKILL, what a kill -9 shows).
-pub const EXIT_CODE: i32 = 137;
+use crate::worker::{Fired, Halt, StepHooks, StepView};
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Failpoints {
@@ -24,34 +23,36 @@ pub struct Failpoints {
     pub delay_append: Option<(u32, Duration)>,
 }
 
-impl Failpoints {
-    /// The failpoints `TOKENLOG_FAILPOINTS` names (none when unset).
-    pub fn from_env() -> Result<Self, String> {
-        match std::env::var(ENV) {
-            Ok(s) => Self::parse(&s).map_err(|e| format!("{ENV}: {e}")),
-            Err(_) => Ok(Self::default()),
-        }
-    }
+/// A failpoint item that does not parse.
+#[derive(Debug, thiserror::Error)]
+#[error("{item:?}: {problem}")]
+pub struct FailpointError {
+    pub item: String,
+    pub problem: String,
+}
 
-    pub fn parse(s: &str) -> Result<Self, String> {
+impl Failpoints {
+    pub fn parse(s: &str) -> Result<Self, FailpointError> {
         let mut fp = Failpoints::default();
         for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
-            let (name, arg) = item
-                .split_once('=')
-                .ok_or_else(|| format!("{item:?}: expected name=arg"))?;
-            let num = |x: &str| x.parse::<u64>().map_err(|_| format!("{item:?}: {x:?} is not a number"));
+            let bad = |problem: String| FailpointError {
+                item: item.to_string(),
+                problem,
+            };
+            let (name, arg) = item.split_once('=').ok_or_else(|| bad("expected name=arg".into()))?;
+            let num = |x: &str| x.parse::<u64>().map_err(|_| bad(format!("{x:?} is not a number")));
             match name {
                 "exit-after-sample" => fp.exit_after_sample = Some(num(arg)? as u32),
                 "delay-append" => {
                     let (seq, ms) = arg
                         .split_once(':')
-                        .ok_or_else(|| format!("{item:?}: expected delay-append=SEQ:MS"))?;
+                        .ok_or_else(|| bad("expected delay-append=SEQ:MS".into()))?;
                     fp.delay_append = Some((num(seq)? as u32, Duration::from_millis(num(ms)?)));
                 }
                 _ => {
-                    return Err(format!(
+                    return Err(bad(format!(
                         "unknown failpoint {name:?} (known: exit-after-sample, delay-append)"
-                    ))
+                    )))
                 }
             }
         }
@@ -60,6 +61,33 @@ impl Failpoints {
 
     pub fn any(&self) -> bool {
         *self != Self::default()
+    }
+}
+
+impl StepHooks for Failpoints {
+    fn after_step(&self, gens: &[StepView]) -> Option<Fired> {
+        if let Some(seq) = self.exit_after_sample {
+            // Sampled seq, not yet acknowledged: it is about to be sent.
+            if let Some(g) = gens.iter().find(|g| g.sampled == seq + 1 && g.committed <= seq) {
+                return Some(Fired {
+                    name: "exit-after-sample",
+                    generation: g.generation,
+                    seq,
+                    halt: Halt::Now,
+                });
+            }
+        }
+        if let Some((seq, delay)) = self.delay_append {
+            if let Some(g) = gens.iter().find(|g| g.committed <= seq && seq < g.sampled) {
+                return Some(Fired {
+                    name: "delay-append",
+                    generation: g.generation,
+                    seq,
+                    halt: Halt::AfterLateAppend(delay),
+                });
+            }
+        }
+        None
     }
 }
 
@@ -77,6 +105,9 @@ mod tests {
         assert!(Failpoints::parse("exit-after-sample").is_err());
         assert!(Failpoints::parse("exit-after-sample=x").is_err());
         assert!(Failpoints::parse("delay-append=3").is_err());
-        assert!(Failpoints::parse("nope=1").unwrap_err().contains("unknown failpoint"));
+        assert!(Failpoints::parse("nope=1")
+            .unwrap_err()
+            .to_string()
+            .contains("unknown failpoint"));
     }
 }

@@ -6,13 +6,13 @@ use std::time::{Duration, Instant};
 use crate::error::Result;
 use crate::model::Model;
 use crate::resume::DecodeState;
-use crate::sampler::{FinishReason, SamplingParams, StopConditions};
+use crate::sampler::{SamplingConfig, StopCause, StopConfig};
 
 /// The outcome of [`generate`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Generated {
     pub tokens: Vec<u32>,
-    pub finish: FinishReason,
+    pub finish: StopCause,
     /// Time of the prompt prefill.
     pub prefill: Duration,
     /// Time from the end of the prefill to the last token.
@@ -29,12 +29,7 @@ impl Generated {
 }
 
 /// Generates from `prompt` until EOS, a stop string, `stop.max_tokens` or the context's end.
-pub fn generate(
-    model: &dyn Model,
-    prompt: &[u32],
-    params: &SamplingParams,
-    stop: &StopConditions,
-) -> Result<Generated> {
+pub fn generate(model: &dyn Model, prompt: &[u32], params: &SamplingConfig, stop: &StopConfig) -> Result<Generated> {
     let t0 = Instant::now();
     let mut state = DecodeState::start(model, prompt, params.clone(), stop.clone())?;
     let prefill = t0.elapsed();

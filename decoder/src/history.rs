@@ -1,20 +1,116 @@
 //! An optional JSONL record of a decoder's ownership operations (acquire, append), with
 //! invocation and completion times, for the fault suite's checkers (linearizability of
-//! ownership and frontier, fencing). Two lines per operation: `"phase": "invoke"` before the call
-//! (with its input) and `"phase": "complete"` after it (with the answer, `"ok": null` when the
-//! answer was lost), joined by `(decoder, id)`. Each line is one `write`, so a decoder killed with
-//! SIGKILL leaves whole lines; an operation with no completion line is indeterminate: it may
-//! have taken effect. Single `"phase": "event"` lines record instants: a generation resumed
-//! (with its four frontiers), a failpoint fired.
+//! ownership and frontier, fencing). One typed [`HistoryLine`] per line, shared by this writer and
+//! the harness that reads it: an [`HistoryLine::Invoke`] before a call (with its input) and a
+//! [`HistoryLine::Complete`] after it (with the answer; `ok: None` when the answer was lost),
+//! joined by `(decoder, id)`. Each line is one `write`, so a decoder killed with SIGKILL leaves
+//! whole lines; an operation with no completion line is indeterminate: it may have taken effect.
+//! [`HistoryLine::Event`] lines record instants: a generation resumed (with its four frontiers),
+//! a failpoint fired.
 
 use std::io::Write;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use serde::{Deserialize, Serialize};
+
+/// One line of a decoder's history.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "phase", rename_all = "snake_case")]
+pub enum HistoryLine {
+    /// A call is about to be sent.
+    Invoke {
+        decoder: String,
+        id: u64,
+        invoke_us: u64,
+        #[serde(flatten)]
+        call: Call,
+    },
+    /// The answer of call `id` (or that it was lost).
+    Complete {
+        decoder: String,
+        id: u64,
+        complete_us: u64,
+        #[serde(flatten)]
+        answer: Answer,
+    },
+    /// Something that happened at one instant.
+    Event {
+        decoder: String,
+        at_us: u64,
+        #[serde(flatten)]
+        event: DecoderEvent,
+    },
+}
+
+/// An ownership call of the decoder.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Call {
+    Acquire {
+        gen: u64,
+    },
+    /// One item of an append: `n` records from `start_seq` (and a finish when `finish`).
+    Append {
+        gen: u64,
+        epoch: u64,
+        start_seq: u32,
+        n: u32,
+        finish: bool,
+    },
+}
+
+/// The answer to a [`Call`]; `ok: None` = no answer (the call failed in transit: indeterminate).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Answer {
+    Acquire {
+        ok: Option<bool>,
+        /// The granted (or current) epoch and the frontier the answer named.
+        epoch: u64,
+        frontier: u32,
+    },
+    Append {
+        ok: Option<bool>,
+        /// The frontier after the append, or the one the rejection named.
+        frontier: u32,
+        /// The epoch in force (on a rejection: the current one).
+        current_epoch: u64,
+        /// `raftlog.v1.RejectReason` of a rejection.
+        reason: Option<i32>,
+    },
+}
+
+/// An instant in a decoder's life.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum DecoderEvent {
+    /// A generation was taken and re-prefilled: its four frontiers (see `crate::Frontiers`).
+    Resumed {
+        gen: u64,
+        epoch: u64,
+        prompt_len: u64,
+        sampled: u64,
+        fed: u64,
+        kv: u64,
+        committed: u64,
+    },
+    /// A test failpoint fired at `seq` (the token it had sampled there, if any).
+    Failpoint {
+        name: String,
+        gen: u64,
+        epoch: u64,
+        seq: u32,
+        token: Option<u32>,
+    },
+}
+
 pub struct History {
+    decoder: String,
     out: Mutex<std::fs::File>,
-    next: std::sync::atomic::AtomicU64,
+    next: AtomicU64,
 }
 
 /// Wall-clock microseconds; every process of a single-machine run shares the clock.
@@ -25,46 +121,113 @@ pub fn now_us() -> u64 {
 }
 
 impl History {
-    pub fn open(path: &Path) -> std::io::Result<History> {
+    /// Appends to `path` the lines of decoder `decoder`.
+    pub fn open(path: &Path, decoder: &str) -> std::io::Result<History> {
         let f = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
         Ok(History {
+            decoder: decoder.to_string(),
             out: Mutex::new(f),
-            next: Default::default(),
+            next: AtomicU64::new(0),
         })
     }
 
-    /// Records an operation's invocation (`v` names op, decoder and input); returns its id.
-    pub fn invoke(&self, mut v: serde_json::Value) -> u64 {
-        let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        v["phase"] = "invoke".into();
-        v["id"] = id.into();
-        v["invoke_us"] = now_us().into();
-        self.record(v);
+    /// Records a call's invocation; returns its id.
+    pub fn invoke(&self, call: Call) -> u64 {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        self.record(&HistoryLine::Invoke {
+            decoder: self.decoder.clone(),
+            id,
+            invoke_us: now_us(),
+            call,
+        });
         id
     }
 
-    /// Records the answer of operation `id` (`v` holds decoder and the outputs).
-    pub fn complete(&self, id: u64, mut v: serde_json::Value) {
-        v["phase"] = "complete".into();
-        v["id"] = id.into();
-        v["complete_us"] = now_us().into();
-        self.record(v);
+    /// Records the answer of call `id`.
+    pub fn complete(&self, id: u64, answer: Answer) {
+        self.record(&HistoryLine::Complete {
+            decoder: self.decoder.clone(),
+            id,
+            complete_us: now_us(),
+            answer,
+        });
     }
 
-    /// Records something that happened at one instant (`"phase": "event"`), e.g. a generation
-    /// resumed with its frontiers, or a failpoint fired.
-    pub fn event(&self, mut v: serde_json::Value) {
-        v["phase"] = "event".into();
-        v["at_us"] = now_us().into();
-        self.record(v);
+    /// Records something that happened now.
+    pub fn event(&self, event: DecoderEvent) {
+        self.record(&HistoryLine::Event {
+            decoder: self.decoder.clone(),
+            at_us: now_us(),
+            event,
+        });
     }
 
-    fn record(&self, v: serde_json::Value) {
-        let mut line = v.to_string();
-        line.push('\n');
+    fn record(&self, line: &HistoryLine) {
+        let mut text = match serde_json::to_string(line) {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::warn!("history line not encoded: {e}");
+                return;
+            }
+        };
+        text.push('\n');
         let mut f = self.out.lock().expect("lock");
-        if let Err(e) = f.write_all(line.as_bytes()) {
+        if let Err(e) = f.write_all(text.as_bytes()) {
             tracing::warn!("history write failed: {e}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lines_round_trip_in_the_documented_shape() {
+        let lines = [
+            HistoryLine::Invoke {
+                decoder: "d1".into(),
+                id: 3,
+                invoke_us: 10,
+                call: Call::Append {
+                    gen: 7,
+                    epoch: 2,
+                    start_seq: 4,
+                    n: 1,
+                    finish: false,
+                },
+            },
+            HistoryLine::Complete {
+                decoder: "d1".into(),
+                id: 3,
+                complete_us: 12,
+                answer: Answer::Append {
+                    ok: None,
+                    frontier: 0,
+                    current_epoch: 0,
+                    reason: None,
+                },
+            },
+            HistoryLine::Event {
+                decoder: "d1".into(),
+                at_us: 13,
+                event: DecoderEvent::Failpoint {
+                    name: "exit-after-sample".into(),
+                    gen: 7,
+                    epoch: 2,
+                    seq: 5,
+                    token: Some(9),
+                },
+            },
+        ];
+        for l in &lines {
+            let text = serde_json::to_string(l).unwrap();
+            assert_eq!(&serde_json::from_str::<HistoryLine>(&text).unwrap(), l, "{text}");
+        }
+        let v: serde_json::Value = serde_json::to_value(&lines[0]).unwrap();
+        assert_eq!(
+            (v["phase"].as_str(), v["op"].as_str(), v["gen"].as_u64()),
+            (Some("invoke"), Some("append"), Some(7))
+        );
     }
 }

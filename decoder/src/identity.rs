@@ -1,6 +1,5 @@
-//! The model identity a generation is bound to (CONTRACT §1). Same fields and meaning as
-//! `tokenlog_raftlog::ModelIdentity`; this crate does not depend on the log, so the worker
-//! converts field by field.
+//! The model identity a generation is bound to (CONTRACT §1): the log's
+//! [`ModelIdentity`], and the digests that fill it (weights, tokenizer).
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -12,38 +11,7 @@ use sha2::{Digest, Sha256};
 use crate::error::{Error, Result};
 use crate::tokenizer::Tokenizer;
 
-/// Everything that identifies a model: a decoder whose identity differs must refuse a
-/// generation bound to this one.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
-pub struct ModelIdentity {
-    /// Lowercase hex sha256 of the weights file.
-    pub weights_sha256: String,
-    /// Lowercase hex sha256 of [`Tokenizer::canonical_json`].
-    pub tokenizer_sha256: String,
-    /// Architecture as the file names it (`llama`), or `fake`.
-    pub architecture: String,
-    /// Weight number format class (`q4_1`, `q8_0`, `f16`, ...), or `fake`.
-    pub dtype_class: String,
-}
-
-impl ModelIdentity {
-    /// Why a decoder running `self` with sampler scheme `rng_version` must refuse a generation
-    /// bound to `bound` and `bound_rng_version`; `None` when it can continue it (CONTRACT §1:
-    /// no silent cross-model continuation).
-    pub fn refusal(&self, rng_version: u32, bound: &ModelIdentity, bound_rng_version: u32) -> Option<String> {
-        let fields = [
-            ("weights sha256", &self.weights_sha256, &bound.weights_sha256),
-            ("tokenizer sha256", &self.tokenizer_sha256, &bound.tokenizer_sha256),
-            ("architecture", &self.architecture, &bound.architecture),
-            ("dtype class", &self.dtype_class, &bound.dtype_class),
-        ];
-        if let Some((name, ours, theirs)) = fields.iter().find(|(_, a, b)| a != b) {
-            return Some(format!("{name}: bound to {theirs}, this decoder has {ours}"));
-        }
-        (rng_version != bound_rng_version)
-            .then(|| format!("sampler version: bound to {bound_rng_version}, this decoder has {rng_version}"))
-    }
-}
+pub use tokenlog_raftlog::types::ModelIdentity;
 
 /// Digest of a tokenizer: sha256 of its canonical JSON serialization.
 pub fn tokenizer_sha256(tokenizer: &Tokenizer) -> Result<String> {

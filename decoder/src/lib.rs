@@ -5,10 +5,19 @@
 //! The lease worker ([`worker`]) sits on top of this API; everything else here has no networking
 //! and no log.
 //!
+//! # Features
+//! `model` (default) compiles the candle models (`GgufModel`, `SafetensorsModel`, export,
+//! threads). Without it the crate is the text layer and the protocol side only: tokenizer, chat
+//! template, detokenizer, stop matcher, sampler, identity, the fake model and the worker. The
+//! gateway uses it that way and links no candle crate.
+//!
 //! # Layout
-//! - [`model`]: the [`Model`] / [`Sequence`] traits the worker drives, and [`GgufModel`], a real
-//!   llama-family LLM (candle, GGUF, CPU or CUDA). One `Sequence` per generation, each with its
-//!   own KV cache, so generations can be interleaved without touching each other's numerics.
+//! - [`model`]: the [`Model`] / [`Sequence`] traits the worker drives. One `Sequence` per
+//!   generation, each with its own KV cache, so generations can be interleaved without touching
+//!   each other's numerics.
+//! - [`gguf_model`]: `GgufModel`, a real llama-family LLM (candle, GGUF, CPU or CUDA); `kv`: the
+//!   KV-cache sequence every candle model shares.
+//! - [`gguf_meta`]: a candle-free reader of a GGUF file's metadata (the tokenizer's source).
 //! - [`safetensors_model`]: [`SafetensorsModel`], a llama-family model folder in Hugging Face
 //!   layout (`config.json`, `*.safetensors`, `tokenizer.json`).
 //! - [`export`]: writes a GGUF llama model as such a folder (dequantized), for tests and tries.
@@ -16,8 +25,9 @@
 //! - [`tokenizer`]: [`Tokenizer`] built from the GGUF file's own vocabulary, ChatML prompts, and
 //!   [`IncrementalDetokenizer`] (UTF-8-safe text deltas).
 //! - [`identity`]: [`ModelIdentity`], the digests a generation is bound to.
-//! - [`sampler`]: [`SamplingParams`], the counter-based [`Sampler`] (draw `seq` depends only on
-//!   `(seed, seq)`), [`StopConditions`] and [`StopMatcher`].
+//! - [`sampler`]: [`SamplingConfig`], the counter-based [`Sampler`] (draw `seq` depends only on
+//!   `(seed, seq)`), [`StopConfig`] and [`StopMatcher`].
+//! - [`stop`]: [`StopText`], the one stop-string matcher (decoder and gateway).
 //! - [`resume`]: [`ResumeMode`] (exact / fast re-prefill), [`Frontiers`] (sampled, fed, KV,
 //!   committed) and [`DecodeState`], one generation's decoding state, started fresh or resumed.
 //! - [`generate`]: a synchronous loop over `DecodeState`, for tests and benchmarks.
@@ -36,28 +46,48 @@
 //!   bit-identical. Fast resume prefills prompt and prefix in one batch and may diverge later.
 //! - Nothing here re-tokenizes committed text: the worker hands ids in, ids come out.
 
+pub mod detokenizer;
 pub mod error;
+#[cfg(feature = "model")]
 pub mod export;
+#[cfg(feature = "faults")]
 pub mod failpoint;
 pub mod fake;
 pub mod fetch;
 pub mod generate;
+pub mod gguf_meta;
+#[cfg(feature = "model")]
+pub mod gguf_model;
 pub mod history;
 pub mod identity;
+#[cfg(feature = "model")]
+mod kv;
+pub mod limits;
 pub mod model;
 pub mod resume;
+#[cfg(feature = "model")]
 pub mod safetensors_model;
 pub mod sampler;
+pub mod stop;
+#[cfg(feature = "model")]
 pub mod threads;
 pub mod tokenizer;
 pub mod worker;
+mod worker_hooks;
+mod worker_lease;
 
 pub use error::{Error, Result};
 pub use fake::{FakeConfig, FakeModel};
 pub use generate::{generate, Generated};
+#[cfg(feature = "model")]
+pub use gguf_model::GgufModel;
 pub use identity::ModelIdentity;
-pub use model::{load_model, DeviceSpec, GgufModel, Logits, Model, Sequence};
+#[cfg(feature = "model")]
+pub use model::load_model;
+pub use model::{DeviceSpec, Logits, Model, Sequence};
 pub use resume::{DecodeState, Frontiers, ResumeMode, ResumeStats, Step};
+#[cfg(feature = "model")]
 pub use safetensors_model::SafetensorsModel;
-pub use sampler::{FinishReason, Sampler, SamplingParams, StopConditions, StopMatcher, RNG_VERSION};
+pub use sampler::{Sampler, SamplingConfig, StopCause, StopConfig, StopMatcher, RNG_VERSION};
+pub use stop::StopText;
 pub use tokenizer::{ChatMessage, IncrementalDetokenizer, Tokenizer};

@@ -16,7 +16,8 @@ use candle_transformers::models::llama::{Cache, Llama, LlamaConfig};
 
 use crate::error::{Error, Result};
 use crate::identity::{self, ModelIdentity};
-use crate::model::{DeviceSpec, Forward, KvSequence, Model, Sequence};
+use crate::kv::{Forward, KvSequence};
+use crate::model::{DeviceSpec, Model, Sequence};
 use crate::tokenizer::Tokenizer;
 
 /// The `model_type` values of `config.json` this loader runs (they share llama's layout).
@@ -70,6 +71,8 @@ fn stored_dtype(files: &[PathBuf]) -> Result<DType> {
     for f in files {
         // SAFETY: the file is mapped read-only and not modified while mapped (as in candle's
         // own loaders); a concurrent writer would be a broken model folder.
+        // SAFETY: the file is mapped read-only and not modified while the model lives (candle's API).
+        #[allow(unsafe_code)]
         let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(f)? };
         for (_, view) in st.tensors() {
             let d = DType::try_from(view.dtype())?;
@@ -133,6 +136,8 @@ impl SafetensorsModel {
         // CPU kernels are fastest (and complete) in f32; GPUs run the stored half type.
         let dtype = if dev.is_cpu() { DType::F32 } else { stored };
         // SAFETY: as in `stored_dtype`.
+        // SAFETY: as above; the weight files are not modified while mapped.
+        #[allow(unsafe_code)]
         let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, dtype, &dev)? };
         // candle's `Llama::load` unwraps each layer's tensors: a folder whose weights do not
         // match its config.json would panic; report it instead.

@@ -8,6 +8,9 @@
 
 use std::collections::{HashMap, HashSet};
 
+pub use tokenlog_raftlog::types::{FinishReason, SamplingConfig, StopConfig};
+
+use crate::stop::StopText;
 use crate::tokenizer::{IncrementalDetokenizer, Tokenizer};
 
 /// Version of the sampling scheme: the RNG ([`uniform`]) and the order and meaning of the
@@ -17,59 +20,6 @@ pub const RNG_VERSION: u32 = 1;
 
 /// Candidates first examined for top-p without top-k; grown ×8 until the nucleus fits.
 const TOP_P_CANDIDATES_START: usize = 64;
-
-/// How tokens are chosen. Field meanings follow the OpenAI / Hugging Face conventions; the
-/// "off" values make this type's `Default` (all zero) plain greedy decoding.
-#[derive(Clone, Debug, PartialEq)]
-pub struct SamplingParams {
-    /// 0 (or less) = greedy (argmax, ties to the lowest id).
-    pub temperature: f32,
-    /// Nucleus: keep the smallest set of most likely tokens whose probability reaches `top_p`.
-    /// Off when `<= 0` or `>= 1`.
-    pub top_p: f32,
-    /// Keep only the `top_k` most likely tokens. Off when 0.
-    pub top_k: u32,
-    /// Hugging Face repetition penalty over prompt + generated tokens: a seen token's logit is
-    /// divided by it when positive, multiplied when negative. Off when 1 or `<= 0`.
-    pub repetition_penalty: f32,
-    /// OpenAI frequency penalty over generated tokens only: logit -= penalty × count.
-    pub frequency_penalty: f32,
-    /// OpenAI presence penalty over generated tokens only: logit -= penalty if seen.
-    pub presence_penalty: f32,
-    pub seed: u64,
-}
-
-impl Default for SamplingParams {
-    fn default() -> Self {
-        SamplingParams {
-            temperature: 0.0,
-            top_p: 0.0,
-            top_k: 0,
-            repetition_penalty: 0.0,
-            frequency_penalty: 0.0,
-            presence_penalty: 0.0,
-            seed: 0,
-        }
-    }
-}
-
-impl SamplingParams {
-    pub fn greedy() -> Self {
-        Self::default()
-    }
-
-    pub fn is_greedy(&self) -> bool {
-        self.temperature.is_nan() || self.temperature <= 0.0
-    }
-
-    fn top_p_on(&self) -> bool {
-        self.top_p > 0.0 && self.top_p < 1.0
-    }
-
-    fn repetition_on(&self) -> bool {
-        self.repetition_penalty > 0.0 && self.repetition_penalty != 1.0
-    }
-}
 
 /// SplitMix64's output function (Steele, Lea, Flood 2014): a bijection on u64.
 fn splitmix64(x: u64) -> u64 {
@@ -89,7 +39,7 @@ pub fn uniform(seed: u64, seq: u32) -> f64 {
 /// Chooses generated tokens. Holds only what the prompt and the generated prefix determine.
 #[derive(Clone, Debug)]
 pub struct Sampler {
-    params: SamplingParams,
+    params: SamplingConfig,
     /// Tokens of prompt + generated (repetition penalty).
     seen: HashSet<u32>,
     /// Counts of generated tokens (frequency and presence penalties).
@@ -100,7 +50,7 @@ pub struct Sampler {
 
 impl Sampler {
     /// The sampler positioned after `generated` (the committed prefix; empty for a fresh start).
-    pub fn new(params: SamplingParams, prompt: &[u32], generated: &[u32]) -> Self {
+    pub fn new(params: SamplingConfig, prompt: &[u32], generated: &[u32]) -> Self {
         let mut s = Sampler {
             params,
             seen: prompt.iter().copied().collect(),
@@ -113,7 +63,7 @@ impl Sampler {
         s
     }
 
-    pub fn params(&self) -> &SamplingParams {
+    pub fn params(&self) -> &SamplingConfig {
         &self.params
     }
 
@@ -260,22 +210,10 @@ fn argmax(scores: &[f32]) -> u32 {
     best as u32
 }
 
-/// When a generation ends, besides a failure.
+/// Why a generation finished, as the decoder saw it; [`StopCause::reason`] is what the log
+/// records, and its `Display` the detail clients see.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct StopConditions {
-    /// Most tokens to generate; 0 = no limit but the model's context.
-    pub max_tokens: u32,
-    /// Strings in the generated text (special tokens not shown) that end the generation; the
-    /// token completing one is the last token.
-    pub stop_strings: Vec<String>,
-    /// Tokens that end the generation; the EOS token is generated (and committed) as the last
-    /// token.
-    pub eos_token_ids: Vec<u32>,
-}
-
-/// Why a generation finished.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum FinishReason {
+pub enum StopCause {
     /// An EOS token was generated.
     Eos { token: u32 },
     /// The generated text reached `stop_strings[index]`.
@@ -286,24 +224,24 @@ pub enum FinishReason {
     ContextFull,
 }
 
-impl std::fmt::Display for FinishReason {
+impl std::fmt::Display for StopCause {
     /// The finish detail clients see.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            FinishReason::Eos { token } => write!(f, "end-of-sequence token {token}"),
-            FinishReason::StopString { index } => write!(f, "stop string #{index}"),
-            FinishReason::Length => write!(f, "max_tokens reached"),
-            FinishReason::ContextFull => write!(f, "the model's context window is full"),
+            StopCause::Eos { token } => write!(f, "end-of-sequence token {token}"),
+            StopCause::StopString { index } => write!(f, "stop string #{index}"),
+            StopCause::Length => write!(f, "max_tokens reached"),
+            StopCause::ContextFull => write!(f, "the model's context window is full"),
         }
     }
 }
 
-impl FinishReason {
-    /// The OpenAI name: `stop` or `length`.
-    pub fn as_str(&self) -> &'static str {
+impl StopCause {
+    /// The log's finish reason for this cause.
+    pub fn reason(&self) -> FinishReason {
         match self {
-            FinishReason::Eos { .. } | FinishReason::StopString { .. } => "stop",
-            FinishReason::Length | FinishReason::ContextFull => "length",
+            StopCause::Eos { .. } | StopCause::StopString { .. } => FinishReason::Stop,
+            StopCause::Length | StopCause::ContextFull => FinishReason::Length,
         }
     }
 }
@@ -311,31 +249,21 @@ impl FinishReason {
 /// Decides after each generated token whether the generation is finished.
 #[derive(Clone, Debug)]
 pub struct StopMatcher {
-    conditions: StopConditions,
+    conditions: StopConfig,
     detokenizer: IncrementalDetokenizer,
-    /// The end of the generated text, long enough to hold all but the last byte of the longest
-    /// stop string; a stop string completed by a new delta starts in here at the earliest.
-    tail: String,
-    /// Bytes of `tail` to keep: longest stop string - 1.
-    tail_bytes_max: usize,
+    /// The stop-string matcher the gateway runs over the same deltas.
+    text: StopText,
     generated: u32,
-    finished: Option<FinishReason>,
+    finished: Option<StopCause>,
 }
 
 impl StopMatcher {
     /// The matcher positioned after `generated` (the committed prefix; empty when fresh).
-    pub fn new(conditions: StopConditions, tokenizer: &Tokenizer, generated: &[u32]) -> Self {
-        let tail_bytes_max = conditions
-            .stop_strings
-            .iter()
-            .map(|s| s.len().saturating_sub(1))
-            .max()
-            .unwrap_or(0);
+    pub fn new(conditions: StopConfig, tokenizer: &Tokenizer, generated: &[u32]) -> Self {
         let mut m = StopMatcher {
+            text: StopText::new(conditions.stop_strings.clone()),
             conditions,
             detokenizer: tokenizer.detokenizer(true),
-            tail: String::new(),
-            tail_bytes_max,
             generated: 0,
             finished: None,
         };
@@ -345,7 +273,7 @@ impl StopMatcher {
         m
     }
 
-    pub fn conditions(&self) -> &StopConditions {
+    pub fn conditions(&self) -> &StopConfig {
         &self.conditions
     }
 
@@ -354,23 +282,23 @@ impl StopMatcher {
         self.generated
     }
 
-    pub fn finished(&self) -> Option<&FinishReason> {
+    pub fn finished(&self) -> Option<&StopCause> {
         self.finished.as_ref()
     }
 
     /// Takes the next generated token; returns the finish reason if this token ends the
     /// generation (and keeps returning it afterwards, ignoring further tokens).
-    pub fn push(&mut self, token: u32) -> Option<FinishReason> {
+    pub fn push(&mut self, token: u32) -> Option<StopCause> {
         if self.finished.is_some() {
             return self.finished.clone();
         }
         self.generated += 1;
         let reason = if self.conditions.eos_token_ids.contains(&token) {
-            Some(FinishReason::Eos { token })
+            Some(StopCause::Eos { token })
         } else if let Some(index) = self.match_stop_string(token) {
-            Some(FinishReason::StopString { index })
+            Some(StopCause::StopString { index })
         } else if self.conditions.max_tokens > 0 && self.generated >= self.conditions.max_tokens {
-            Some(FinishReason::Length)
+            Some(StopCause::Length)
         } else {
             None
         };
@@ -383,20 +311,8 @@ impl StopMatcher {
         if self.conditions.stop_strings.is_empty() || delta.is_empty() {
             return None;
         }
-        self.tail.push_str(&delta);
-        let hit = self
-            .conditions
-            .stop_strings
-            .iter()
-            .position(|s| !s.is_empty() && self.tail.contains(s.as_str()));
-        if self.tail.len() > self.tail_bytes_max {
-            let mut cut = self.tail.len() - self.tail_bytes_max;
-            while !self.tail.is_char_boundary(cut) {
-                cut -= 1;
-            }
-            self.tail.drain(..cut);
-        }
-        hit
+        self.text.push(&delta);
+        self.text.hit()
     }
 }
 
@@ -419,14 +335,14 @@ mod tests {
 
     #[test]
     fn greedy_is_argmax_with_lowest_id_on_ties() {
-        let s = Sampler::new(SamplingParams::greedy(), &[], &[]);
+        let s = Sampler::new(SamplingConfig::greedy(), &[], &[]);
         assert_eq!(s.choose(&[0.0, 3.0, 3.0, -1.0]), 1);
         assert_eq!(s.choose(&[f32::NAN, 1.0]), 1);
     }
 
     #[test]
     fn resume_at_k_draws_like_uninterrupted() {
-        let params = SamplingParams {
+        let params = SamplingConfig {
             temperature: 0.8,
             top_p: 0.9,
             top_k: 0,
@@ -434,6 +350,7 @@ mod tests {
             frequency_penalty: 0.3,
             presence_penalty: 0.2,
             seed: 1234,
+            rng_version: RNG_VERSION,
         };
         let prompt = [1u32, 2, 3];
         let steps = 40;
@@ -453,12 +370,12 @@ mod tests {
         let mut l = vec![-10.0f32; 50];
         l[3] = 2.0;
         l[5] = 2.0 + (3.0f32).ln(); // 3x as likely as id 3
-        let base = SamplingParams {
+        let base = SamplingConfig {
             temperature: 1.0,
             seed: 9,
             ..Default::default()
         };
-        let count = |params: SamplingParams| {
+        let count = |params: SamplingConfig| {
             let mut s = Sampler::new(params, &[], &[]);
             let mut hits = HashMap::new();
             for _ in 0..4000 {
@@ -469,18 +386,18 @@ mod tests {
         let h = count(base.clone());
         let r = f64::from(h[&5]) / f64::from(h[&3]);
         assert!((2.5..3.6).contains(&r), "ratio {r}");
-        let h = count(SamplingParams {
+        let h = count(SamplingConfig {
             top_k: 1,
             ..base.clone()
         });
         assert_eq!(h.len(), 1);
         assert!(h.contains_key(&5));
-        let h = count(SamplingParams {
+        let h = count(SamplingConfig {
             top_p: 0.9,
             ..base.clone()
         });
         assert_eq!(h.keys().copied().collect::<HashSet<_>>(), HashSet::from([3, 5]));
-        let h = count(SamplingParams { top_p: 0.5, ..base });
+        let h = count(SamplingConfig { top_p: 0.5, ..base });
         assert_eq!(h.keys().copied().collect::<Vec<_>>(), vec![5]);
     }
 
@@ -489,7 +406,7 @@ mod tests {
         let l = [1.0f32, 1.0, 0.5];
         // Repetition penalty counts the prompt: token 0 (prompt) is pushed below token 1.
         let s = Sampler::new(
-            SamplingParams {
+            SamplingConfig {
                 repetition_penalty: 2.0,
                 ..Default::default()
             },
@@ -498,7 +415,7 @@ mod tests {
         );
         assert_eq!(s.choose(&l), 1);
         // Frequency/presence penalties ignore the prompt ...
-        let freq = SamplingParams {
+        let freq = SamplingConfig {
             frequency_penalty: 0.3,
             ..Default::default()
         };
@@ -509,7 +426,7 @@ mod tests {
         assert_eq!(Sampler::new(freq.clone(), &[], &[0]).choose(&l2), 1);
         assert_eq!(Sampler::new(freq, &[], &[0, 0, 1]).choose(&l2), 2);
         let s = Sampler::new(
-            SamplingParams {
+            SamplingConfig {
                 presence_penalty: 0.6,
                 ..Default::default()
             },

@@ -15,12 +15,13 @@
 //! [`IncrementalDetokenizer`] turns committed token ids into valid UTF-8 text deltas, holding back
 //! the bytes of a character split across tokens until it is complete (CONTRACT §3).
 
+pub use crate::detokenizer::IncrementalDetokenizer;
 use std::collections::HashMap;
 use std::path::Path;
 use std::str::FromStr;
 use std::sync::Arc;
 
-use candle_core::quantized::gguf_file;
+use crate::gguf_meta::{GgufMetadata, MetaValue};
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::BPE;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
@@ -115,15 +116,13 @@ impl std::fmt::Debug for Tokenizer {
 impl Tokenizer {
     /// Reads the tokenizer out of a GGUF file's metadata. Only byte-level BPE (`gpt2`) files are
     /// supported.
-    pub fn from_gguf(content: &gguf_file::Content) -> Result<Self> {
-        Self::from_spec(spec_from_gguf(content)?)
+    pub fn from_gguf(md: &GgufMetadata) -> Result<Self> {
+        Self::from_spec(spec_from_gguf(md)?)
     }
 
     /// Reads only the tokenizer of a GGUF file (metadata; no weights).
     pub fn from_gguf_file(path: &std::path::Path) -> Result<Self> {
-        let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-        let content = gguf_file::Content::read(&mut file).map_err(|e| e.with_path(path))?;
-        Self::from_gguf(&content)
+        Self::from_gguf(&GgufMetadata::read_file(path)?)
     }
 
     /// The tokenizer of a model path as [`crate::load_model`] takes it: a folder's
@@ -394,12 +393,7 @@ impl Tokenizer {
 
     /// A fresh incremental detokenizer over this vocabulary.
     pub fn detokenizer(&self, skip_special: bool) -> IncrementalDetokenizer {
-        IncrementalDetokenizer {
-            token_bytes: self.token_bytes.clone(),
-            special: self.special.clone(),
-            skip_special,
-            pending: Vec::new(),
-        }
+        IncrementalDetokenizer::new(self.token_bytes.clone(), self.special.clone(), skip_special)
     }
 
     /// Canonical serialization of the tokenizer (the `tokenizers` JSON, compact), the input of
@@ -429,27 +423,47 @@ fn chatml_default_system(template: &str) -> Option<String> {
     Some(rest[..end].to_string())
 }
 
-fn spec_from_gguf(content: &gguf_file::Content) -> Result<TokenizerSpec> {
-    let md = &content.metadata;
+fn spec_from_gguf(md: &GgufMetadata) -> Result<TokenizerSpec> {
     let get = |k: &str| {
         md.get(k)
             .ok_or_else(|| Error::Unsupported(format!("GGUF metadata has no {k}")))
     };
-    let model = get("tokenizer.ggml.model")?.to_string()?;
+    let text = |k: &str| -> Result<String> {
+        get(k)?
+            .as_str()
+            .map(str::to_string)
+            .ok_or_else(|| Error::Unsupported(format!("GGUF metadata {k} is not a string")))
+    };
+    let array = |k: &str| -> Result<&[MetaValue]> {
+        get(k)?
+            .as_array()
+            .ok_or_else(|| Error::Unsupported(format!("GGUF metadata {k} is not an array")))
+    };
+    let model = text("tokenizer.ggml.model")?;
     if model != "gpt2" {
         return Err(Error::Unsupported(format!(
             "tokenizer.ggml.model = {model:?}; only byte-level BPE (gpt2) is supported"
         )));
     }
-    let strings =
-        |k: &str| -> Result<Vec<String>> { get(k)?.to_vec()?.iter().map(|v| Ok(v.to_string()?.clone())).collect() };
+    let strings = |k: &str| -> Result<Vec<String>> {
+        array(k)?
+            .iter()
+            .map(|v| {
+                v.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| Error::Unsupported(format!("GGUF metadata {k} holds a non-string")))
+            })
+            .collect()
+    };
     let tokens = strings("tokenizer.ggml.tokens")?;
     let token_types = match md.get("tokenizer.ggml.token_type") {
-        Some(v) => v
-            .to_vec()?
+        Some(_) => array("tokenizer.ggml.token_type")?
             .iter()
-            .map(|t| t.to_i32())
-            .collect::<candle_core::Result<Vec<i32>>>()?,
+            .map(|t| {
+                t.to_i32()
+                    .ok_or_else(|| Error::Unsupported("GGUF token types are not integers".into()))
+            })
+            .collect::<Result<Vec<i32>>>()?,
         None => vec![TOKEN_TYPE_NORMAL; tokens.len()],
     };
     let merges = strings("tokenizer.ggml.merges")?
@@ -460,7 +474,7 @@ fn spec_from_gguf(content: &gguf_file::Content) -> Result<TokenizerSpec> {
                 .ok_or_else(|| Error::Tokenizer(format!("merge without a space: {m:?}")))
         })
         .collect::<Result<Vec<_>>>()?;
-    let id = |k: &str| md.get(k).and_then(|v| v.to_u32().ok());
+    let id = |k: &str| md.get(k).and_then(MetaValue::to_u32);
     Ok(TokenizerSpec {
         tokens,
         token_types,
@@ -469,8 +483,8 @@ fn spec_from_gguf(content: &gguf_file::Content) -> Result<TokenizerSpec> {
         eos_token_id: id("tokenizer.ggml.eos_token_id"),
         chat_template: md
             .get("tokenizer.chat_template")
-            .and_then(|v| v.to_string().ok())
-            .cloned(),
+            .and_then(MetaValue::as_str)
+            .map(str::to_string),
     })
 }
 
@@ -550,88 +564,6 @@ fn byte_level_to_bytes(token: &str) -> Vec<u8> {
         }
         out
     })
-}
-
-/// Turns token ids, one at a time, into UTF-8 text deltas.
-///
-/// Bytes of a character that is split across tokens are held back until the character is
-/// complete; a byte sequence that can never become valid UTF-8 is emitted as U+FFFD. At most 3
-/// bytes are ever pending. Rebuilding from a committed prefix is feeding the prefix again.
-#[derive(Clone, Debug)]
-pub struct IncrementalDetokenizer {
-    token_bytes: Arc<[Box<[u8]>]>,
-    special: Arc<[bool]>,
-    skip_special: bool,
-    /// Bytes of an incomplete character at the end of the text so far.
-    pending: Vec<u8>,
-}
-
-impl IncrementalDetokenizer {
-    /// Adds one token; returns the text that became complete (possibly empty).
-    pub fn push(&mut self, id: u32) -> String {
-        let idx = id as usize;
-        let Some(bytes) = self.token_bytes.get(idx) else {
-            return self.flush_with('\u{FFFD}');
-        };
-        if self.skip_special && self.special[idx] {
-            return String::new();
-        }
-        self.pending.extend_from_slice(bytes);
-        self.drain_complete()
-    }
-
-    /// Bytes held back because their character is not complete yet.
-    pub fn pending_bytes(&self) -> &[u8] {
-        &self.pending
-    }
-
-    /// Ends the stream: pending bytes (an incomplete character) become U+FFFD.
-    pub fn finish(&mut self) -> String {
-        if self.pending.is_empty() {
-            String::new()
-        } else {
-            self.pending.clear();
-            "\u{FFFD}".to_string()
-        }
-    }
-
-    fn flush_with(&mut self, c: char) -> String {
-        let mut out = self.finish();
-        out.push(c);
-        out
-    }
-
-    fn drain_complete(&mut self) -> String {
-        let mut out = String::new();
-        let mut rest: &[u8] = &self.pending;
-        loop {
-            match std::str::from_utf8(rest) {
-                Ok(s) => {
-                    out.push_str(s);
-                    rest = &[];
-                    break;
-                }
-                Err(e) => {
-                    let (valid, tail) = rest.split_at(e.valid_up_to());
-                    out.push_str(std::str::from_utf8(valid).expect("checked valid prefix"));
-                    match e.error_len() {
-                        // Incomplete character at the end: keep it for the next token.
-                        None => {
-                            rest = tail;
-                            break;
-                        }
-                        Some(n) => {
-                            out.push('\u{FFFD}');
-                            rest = &tail[n..];
-                        }
-                    }
-                }
-            }
-        }
-        debug_assert!(rest.len() < 4, "at most 3 bytes of a character are pending");
-        self.pending = rest.to_vec();
-        out
-    }
 }
 
 #[cfg(test)]

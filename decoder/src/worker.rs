@@ -14,20 +14,23 @@
 //! A separate renewer keeps leases alive while a step is slow (slow is not dead), and stops
 //! renewing a generation the moment it is dropped.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokenlog_proto::raftlog as pb;
 use tokenlog_raftlog::client::{ClientError, LogClient};
 
-use crate::failpoint::{self, Failpoints};
-use crate::resume::{DecodeState, ResumeMode};
-use crate::sampler::{FinishReason, SamplingParams, StopConditions, RNG_VERSION};
-use crate::{Model, ModelIdentity};
+use tokenlog_raftlog::convert::reason_to_pb;
+use tokenlog_raftlog::types::Binding;
 
-/// How long a new owner waits to read the committed prefix it was told about at acquire.
-const PREFIX_READ_TIMEOUT: Duration = Duration::from_secs(10);
+use crate::history::{Answer, Call, DecoderEvent};
+use crate::limits::{REGISTER_PERIOD_MIN, REGISTRATION_TTL_LEASES, REGISTRATION_TTL_MIN_MS};
+use crate::resume::DecodeState;
+use crate::sampler::{StopCause, RNG_VERSION};
+pub use crate::worker_hooks::{Fired, Halt, StepHooks, StepView, HALT_EXIT_CODE};
+use crate::worker_lease::{read_prefix, renew_loop, AbortOnDrop, Held};
+use crate::{Model, ModelIdentity};
 
 #[derive(Clone, Debug)]
 pub struct WorkerConfig {
@@ -51,7 +54,7 @@ impl WorkerConfig {
             model_name,
             chat_template: "chatml".into(),
             capacity: 4,
-            lease_ms: 1_000,
+            lease_ms: tokenlog_raftlog::limits::LEASE_MS_DEFAULT,
             poll_ms: 100,
         }
     }
@@ -77,7 +80,7 @@ struct Active {
     committed: u32,
     /// Sampled tokens past `committed`, in order; re-sent whole until acknowledged.
     uncommitted: Vec<u32>,
-    finish: Option<FinishReason>,
+    finish: Option<StopCause>,
 }
 
 impl Active {
@@ -89,20 +92,12 @@ impl Active {
 
 /// A model identity in the log's wire form (what bindings, acquires and registrations carry).
 pub fn identity_to_pb(m: &ModelIdentity) -> pb::ModelIdentity {
-    pb::ModelIdentity {
-        weights_sha256: m.weights_sha256.clone(),
-        tokenizer_sha256: m.tokenizer_sha256.clone(),
-        architecture: m.architecture.clone(),
-        dtype_class: m.dtype_class.clone(),
-    }
+    m.clone().into()
 }
 
-fn finish_to_pb(f: &FinishReason) -> (pb::FinishReason, String) {
-    let detail = f.to_string();
-    match f.as_str() {
-        "length" => (pb::FinishReason::Length, detail),
-        _ => (pb::FinishReason::Stop, detail),
-    }
+/// A stop cause as an append item's finish: the log's reason and the detail clients see.
+fn finish_to_pb(f: &StopCause) -> (pb::FinishReason, String) {
+    (reason_to_pb(Some(f.reason())), f.to_string())
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -113,10 +108,11 @@ pub enum WorkerError {
     Model(#[from] crate::Error),
     #[error("{0}")]
     Other(String),
+    /// A [`StepHooks`] stopped the worker (a test failpoint): nothing was released, as after a
+    /// kill.
+    #[error("halted by failpoint {0}")]
+    Halted(&'static str),
 }
-
-/// Shared with the renewer: what we hold, and when the log last confirmed it.
-type Held = Arc<Mutex<HashMap<u64, (u64, Instant)>>>;
 
 pub struct Worker {
     cfg: WorkerConfig,
@@ -127,13 +123,13 @@ pub struct Worker {
     held: Held,
     stats: Arc<Mutex<WorkerStats>>,
     history: Option<Arc<crate::history::History>>,
-    failpoints: Failpoints,
+    hooks: Option<Arc<dyn StepHooks>>,
 }
 
 impl Worker {
-    /// Arms test-only failpoints ([`crate::failpoint`]).
-    pub fn with_failpoints(mut self, f: Failpoints) -> Self {
-        self.failpoints = f;
+    /// Installs step hooks (the fault suite's failpoints).
+    pub fn with_hooks(mut self, h: Arc<dyn StepHooks>) -> Self {
+        self.hooks = Some(h);
         self
     }
 
@@ -154,7 +150,7 @@ impl Worker {
             held: Default::default(),
             stats: Default::default(),
             history: None,
-            failpoints: Failpoints::default(),
+            hooks: None,
         }
     }
 
@@ -164,12 +160,16 @@ impl Worker {
 
     /// Runs until `stop` turns true; then releases every generation it holds.
     pub async fn run(mut self, mut stop: tokio::sync::watch::Receiver<bool>) -> Result<(), WorkerError> {
-        let renewer = tokio::spawn(renew_loop(self.client.clone(), self.cfg.clone(), self.held.clone()));
+        let renewer = AbortOnDrop(tokio::spawn(renew_loop(
+            self.client.clone(),
+            self.cfg.clone(),
+            self.held.clone(),
+        )));
         let mut inflight: Option<tokio::task::JoinHandle<Result<pb::AppendResponse, ClientError>>> = None;
         let mut last_poll = Instant::now() - Duration::from_secs(3600);
         let mut last_register = last_poll;
         while !*stop.borrow() {
-            if last_register.elapsed() >= Duration::from_millis(self.cfg.lease_ms.max(1_000)) {
+            if last_register.elapsed() >= Duration::from_millis(self.cfg.lease_ms).max(REGISTER_PERIOD_MIN) {
                 self.register().await;
                 last_register = Instant::now();
             }
@@ -185,56 +185,65 @@ impl Worker {
                 continue;
             }
             self.step().await?;
-            if let Some(seq) = self.failpoints.exit_after_sample {
-                if let Some(g) = self
-                    .active
-                    .values()
-                    .find(|g| g.sampled() == seq + 1 && !g.uncommitted.is_empty())
-                {
-                    self.fired("exit-after-sample", g, seq);
-                    std::process::exit(failpoint::EXIT_CODE);
-                }
-            }
             if let Some(h) = inflight.take() {
                 self.absorb(h.await.map_err(|e| WorkerError::Other(e.to_string()))?);
             }
-            if let Some((seq, delay)) = self.failpoints.delay_append {
-                let due = self
-                    .active
-                    .values()
-                    .find(|g| g.committed <= seq && seq < g.sampled())
-                    .map(|g| g.id);
-                if let Some(id) = due {
-                    // Gone silent: no renewal, no decoding; only the held message arrives late.
-                    self.fired("delay-append", &self.active[&id], seq);
-                    renewer.abort();
-                    self.held.lock().expect("lock").clear();
-                    tokio::time::sleep(delay).await;
-                    if let Some(h) = self.send() {
-                        let _ = h.await;
-                    }
-                    std::process::exit(failpoint::EXIT_CODE);
-                }
+            if let Some(fired) = self.hooks.as_ref().and_then(|h| h.after_step(&self.views())) {
+                return self.halt(fired, renewer).await;
             }
             inflight = self.send();
         }
         if let Some(h) = inflight.take() {
             self.absorb(h.await.map_err(|e| WorkerError::Other(e.to_string()))?);
         }
-        renewer.abort();
+        drop(renewer);
         self.release_all().await;
         Ok(())
     }
 
-    /// Records a fired failpoint (before it acts).
-    fn fired(&self, name: &str, g: &Active, seq: u32) {
-        tracing::error!(failpoint = name, generation = g.id, seq, "failpoint fired");
+    fn views(&self) -> Vec<StepView> {
+        self.active
+            .values()
+            .map(|g| StepView {
+                generation: g.id,
+                epoch: g.epoch,
+                committed: g.committed,
+                sampled: g.sampled(),
+            })
+            .collect()
+    }
+
+    /// Stops as a fired hook says; always ends in [`WorkerError::Halted`].
+    async fn halt(&mut self, fired: Fired, renewer: AbortOnDrop) -> Result<(), WorkerError> {
+        self.fired(&fired);
+        if let Halt::AfterLateAppend(delay) = fired.halt {
+            // Gone silent: no renewal, no decoding; only the held message arrives late.
+            drop(renewer);
+            self.held.lock().expect("lock").clear();
+            tokio::time::sleep(delay).await;
+            if let Some(h) = self.send() {
+                let _ = h.await;
+            }
+        }
+        Err(WorkerError::Halted(fired.name))
+    }
+
+    /// Records a fired hook (before it acts).
+    fn fired(&self, f: &Fired) {
+        let (name, seq) = (f.name, f.seq);
+        tracing::error!(failpoint = name, generation = f.generation, seq, "failpoint fired");
+        let Some(g) = self.active.get(&f.generation) else {
+            return;
+        };
         if let Some(h) = &self.history {
             let token = g.uncommitted.get(seq.saturating_sub(g.committed) as usize);
-            h.event(
-                serde_json::json!({"op": "failpoint", "name": name, "decoder": self.cfg.decoder_id,
-                "gen": g.id, "epoch": g.epoch, "seq": seq, "token": token}),
-            );
+            h.event(DecoderEvent::Failpoint {
+                name: name.to_string(),
+                gen: g.id,
+                epoch: g.epoch,
+                seq,
+                token: token.copied(),
+            });
         }
     }
 
@@ -244,7 +253,7 @@ impl Worker {
             model_name: self.cfg.model_name.clone(),
             model: Some(self.identity.clone()),
             capacity: self.cfg.capacity as u32,
-            ttl_ms: (self.cfg.lease_ms * 5).max(5_000),
+            ttl_ms: (self.cfg.lease_ms * REGISTRATION_TTL_LEASES).max(REGISTRATION_TTL_MIN_MS),
             chat_template: self.cfg.chat_template.clone(),
             context_tokens: self.model.max_context() as u32,
         };
@@ -281,10 +290,7 @@ impl Worker {
 
     /// Acquire → read prefix → bind prompt → re-prefill.
     async fn take(&mut self, id: u64) -> Result<(), WorkerError> {
-        let hid = self
-            .history
-            .as_ref()
-            .map(|h| h.invoke(serde_json::json!({"op": "acquire", "decoder": self.cfg.decoder_id, "gen": id})));
+        let hid = self.history.as_ref().map(|h| h.invoke(Call::Acquire { gen: id }));
         let acq = self
             .client
             .acquire(pb::AcquireRequest {
@@ -298,19 +304,16 @@ impl Worker {
         if let (Some(h), Some(hid)) = (&self.history, hid) {
             let (ok, epoch, frontier) = match &acq {
                 Ok(a) => (
-                    serde_json::json!(a.ok),
+                    Some(a.ok),
                     a.generation
                         .as_ref()
                         .and_then(|g| g.lease.as_ref())
                         .map_or(0, |l| l.epoch),
                     a.generation.as_ref().map_or(0, |g| g.frontier),
                 ),
-                Err(_) => (serde_json::Value::Null, 0, 0),
+                Err(_) => (None, 0, 0),
             };
-            h.complete(
-                hid,
-                serde_json::json!({"decoder": self.cfg.decoder_id, "ok": ok, "epoch": epoch, "frontier": frontier}),
-            );
+            h.complete(hid, Answer::Acquire { ok, epoch, frontier });
         }
         let acq = acq?;
         let Some(info) = acq.generation.filter(|_| acq.ok) else {
@@ -329,11 +332,15 @@ impl Worker {
                 tracing::info!(generation = id, epoch, frontier = active.committed, "generation taken");
                 if let Some(h) = &self.history {
                     let f = active.state.frontiers();
-                    h.event(
-                        serde_json::json!({"op": "resumed", "decoder": self.cfg.decoder_id, "gen": id,
-                        "epoch": epoch, "prompt_len": f.prompt_len, "sampled": f.sampled, "fed": f.fed,
-                        "kv": f.kv, "committed": f.committed}),
-                    );
+                    h.event(DecoderEvent::Resumed {
+                        gen: id,
+                        epoch,
+                        prompt_len: f.prompt_len as u64,
+                        sampled: f.sampled as u64,
+                        fed: f.fed as u64,
+                        kv: f.kv as u64,
+                        committed: f.committed as u64,
+                    });
                 }
                 self.active.insert(id, active);
                 Ok(())
@@ -360,10 +367,11 @@ impl Worker {
 
     async fn prepare(&mut self, info: &pb::GenerationInfo, epoch: u64) -> Result<Active, WorkerError> {
         let id = info.generation_id;
-        let binding = info
+        let binding: Binding = info
             .binding
             .clone()
-            .ok_or_else(|| WorkerError::Other("generation has no binding".into()))?;
+            .ok_or_else(|| WorkerError::Other("generation has no binding".into()))?
+            .into();
         let mut prompt = binding.prompt_token_ids.clone();
         if prompt.is_empty() {
             prompt = self.model.tokenizer().encode(&binding.prompt_text)?;
@@ -380,27 +388,7 @@ impl Worker {
             }
         }
         let committed = read_prefix(&self.client, id, info.frontier).await?;
-        let s = binding.sampling.unwrap_or_default();
-        let params = SamplingParams {
-            temperature: s.temperature,
-            top_p: s.top_p,
-            top_k: s.top_k,
-            repetition_penalty: s.repetition_penalty,
-            frequency_penalty: s.frequency_penalty,
-            presence_penalty: s.presence_penalty,
-            seed: s.seed,
-        };
-        let stop = binding.stop.unwrap_or_default();
-        let stop = StopConditions {
-            max_tokens: stop.max_tokens,
-            stop_strings: stop.stop_strings,
-            eos_token_ids: stop.eos_token_ids,
-        };
-        let mode = if binding.mode == pb::ResumeMode::Fast as i32 {
-            ResumeMode::Fast
-        } else {
-            ResumeMode::Exact
-        };
+        let (params, stop, mode) = (binding.sampling, binding.stop, binding.mode);
         let model = self.model.clone();
         let c = committed.clone();
         let state =
@@ -474,36 +462,44 @@ impl Worker {
             let Some(h) = history else {
                 return client.append(req).await;
             };
-            let decoder = req.decoder_id.clone();
             let ids: Vec<(u64, u64)> = req
                 .items
                 .iter()
                 .map(|i| {
-                    let id = h.invoke(
-                        serde_json::json!({"op": "append", "decoder": decoder, "gen": i.generation_id,
-                        "epoch": i.epoch, "start_seq": i.start_seq, "n": i.token_ids.len(), "finish": i.finish != 0}),
-                    );
+                    let id = h.invoke(Call::Append {
+                        gen: i.generation_id,
+                        epoch: i.epoch,
+                        start_seq: i.start_seq,
+                        n: i.token_ids.len() as u32,
+                        finish: i.finish != 0,
+                    });
                     (id, i.generation_id)
                 })
                 .collect();
             let resp = client.append(req).await;
             for (id, gen) in ids {
-                let mut v = serde_json::json!({"decoder": decoder, "ok": null});
-                if let Some(r) = resp
+                let answer = resp
                     .as_ref()
                     .ok()
                     .and_then(|r| r.results.iter().find(|x| x.generation_id == gen))
-                {
-                    v["ok"] = serde_json::json!(r.accepted);
-                    v["frontier"] = serde_json::json!(r.frontier);
-                    let rej = r.rejection.as_ref();
-                    v["current_epoch"] = serde_json::json!(rej.map_or(r.epoch, |x| x.current_epoch));
-                    if let Some(x) = rej {
-                        v["frontier"] = serde_json::json!(x.frontier);
-                        v["reason"] = serde_json::json!(x.reason);
-                    }
-                }
-                h.complete(id, v);
+                    .map_or(
+                        Answer::Append {
+                            ok: None,
+                            frontier: 0,
+                            current_epoch: 0,
+                            reason: None,
+                        },
+                        |r| {
+                            let rej = r.rejection.as_ref();
+                            Answer::Append {
+                                ok: Some(r.accepted),
+                                frontier: rej.map_or(r.frontier, |x| x.frontier),
+                                current_epoch: rej.map_or(r.epoch, |x| x.current_epoch),
+                                reason: rej.map(|x| x.reason),
+                            }
+                        },
+                    );
+                h.complete(id, answer);
             }
             resp
         }))
@@ -561,78 +557,6 @@ impl Worker {
                     epoch: g.epoch,
                 })
                 .await;
-        }
-    }
-}
-
-/// Reads the first `frontier` committed records of a generation.
-async fn read_prefix(client: &LogClient, id: u64, frontier: u32) -> Result<Vec<u32>, WorkerError> {
-    use futures::StreamExt;
-    let mut out = Vec::with_capacity(frontier as usize);
-    let deadline = Instant::now() + PREFIX_READ_TIMEOUT;
-    while (out.len() as u32) < frontier {
-        let mut stream = client.watch(id, out.len() as u32).await?;
-        while (out.len() as u32) < frontier {
-            let remaining = deadline.saturating_duration_since(Instant::now());
-            match tokio::time::timeout(remaining, stream.next()).await {
-                Ok(Some(Ok(ev))) => {
-                    for r in ev.records {
-                        if r.seq as usize == out.len() && (out.len() as u32) < frontier {
-                            out.push(r.token_id);
-                        }
-                    }
-                    if ev.terminal.is_some() {
-                        break;
-                    }
-                }
-                Ok(_) => break,
-                Err(_) => {
-                    return Err(WorkerError::Other(format!(
-                        "committed prefix of generation {id} not readable within {PREFIX_READ_TIMEOUT:?}"
-                    )))
-                }
-            }
-        }
-        if Instant::now() > deadline {
-            return Err(WorkerError::Other(format!(
-                "committed prefix of generation {id} not readable"
-            )));
-        }
-    }
-    Ok(out)
-}
-
-/// Renews every held lease that the log has not confirmed for a third of the lease.
-async fn renew_loop(client: LogClient, cfg: WorkerConfig, held: Held) {
-    let period = Duration::from_millis((cfg.lease_ms / 3).max(50));
-    loop {
-        tokio::time::sleep(period).await;
-        let due: Vec<(u64, u64)> = held
-            .lock()
-            .expect("lock")
-            .iter()
-            .filter(|(_, (_, at))| at.elapsed() >= period)
-            .map(|(id, (e, _))| (*id, *e))
-            .collect();
-        for (id, epoch) in due {
-            let req = pb::RenewRequest {
-                generation_id: id,
-                epoch,
-                decoder_id: cfg.decoder_id.clone(),
-                lease_ms: cfg.lease_ms,
-            };
-            match client.renew(req).await {
-                Ok(r) if r.ok => {
-                    if let Some(v) = held.lock().expect("lock").get_mut(&id) {
-                        v.1 = Instant::now();
-                    }
-                }
-                Ok(r) => {
-                    tracing::warn!(generation = id, rejection = ?r.rejection, "renew rejected");
-                    held.lock().expect("lock").remove(&id);
-                }
-                Err(e) => tracing::warn!(generation = id, error = %e, "renew failed"),
-            }
         }
     }
 }

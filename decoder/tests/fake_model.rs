@@ -3,16 +3,15 @@
 
 use tokenlog_decoder::fake::{FAKE_BYTE_OFFSET, FAKE_IM_END};
 use tokenlog_decoder::{
-    generate, ChatMessage, DecodeState, FakeConfig, FakeModel, FinishReason, Model, ResumeMode, SamplingParams,
-    StopConditions,
+    generate, ChatMessage, DecodeState, FakeConfig, FakeModel, Model, ResumeMode, SamplingConfig, StopCause, StopConfig,
 };
 
 fn model() -> FakeModel {
     FakeModel::new(FakeConfig::default()).unwrap()
 }
 
-fn sampled() -> SamplingParams {
-    SamplingParams {
+fn sampled() -> SamplingConfig {
+    SamplingConfig {
         temperature: 0.9,
         top_p: 0.95,
         top_k: 50,
@@ -20,11 +19,12 @@ fn sampled() -> SamplingParams {
         frequency_penalty: 0.1,
         presence_penalty: 0.1,
         seed: 77,
+        rng_version: tokenlog_decoder::RNG_VERSION,
     }
 }
 
-fn stop(max_tokens: u32) -> StopConditions {
-    StopConditions {
+fn stop(max_tokens: u32) -> StopConfig {
+    StopConfig {
         max_tokens,
         stop_strings: vec![],
         eos_token_ids: vec![FAKE_IM_END],
@@ -43,16 +43,16 @@ fn deterministic_and_prefix_dependent() {
     let b = generate(&m, &p, &sampled(), &stop(64)).unwrap();
     assert_eq!(a.tokens, b.tokens);
     assert_eq!(a.tokens.len(), 64);
-    assert_eq!(a.finish, FinishReason::Length);
+    assert_eq!(a.finish, StopCause::Length);
     // Changing only the first prompt token changes the output.
     let mut p2 = p.clone();
     p2[1] += 1;
     let c = generate(&m, &p2, &sampled(), &stop(64)).unwrap();
     assert_ne!(a.tokens, c.tokens);
     // Another seed, another output; greedy is deterministic too.
-    let other_seed = SamplingParams { seed: 78, ..sampled() };
+    let other_seed = SamplingConfig { seed: 78, ..sampled() };
     assert_ne!(a.tokens, generate(&m, &p, &other_seed, &stop(64)).unwrap().tokens);
-    let g = SamplingParams::greedy();
+    let g = SamplingConfig::greedy();
     assert_eq!(
         generate(&m, &p, &g, &stop(32)).unwrap().tokens,
         generate(&m, &p, &g, &stop(32)).unwrap().tokens
@@ -73,7 +73,7 @@ fn resume_in_both_modes_continues_identically() {
             assert_eq!((f.sampled, f.fed, f.committed, f.kv), (k, k, k, p.len() + k));
             let (rest, finish) = s.run_to_end().unwrap();
             assert_eq!(rest, full.tokens[k..], "{mode:?} at {k}");
-            assert_eq!(finish, FinishReason::Length);
+            assert_eq!(finish, StopCause::Length);
         }
     }
 }
@@ -107,20 +107,20 @@ fn eos_and_stop_strings_finish_and_survive_resume() {
     })
     .unwrap();
     let p = prompt(&m, "stop soon");
-    let g = generate(&m, &p, &SamplingParams::greedy(), &stop(500)).unwrap();
-    assert_eq!(g.finish, FinishReason::Eos { token: FAKE_IM_END });
+    let g = generate(&m, &p, &SamplingConfig::greedy(), &stop(500)).unwrap();
+    assert_eq!(g.finish, StopCause::Eos { token: FAKE_IM_END });
     assert_eq!(*g.tokens.last().unwrap(), FAKE_IM_END);
     // A prefix that already ends with EOS resumes as finished, without building a KV cache.
     let s = DecodeState::resume(
         &m,
         &p,
         &g.tokens,
-        SamplingParams::greedy(),
+        SamplingConfig::greedy(),
         stop(500),
         ResumeMode::Exact,
     )
     .unwrap();
-    assert_eq!(s.finished(), Some(&FinishReason::Eos { token: FAKE_IM_END }));
+    assert_eq!(s.finished(), Some(&StopCause::Eos { token: FAKE_IM_END }));
     assert_eq!(s.frontiers().kv, 0);
 
     // Stop string: a piece of the text the generation would produce.
@@ -129,19 +129,19 @@ fn eos_and_stop_strings_finish_and_survive_resume() {
     let text = m.tokenizer().decode(&full.tokens, true).unwrap();
     let needle = text[30..34].to_string();
     let first = text.find(&needle).unwrap();
-    let cond = StopConditions {
+    let cond = StopConfig {
         stop_strings: vec!["never there \u{1F389}".into(), needle.clone()],
         ..stop(60)
     };
     let g = generate(&m, &p, &sampled(), &cond).unwrap();
-    assert_eq!(g.finish, FinishReason::StopString { index: 1 });
+    assert_eq!(g.finish, StopCause::StopString { index: 1 });
     assert_eq!(g.tokens.len(), first + needle.len(), "byte tokens: one per char");
     // The stop matcher rebuilt from a prefix that ends just before the stop token still stops.
     let k = g.tokens.len() - 1;
     let mut s = DecodeState::resume(&m, &p, &g.tokens[..k], sampled(), cond, ResumeMode::Exact).unwrap();
     let last = s.next_token().unwrap().unwrap();
     assert_eq!(last.token, g.tokens[k]);
-    assert_eq!(last.finish, Some(FinishReason::StopString { index: 1 }));
+    assert_eq!(last.finish, Some(StopCause::StopString { index: 1 }));
 }
 
 #[test]
@@ -150,7 +150,7 @@ fn stop_string_split_across_byte_tokens() {
     let tok = m.tokenizer();
     let ids: Vec<u32> = "ok 🎉".bytes().map(|b| FAKE_BYTE_OFFSET + u32::from(b)).collect();
     let mut matcher = tokenlog_decoder::StopMatcher::new(
-        StopConditions {
+        StopConfig {
             max_tokens: 0,
             stop_strings: vec!["🎉".into()],
             eos_token_ids: vec![],
@@ -160,7 +160,7 @@ fn stop_string_split_across_byte_tokens() {
     );
     let reasons: Vec<_> = ids.iter().map(|&t| matcher.push(t)).collect();
     assert!(reasons[..ids.len() - 1].iter().all(Option::is_none));
-    assert_eq!(reasons.last().unwrap(), &Some(FinishReason::StopString { index: 0 }));
+    assert_eq!(reasons.last().unwrap(), &Some(StopCause::StopString { index: 0 }));
     // The detokenizer holds the emoji's bytes back until the last one arrives.
     let mut d = tok.detokenizer(true);
     let deltas: Vec<String> = ids.iter().map(|&t| d.push(t)).collect();
@@ -199,9 +199,9 @@ fn context_limit_and_frontiers() {
     let g = generate(&m, &p, &sampled(), &stop(0)).unwrap();
     // Positions 20..24 hold 4 fed tokens; the 5th is drawn from the last logits, never fed.
     assert_eq!(g.tokens.len(), 5);
-    assert_eq!(g.finish, FinishReason::ContextFull);
+    assert_eq!(g.finish, StopCause::ContextFull);
     let s = DecodeState::resume(&m, &p, &g.tokens, sampled(), stop(0), ResumeMode::Exact).unwrap();
-    assert_eq!(s.finished(), Some(&FinishReason::ContextFull));
+    assert_eq!(s.finished(), Some(&StopCause::ContextFull));
 
     let mut s = DecodeState::start(&m, &p, sampled(), stop(0)).unwrap();
     s.next_token().unwrap();

@@ -7,22 +7,22 @@ mod common;
 use std::time::Instant;
 
 use tokenlog_decoder::fetch::{DEFAULT_MODEL_FILE, DEFAULT_MODEL_SHA256};
-use tokenlog_decoder::{generate, ChatMessage, DecodeState, Model, ResumeMode, SamplingParams, StopConditions};
+use tokenlog_decoder::{generate, ChatMessage, DecodeState, Model, ResumeMode, SamplingConfig, StopConfig};
 
 fn chat(m: &dyn Model, text: &str) -> Vec<u32> {
     m.tokenizer().encode_chat(&[ChatMessage::user(text)]).unwrap()
 }
 
-fn stop(m: &dyn Model, max_tokens: u32) -> StopConditions {
-    StopConditions {
+fn stop(m: &dyn Model, max_tokens: u32) -> StopConfig {
+    StopConfig {
         max_tokens,
         stop_strings: vec![],
         eos_token_ids: m.eos_token_ids(),
     }
 }
 
-fn sampled(seed: u64) -> SamplingParams {
-    SamplingParams {
+fn sampled(seed: u64) -> SamplingConfig {
+    SamplingConfig {
         temperature: 0.8,
         top_p: 0.9,
         seed,
@@ -49,7 +49,7 @@ fn answers_an_instruct_prompt_coherently() {
     // The bare question makes this Q4_1 135M model wander off ("L'Étoile, la Marseillaise,
     // ..."); asking for one sentence gets the straight answer.
     let p = chat(&*m, "What is the capital of France? Answer in one sentence.");
-    let g = generate(&*m, &p, &SamplingParams::greedy(), &stop(&*m, 24)).unwrap();
+    let g = generate(&*m, &p, &SamplingConfig::greedy(), &stop(&*m, 24)).unwrap();
     let text = m.tokenizer().decode(&g.tokens, true).unwrap();
     eprintln!(
         "greedy: {text:?} ({:?}); prompt {} tokens prefilled in {:?} ({:.0} tok/s); \
@@ -153,7 +153,7 @@ fn resume_exact_is_bit_identical_and_fast_is_measured() {
 fn interleaved_sequences_keep_their_own_kv_cache() {
     let m = common::real_model();
     let (pa, pb) = (chat(&*m, "Count to five."), chat(&*m, "Name a color."));
-    let g = SamplingParams::greedy();
+    let g = SamplingConfig::greedy();
     let alone_a = generate(&*m, &pa, &g, &stop(&*m, 8)).unwrap().tokens;
     let alone_b = generate(&*m, &pb, &g, &stop(&*m, 8)).unwrap().tokens;
     let mut a = DecodeState::start(&*m, &pa, g.clone(), stop(&*m, 8)).unwrap();

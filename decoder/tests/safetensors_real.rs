@@ -5,12 +5,10 @@
 
 mod common;
 
-use tokenlog_decoder::{
-    generate, ChatMessage, DecodeState, Model, ResumeMode, SamplingParams, StopConditions, Tokenizer,
-};
+use tokenlog_decoder::{generate, ChatMessage, DecodeState, Model, ResumeMode, SamplingConfig, StopConfig, Tokenizer};
 
-fn stop(m: &dyn Model, max_tokens: u32) -> StopConditions {
-    StopConditions {
+fn stop(m: &dyn Model, max_tokens: u32) -> StopConfig {
+    StopConfig {
         max_tokens,
         stop_strings: vec![],
         eos_token_ids: m.eos_token_ids(),
@@ -106,8 +104,8 @@ fn agrees_with_the_quantized_model_and_answers_coherently() {
     assert_eq!(ta[0], tb[0], "both formats pick the same next token");
     assert!(tb.iter().filter(|t| ta.contains(t)).count() >= 3);
 
-    let g = generate(&*st, &prompt, &SamplingParams::greedy(), &stop(&*st, 24)).unwrap();
-    let q = generate(&*gguf, &prompt, &SamplingParams::greedy(), &stop(&*gguf, 24)).unwrap();
+    let g = generate(&*st, &prompt, &SamplingConfig::greedy(), &stop(&*st, 24)).unwrap();
+    let q = generate(&*gguf, &prompt, &SamplingConfig::greedy(), &stop(&*gguf, 24)).unwrap();
     let text = st.tokenizer().decode(&g.tokens, true).unwrap();
     let same = g.tokens.iter().zip(&q.tokens).take_while(|(x, y)| x == y).count();
     eprintln!(
@@ -124,7 +122,7 @@ fn resumes_exactly_from_a_committed_prefix() {
         .tokenizer()
         .encode_chat(&[ChatMessage::user("Write a short poem about the sea.")])
         .unwrap();
-    let params = SamplingParams {
+    let params = SamplingConfig {
         temperature: 0.8,
         top_p: 0.9,
         seed: 11,

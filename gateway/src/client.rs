@@ -12,10 +12,8 @@ use tokenlog_proto::tokenlog::generation_client::GenerationClient;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
 
-/// How long the client keeps trying gateways without receiving anything before it gives up.
-pub const RECONNECT_BUDGET: Duration = Duration::from_secs(60);
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
-const PAUSE: Duration = Duration::from_millis(100);
+pub use crate::limits::CLIENT_RECONNECT_BUDGET as RECONNECT_BUDGET;
+use crate::limits::{CLIENT_BUFFER_EVENTS, CLIENT_CONNECT_TIMEOUT as CONNECT_TIMEOUT, CLIENT_RETRY_PAUSE as PAUSE};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -110,7 +108,7 @@ impl GatewayClient {
         request_id: String,
         after_seq: i64,
     ) -> impl Stream<Item = Result<tpb::GenerationEvent, ClientError>> {
-        let (tx, rx) = tokio::sync::mpsc::channel(256);
+        let (tx, rx) = tokio::sync::mpsc::channel(CLIENT_BUFFER_EVENTS);
         let this = self.clone();
         tokio::spawn(async move {
             let mut last = after_seq;

@@ -83,12 +83,12 @@ pub fn params(r: tpb::GenerateRequest) -> Result<GenerateParams, GatewayError> {
     let mut p = GenerateParams::new(r.request_id, prompt);
     p.model = r.model;
     p.max_tokens = (r.max_tokens > 0).then_some(r.max_tokens);
-    p.temperature = r.temperature;
-    p.top_p = r.top_p;
-    p.top_k = r.top_k;
-    p.repetition_penalty = r.repetition_penalty;
-    p.frequency_penalty = r.frequency_penalty;
-    p.presence_penalty = r.presence_penalty;
+    p.sampling.temperature = r.temperature;
+    p.sampling.top_p = r.top_p;
+    p.sampling.top_k = r.top_k;
+    p.sampling.repetition_penalty = r.repetition_penalty;
+    p.sampling.frequency_penalty = r.frequency_penalty;
+    p.sampling.presence_penalty = r.presence_penalty;
     p.seed = (r.seed != 0).then_some(r.seed);
     p.stop = r.stop;
     p.fast_resume = fast_resume;

@@ -21,8 +21,22 @@ pub const HTTP_BODY_BYTES_MAX: usize = 2 * PROMPT_TEXT_BYTES_MAX;
 pub const MODELS_CACHE_TTL: Duration = Duration::from_secs(2);
 /// How long a gateway keeps re-opening a broken Watch (log node died) before failing the stream.
 pub const WATCH_RETRY_BUDGET: Duration = Duration::from_secs(30);
+/// Wait before re-opening a Watch that ended (a log node went away).
+pub const WATCH_REOPEN_BACKOFF: Duration = Duration::from_millis(50);
+/// Wait before trying again to open a Watch that could not be opened.
+pub const WATCH_OPEN_RETRY: Duration = Duration::from_millis(200);
+/// SSE events buffered per HTTP stream.
+pub const SSE_BUFFER_EVENTS: usize = 64;
+/// `GatewayClient`: how long it keeps trying gateways without receiving anything, the connect
+/// timeout per gateway, the pause between tries, and events buffered for its caller.
+pub const CLIENT_RECONNECT_BUDGET: Duration = Duration::from_secs(60);
+pub const CLIENT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+pub const CLIENT_RETRY_PAUSE: Duration = Duration::from_millis(100);
+pub const CLIENT_BUFFER_EVENTS: usize = 256;
 /// Events buffered per stream between the log and a slow client.
 pub const STREAM_BUFFER_EVENTS: usize = 256;
 /// Temperature, top_p and penalty ranges accepted (OpenAI's).
 pub const TEMPERATURE_MAX: f32 = 2.0;
 pub const PENALTY_ABS_MAX: f32 = 2.0;
+/// Largest repetition penalty a request may ask for (Hugging Face convention: 1 = off).
+pub const REPETITION_PENALTY_MAX: f32 = 10.0;

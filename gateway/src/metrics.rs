@@ -114,8 +114,3 @@ pub fn join_expositions(parts: &[String]) -> String {
     out.push_str("# EOF\n");
     out
 }
-
-/// One counter in the text format (for components that keep plain numbers).
-pub fn counter_text(name: &str, help: &str, value: u64) -> String {
-    format!("# HELP {name} {help}\n# TYPE {name} counter\n{name}_total {value}\n")
-}

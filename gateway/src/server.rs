@@ -68,36 +68,3 @@ pub async fn serve(gw: Arc<Gateway>, grpc: SocketAddr, http: SocketAddr) -> std:
         tasks: vec![grpc_task, http_task],
     })
 }
-
-/// Serves `GET /metrics` (and `/healthz`) on `addr` from `render`, for processes without a
-/// gateway (`tokenlog node`, `tokenlog decoder`).
-pub async fn serve_metrics(
-    addr: SocketAddr,
-    render: crate::metrics::Source,
-) -> std::io::Result<(SocketAddr, JoinHandle<()>)> {
-    let l = TcpListener::bind(addr).await?;
-    let local = l.local_addr()?;
-    let app = axum::Router::new()
-        .route("/healthz", axum::routing::get(|| async { "ok\n" }))
-        .route(
-            "/metrics",
-            axum::routing::get(move || {
-                let render = render.clone();
-                async move {
-                    (
-                        [(
-                            "content-type",
-                            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                        )],
-                        render(),
-                    )
-                }
-            }),
-        );
-    let task = tokio::spawn(async move {
-        if let Err(e) = axum::serve(l, app).await {
-            tracing::error!("metrics server: {e}");
-        }
-    });
-    Ok((local, task))
-}

@@ -13,6 +13,27 @@ use crate::error::{GatewayError, Result};
 /// The tenant of every caller when no keys file is configured.
 pub const OPEN_TENANT: &str = "default";
 
+/// Why a keys file was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum KeysFileError {
+    #[error("reading {path}: {source}")]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("line {line}: {problem}")]
+    Line { line: usize, problem: &'static str },
+    #[error("the keys file lists no key")]
+    Empty,
+    #[error("{path}: {source}")]
+    In {
+        path: String,
+        #[source]
+        source: Box<KeysFileError>,
+    },
+}
+
 #[derive(Clone, Debug)]
 pub enum Tenants {
     Open,
@@ -20,12 +41,19 @@ pub enum Tenants {
 }
 
 impl Tenants {
-    pub fn load(path: &Path) -> Result<Tenants, String> {
-        let text = std::fs::read_to_string(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
-        Self::parse(&text).map_err(|e| format!("{}: {e}", path.display()))
+    pub fn load(path: &Path) -> Result<Tenants, KeysFileError> {
+        let text = std::fs::read_to_string(path).map_err(|source| KeysFileError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::parse(&text).map_err(|e| KeysFileError::In {
+            path: path.display().to_string(),
+            source: Box::new(e),
+        })
     }
 
-    pub fn parse(text: &str) -> Result<Tenants, String> {
+    pub fn parse(text: &str) -> Result<Tenants, KeysFileError> {
+        let bad = |n: usize, problem| KeysFileError::Line { line: n + 1, problem };
         let mut keys = HashMap::new();
         for (n, line) in text.lines().enumerate() {
             let line = line.split('#').next().unwrap_or("").trim();
@@ -34,17 +62,17 @@ impl Tenants {
             }
             let mut parts = line.split_whitespace();
             let (Some(key), Some(tenant), None) = (parts.next(), parts.next(), parts.next()) else {
-                return Err(format!("line {}: expected `<api-key> <tenant>`", n + 1));
+                return Err(bad(n, "expected `<api-key> <tenant>`"));
             };
             if tenant.len() > tokenlog_raftlog::limits::TENANT_BYTES_MAX {
-                return Err(format!("line {}: tenant name longer than the limit", n + 1));
+                return Err(bad(n, "tenant name longer than the limit"));
             }
             if keys.insert(key.to_string(), tenant.to_string()).is_some() {
-                return Err(format!("line {}: key listed twice", n + 1));
+                return Err(bad(n, "key listed twice"));
             }
         }
         if keys.is_empty() {
-            return Err("no keys".into());
+            return Err(KeysFileError::Empty);
         }
         Ok(Tenants::Keys(keys))
     }

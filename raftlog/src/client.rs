@@ -17,14 +17,8 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
 
 use crate::error::leader_hint;
-use crate::limits::GRPC_MESSAGE_BYTES_MAX;
-
-/// How long one call keeps retrying through leader changes and unreachable nodes.
-pub const RETRY_BUDGET_DEFAULT: Duration = Duration::from_secs(15);
-const RETRY_PAUSE_MIN: Duration = Duration::from_millis(20);
-const RETRY_PAUSE_MAX: Duration = Duration::from_millis(500);
-const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
-const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+pub use crate::limits::RETRY_BUDGET_DEFAULT;
+use crate::limits::{CALL_TIMEOUT, CONNECT_TIMEOUT, GRPC_MESSAGE_BYTES_MAX, RETRY_PAUSE_MAX, RETRY_PAUSE_MIN};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -189,11 +183,7 @@ impl LogClient {
     }
 
     pub async fn release(&self, req: pb::ReleaseRequest) -> Result<pb::OwnershipResponse, ClientError> {
-        self.call(|mut c| {
-            let r = req.clone();
-            async move { c.release(r).await }
-        })
-        .await
+        self.call(|mut c| async move { c.release(req).await }).await
     }
 
     pub async fn cancel(&self, req: pb::CancelRequest) -> Result<pb::OwnershipResponse, ClientError> {

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use rocksdb::{ColumnFamilyDescriptor, Options, DB};
 
+use crate::faults::Faults;
 use crate::log_store::{CF_LOGS, CF_META};
 use crate::sm_store::CF_SM;
 
@@ -17,12 +18,12 @@ pub struct OpenError {
     pub source: rocksdb::Error,
 }
 
-pub fn open(path: &Path) -> Result<Arc<DB>, OpenError> {
+pub fn open(path: &Path, faults: Faults) -> Result<Arc<DB>, OpenError> {
     let mut opts = Options::default();
     opts.create_if_missing(true);
     opts.create_missing_column_families(true);
     opts.set_keep_log_file_num(4);
-    if crate::log_store::ack_before_fsync() {
+    if faults.ack_before_fsync() {
         // The planted ack-before-fsync bug (test only) also keeps written WAL data in this
         // process until a flush, so that kill -9 loses acknowledged entries the way a power cut
         // loses unsynced ones. The fault suite must catch it.

@@ -23,8 +23,46 @@ pub enum LogError {
     Invalid(String),
     #[error("not found: {0}")]
     NotFound(String),
-    #[error("storage: {0}")]
-    Storage(String),
+    /// The node's disk: its data dir, RocksDB, a row that does not decode.
+    #[error("storage: {context}: {source}")]
+    Storage {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A listener could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A `raft.v1` payload that does not decode, or cannot be encoded.
+    #[error(transparent)]
+    Payload(#[from] PayloadError),
+    /// A bug: an answer of the wrong kind, or another broken expectation of this node.
+    #[error("internal: {0}")]
+    Internal(String),
+}
+
+impl LogError {
+    pub fn storage(context: impl std::fmt::Display, source: impl Into<std::io::Error>) -> Self {
+        LogError::Storage {
+            context: context.to_string(),
+            source: source.into(),
+        }
+    }
+}
+
+/// A `raft.v1` payload (openraft's messages as versioned bincode) that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum PayloadError {
+    #[error("raft payload version {got} is not {expected}")]
+    Version { got: u32, expected: u32 },
+    #[error("bad raft payload: {0}")]
+    Codec(#[from] bincode::Error),
+    #[error("{0}")]
+    Malformed(&'static str),
 }
 
 fn rejection_code(r: RejectReason) -> Code {
@@ -57,7 +95,8 @@ impl From<LogError> for Status {
             LogError::Rejected(r) => Status::new(rejection_code(r.reason), msg),
             LogError::Invalid(_) => Status::invalid_argument(msg),
             LogError::NotFound(_) => Status::not_found(msg),
-            LogError::Storage(_) => Status::internal(msg),
+            LogError::Storage { .. } | LogError::Listen { .. } | LogError::Internal(_) => Status::internal(msg),
+            LogError::Payload(_) => Status::invalid_argument(msg),
         }
     }
 }

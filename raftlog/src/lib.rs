@@ -15,6 +15,7 @@ pub mod client;
 pub mod convert;
 pub mod db;
 pub mod error;
+pub mod faults;
 pub mod limits;
 pub mod log_store;
 pub mod metrics;

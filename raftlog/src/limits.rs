@@ -1,5 +1,8 @@
 //! Every bound the log enforces, in one place. A command that exceeds one is rejected with
-//! `RejectReason::Limit` and a message naming the limit; nothing is truncated silently.
+//! `RejectReason::Limit` and a message naming the limit; nothing is truncated silently. The
+//! log's timing constants and defaults live here too, one definition each.
+
+use std::time::Duration;
 
 /// Longest request id a client may choose (bytes).
 pub const REQUEST_ID_BYTES_MAX: usize = 256;
@@ -28,7 +31,10 @@ pub const RECORDS_PER_APPEND_MAX: usize = 4_096;
 pub const ITEMS_PER_APPEND_MAX: usize = 1_024;
 /// Generations that are not yet pruned (live and retained) in the whole log.
 pub const GENERATIONS_MAX: usize = 1_000_000;
-/// Lease length a decoder may ask for.
+/// Lease length a decoder may ask for, and the one decoders ask for when not told otherwise
+/// (`tokenlog decoder --lease-ms`, `dev`, benches, the fault suite): a takeover after a crash waits
+/// about this long.
+pub const LEASE_MS_DEFAULT: u64 = 800;
 pub const LEASE_MS_MIN: u64 = 100;
 pub const LEASE_MS_MAX: u64 = 600_000;
 /// Deadline for a first record when the submit names none, and the largest one accepted.
@@ -42,5 +48,19 @@ pub const FINISH_DETAIL_BYTES_MAX: usize = 1_024;
 pub const WATCH_RECORDS_PER_EVENT_MAX: usize = 256;
 /// Generations listed by one PendingWork answer.
 pub const PENDING_WORK_LIMIT_MAX: u32 = 1_024;
+/// Events buffered per Watch stream between the state machine and a slow client.
+pub const WATCH_BUFFER_EVENTS: usize = 16;
+/// Bytes per chunk of a snapshot streamed to a follower.
+pub const SNAPSHOT_CHUNK_BYTES: usize = 1 << 20;
+/// How often the leader considers proposing a `Tick`.
+pub const TICK_INTERVAL: Duration = Duration::from_millis(500);
+/// Connecting to a peer or a node (Raft transport and `LogClient`).
+pub const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
+/// One `LogClient` call; and how long a call keeps retrying through leader changes and
+/// unreachable nodes, with pauses that double from the minimum to the maximum.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+pub const RETRY_BUDGET_DEFAULT: Duration = Duration::from_secs(15);
+pub const RETRY_PAUSE_MIN: Duration = Duration::from_millis(20);
+pub const RETRY_PAUSE_MAX: Duration = Duration::from_millis(500);
 /// Largest gRPC message a node accepts (bytes).
 pub const GRPC_MESSAGE_BYTES_MAX: usize = 64 * 1024 * 1024;

@@ -18,6 +18,7 @@ use rocksdb::{Direction, IteratorMode, WriteBatch, DB};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
+use crate::faults::Faults;
 use crate::raft_types::{Entry, LogId, TypeConfig, Vote};
 
 pub const CF_LOGS: &str = "logs";
@@ -43,17 +44,12 @@ fn index_key(index: u64) -> [u8; 8] {
     index.to_be_bytes()
 }
 
-/// Test-only fault switch (planted bug for the fault suite): acknowledge appends before the fsync.
-/// Never set in production; read once at start-up.
-pub(crate) fn ack_before_fsync() -> bool {
-    std::env::var("TOKENLOG_PLANT_ACK_BEFORE_FSYNC").is_ok_and(|v| v == "1")
-}
-
 #[derive(Clone)]
 pub struct LogStore {
     db: Arc<DB>,
     flusher: Arc<Flusher>,
-    ack_before_fsync: bool,
+    /// Planted bug (fault suite builds only): acknowledge appends before the fsync.
+    faults: Faults,
 }
 
 /// The fsync thread and the channel to it. Dropping the last `LogStore` clone closes the channel and
@@ -74,7 +70,7 @@ impl Drop for Flusher {
 }
 
 impl LogStore {
-    pub fn new(db: Arc<DB>) -> Self {
+    pub fn new(db: Arc<DB>, faults: Faults) -> Self {
         let (tx, rx) = mpsc::channel::<IOFlushed<TypeConfig>>();
         let flush_db = db.clone();
         let thread = std::thread::Builder::new()
@@ -87,7 +83,7 @@ impl LogStore {
                 tx: Some(tx),
                 thread: Some(thread),
             }),
-            ack_before_fsync: ack_before_fsync(),
+            faults,
         }
     }
 
@@ -195,7 +191,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         // Written before returning, so the entries are readable at once; durable only after
         // the flusher's fsync, which is when the callback fires.
         self.db.write(batch).map_err(io_err)?;
-        if self.ack_before_fsync {
+        if self.faults.ack_before_fsync() {
             callback.io_completed(Ok(()));
             return Ok(());
         }

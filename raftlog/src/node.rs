@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use openraft::async_runtime::WatchReceiver;
 use openraft::error::{ClientWriteError, RaftError};
@@ -23,16 +23,14 @@ use tokenlog_proto::raftlog::{ClusterStatusResponse, MemberStatus};
 use tokio::sync::watch;
 
 use crate::error::LogError;
-use crate::limits::{GRPC_MESSAGE_BYTES_MAX, RETENTION_MS_DEFAULT};
+use crate::faults::Faults;
+use crate::limits::{GRPC_MESSAGE_BYTES_MAX, RETENTION_MS_DEFAULT, TICK_INTERVAL};
 use crate::log_store::LogStore;
 use crate::raft_types::{Node as RaftNode, NodeId, Raft};
 use crate::service::LogService;
 use crate::sm_store::{SmShared, SmStore};
 use crate::transport::{Network, RaftService};
-use crate::types::{Command, Request, Response};
-
-/// How often the leader considers proposing a `Tick`.
-const TICK_INTERVAL: Duration = Duration::from_millis(500);
+use crate::types::{Command, GenState, Request, Response};
 
 #[derive(Clone, Debug)]
 pub struct NodeConfig {
@@ -52,6 +50,8 @@ pub struct NodeConfig {
     /// Log entries kept behind the latest snapshot (the rest are purged).
     pub keep_after_snapshot: u64,
     pub retention_ms: u64,
+    /// Planted bugs (fault suite builds only; none by default).
+    pub faults: Faults,
 }
 
 impl NodeConfig {
@@ -67,6 +67,7 @@ impl NodeConfig {
             snapshot_every: 20_000,
             keep_after_snapshot: 1_000,
             retention_ms: RETENTION_MS_DEFAULT,
+            faults: Faults::default(),
         }
     }
 }
@@ -80,19 +81,18 @@ pub struct NodeCtx {
     /// The last log time this node stamped; stamps never go backwards.
     last_stamp_ms: Mutex<u64>,
     pub metrics: crate::metrics::NodeMetrics,
-    /// Planted bug only (`TOKENLOG_PLANT_EARLY_VISIBILITY=1`): the records of appends proposed
-    /// through this node, per generation `(start_seq, [(token, epoch)])`, which Watch then
-    /// shows before they are committed. Empty otherwise.
-    pub proposed: Mutex<std::collections::HashMap<u64, (u32, Vec<(u32, u64)>)>>,
+    /// Planted bugs (fault suite builds only).
+    pub faults: Faults,
+    /// Planted bug `early_visibility` only: the records of appends proposed through this node,
+    /// per generation `(start_seq, [(token, epoch)])`, which Watch then shows before they are
+    /// committed.
+    #[cfg(feature = "faults")]
+    pub proposed: Mutex<std::collections::HashMap<u64, ProposedRecords>>,
 }
 
-/// Planted bug for the fault suite (test-only): Watch shows records of proposed, uncommitted
-/// appends. Set once at node start from `TOKENLOG_PLANT_EARLY_VISIBILITY=1`.
-static PLANT_EARLY_VISIBILITY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-pub fn planted_early_visibility() -> bool {
-    PLANT_EARLY_VISIBILITY.load(std::sync::atomic::Ordering::Relaxed)
-}
+/// Planted bug only: the `(start_seq, [(token, epoch)])` of a generation's last proposed append.
+#[cfg(feature = "faults")]
+pub type ProposedRecords = (u32, Vec<(u32, u64)>);
 
 pub(crate) fn wall_ms() -> u64 {
     SystemTime::now()
@@ -116,7 +116,8 @@ impl NodeCtx {
     /// entry's log index.
     pub async fn write(&self, cmd: Command) -> Result<(Response, u64), LogError> {
         let tokens = crate::metrics::NodeMetrics::tokens_of(&cmd);
-        if planted_early_visibility() {
+        #[cfg(feature = "faults")]
+        if self.faults.early_visibility() {
             if let Command::Append { items, .. } = &cmd {
                 let mut p = self.proposed.lock().expect("lock");
                 for i in items {
@@ -160,7 +161,7 @@ impl NodeCtx {
     /// This node's metrics in the Prometheus text format.
     pub fn render_metrics(&self) -> String {
         let st = self.status();
-        let takeovers: u64 = self.sm.read().generations.values().map(|g| g.takeovers()).sum();
+        let takeovers = self.sm.read().index.takeovers();
         let by_state: Vec<(String, u64)> = st.generations_by_state.into_iter().collect();
         self.metrics.render(
             &by_state,
@@ -185,10 +186,11 @@ impl NodeCtx {
         let matched = m.replication.clone().unwrap_or_default();
         let (by_state, log_ms) = {
             let s = self.sm.read();
-            let mut by: BTreeMap<String, u64> = BTreeMap::new();
-            for g in s.generations.values() {
-                *by.entry(g.state.name().to_string()).or_default() += 1;
-            }
+            let by: BTreeMap<String, u64> = GenState::ALL
+                .iter()
+                .map(|st| (st.name().to_string(), s.index.count(*st)))
+                .filter(|(_, n)| *n > 0)
+                .collect();
             (by, s.log_ms)
         };
         ClusterStatusResponse {
@@ -293,38 +295,20 @@ fn raft_config(cfg: &NodeConfig) -> Result<Arc<Config>, LogError> {
 
 /// Opens storage, starts Raft and serves both gRPC services on `cfg.listen`.
 pub async fn start(cfg: NodeConfig) -> Result<RunningNode, LogError> {
-    if std::env::var("TOKENLOG_PLANT_EARLY_VISIBILITY").is_ok_and(|v| v == "1") {
-        tracing::error!(
-            "PLANTED BUG: Watch shows uncommitted records (TOKENLOG_PLANT_EARLY_VISIBILITY=1); test use only"
-        );
-        PLANT_EARLY_VISIBILITY.store(true, std::sync::atomic::Ordering::Relaxed);
+    if !cfg.faults.names().is_empty() {
+        tracing::error!(faults = ?cfg.faults.names(), "PLANTED BUGS are on: test use only");
     }
-    if std::env::var("TOKENLOG_PLANT_NO_FENCE").is_ok_and(|v| v == "1") {
-        tracing::error!("PLANTED BUG: appends skip the epoch fence (TOKENLOG_PLANT_NO_FENCE=1); test use only");
-        crate::state::plant_no_fence(true);
-    }
-    std::fs::create_dir_all(&cfg.data_dir)
-        .map_err(|e| LogError::Storage(format!("{}: {e}", cfg.data_dir.display())))?;
-    let db = crate::db::open(&cfg.data_dir).map_err(|e| LogError::Storage(e.to_string()))?;
-    let (sm, report) = SmStore::open(db.clone()).map_err(|e| LogError::Storage(e.to_string()))?;
-    for p in &report.problems {
-        tracing::error!(problem = %p, "integrity problem found while loading the state machine");
-    }
-    tracing::info!(
-        generations = report.generations,
-        records = report.records,
-        "state machine loaded"
-    );
-    let shared = sm.shared();
-    let network = Network::new(cfg.id);
-    let raft = Raft::new(cfg.id, raft_config(&cfg)?, network, LogStore::new(db), sm)
-        .await
-        .map_err(raft_err_fatal)?;
-
+    let (raft, shared) = open_raft(&cfg).await?;
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
-        .map_err(|e| LogError::Storage(format!("bind {}: {e}", cfg.listen)))?;
-    let local_addr = listener.local_addr().map_err(|e| LogError::Storage(e.to_string()))?;
+        .map_err(|source| LogError::Listen {
+            addr: cfg.listen,
+            source,
+        })?;
+    let local_addr = listener.local_addr().map_err(|source| LogError::Listen {
+        addr: cfg.listen,
+        source,
+    })?;
     let advertise = if cfg.listen.port() == 0 {
         local_addr.to_string()
     } else {
@@ -337,66 +321,14 @@ pub async fn start(cfg: NodeConfig) -> Result<RunningNode, LogError> {
         sm: shared,
         last_stamp_ms: Mutex::new(0),
         metrics: Default::default(),
+        faults: cfg.faults,
+        #[cfg(feature = "faults")]
         proposed: Default::default(),
     });
-
-    let (stop_tx, mut stop_rx) = watch::channel(false);
-    // Accepted connections need TCP_NODELAY too: without it small Raft messages meet delayed
-    // ACKs and every commit waits ~40 ms.
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-    let log_svc = LogServer::new(LogService::new(ctx.clone()))
-        .max_decoding_message_size(GRPC_MESSAGE_BYTES_MAX)
-        .max_encoding_message_size(GRPC_MESSAGE_BYTES_MAX);
-    let raft_svc = RaftTransportServer::new(RaftService::new(raft.clone()))
-        .max_decoding_message_size(GRPC_MESSAGE_BYTES_MAX)
-        .max_encoding_message_size(GRPC_MESSAGE_BYTES_MAX);
-    let mut shutdown_rx = stop_rx.clone();
-    let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(log_svc)
-            .add_service(raft_svc)
-            .serve_with_incoming_shutdown(incoming, async move {
-                let _ = shutdown_rx.wait_for(|s| *s).await;
-            }),
-    );
-
-    if let Some(&(lowest, _)) = cfg.initial_members.iter().min_by_key(|(id, _)| *id) {
-        if lowest == cfg.id && !raft.is_initialized().await.map_err(raft_err_fatal)? {
-            let members: BTreeMap<NodeId, RaftNode> = cfg
-                .initial_members
-                .iter()
-                .map(|(id, addr)| {
-                    (
-                        *id,
-                        RaftNode {
-                            addr: if *id == cfg.id { advertise.clone() } else { addr.clone() },
-                        },
-                    )
-                })
-                .collect();
-            raft.initialize(members)
-                .await
-                .map_err(|e| LogError::Raft(e.to_string()))?;
-            tracing::info!("cluster initialized");
-        }
-    }
-
-    let tick_ctx = ctx.clone();
-    let retention_ms = cfg.retention_ms;
-    tokio::spawn(async move {
-        loop {
-            tokio::select! {
-                _ = stop_rx.wait_for(|s| *s) => return,
-                _ = tokio::time::sleep(TICK_INTERVAL) => {}
-            }
-            let is_leader = tick_ctx.raft.metrics().borrow_watched().state == ServerState::Leader;
-            if is_leader && tick_ctx.sm.read().tick_due(tick_ctx.stamp(), retention_ms) {
-                if let Err(e) = tick_ctx.write(Command::Tick { retention_ms }).await {
-                    tracing::debug!(error = %e, "tick not committed");
-                }
-            }
-        }
-    });
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let server = serve(listener, &ctx, stop_rx.clone());
+    initialize_if_first(&cfg, &raft, &advertise).await?;
+    spawn_ticker(ctx.clone(), cfg.retention_ms, stop_rx);
     tracing::info!(id = cfg.id, addr = %advertise, "node serving");
     Ok(RunningNode {
         ctx,
@@ -404,6 +336,104 @@ pub async fn start(cfg: NodeConfig) -> Result<RunningNode, LogError> {
         stop_tx,
         server,
     })
+}
+
+/// Opens the data dir (RocksDB, the state machine with its load-time chain check) and Raft.
+async fn open_raft(cfg: &NodeConfig) -> Result<(Raft, Arc<SmShared>), LogError> {
+    std::fs::create_dir_all(&cfg.data_dir).map_err(|e| LogError::storage(cfg.data_dir.display(), e))?;
+    let db = crate::db::open(&cfg.data_dir, cfg.faults)
+        .map_err(|e| LogError::storage(cfg.data_dir.display(), std::io::Error::other(e)))?;
+    let (sm, report) =
+        SmStore::open(db.clone(), cfg.faults).map_err(|e| LogError::storage("loading the state machine", e))?;
+    for p in &report.problems {
+        tracing::error!(problem = %p, "integrity problem found while loading the state machine");
+    }
+    tracing::info!(
+        generations = report.generations,
+        records = report.records,
+        "state machine loaded"
+    );
+    let shared = sm.shared();
+    let raft = Raft::new(
+        cfg.id,
+        raft_config(cfg)?,
+        Network::new(cfg.id),
+        LogStore::new(db, cfg.faults),
+        sm,
+    )
+    .await
+    .map_err(raft_err_fatal)?;
+    Ok((raft, shared))
+}
+
+/// Serves `raftlog.v1` and `raft.v1` on `listener` until `stop` turns true.
+fn serve(
+    listener: tokio::net::TcpListener,
+    ctx: &Arc<NodeCtx>,
+    mut stop: watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<Result<(), tonic::transport::Error>> {
+    // Accepted connections need TCP_NODELAY too: without it small Raft messages meet delayed
+    // ACKs and every commit waits ~40 ms.
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let log_svc = LogServer::new(LogService::new(ctx.clone()))
+        .max_decoding_message_size(GRPC_MESSAGE_BYTES_MAX)
+        .max_encoding_message_size(GRPC_MESSAGE_BYTES_MAX);
+    let raft_svc = RaftTransportServer::new(RaftService::new(ctx.raft.clone()))
+        .max_decoding_message_size(GRPC_MESSAGE_BYTES_MAX)
+        .max_encoding_message_size(GRPC_MESSAGE_BYTES_MAX);
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(log_svc)
+            .add_service(raft_svc)
+            .serve_with_incoming_shutdown(incoming, async move {
+                let _ = stop.wait_for(|s| *s).await;
+            }),
+    )
+}
+
+/// The lowest id of the initial members initializes a cluster that never was.
+async fn initialize_if_first(cfg: &NodeConfig, raft: &Raft, advertise: &str) -> Result<(), LogError> {
+    let Some(&(lowest, _)) = cfg.initial_members.iter().min_by_key(|(id, _)| *id) else {
+        return Ok(());
+    };
+    if lowest != cfg.id || raft.is_initialized().await.map_err(raft_err_fatal)? {
+        return Ok(());
+    }
+    let members: BTreeMap<NodeId, RaftNode> = cfg
+        .initial_members
+        .iter()
+        .map(|(id, addr)| {
+            let addr = if *id == cfg.id {
+                advertise.to_string()
+            } else {
+                addr.clone()
+            };
+            (*id, RaftNode { addr })
+        })
+        .collect();
+    raft.initialize(members)
+        .await
+        .map_err(|e| LogError::Raft(e.to_string()))?;
+    tracing::info!("cluster initialized");
+    Ok(())
+}
+
+/// The leader's housekeeping: every `TICK_INTERVAL`, a `Tick` when one would change anything.
+fn spawn_ticker(ctx: Arc<NodeCtx>, retention_ms: u64, mut stop: watch::Receiver<bool>) {
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                _ = stop.wait_for(|s| *s) => return,
+                _ = tokio::time::sleep(TICK_INTERVAL) => {}
+            }
+            let is_leader = ctx.raft.metrics().borrow_watched().state == ServerState::Leader;
+            if is_leader && ctx.sm.read().tick_due(ctx.stamp(), retention_ms) {
+                if let Err(e) = ctx.write(Command::Tick { retention_ms }).await {
+                    tracing::debug!(error = %e, "tick not committed");
+                }
+            }
+        }
+    });
 }
 
 fn raft_err_fatal(e: impl std::fmt::Display) -> LogError {

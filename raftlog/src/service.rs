@@ -14,7 +14,7 @@ use tonic::{Request, Response as TonicResponse, Status};
 
 use crate::convert::{append_to_pb, ownership_to_pb, reason_from_pb, record_to_pb};
 use crate::error::LogError;
-use crate::limits::{PENDING_WORK_LIMIT_MAX, WATCH_RECORDS_PER_EVENT_MAX};
+use crate::limits::{PENDING_WORK_LIMIT_MAX, WATCH_BUFFER_EVENTS, WATCH_RECORDS_PER_EVENT_MAX};
 use crate::node::NodeCtx;
 use crate::types::*;
 
@@ -31,7 +31,7 @@ impl LogService {
         let (resp, index) = self.ctx.write(cmd).await?;
         match resp {
             Response::Ownership(r) => Ok(TonicResponse::new(ownership_to_pb(r, index))),
-            other => Err(Status::internal(format!("unexpected answer {other:?}"))),
+            other => Err(LogError::Internal(format!("unexpected answer {other:?}")).into()),
         }
     }
 
@@ -72,7 +72,7 @@ impl Log for LogService {
                 created,
             })),
             Response::Ownership(Err(rej)) => Err(LogError::Rejected(rej).into()),
-            other => Err(Status::internal(format!("unexpected answer {other:?}"))),
+            other => Err(LogError::Internal(format!("unexpected answer {other:?}")).into()),
         }
     }
 
@@ -126,7 +126,7 @@ impl Log for LogService {
             .await?;
         match resp {
             Response::Appended(outcomes) => Ok(TonicResponse::new(append_to_pb(outcomes, index))),
-            other => Err(Status::internal(format!("unexpected answer {other:?}"))),
+            other => Err(LogError::Internal(format!("unexpected answer {other:?}")).into()),
         }
     }
 
@@ -182,7 +182,7 @@ impl Log for LogService {
         match resp {
             Response::Registered(Ok(expiry_log_ms)) => Ok(TonicResponse::new(pb::RegisterResponse { expiry_log_ms })),
             Response::Registered(Err(rej)) => Err(LogError::Rejected(rej).into()),
-            other => Err(Status::internal(format!("unexpected answer {other:?}"))),
+            other => Err(LogError::Internal(format!("unexpected answer {other:?}")).into()),
         }
     }
 
@@ -227,7 +227,7 @@ impl Log for LogService {
                 LogError::NotFound(format!("generation {} does not exist on this node", r.generation_id)).into(),
             );
         }
-        let (tx, rx) = mpsc::channel(16);
+        let (tx, rx) = mpsc::channel(WATCH_BUFFER_EVENTS);
         tokio::spawn(watch_loop(self.ctx.clone(), r.generation_id, r.from_seq, tx));
         Ok(TonicResponse::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
@@ -312,11 +312,7 @@ impl Log for LogService {
     }
 
     async fn verify(&self, _req: Request<pb::VerifyRequest>) -> Result<TonicResponse<pb::VerifyResponse>, Status> {
-        let report = self
-            .ctx
-            .sm
-            .verify()
-            .map_err(|e| Status::from(LogError::Storage(e.to_string())))?;
+        let report = self.ctx.sm.verify().map_err(|e| LogError::storage("verify", e))?;
         Ok(TonicResponse::new(pb::VerifyResponse {
             generations: report.generations,
             records: report.records,
@@ -327,9 +323,10 @@ impl Log for LogService {
 
 /// Streams committed records of one generation from `seq`, waking on every apply, until the
 /// generation is terminal and every record has been sent (or the client goes away).
-/// Planted bug only: proposed, uncommitted records of `id` from `seq` on.
+/// Planted bug `early_visibility` only: proposed, uncommitted records of `id` from `seq` on.
+#[cfg(feature = "faults")]
 fn early_records(ctx: &NodeCtx, id: GenerationId, seq: Seq) -> Option<Vec<pb::Record>> {
-    if !crate::node::planted_early_visibility() {
+    if !ctx.faults.early_visibility() {
         return None;
     }
     let p = ctx.proposed.lock().expect("lock");
@@ -346,6 +343,11 @@ fn early_records(ctx: &NodeCtx, id: GenerationId, seq: Seq) -> Option<Vec<pb::Re
         })
         .collect();
     (!out.is_empty()).then_some(out)
+}
+
+#[cfg(not(feature = "faults"))]
+fn early_records(_: &NodeCtx, _: GenerationId, _: Seq) -> Option<Vec<pb::Record>> {
+    None
 }
 
 async fn watch_loop(

@@ -26,6 +26,7 @@ use rocksdb::{WriteBatch, DB};
 use serde::{Deserialize, Serialize};
 
 use crate::chain::{self, Hash};
+use crate::faults::Faults;
 use crate::log_store::{decode, encode, io_err};
 use crate::raft_types::{LogId, Snapshot, SnapshotData, SnapshotMeta, StoredMembership, TypeConfig};
 use crate::state::{Changes, LogState};
@@ -153,8 +154,10 @@ pub struct LoadReport {
 
 impl SmStore {
     /// Opens the state machine from `db`, rebuilding the in-memory state from its rows.
-    pub fn open(db: Arc<DB>) -> io::Result<(Self, LoadReport)> {
-        let (state, applied, report) = load(&db)?;
+    /// `faults`: planted bugs of the state machine (fault suite builds only).
+    pub fn open(db: Arc<DB>, faults: Faults) -> io::Result<(Self, LoadReport)> {
+        let (mut state, applied, report) = load(&db)?;
+        state.faults = faults;
         let index = applied.log_id.map_or(0, |l| l.index);
         let (applied_tx, _) = tokio::sync::watch::channel(index);
         let shared = SmShared {
@@ -490,6 +493,7 @@ impl RaftStateMachine<TypeConfig> for SmStore {
         {
             let mut state = s.state.write().expect("state lock poisoned");
             s.replace_all(&new_state, &applied)?;
+            new_state.faults = state.faults;
             *state = new_state;
         }
         let stored = StoredSnapshot {

@@ -5,7 +5,6 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use openraft::error::{NetworkError, RPCError, ReplicationClosed, StreamingError, Timeout, Unreachable};
 use openraft::network::{RPCOption, RaftNetworkFactory};
@@ -19,26 +18,27 @@ use tokenlog_proto::raft::{RaftPayload, SnapshotChunk};
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::limits::GRPC_MESSAGE_BYTES_MAX;
+use crate::error::{LogError, PayloadError};
+use crate::limits::{CONNECT_TIMEOUT, GRPC_MESSAGE_BYTES_MAX, SNAPSHOT_CHUNK_BYTES};
 use crate::raft_types::{Node, NodeId, Raft, Snapshot, SnapshotData, SnapshotMeta, TypeConfig, Vote};
 
 const PAYLOAD_VERSION: u32 = 1;
-const SNAPSHOT_CHUNK_BYTES: usize = 1 << 20;
-const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
 
-fn pack<T: Serialize>(v: &T) -> Result<RaftPayload, String> {
-    let data = bincode::serialize(v).map_err(|e| e.to_string())?;
+fn pack<T: Serialize>(v: &T) -> Result<RaftPayload, PayloadError> {
     Ok(RaftPayload {
         version: PAYLOAD_VERSION,
-        data,
+        data: bincode::serialize(v)?,
     })
 }
 
-fn unpack<T: DeserializeOwned>(p: &RaftPayload) -> Result<T, String> {
+fn unpack<T: DeserializeOwned>(p: &RaftPayload) -> Result<T, PayloadError> {
     if p.version != PAYLOAD_VERSION {
-        return Err(format!("raft payload version {} is not {PAYLOAD_VERSION}", p.version));
+        return Err(PayloadError::Version {
+            got: p.version,
+            expected: PAYLOAD_VERSION,
+        });
     }
-    bincode::deserialize(&p.data).map_err(|e| format!("bad raft payload: {e}"))
+    Ok(bincode::deserialize(&p.data)?)
 }
 
 // ------------------------------------------------------------------------------------ client
@@ -217,29 +217,25 @@ impl RaftService {
     }
 }
 
-fn bad(e: String) -> Status {
-    Status::invalid_argument(e)
+fn reply<T: Serialize>(v: &T) -> Result<Response<RaftPayload>, Status> {
+    Ok(Response::new(pack(v).map_err(LogError::from)?))
 }
 
-fn reply<T: Serialize>(v: &T) -> Result<Response<RaftPayload>, Status> {
-    pack(v).map(Response::new).map_err(Status::internal)
+fn raft_failed(e: impl std::fmt::Display) -> Status {
+    LogError::Raft(e.to_string()).into()
 }
 
 #[tonic::async_trait]
 impl RaftTransport for RaftService {
     async fn append_entries(&self, req: Request<RaftPayload>) -> Result<Response<RaftPayload>, Status> {
-        let rpc: AppendEntriesRequest<TypeConfig> = unpack(req.get_ref()).map_err(bad)?;
-        let resp = self
-            .raft
-            .append_entries(rpc)
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?;
+        let rpc: AppendEntriesRequest<TypeConfig> = unpack(req.get_ref()).map_err(LogError::from)?;
+        let resp = self.raft.append_entries(rpc).await.map_err(raft_failed)?;
         reply(&resp)
     }
 
     async fn request_vote(&self, req: Request<RaftPayload>) -> Result<Response<RaftPayload>, Status> {
-        let rpc: VoteRequest<TypeConfig> = unpack(req.get_ref()).map_err(bad)?;
-        let resp = self.raft.vote(rpc).await.map_err(|e| Status::internal(e.to_string()))?;
+        let rpc: VoteRequest<TypeConfig> = unpack(req.get_ref()).map_err(LogError::from)?;
+        let resp = self.raft.vote(rpc).await.map_err(raft_failed)?;
         reply(&resp)
     }
 
@@ -248,11 +244,11 @@ impl RaftTransport for RaftService {
         let first = stream
             .message()
             .await?
-            .ok_or_else(|| bad("empty snapshot stream".into()))?;
+            .ok_or_else(|| LogError::from(PayloadError::Malformed("empty snapshot stream")))?;
         let meta = first
             .meta
-            .ok_or_else(|| bad("the first snapshot chunk carries no meta".into()))?;
-        let (vote, meta): (Vote, SnapshotMeta) = unpack(&meta).map_err(bad)?;
+            .ok_or_else(|| LogError::from(PayloadError::Malformed("the first snapshot chunk carries no meta")))?;
+        let (vote, meta): (Vote, SnapshotMeta) = unpack(&meta).map_err(LogError::from)?;
         let mut data = first.data;
         while let Some(chunk) = stream.message().await? {
             data.extend_from_slice(&chunk.data);
@@ -262,7 +258,7 @@ impl RaftTransport for RaftService {
             .raft
             .install_full_snapshot(vote, snapshot)
             .await
-            .map_err(|e| Status::internal(e.to_string()))?;
+            .map_err(raft_failed)?;
         reply(&resp.vote)
     }
 }

@@ -9,38 +9,103 @@ pub type Epoch = u64;
 pub type Seq = u32;
 pub type TokenId = u32;
 
-/// Everything that identifies the model a generation is bound to (CONTRACT §1).
+/// Everything that identifies the model a generation is bound to (CONTRACT §1): a decoder whose
+/// identity differs must refuse a generation bound to this one. The one definition for the log,
+/// the decoder and the gateway.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ModelIdentity {
+    /// Lowercase hex sha256 of the weights file (or of the shards' `name sha256` lines).
     pub weights_sha256: String,
+    /// Lowercase hex sha256 of the tokenizer's canonical JSON.
     pub tokenizer_sha256: String,
+    /// Architecture as the model file names it (`llama`), or `fake`.
     pub architecture: String,
+    /// Weight number format class (`q4_1`, `q8_0`, `f16`, ...), or `fake`.
     pub dtype_class: String,
 }
 
+impl ModelIdentity {
+    /// Why a decoder running `self` with sampler scheme `rng_version` must refuse a generation
+    /// bound to `bound` and `bound_rng_version`; `None` when it can continue it (CONTRACT §1:
+    /// no silent cross-model continuation).
+    pub fn refusal(&self, rng_version: u32, bound: &ModelIdentity, bound_rng_version: u32) -> Option<String> {
+        let fields = [
+            ("weights sha256", &self.weights_sha256, &bound.weights_sha256),
+            ("tokenizer sha256", &self.tokenizer_sha256, &bound.tokenizer_sha256),
+            ("architecture", &self.architecture, &bound.architecture),
+            ("dtype class", &self.dtype_class, &bound.dtype_class),
+        ];
+        if let Some((name, ours, theirs)) = fields.iter().find(|(_, a, b)| a != b) {
+            return Some(format!("{name}: bound to {theirs}, this decoder has {ours}"));
+        }
+        (rng_version != bound_rng_version)
+            .then(|| format!("sampler version: bound to {bound_rng_version}, this decoder has {rng_version}"))
+    }
+}
+
+/// How tokens are chosen. Field meanings follow the OpenAI / Hugging Face conventions; the "off"
+/// values make `Default` (all zero) plain greedy decoding. The one definition for the binding in
+/// the log, the gateway's requests and the decoder's sampler.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct SamplingConfig {
+    /// 0 (or less) = greedy (argmax, ties to the lowest id).
     pub temperature: f32,
+    /// Nucleus: keep the smallest set of most likely tokens whose probability reaches `top_p`.
+    /// Off when `<= 0` or `>= 1`.
     pub top_p: f32,
+    /// Keep only the `top_k` most likely tokens. Off when 0.
     pub top_k: u32,
+    /// Hugging Face repetition penalty over prompt + generated tokens: a seen token's logit is
+    /// divided by it when positive, multiplied when negative. Off when 1 or `<= 0`.
     pub repetition_penalty: f32,
+    /// OpenAI frequency penalty over generated tokens only: logit -= penalty × count.
     pub frequency_penalty: f32,
+    /// OpenAI presence penalty over generated tokens only: logit -= penalty if seen.
     pub presence_penalty: f32,
     pub seed: u64,
+    /// The sampling scheme's version (the decoder's `RNG_VERSION`) the generation is bound to.
     pub rng_version: u32,
 }
 
+impl SamplingConfig {
+    /// Greedy decoding.
+    pub fn greedy() -> Self {
+        Self::default()
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature.is_nan() || self.temperature <= 0.0
+    }
+
+    pub fn top_p_on(&self) -> bool {
+        self.top_p > 0.0 && self.top_p < 1.0
+    }
+
+    pub fn repetition_on(&self) -> bool {
+        self.repetition_penalty > 0.0 && self.repetition_penalty != 1.0
+    }
+}
+
+/// When a generation ends.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StopConfig {
+    /// Most tokens to generate; 0 = no limit but the model's context (the log requires >= 1).
     pub max_tokens: u32,
+    /// Strings in the generated text (special tokens not shown) that end the generation; the
+    /// token completing one is the last token.
     pub stop_strings: Vec<String>,
+    /// Tokens that end the generation; the EOS token is generated (and committed) as the last
+    /// token.
     pub eos_token_ids: Vec<TokenId>,
 }
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// How a new owner re-prefills the committed prefix.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ResumeMode {
+    /// Same calls as the uninterrupted run: same tokens on the same device class and build.
     #[default]
     Exact,
+    /// One batch for prompt + prefix: faster, may continue differently.
     Fast,
 }
 
@@ -67,6 +132,20 @@ pub enum GenState {
 }
 
 impl GenState {
+    /// Every state, in declaration order ([`GenState::index`]).
+    pub const ALL: [GenState; 5] = [
+        GenState::Pending,
+        GenState::Running,
+        GenState::Finished,
+        GenState::Failed,
+        GenState::Cancelled,
+    ];
+
+    /// Position in [`GenState::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
     pub fn is_terminal(self) -> bool {
         matches!(self, GenState::Finished | GenState::Failed | GenState::Cancelled)
     }
@@ -81,12 +160,27 @@ impl GenState {
     }
 }
 
+/// Why a generation ended, as the log records it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum FinishReason {
+    /// An EOS token or a stop string.
     Stop,
+    /// `max_tokens`, or the model's context window.
     Length,
     Error,
     Cancelled,
+}
+
+impl FinishReason {
+    /// The OpenAI name (`stop`, `length`, `error`, `cancelled`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Error => "error",
+            FinishReason::Cancelled => "cancelled",
+        }
+    }
 }
 
 /// The latest ownership grant. Epoch 0 means never granted.

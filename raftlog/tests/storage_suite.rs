@@ -12,9 +12,9 @@ struct RocksBuilder;
 impl StoreBuilder<TypeConfig, LogStore, SmStore, TempDir> for RocksBuilder {
     async fn build(&self) -> Result<(TempDir, LogStore, SmStore), StorageError<TypeConfig>> {
         let dir = tempfile::tempdir().expect("tempdir");
-        let db = tokenlog_raftlog::db::open(dir.path()).expect("open rocksdb");
-        let (sm, _) = SmStore::open(db.clone()).expect("open state machine");
-        Ok((dir, LogStore::new(db), sm))
+        let db = tokenlog_raftlog::db::open(dir.path(), Default::default()).expect("open rocksdb");
+        let (sm, _) = SmStore::open(db.clone(), Default::default()).expect("open state machine");
+        Ok((dir, LogStore::new(db, Default::default()), sm))
     }
 }
 

@@ -17,7 +17,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
-use serde_json::Value;
+use super::decoder_ops::DecoderOp;
 
 use super::workload::RequestRecord;
 use crate::checker::{check, CheckResult};
@@ -163,7 +163,7 @@ pub fn processes(exits: &[super::procs::SelfExit], decoder1_failpoint: bool) -> 
     v
 }
 
-/// `tokenlog_decoder::failpoint::EXIT_CODE`.
+/// `tokenlog_decoder::worker::HALT_EXIT_CODE`.
 const FAILPOINT_EXIT: i32 = 137;
 
 pub fn liveness(reqs: &[RequestRecord]) -> Verdict {
@@ -185,15 +185,17 @@ pub fn liveness(reqs: &[RequestRecord]) -> Verdict {
 }
 
 /// Decoder history lines (`op` = acquire | append).
-pub fn fencing(decoder_ops: &[Value], finals: &HashMap<u64, FinalGen>) -> Verdict {
+pub fn fencing(decoder_ops: &[DecoderOp], finals: &HashMap<u64, FinalGen>) -> Verdict {
     let mut v = Verdict::new();
     let mut grants: BTreeMap<(u64, u64), BTreeSet<String>> = BTreeMap::new();
-    for op in decoder_ops.iter().filter(|o| o["op"] == "acquire" && o["ok"] == true) {
-        let key = (op["gen"].as_u64().unwrap_or(0), op["epoch"].as_u64().unwrap_or(0));
+    for op in decoder_ops
+        .iter()
+        .filter(|o| o.op() == "acquire" && o.ok() == Some(true))
+    {
         grants
-            .entry(key)
+            .entry((op.gen(), op.epoch()))
             .or_default()
-            .insert(op["decoder"].as_str().unwrap_or("?").to_string());
+            .insert(op.decoder.clone());
     }
     for ((g, e), who) in &grants {
         v.checked += 1;
@@ -232,45 +234,44 @@ pub fn fencing(decoder_ops: &[Value], finals: &HashMap<u64, FinalGen>) -> Verdic
     v
 }
 
-pub fn linearizability(decoder_ops: &[Value], budget: Duration) -> (Verdict, usize) {
+pub fn linearizability(decoder_ops: &[DecoderOp], budget: Duration) -> (Verdict, usize) {
     let mut v = Verdict::new();
     let mut clients: HashMap<String, u64> = HashMap::new();
     let mut ops = Vec::new();
     for o in decoder_ops {
-        let dec = o["decoder"].as_str().unwrap_or("?").to_string();
+        let dec = o.decoder.clone();
         let n = clients.len() as u64;
         let client = *clients.entry(dec.clone()).or_insert(n);
-        let generation = o["gen"].as_u64().unwrap_or(0);
-        let call = o["invoke_us"].as_u64().unwrap_or(0);
-        let ret = o["complete_us"].as_u64().unwrap_or(call);
-        let (op, out) = match o["op"].as_str() {
-            Some("acquire") => (
+        let generation = o.gen();
+        let call = o.invoke_us;
+        let ret = o.complete_us.unwrap_or(call);
+        let (op, out) = match o.op() {
+            "acquire" => (
                 OwnershipOp::Acquire { decoder: dec },
-                match o["ok"].as_bool() {
-                    Some(true) => Some(OwnershipOutput::Acquired {
-                        epoch: o["epoch"].as_u64().unwrap_or(0),
-                    }),
+                match o.ok() {
+                    Some(true) => Some(OwnershipOutput::Acquired { epoch: o.epoch() }),
                     Some(false) => Some(OwnershipOutput::AcquireRejected),
                     None => None,
                 },
             ),
-            Some("append") => (
-                OwnershipOp::Append {
-                    epoch: o["epoch"].as_u64().unwrap_or(0),
-                    start_seq: o["start_seq"].as_u64().unwrap_or(0),
-                    n_tokens: o["n"].as_u64().unwrap_or(0),
-                },
-                match o["ok"].as_bool() {
-                    Some(true) => Some(OwnershipOutput::Appended {
-                        frontier: o["frontier"].as_u64().unwrap_or(0),
-                    }),
-                    Some(false) => Some(OwnershipOutput::AppendRejected {
-                        current_epoch: o["current_epoch"].as_u64().unwrap_or(0),
-                        frontier: o["frontier"].as_u64().unwrap_or(0),
-                    }),
-                    None => None,
-                },
-            ),
+            "append" => {
+                let (start_seq, n_tokens) = o.records().unwrap_or_default();
+                (
+                    OwnershipOp::Append {
+                        epoch: o.epoch(),
+                        start_seq,
+                        n_tokens,
+                    },
+                    match o.ok() {
+                        Some(true) => Some(OwnershipOutput::Appended { frontier: o.frontier() }),
+                        Some(false) => Some(OwnershipOutput::AppendRejected {
+                            current_epoch: o.rejection().map_or(0, |r| r.0),
+                            frontier: o.frontier(),
+                        }),
+                        None => None,
+                    },
+                )
+            }
             _ => continue,
         };
         let input = OwnershipInput { generation, op };

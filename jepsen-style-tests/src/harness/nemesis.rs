@@ -124,117 +124,161 @@ pub async fn run(
     tokio::time::sleep(Duration::from_millis(rng.random_range(500..1500))).await;
     while start.elapsed() < window {
         let fault = faults[rng.random_range(0..faults.len())];
-        let ms = |rng: &mut StdRng, lo: u64, hi: u64| Duration::from_millis(rng.random_range(lo..hi));
         let t0 = now_us();
-        let target;
-        match fault {
-            Fault::KillNode | Fault::PauseNode => {
-                let n = procs.lock().expect("lock").nodes.len();
-                let known = *leader.lock().expect("lock");
-                let i = match known {
-                    Some(l) if rng.random_bool(0.5) => l,
-                    _ => rng.random_range(0..n),
-                };
-                target = format!("node{}", i + 1);
-                let hold = ms(&mut rng, 500, 2500);
-                if fault == Fault::KillNode {
-                    procs.lock().expect("lock").nodes[i].kill9();
-                    tokio::time::sleep(hold).await;
-                    procs.lock().expect("lock").nodes[i].start()?;
-                } else {
-                    procs.lock().expect("lock").nodes[i].pause();
-                    tokio::time::sleep(hold).await;
-                    procs.lock().expect("lock").nodes[i].resume();
-                }
-            }
-            Fault::KillDecoder | Fault::PauseDecoder => {
-                let n = procs.lock().expect("lock").decoders.len();
-                let i = rng.random_range(0..n);
-                target = procs.lock().expect("lock").decoders[i].name.clone();
-                if fault == Fault::KillDecoder {
-                    procs.lock().expect("lock").decoders[i].kill9();
-                    tokio::time::sleep(ms(&mut rng, 200, 1500)).await;
-                    procs.lock().expect("lock").decoders[i].start()?;
-                } else {
-                    procs.lock().expect("lock").decoders[i].pause();
-                    tokio::time::sleep(ms(&mut rng, 1500, 3500)).await;
-                    procs.lock().expect("lock").decoders[i].resume();
-                }
-            }
-            Fault::KillGateway => {
-                let n = procs.lock().expect("lock").gateways.len();
-                let i = rng.random_range(0..n);
-                target = procs.lock().expect("lock").gateways[i].name.clone();
-                procs.lock().expect("lock").gateways[i].kill9();
-                tokio::time::sleep(ms(&mut rng, 200, 1000)).await;
-                procs.lock().expect("lock").gateways[i].start()?;
-            }
-            Fault::WipeNode => {
-                // Not node 1: the lowest id initializes a cluster when its data dir is empty.
-                let n = procs.lock().expect("lock").nodes.len();
-                let i = rng.random_range(1..n);
-                target = format!("node{}", i + 1);
-                {
-                    let mut p = procs.lock().expect("lock");
-                    p.nodes[i].kill9();
-                    let dir = p.node_dirs[i].clone();
-                    let _ = std::fs::remove_dir_all(&dir);
-                }
-                tokio::time::sleep(ms(&mut rng, 200, 1000)).await;
-                procs.lock().expect("lock").nodes[i].start()?;
-            }
-            Fault::Partition => {
-                let known = *leader.lock().expect("lock");
-                let kind = rng.random_range(0..3);
-                let (lone, others, label) = match (kind, known) {
-                    (0, Some(l)) => (l, vec![(l + 1) % 3, (l + 2) % 3], "leader isolated"),
-                    (2, _) => {
-                        let mid = rng.random_range(0..3);
-                        // The two nodes other than `mid` cannot see each other; both see `mid`.
-                        ((mid + 1) % 3, vec![(mid + 2) % 3], "bridge")
-                    }
-                    _ => {
-                        let l = rng.random_range(0..3);
-                        (l, vec![(l + 1) % 3, (l + 2) % 3], "minority | majority")
-                    }
-                };
-                target = format!(
-                    "{label}: node{} | {:?}",
-                    lone + 1,
-                    others.iter().map(|o| o + 1).collect::<Vec<_>>()
-                );
-                {
-                    let p = procs.lock().expect("lock");
-                    let net = p
-                        .net
-                        .as_ref()
-                        .ok_or_else(|| anyhow::anyhow!("the partition nemesis needs --netns"))?;
-                    for o in &others {
-                        net.cut(lone, *o)?;
-                    }
-                }
-                tokio::time::sleep(ms(&mut rng, 1000, 3000)).await;
-                if let Some(net) = &procs.lock().expect("lock").net {
-                    net.heal()?;
-                }
-            }
-            Fault::RestartAll => {
-                target = "all nodes".into();
-                {
-                    let mut p = procs.lock().expect("lock");
-                    for n in p.nodes.iter_mut() {
-                        n.kill9();
-                    }
-                }
-                tokio::time::sleep(ms(&mut rng, 300, 1200)).await;
-                let mut p = procs.lock().expect("lock");
-                for n in p.nodes.iter_mut() {
-                    n.start()?;
-                }
-            }
-        }
+        let target = inject(fault, &procs, &leader, &mut rng).await?;
         out.push(json!({"op": "nemesis", "fault": fault.name(), "target": target, "start_us": t0, "end_us": now_us()}));
         tokio::time::sleep(ms(&mut rng, 300, 1500)).await;
     }
     Ok(out)
+}
+
+/// A duration drawn from `lo..hi` milliseconds.
+fn ms(rng: &mut StdRng, lo: u64, hi: u64) -> Duration {
+    Duration::from_millis(rng.random_range(lo..hi))
+}
+
+/// Injects `fault` and heals it; returns its target's description.
+async fn inject(
+    fault: Fault,
+    procs: &Mutex<Procs>,
+    leader: &Mutex<Option<usize>>,
+    rng: &mut StdRng,
+) -> anyhow::Result<String> {
+    match fault {
+        Fault::KillNode | Fault::PauseNode => node_fault(fault, procs, leader, rng).await,
+        Fault::KillDecoder | Fault::PauseDecoder => decoder_fault(fault, procs, rng).await,
+        Fault::KillGateway => kill_gateway(procs, rng).await,
+        Fault::WipeNode => wipe_node(procs, rng).await,
+        Fault::Partition => partition(procs, leader, rng).await,
+        Fault::RestartAll => restart_all(procs, rng).await,
+    }
+}
+
+/// `KillNode` or `PauseNode`: a log node (the leader half the time) killed and restarted, or
+/// paused and continued.
+async fn node_fault(
+    fault: Fault,
+    procs: &Mutex<Procs>,
+    leader: &Mutex<Option<usize>>,
+    rng: &mut StdRng,
+) -> anyhow::Result<String> {
+    let n = procs.lock().expect("lock").nodes.len();
+    let known = *leader.lock().expect("lock");
+    let i = match known {
+        Some(l) if rng.random_bool(0.5) => l,
+        _ => rng.random_range(0..n),
+    };
+    let target = format!("node{}", i + 1);
+    let hold = ms(rng, 500, 2500);
+    if fault == Fault::KillNode {
+        procs.lock().expect("lock").nodes[i].kill9();
+        tokio::time::sleep(hold).await;
+        procs.lock().expect("lock").nodes[i].start()?;
+    } else {
+        procs.lock().expect("lock").nodes[i].pause();
+        tokio::time::sleep(hold).await;
+        procs.lock().expect("lock").nodes[i].resume();
+    }
+    Ok(target)
+}
+
+/// `KillDecoder` or `PauseDecoder`: a random decoder killed and restarted, or paused past its
+/// lease and continued.
+async fn decoder_fault(fault: Fault, procs: &Mutex<Procs>, rng: &mut StdRng) -> anyhow::Result<String> {
+    let n = procs.lock().expect("lock").decoders.len();
+    let i = rng.random_range(0..n);
+    let target = procs.lock().expect("lock").decoders[i].name.clone();
+    if fault == Fault::KillDecoder {
+        procs.lock().expect("lock").decoders[i].kill9();
+        tokio::time::sleep(ms(rng, 200, 1500)).await;
+        procs.lock().expect("lock").decoders[i].start()?;
+    } else {
+        procs.lock().expect("lock").decoders[i].pause();
+        tokio::time::sleep(ms(rng, 1500, 3500)).await;
+        procs.lock().expect("lock").decoders[i].resume();
+    }
+    Ok(target)
+}
+
+/// `KillGateway`: a random gateway killed and restarted.
+async fn kill_gateway(procs: &Mutex<Procs>, rng: &mut StdRng) -> anyhow::Result<String> {
+    let n = procs.lock().expect("lock").gateways.len();
+    let i = rng.random_range(0..n);
+    let target = procs.lock().expect("lock").gateways[i].name.clone();
+    procs.lock().expect("lock").gateways[i].kill9();
+    tokio::time::sleep(ms(rng, 200, 1000)).await;
+    procs.lock().expect("lock").gateways[i].start()?;
+    Ok(target)
+}
+
+/// `WipeNode`: a node other than node 1 killed, its data dir removed, and restarted.
+async fn wipe_node(procs: &Mutex<Procs>, rng: &mut StdRng) -> anyhow::Result<String> {
+    // Not node 1: the lowest id initializes a cluster when its data dir is empty.
+    let n = procs.lock().expect("lock").nodes.len();
+    let i = rng.random_range(1..n);
+    let target = format!("node{}", i + 1);
+    {
+        let mut p = procs.lock().expect("lock");
+        p.nodes[i].kill9();
+        let dir = p.node_dirs[i].clone();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    tokio::time::sleep(ms(rng, 200, 1000)).await;
+    procs.lock().expect("lock").nodes[i].start()?;
+    Ok(target)
+}
+
+/// `Partition`: the leader isolated, a random node cut off, or a bridge; then healed.
+async fn partition(procs: &Mutex<Procs>, leader: &Mutex<Option<usize>>, rng: &mut StdRng) -> anyhow::Result<String> {
+    let known = *leader.lock().expect("lock");
+    let kind = rng.random_range(0..3);
+    let (lone, others, label) = match (kind, known) {
+        (0, Some(l)) => (l, vec![(l + 1) % 3, (l + 2) % 3], "leader isolated"),
+        (2, _) => {
+            let mid = rng.random_range(0..3);
+            // The two nodes other than `mid` cannot see each other; both see `mid`.
+            ((mid + 1) % 3, vec![(mid + 2) % 3], "bridge")
+        }
+        _ => {
+            let l = rng.random_range(0..3);
+            (l, vec![(l + 1) % 3, (l + 2) % 3], "minority | majority")
+        }
+    };
+    let target = format!(
+        "{label}: node{} | {:?}",
+        lone + 1,
+        others.iter().map(|o| o + 1).collect::<Vec<_>>()
+    );
+    {
+        let p = procs.lock().expect("lock");
+        let net = p
+            .net
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("the partition nemesis needs --netns"))?;
+        for o in &others {
+            net.cut(lone, *o)?;
+        }
+    }
+    tokio::time::sleep(ms(rng, 1000, 3000)).await;
+    if let Some(net) = &procs.lock().expect("lock").net {
+        net.heal()?;
+    }
+    Ok(target)
+}
+
+/// `RestartAll`: every node killed at once, then all restarted.
+async fn restart_all(procs: &Mutex<Procs>, rng: &mut StdRng) -> anyhow::Result<String> {
+    let target: String = "all nodes".into();
+    {
+        let mut p = procs.lock().expect("lock");
+        for n in p.nodes.iter_mut() {
+            n.kill9();
+        }
+    }
+    tokio::time::sleep(ms(rng, 300, 1200)).await;
+    let mut p = procs.lock().expect("lock");
+    for n in p.nodes.iter_mut() {
+        n.start()?;
+    }
+    Ok(target)
 }

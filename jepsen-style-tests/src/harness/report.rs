@@ -8,6 +8,8 @@ use std::fmt::Write;
 
 use serde_json::Value;
 
+use super::decoder_ops::DecoderOp;
+
 use super::workload::RequestRecord;
 use super::RunSummary;
 
@@ -23,21 +25,9 @@ pub fn timeline(
     reqs: &[RequestRecord],
     nemesis: &[Value],
     leaders: &[Value],
-    decoder_ops: &[Value],
+    decoder_ops: &[DecoderOp],
 ) -> String {
-    let mut t0 = u64::MAX;
-    let mut t1 = 0u64;
-    for r in reqs {
-        t0 = t0.min(r.invoke_us);
-        t1 = t1.max(r.complete_us);
-    }
-    for n in nemesis {
-        t0 = t0.min(n["start_us"].as_u64().unwrap_or(t0));
-        t1 = t1.max(n["end_us"].as_u64().unwrap_or(t1));
-    }
-    if t0 >= t1 {
-        t1 = t0.saturating_add(1);
-    }
+    let (t0, t1) = time_span(reqs, nemesis);
     let width = 1400.0;
     let left = 150.0;
     let x = |t: u64| left + (t.saturating_sub(t0)) as f64 / (t1 - t0) as f64 * (width - left - 10.0);
@@ -56,7 +46,42 @@ pub fn timeline(
         svg,
         r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="monospace" font-size="10">"#
     );
-    // Seconds grid.
+    seconds_grid(&mut svg, &x, t0, t1, height);
+    fault_layer(&mut svg, &x, nemesis, &fault_rows, row_h);
+    leader_layer(&mut svg, &x, leaders, t0, height);
+    request_layer(&mut svg, &x, reqs, top_req, row_h);
+    acquire_layer(&mut svg, &x, reqs, decoder_ops, top_req, row_h);
+    latency_layer(
+        &mut svg,
+        &x,
+        decoder_ops,
+        top_req + row_h * reqs.len() as f64 + 20.0,
+        lat_h,
+    );
+    svg.push_str("</svg>");
+    page(summary, &svg)
+}
+
+/// The time the run spans, in µs: from the first request or fault to the last (never empty).
+fn time_span(reqs: &[RequestRecord], nemesis: &[Value]) -> (u64, u64) {
+    let mut t0 = u64::MAX;
+    let mut t1 = 0u64;
+    for r in reqs {
+        t0 = t0.min(r.invoke_us);
+        t1 = t1.max(r.complete_us);
+    }
+    for n in nemesis {
+        t0 = t0.min(n["start_us"].as_u64().unwrap_or(t0));
+        t1 = t1.max(n["end_us"].as_u64().unwrap_or(t1));
+    }
+    if t0 >= t1 {
+        t1 = t0.saturating_add(1);
+    }
+    (t0, t1)
+}
+
+/// Draws a vertical line per second.
+fn seconds_grid(svg: &mut String, x: &impl Fn(u64) -> f64, t0: u64, t1: u64, height: f64) {
     let secs = (t1 - t0) / 1_000_000;
     for s in 0..=secs {
         let xx = x(t0 + s * 1_000_000);
@@ -65,6 +90,10 @@ pub fn timeline(
             r##"<line x1="{xx}" y1="15" x2="{xx}" y2="{height}" stroke="#eee"/><text x="{xx}" y="12">{s}s</text>"##
         );
     }
+}
+
+/// Draws one row per fault kind, each fault an interval on it.
+fn fault_layer(svg: &mut String, x: &impl Fn(u64) -> f64, nemesis: &[Value], fault_rows: &[&str], row_h: f64) {
     for (i, f) in fault_rows.iter().enumerate() {
         let y = 20.0 + row_h * i as f64;
         let _ = write!(svg, r#"<text x="2" y="{}">{}</text>"#, y + 10.0, esc(f));
@@ -81,6 +110,10 @@ pub fn timeline(
             );
         }
     }
+}
+
+/// Draws a dashed line per leader change.
+fn leader_layer(svg: &mut String, x: &impl Fn(u64) -> f64, leaders: &[Value], t0: u64, height: f64) {
     for l in leaders {
         let xx = x(l["at_us"].as_u64().unwrap_or(t0));
         let _ = write!(
@@ -89,6 +122,10 @@ pub fn timeline(
             l["node"], l["term"]
         );
     }
+}
+
+/// Draws a bar per request, colored by how it ended.
+fn request_layer(svg: &mut String, x: &impl Fn(u64) -> f64, reqs: &[RequestRecord], top_req: f64, row_h: f64) {
     let _ = write!(svg, r#"<text x="2" y="{}">requests</text>"#, top_req - 2.0);
     for (i, r) in reqs.iter().enumerate() {
         let y = top_req + row_h * i as f64;
@@ -115,30 +152,45 @@ pub fn timeline(
                 .unwrap_or_default()
         );
     }
-    // Acquires on their generation's request row.
+}
+
+/// Draws the acquires as dots on their generation's request row.
+fn acquire_layer(
+    svg: &mut String,
+    x: &impl Fn(u64) -> f64,
+    reqs: &[RequestRecord],
+    decoder_ops: &[DecoderOp],
+    top_req: f64,
+    row_h: f64,
+) {
     let row_of: BTreeMap<u64, usize> = reqs.iter().enumerate().map(|(i, r)| (r.generation, i)).collect();
-    for o in decoder_ops.iter().filter(|o| o["op"] == "acquire" && o["ok"] == true) {
-        let Some(&i) = row_of.get(&o["gen"].as_u64().unwrap_or(0)) else {
+    for o in decoder_ops
+        .iter()
+        .filter(|o| o.op() == "acquire" && o.ok() == Some(true))
+    {
+        let Some(&i) = row_of.get(&o.gen()) else {
             continue;
         };
-        let epoch = o["epoch"].as_u64().unwrap_or(0);
+        let epoch = o.epoch();
         let y = top_req + row_h * i as f64 + (row_h - 3.0) / 2.0;
         let fill = if epoch > 1 { "#000" } else { "#fff" };
         let _ = write!(
             svg,
             r##"<circle cx="{}" cy="{y}" r="3" fill="{fill}" stroke="#000"><title>epoch {epoch} to {}</title></circle>"##,
-            x(o["complete_us"].as_u64().unwrap_or(0)),
-            esc(o["decoder"].as_str().unwrap_or(""))
+            x(o.complete_us.unwrap_or(0)),
+            esc(&o.decoder)
         );
     }
-    // Append latency scatter.
-    let base = top_req + row_h * reqs.len() as f64 + 20.0;
+}
+
+/// Draws the append latency scatter, `lat_h` high, below `base`.
+fn latency_layer(svg: &mut String, x: &impl Fn(u64) -> f64, decoder_ops: &[DecoderOp], base: f64, lat_h: f64) {
     let lats: Vec<(u64, f64)> = decoder_ops
         .iter()
-        .filter(|o| o["op"] == "append" && o["complete_us"].is_u64())
-        .map(|o| {
-            let a = o["invoke_us"].as_u64().unwrap_or(0);
-            (a, (o["complete_us"].as_u64().unwrap_or(a) - a) as f64 / 1000.0)
+        .filter(|o| o.op() == "append")
+        .filter_map(|o| {
+            let a = o.invoke_us;
+            Some((a, (o.complete_us?.saturating_sub(a)) as f64 / 1000.0))
         })
         .collect();
     let max_ms = lats.iter().map(|l| l.1).fold(1.0, f64::max);
@@ -151,7 +203,10 @@ pub fn timeline(
         let y = base + lat_h - ms / max_ms * lat_h;
         let _ = write!(svg, r##"<circle cx="{}" cy="{y}" r="1.5" fill="#36c"/>"##, x(*t));
     }
-    svg.push_str("</svg>");
+}
+
+/// The page around the SVG: the legend, and the verdicts below.
+fn page(summary: &RunSummary, svg: &str) -> String {
     let verdicts = serde_json::to_string_pretty(summary).unwrap_or_default();
     format!(
         "<!doctype html><html><head><meta charset=\"utf-8\"><title>tokenlog run {seed}</title></head><body>\

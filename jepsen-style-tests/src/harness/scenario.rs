@@ -15,6 +15,8 @@
 //! the one generation (or not-found for the unknown id), and the cluster must end with exactly
 //! one generation.
 
+mod expect;
+
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -26,7 +28,8 @@ use tokenlog_proto::tokenlog::generation_client::GenerationClient;
 use tonic::transport::Channel;
 
 use super::workload::{self, transient, Progress, RequestRecord, Routing};
-use super::{conclude, now_us, start_cluster, Plant, RunConfig, RunSummary};
+use super::{conclude, now_us, start_cluster, Cluster, Plant, RunConfig, RunSummary};
+use expect::expectations;
 
 /// Tokens of the scenario's request.
 pub const MAX_TOKENS: u32 = 80;
@@ -237,7 +240,7 @@ async fn retrier(
             Err(e) if transient(e.code()) => log.transient_errors += 1,
             Err(e) => log.wrong.push(format!("status: {e}")),
         }
-        if i % 3 == 0 {
+        if i.is_multiple_of(3) {
             match c.generate(req.clone()).await {
                 Ok(s) => {
                     let mut s = s.into_inner();
@@ -256,7 +259,7 @@ async fn retrier(
                 Err(e) => log.wrong.push(format!("re-submit: {e}")),
             }
         }
-        if i % 5 == 0 {
+        if i.is_multiple_of(5) {
             log.unknown_queries += 1;
             match c
                 .status(tpb::StatusRequest {
@@ -293,8 +296,8 @@ async fn wait_progress(
     Ok(*p)
 }
 
-/// Runs one scenario; its report (history, verdicts, timeline, scenario.json) goes to `out`.
-pub async fn run(bin: PathBuf, out: PathBuf, sc: Scenario, opts: Options) -> Result<ScenarioReport> {
+/// The cluster of a scenario: no seeded faults or clients, decoder 1 alone at first.
+fn scenario_config(bin: PathBuf, out: PathBuf, sc: Scenario, opts: Options) -> RunConfig {
     let mut cfg = RunConfig::new(bin, out, u64::from(sc.point()));
     cfg.plant = opts.plant;
     cfg.real_model = opts.real_model;
@@ -304,6 +307,12 @@ pub async fn run(bin: PathBuf, out: PathBuf, sc: Scenario, opts: Options) -> Res
     cfg.netns = sc.needs_netns();
     cfg.standby_later = true;
     cfg.decoder1_failpoints = sc.failpoints();
+    cfg
+}
+
+/// Runs one scenario; its report (history, verdicts, timeline, scenario.json) goes to `out`.
+pub async fn run(bin: PathBuf, out: PathBuf, sc: Scenario, opts: Options) -> Result<ScenarioReport> {
+    let cfg = scenario_config(bin, out, sc, opts);
     eprintln!("scenario {} (failure point {})", sc.name(), sc.point());
     let cluster = start_cluster(&cfg).await?;
     let channel_of = |t| -> Vec<Channel> { cluster.gateway_addrs.iter().map(|a| workload::channel(a, t)).collect() };
@@ -325,85 +334,7 @@ pub async fn run(bin: PathBuf, out: PathBuf, sc: Scenario, opts: Options) -> Res
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let retrier = tokio::spawn(retrier(channel_of(Some(CALL_TIMEOUT)), req.clone(), stop_rx));
 
-    let mut nemesis = Vec::new();
-    let mut killed_gateway = None;
-    let mut term_before = None;
-    if sc.failpoints().is_none() {
-        let at = wait_progress(&mut progress, FAULT_SEQ as usize, Duration::from_secs(30)).await?;
-        let t0 = now_us();
-        term_before = cluster.log.cluster_status(true).await.map(|s| s.term).ok();
-        let leader = cluster.leader.lock().expect("lock").unwrap_or(0);
-        let follower = (1..3).find(|&i| i != leader).expect("two followers");
-        let target = {
-            let procs = &cluster.procs;
-            match sc {
-                Scenario::GatewayDiesAfterSend => {
-                    procs.lock().expect("lock").gateways[at.gateway].kill9();
-                    killed_gateway = Some(at.gateway);
-                    format!("gateway{} (streaming to the client)", at.gateway + 1)
-                }
-                Scenario::PausedOwnerWritesAfterTakeover => {
-                    procs.lock().expect("lock").decoders[0].pause();
-                    tokio::time::sleep(Duration::from_millis(cfg.lease_ms * 3)).await;
-                    procs.lock().expect("lock").decoders[0].resume();
-                    "decoder1 (the owner)".into()
-                }
-                Scenario::LeaderCrash => {
-                    procs.lock().expect("lock").nodes[leader].kill9();
-                    tokio::time::sleep(FAULT_HOLD).await;
-                    procs.lock().expect("lock").nodes[leader].start()?;
-                    format!("node{} (leader)", leader + 1)
-                }
-                Scenario::LeaderPause => {
-                    procs.lock().expect("lock").nodes[leader].pause();
-                    tokio::time::sleep(FAULT_HOLD).await;
-                    procs.lock().expect("lock").nodes[leader].resume();
-                    format!("node{} (leader)", leader + 1)
-                }
-                Scenario::MinorityPartition | Scenario::LeaderInMinorityPartition => {
-                    let lone = if sc == Scenario::MinorityPartition {
-                        follower
-                    } else {
-                        leader
-                    };
-                    {
-                        let p = procs.lock().expect("lock");
-                        let net = p.net.as_ref().context("partitions need network namespaces")?;
-                        for o in (0..3).filter(|&o| o != lone) {
-                            net.cut(lone, o)?;
-                        }
-                    }
-                    tokio::time::sleep(FAULT_HOLD).await;
-                    if let Some(net) = &procs.lock().expect("lock").net {
-                        net.heal()?;
-                    }
-                    format!("node{} | the other two", lone + 1)
-                }
-                Scenario::NodeLosesDisk => {
-                    {
-                        let mut p = procs.lock().expect("lock");
-                        p.nodes[follower].kill9();
-                        let _ = std::fs::remove_dir_all(&p.node_dirs[follower]);
-                    }
-                    tokio::time::sleep(Duration::from_millis(500)).await;
-                    procs.lock().expect("lock").nodes[follower].start()?;
-                    format!("node{} (a follower)", follower + 1)
-                }
-                Scenario::RestartAll => {
-                    procs.lock().expect("lock").nodes.iter_mut().for_each(|n| n.kill9());
-                    tokio::time::sleep(Duration::from_millis(800)).await;
-                    let mut p = procs.lock().expect("lock");
-                    for n in p.nodes.iter_mut() {
-                        n.start()?;
-                    }
-                    "all nodes".into()
-                }
-                Scenario::DecoderDiesAfterSample | Scenario::DelayedAppendFromOldOwner => unreachable!("failpoints"),
-            }
-        };
-        nemesis
-            .push(json!({"op": "nemesis", "fault": sc.name(), "target": target, "start_us": t0, "end_us": now_us()}));
-    }
+    let (nemesis, killed_gateway, term_before) = harness_fault(sc, &cfg, &cluster, &mut progress).await?;
 
     let started = Instant::now();
     let rec: RequestRecord = tokio::time::timeout(SCENARIO_TIMEOUT, client)
@@ -416,12 +347,7 @@ pub async fn run(bin: PathBuf, out: PathBuf, sc: Scenario, opts: Options) -> Res
         rec.connections
     );
     if sc.failpoints().is_some() {
-        // The old owner ends its script itself (its delayed message may still be due).
-        let deadline = Instant::now() + Duration::from_millis(DELAY_MS) + Duration::from_secs(20);
-        while cluster.procs.lock().expect("lock").decoders[0].exited().is_none() {
-            anyhow::ensure!(Instant::now() < deadline, "decoder 1's failpoint never ended it");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        wait_old_owner_exit(&cluster).await?;
     }
     let term_after = cluster.log.cluster_status(true).await.map(|s| s.term).ok();
     cluster.procs.lock().expect("lock").heal()?;
@@ -450,21 +376,117 @@ pub async fn run(bin: PathBuf, out: PathBuf, sc: Scenario, opts: Options) -> Res
     Ok(report)
 }
 
-fn expect(out: &mut Vec<Expectation>, what: &str, ok: bool, detail: String) {
-    out.push(Expectation {
-        what: what.into(),
-        ok,
-        detail,
-    });
+/// The old owner ends its script itself (its delayed message may still be due): waits for
+/// decoder 1 to exit.
+async fn wait_old_owner_exit(cluster: &Cluster) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_millis(DELAY_MS) + Duration::from_secs(20);
+    while cluster.procs.lock().expect("lock").decoders[0].exited().is_none() {
+        anyhow::ensure!(Instant::now() < deadline, "decoder 1's failpoint never ended it");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
 }
 
-fn gen_ops<'a>(ops: &'a [Value], gen: u64, op: &'a str) -> impl Iterator<Item = &'a Value> + 'a {
-    ops.iter()
-        .filter(move |o| o["op"] == op && o["gen"].as_u64() == Some(gen))
+/// For the scenarios without a failpoint, strikes the fault once the client has seen seqs
+/// 0-19; returns the nemesis records, the killed gateway, and the Raft term just before.
+async fn harness_fault(
+    sc: Scenario,
+    cfg: &RunConfig,
+    cluster: &Cluster,
+    progress: &mut tokio::sync::watch::Receiver<Progress>,
+) -> Result<(Vec<Value>, Option<usize>, Option<u64>)> {
+    let mut nemesis = Vec::new();
+    let mut killed_gateway = None;
+    let mut term_before = None;
+    if sc.failpoints().is_none() {
+        let at = wait_progress(progress, FAULT_SEQ as usize, Duration::from_secs(30)).await?;
+        let t0 = now_us();
+        term_before = cluster.log.cluster_status(true).await.map(|s| s.term).ok();
+        let leader = cluster.leader.lock().expect("lock").unwrap_or(0);
+        let follower = (1..3).find(|&i| i != leader).expect("two followers");
+        let target = strike(sc, cfg, cluster, at, leader, follower, &mut killed_gateway).await?;
+        nemesis
+            .push(json!({"op": "nemesis", "fault": sc.name(), "target": target, "start_us": t0, "end_us": now_us()}));
+    }
+    Ok((nemesis, killed_gateway, term_before))
 }
 
-fn u(v: &Value) -> u64 {
-    v.as_u64().unwrap_or(0)
+/// Injects and heals the fault of `sc` (`at`: the client's progress at the fault); returns
+/// its target's description.
+async fn strike(
+    sc: Scenario,
+    cfg: &RunConfig,
+    cluster: &Cluster,
+    at: Progress,
+    leader: usize,
+    follower: usize,
+    killed_gateway: &mut Option<usize>,
+) -> Result<String> {
+    let procs = &cluster.procs;
+    Ok(match sc {
+        Scenario::GatewayDiesAfterSend => {
+            procs.lock().expect("lock").gateways[at.gateway].kill9();
+            *killed_gateway = Some(at.gateway);
+            format!("gateway{} (streaming to the client)", at.gateway + 1)
+        }
+        Scenario::PausedOwnerWritesAfterTakeover => {
+            procs.lock().expect("lock").decoders[0].pause();
+            tokio::time::sleep(Duration::from_millis(cfg.lease_ms * 3)).await;
+            procs.lock().expect("lock").decoders[0].resume();
+            "decoder1 (the owner)".into()
+        }
+        Scenario::LeaderCrash => {
+            procs.lock().expect("lock").nodes[leader].kill9();
+            tokio::time::sleep(FAULT_HOLD).await;
+            procs.lock().expect("lock").nodes[leader].start()?;
+            format!("node{} (leader)", leader + 1)
+        }
+        Scenario::LeaderPause => {
+            procs.lock().expect("lock").nodes[leader].pause();
+            tokio::time::sleep(FAULT_HOLD).await;
+            procs.lock().expect("lock").nodes[leader].resume();
+            format!("node{} (leader)", leader + 1)
+        }
+        Scenario::MinorityPartition | Scenario::LeaderInMinorityPartition => {
+            let lone = if sc == Scenario::MinorityPartition {
+                follower
+            } else {
+                leader
+            };
+            {
+                let p = procs.lock().expect("lock");
+                let net = p.net.as_ref().context("partitions need network namespaces")?;
+                for o in (0..3).filter(|&o| o != lone) {
+                    net.cut(lone, o)?;
+                }
+            }
+            tokio::time::sleep(FAULT_HOLD).await;
+            if let Some(net) = &procs.lock().expect("lock").net {
+                net.heal()?;
+            }
+            format!("node{} | the other two", lone + 1)
+        }
+        Scenario::NodeLosesDisk => {
+            {
+                let mut p = procs.lock().expect("lock");
+                p.nodes[follower].kill9();
+                let _ = std::fs::remove_dir_all(&p.node_dirs[follower]);
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            procs.lock().expect("lock").nodes[follower].start()?;
+            format!("node{} (a follower)", follower + 1)
+        }
+        Scenario::RestartAll => {
+            procs.lock().expect("lock").nodes.iter_mut().for_each(|n| n.kill9());
+            tokio::time::sleep(Duration::from_millis(800)).await;
+            let mut p = procs.lock().expect("lock");
+            for n in p.nodes.iter_mut() {
+                n.start()?;
+            }
+            "all nodes".into()
+        }
+        Scenario::DecoderDiesAfterSample | Scenario::DelayedAppendFromOldOwner => unreachable!("failpoints"),
+    })
 }
 
 /// What the driver saw besides the histories.
@@ -475,223 +497,4 @@ struct Facts {
     killed_gateway: Option<usize>,
     /// The Raft term just before the fault and after the request ended.
     terms: (Option<u64>, Option<u64>),
-}
-
-fn expectations(
-    sc: Scenario,
-    rec: &RequestRecord,
-    ops: &[Value],
-    retrier: &RetrierLog,
-    facts: &Facts,
-) -> Vec<Expectation> {
-    let Facts {
-        generations,
-        killed_gateway,
-        terms,
-    } = *facts;
-    let mut out = Vec::new();
-    let gen = rec.generation;
-    let tokens: Vec<(u32, u32, u64)> = rec.events.iter().filter(|e| !e.3).map(|e| (e.0, e.1, e.2)).collect();
-    expect(
-        &mut out,
-        "the request ran to its end (every token, finish reason length)",
-        rec.finished && rec.finish_reason == "length" && tokens.len() == MAX_TOKENS as usize,
-        format!(
-            "finished {}, reason {:?}, {} tokens, error {:?}",
-            rec.finished,
-            rec.finish_reason,
-            tokens.len(),
-            rec.error
-        ),
-    );
-
-    // Failure point 11.
-    expect(
-        &mut out,
-        "status reads and re-submits named one generation; the cluster holds exactly one",
-        retrier.wrong.is_empty()
-            && retrier.generations.iter().all(|&g| g == gen)
-            && generations == 1
-            && retrier.status_ok > 0
-            && retrier.submits_ok > 0
-            && retrier.unknown_queries > 0,
-        format!(
-            "generations named {:?} (the request's: {gen}), {generations} in the cluster, wrong answers {:?}, {} status, {} re-submits, {} unknown-id reads, {} transient errors",
-            retrier.generations, retrier.wrong, retrier.status_ok, retrier.submits_ok, retrier.unknown_queries, retrier.transient_errors
-        ),
-    );
-
-    // The surviving owner is unambiguous: the last record's epoch was granted to one decoder,
-    // and every record from the first one written at that epoch on carries it.
-    let last_epoch = tokens.last().map_or(0, |t| t.2);
-    let grants: BTreeSet<String> = gen_ops(ops, gen, "acquire")
-        .filter(|o| o["ok"] == true && u(&o["epoch"]) == last_epoch)
-        .map(|o| o["decoder"].as_str().unwrap_or("?").to_string())
-        .collect();
-    let first_at = tokens.iter().position(|t| t.2 == last_epoch).unwrap_or(0);
-    expect(
-        &mut out,
-        "the surviving owner is unambiguous",
-        grants.len() == 1 && tokens[first_at..].iter().all(|t| t.2 == last_epoch),
-        format!("final epoch {last_epoch} granted to {grants:?}, written from seq {first_at}"),
-    );
-
-    // Frontiers of every owner at its resume. Committed = the acquire's frontier, and that is no
-    // less than any frontier acknowledged to an earlier owner before the acquire was invoked
-    // (nothing acknowledged is lost) and exactly where the owner's first append starts; exact
-    // mode replayed all of it (sampled = fed = committed; KV = prompt + committed).
-    let mut frontier_problems = Vec::new();
-    let resumed: Vec<&Value> = gen_ops(ops, gen, "resumed").collect();
-    for r in &resumed {
-        let acquire = gen_ops(ops, gen, "acquire")
-            .find(|a| a["ok"] == true && a["decoder"] == r["decoder"] && a["epoch"] == r["epoch"]);
-        let acknowledged = acquire.map_or(0, |a| {
-            gen_ops(ops, gen, "append")
-                .filter(|x| x["ok"] == true && u(&x["epoch"]) < u(&r["epoch"]))
-                .filter(|x| u(&x["complete_us"]) < u(&a["invoke_us"]))
-                .map(|x| u(&x["frontier"]))
-                .max()
-                .unwrap_or(0)
-        });
-        let first_append = gen_ops(ops, gen, "append")
-            .find(|x| x["decoder"] == r["decoder"] && x["epoch"] == r["epoch"])
-            .map(|x| u(&x["start_seq"]));
-        let (c, s, f, kv, p) = (
-            u(&r["committed"]),
-            u(&r["sampled"]),
-            u(&r["fed"]),
-            u(&r["kv"]),
-            u(&r["prompt_len"]),
-        );
-        let acquired = acquire.map(|a| u(&a["frontier"]));
-        let ok = acquired == Some(c)
-            && c >= acknowledged
-            && first_append.is_none_or(|st| st == c)
-            && s == c
-            && f == c
-            && kv == p + c;
-        if !ok {
-            frontier_problems.push(format!(
-                "{} epoch {}: acquire frontier {acquired:?}, acknowledged before it {acknowledged}, first append at {first_append:?}, committed {c}, sampled {s}, fed {f}, kv {kv}, prompt {p}",
-                r["decoder"], r["epoch"]
-            ));
-        }
-    }
-    let takeovers = resumed.iter().filter(|r| u(&r["epoch"]) > 1).count();
-    expect(
-        &mut out,
-        "each owner resumed at the committed frontier (nothing acknowledged lost), KV = prompt + committed",
-        frontier_problems.is_empty() && !resumed.is_empty() && (!sc.takes_over() || takeovers >= 1),
-        format!(
-            "{} resumes ({takeovers} takeovers){}",
-            resumed.len(),
-            if frontier_problems.is_empty() {
-                String::new()
-            } else {
-                format!(": {frontier_problems:?}")
-            }
-        ),
-    );
-
-    // No stale epoch wrote anything: no append accepted from a decoder after a higher epoch was
-    // granted (the fencing and linearizability checkers judge the whole history; this names it).
-    let mut stale_accepted = Vec::new();
-    for a in gen_ops(ops, gen, "append").filter(|a| a["ok"] == true) {
-        let newer = gen_ops(ops, gen, "acquire")
-            .filter(|g| g["ok"] == true && u(&g["epoch"]) > u(&a["epoch"]))
-            .any(|g| u(&g["complete_us"]) < u(&a["invoke_us"]));
-        if newer {
-            stale_accepted.push(format!(
-                "{} epoch {} start {}",
-                a["decoder"], a["epoch"], a["start_seq"]
-            ));
-        }
-    }
-    expect(
-        &mut out,
-        "no append at a superseded epoch was accepted",
-        stale_accepted.is_empty(),
-        format!("{stale_accepted:?}"),
-    );
-
-    let event_at = |seq: u32| tokens.iter().find(|t| t.0 == seq).copied();
-    let fired = ops
-        .iter()
-        .find(|o| o["op"] == "failpoint" && o["decoder"] == OWNER && u(&o["gen"]) == gen);
-    let owner_appends = || gen_ops(ops, gen, "append").filter(|a| a["decoder"] == OWNER);
-    let carries = |a: &Value, seq: u64| u(&a["start_seq"]) <= seq && seq < u(&a["start_seq"]) + u(&a["n"]);
-    let seq = u64::from(FAULT_SEQ);
-    match sc {
-        Scenario::DecoderDiesAfterSample => {
-            let sampled = fired.map(|f| (u(&f["seq"]), f["token"].as_u64()));
-            let sent = owner_appends().filter(|a| carries(a, seq)).count();
-            let shown = event_at(FAULT_SEQ);
-            expect(
-                &mut out,
-                "the owner died after sampling seq 20 and never sent it; the new owner re-sampled the same token at a higher epoch",
-                sampled.map(|s| s.0) == Some(seq)
-                    && sent == 0
-                    && shown.is_some_and(|(_, t, e)| e > 1 && sampled.and_then(|s| s.1) == Some(u64::from(t))),
-                format!("failpoint {sampled:?}, appends carrying it {sent}, seen (seq, token, epoch) {shown:?}"),
-            );
-        }
-        Scenario::GatewayDiesAfterSend => {
-            expect(
-                &mut out,
-                "the client's gateway was killed mid-stream and the client resumed on the other",
-                killed_gateway.is_some() && rec.connections >= 2,
-                format!("killed {killed_gateway:?}, {} connections", rec.connections),
-            );
-        }
-        Scenario::PausedOwnerWritesAfterTakeover | Scenario::DelayedAppendFromOldOwner => {
-            let granted = gen_ops(ops, gen, "acquire")
-                .filter(|g| g["ok"] == true && u(&g["epoch"]) > 1)
-                .map(|g| u(&g["complete_us"]))
-                .min();
-            let late: Vec<String> = owner_appends()
-                .filter(|a| granted.is_some_and(|t| u(&a["invoke_us"]) > t))
-                .map(|a| {
-                    format!(
-                        "epoch {} start {} ok {} current {}",
-                        a["epoch"], a["start_seq"], a["ok"], a["current_epoch"]
-                    )
-                })
-                .collect();
-            let rejected = owner_appends()
-                .filter(|a| granted.is_some_and(|t| u(&a["invoke_us"]) > t))
-                .filter(|a| a["ok"] == false && u(&a["current_epoch"]) > u(&a["epoch"]))
-                .filter(|a| sc != Scenario::DelayedAppendFromOldOwner || carries(a, seq))
-                .count();
-            expect(
-                &mut out,
-                if sc == Scenario::PausedOwnerWritesAfterTakeover {
-                    "the continued old owner wrote after the takeover and was rejected"
-                } else {
-                    "the held append arrived after the takeover and was rejected"
-                },
-                rejected >= 1 && (sc != Scenario::DelayedAppendFromOldOwner || fired.is_some()),
-                format!("takeover at {granted:?}; the old owner's later appends: {late:?}"),
-            );
-        }
-        Scenario::RestartAll => {
-            // A node restarting with its own committed vote resumes leadership at its old term
-            // (openraft), so a new term is not required here; a serving leader is.
-            expect(
-                &mut out,
-                "a leader serves after every node restarted",
-                terms.1.is_some(),
-                format!("term before the fault {:?}, after {:?}", terms.0, terms.1),
-            );
-        }
-        Scenario::LeaderCrash | Scenario::LeaderPause | Scenario::LeaderInMinorityPartition => {
-            expect(
-                &mut out,
-                "the cluster elected a leader at a new term",
-                matches!(terms, (Some(a), Some(b)) if b > a),
-                format!("term before the fault {:?}, after {:?}", terms.0, terms.1),
-            );
-        }
-        Scenario::MinorityPartition | Scenario::NodeLosesDisk => {}
-    }
-    out
 }

@@ -1,15 +1,12 @@
-//! `tokenlog`: the one user-facing binary. Each subcommand lives in its own module.
+//! `tokenlog`: the one user-facing binary. `main` only parses and dispatches: each subcommand
+//! lives in `cmd/<name>.rs`, process plumbing (tracing, signals, metrics listener) in `process`.
 
-mod bench;
-mod bench_decoder;
-mod decoder;
-mod dev;
-mod gateway;
-mod generate;
-mod node;
-mod status;
+mod cmd;
+mod process;
 
 use clap::{Parser, Subcommand};
+
+use cmd::{bench, decoder, dev, gateway, generate, node, status};
 
 #[derive(Parser)]
 #[command(
@@ -63,12 +60,7 @@ enum Cmd {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,openraft=warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    process::init_tracing();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async {
         match cli.cmd {

@@ -64,7 +64,7 @@ fn openai_python_package_streams_and_resumes_against_tokenlog_dev() {
             "--http-listen",
             &format!("127.0.0.1:{http}"),
         ])
-        .current_dir(env!("CARGO_MANIFEST_DIR").to_owned() + "/..")
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(dir.path().join("dev.log")).unwrap())
         .spawn()

@@ -77,25 +77,18 @@ pub async fn run(a: NodeArgs) -> anyhow::Result<()> {
     cfg.snapshot_every = a.snapshot_every;
     cfg.keep_after_snapshot = a.keep_after_snapshot;
     cfg.retention_ms = a.retention_ms;
+    cfg.faults = crate::process::planted_faults()?;
     let node = start(cfg).await?;
     eprintln!("tokenlog node {} serving on {} (Ctrl-C to stop)", a.id, node.local_addr);
     if let Some(m) = a.metrics_listen {
         let ctx = node.ctx.clone();
-        let (addr, _) = tokenlog_gateway::server::serve_metrics(m, std::sync::Arc::new(move || ctx.render_metrics()))
+        let (addr, _) = crate::process::serve_metrics(m, std::sync::Arc::new(move || ctx.render_metrics()))
             .await
             .context("binding --metrics-listen")?;
         eprintln!("metrics on http://{addr}/metrics");
     }
-    shutdown_signal().await;
+    crate::process::shutdown_signal().await;
     eprintln!("shutting down node {}", a.id);
     node.shutdown().await;
     Ok(())
-}
-
-pub async fn shutdown_signal() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
 }

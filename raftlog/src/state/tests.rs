@@ -695,7 +695,11 @@ fn pending_work_lists_unowned_and_orphaned_of_the_model() {
             .collect::<Vec<_>>()
     };
     assert_eq!(ids(500), vec![a]);
-    assert_eq!(ids(1_000), vec![a, b], "b's lease expired: orphaned");
+    assert_eq!(
+        ids(1_000),
+        vec![b, a],
+        "b's lease expired: orphaned, listed before unowned work"
+    );
     assert!(t.s.pending_work(&ModelIdentity::default(), 0, 10).is_empty());
 }
 
@@ -747,4 +751,64 @@ fn registrations_live_for_their_ttl_and_are_refreshed() {
             ..
         }))
     ));
+}
+
+/// Regression (issue: `persist` indexed `generations[id]` for the records of a generation pruned
+/// in the same apply batch: a panic under the state lock, then the same panic on every restart).
+/// The changes of a batch never name records, or metadata, of a generation the batch pruned.
+#[test]
+fn records_and_pruning_in_one_batch_leave_no_rows_of_the_pruned_generation() {
+    let mut t = T::new();
+    let g = t.submit(0, "r");
+    t.acquire(0, g, "d").unwrap();
+    t.append(1, g, "d", 1, 0, &[5, 6]).unwrap();
+    t.ownership(
+        2,
+        Command::Finish {
+            generation: g,
+            epoch: 1,
+            reason: FinishReason::Stop,
+            detail: String::new(),
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        t.at(2, Command::Tick { retention_ms: 0 }),
+        Response::Ticked { failed: 0, pruned: 1 }
+    );
+    assert!(t.s.generations.is_empty());
+    assert_eq!(t.changes.pruned.len(), 1);
+    assert!(
+        t.changes.new_records.iter().all(|(id, _, _)| *id != g),
+        "records of a pruned generation left in the batch's changes: {:?}",
+        t.changes.new_records
+    );
+    assert!(!t.changes.touched.contains(&g));
+}
+
+#[test]
+fn pending_work_lists_a_generation_whose_owner_stopped_appending() {
+    let mut t = T::new();
+    let g = t.submit(0, "a");
+    t.acquire(0, g, "d1").unwrap();
+    t.append(100, g, "d1", 1, 0, &[1]).unwrap();
+    t.at(
+        150,
+        Command::Renew {
+            generation: g,
+            epoch: 1,
+            decoder: "d1".into(),
+            lease_ms: LEASE,
+        },
+    );
+    let ids = |t: &T, now| {
+        t.s.pending_work(&model(), now, 10)
+            .iter()
+            .map(|g| g.id)
+            .collect::<Vec<_>>()
+    };
+    assert!(ids(&t, 1_000).is_empty(), "lease live until 1150");
+    assert_eq!(ids(&t, 1_150), vec![g]);
+    t.acquire(1_200, g, "d2").unwrap();
+    assert!(ids(&t, 1_300).is_empty());
 }

@@ -14,7 +14,7 @@ use tokenlog_gateway::Gateway;
 use tokenlog_raftlog::client::LogClient;
 use tokenlog_raftlog::node::{start, NodeConfig};
 
-use crate::decoder::DecoderArgs;
+use crate::cmd::decoder::DecoderArgs;
 
 #[derive(clap::Args)]
 pub struct DevArgs {
@@ -60,16 +60,16 @@ pub async fn run(a: DevArgs) -> anyhow::Result<()> {
         model_name: None,
         device: "cpu".into(),
         capacity: a.capacity,
-        lease_ms: 2_000,
+        lease_ms: tokenlog_raftlog::limits::LEASE_MS_DEFAULT,
         threads,
         decoder_id: Some("dev-decoder".into()),
         metrics_listen: None,
         history: None,
     };
     // Model first: the slow part (download on first use, with progress) before anything listens.
-    let (model, name) = crate::decoder::load_model(&dargs)?;
+    let (model, name) = crate::cmd::decoder::load_model(&dargs)?;
     let tenants = match &a.keys {
-        Some(p) => Tenants::load(p).map_err(anyhow::Error::msg)?,
+        Some(p) => Tenants::load(p)?,
         None => Tenants::Open,
     };
 
@@ -96,7 +96,7 @@ pub async fn run(a: DevArgs) -> anyhow::Result<()> {
     let ctx = node.ctx.clone();
     gw.metrics.add_source(std::sync::Arc::new(move || ctx.render_metrics()));
     gw.metrics
-        .add_source(std::sync::Arc::new(move || crate::decoder::render_stats(&stats)));
+        .add_source(std::sync::Arc::new(move || crate::cmd::decoder::render_stats(&stats)));
     let serving = tokenlog_gateway::server::serve(gw, a.grpc_listen, a.http_listen)
         .await
         .context("binding the gateway's listeners")?;
@@ -116,7 +116,7 @@ pub async fn run(a: DevArgs) -> anyhow::Result<()> {
     );
     println!("  tokenlog status --cluster {log_addr}");
     println!("Ctrl-C stops it cleanly.");
-    crate::node::shutdown_signal().await;
+    crate::process::shutdown_signal().await;
     eprintln!("stopping: gateway, decoder (releasing its generations), log ...");
     serving.shutdown().await;
     let _ = stop_tx.send(true);

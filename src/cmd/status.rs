@@ -101,8 +101,8 @@ pub async fn verify(a: VerifyArgs) -> anyhow::Result<()> {
             if !dir.exists() {
                 bail!("{} does not exist", dir.display());
             }
-            let db = tokenlog_raftlog::db::open(&dir)?;
-            let (_, r) = tokenlog_raftlog::sm_store::SmStore::open(db)?;
+            let db = tokenlog_raftlog::db::open(&dir, Default::default())?;
+            let (_, r) = tokenlog_raftlog::sm_store::SmStore::open(db, Default::default())?;
             pb::VerifyResponse {
                 generations: r.generations,
                 records: r.records,

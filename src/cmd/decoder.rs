@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use tokenlog_decoder::worker::{Worker, WorkerConfig};
+use tokenlog_decoder::worker::{Worker, WorkerConfig, WorkerError};
 use tokenlog_decoder::{fetch, threads, DeviceSpec, FakeConfig, FakeModel, Model};
 use tokenlog_raftlog::client::LogClient;
 
@@ -38,7 +38,7 @@ pub struct DecoderArgs {
     #[arg(long, default_value_t = 4)]
     pub capacity: usize,
     /// Lease length (ms); renewed by every append and by a timer when a step is slow.
-    #[arg(long, default_value_t = 800)]
+    #[arg(long, default_value_t = tokenlog_raftlog::limits::LEASE_MS_DEFAULT)]
     pub lease_ms: u64,
     /// Model threads. One per decoder when several share a host (candle's pool collapses
     /// under shared cores).
@@ -84,7 +84,7 @@ pub fn export(a: ExportArgs) -> anyhow::Result<()> {
 
 /// A decoder's counters in the Prometheus text format.
 pub fn render_stats(stats: &std::sync::Mutex<tokenlog_decoder::worker::WorkerStats>) -> String {
-    use tokenlog_gateway::metrics::counter_text;
+    use crate::process::counter_text;
     let s = stats.lock().expect("lock").clone();
     [
         counter_text(
@@ -180,29 +180,51 @@ pub async fn run(a: DecoderArgs) -> anyhow::Result<()> {
     cfg.lease_ms = a.lease_ms;
     let client = LogClient::new(a.cluster.clone())?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let history = match &a.history {
+        Some(p) => Some(
+            tokenlog_decoder::history::History::open(p, &cfg.decoder_id)
+                .with_context(|| format!("opening {}", p.display()))?,
+        ),
+        None => None,
+    };
     let mut worker = Worker::new(cfg, client, model);
-    if let Some(p) = &a.history {
-        let h = tokenlog_decoder::history::History::open(p).with_context(|| format!("opening {}", p.display()))?;
+    if let Some(h) = history {
         worker = worker.with_history(h);
     }
-    let failpoints = tokenlog_decoder::failpoint::Failpoints::from_env().map_err(anyhow::Error::msg)?;
-    if failpoints.any() {
-        eprintln!("TEST FAILPOINTS ARMED: {failpoints:?}");
-        worker = worker.with_failpoints(failpoints);
+    if let Some(hooks) = crate::process::failpoint_hooks()? {
+        worker = worker.with_hooks(hooks);
     }
     if let Some(m) = a.metrics_listen {
         let stats = worker.stats();
-        let (addr, _) = tokenlog_gateway::server::serve_metrics(m, Arc::new(move || render_stats(&stats)))
+        let (addr, _) = crate::process::serve_metrics(m, Arc::new(move || render_stats(&stats)))
             .await
             .context("binding --metrics-listen")?;
         eprintln!("metrics on http://{addr}/metrics");
     }
-    let worker = tokio::spawn(worker.run(stop_rx));
-    crate::node::shutdown_signal().await;
-    eprintln!("decoder stopping: releasing held generations");
-    let _ = stop_tx.send(true);
-    worker.await??;
-    Ok(())
+    let mut worker = tokio::spawn(worker.run(stop_rx));
+    // The process lives as long as its worker: a worker that ends on its own (an error, a panic)
+    // ends the process with a non-zero status, so a supervisor restarts it, and its leases lapse.
+    let ended = tokio::select! {
+        _ = crate::process::shutdown_signal() => None,
+        r = &mut worker => Some(r),
+    };
+    let result = match ended {
+        Some(r) => r,
+        None => {
+            eprintln!("decoder stopping: releasing held generations");
+            let _ = stop_tx.send(true);
+            worker.await
+        }
+    };
+    match result {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(WorkerError::Halted(name))) => {
+            eprintln!("decoder halted by failpoint {name}");
+            std::process::exit(tokenlog_decoder::worker::HALT_EXIT_CODE)
+        }
+        Ok(Err(e)) => Err(anyhow::Error::new(e).context("the decoder's worker failed")),
+        Err(e) => Err(anyhow::anyhow!("the decoder's worker panicked: {e}")),
+    }
 }
 
 pub fn default_id() -> String {

@@ -2,6 +2,11 @@
 //! processes, driven through gRPC. What a client sees must be exactly the committed records, once
 //! each, whatever happens to its connection or its gateway (CONTRACT §3, failure points 8, 11).
 
+// The tests hold `common::serial()` (a std mutex) across awaits on purpose: each test runs its
+// own runtime on its own thread, and the guard only keeps two multi-process tests from running
+// at once on a 2-core machine.
+#![allow(clippy::await_holding_lock)]
+
 mod common;
 
 use std::collections::BTreeSet;

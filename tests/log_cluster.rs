@@ -1,6 +1,11 @@
 //! Real multi-process tests of the replicated log: three `tokenlog node` processes with real
 //! RocksDB data dirs and real gRPC between them, killed with SIGKILL.
 
+// The tests hold `common::serial()` (a std mutex) across awaits on purpose: each test runs its
+// own runtime on its own thread, and the guard only keeps two multi-process tests from running
+// at once on a 2-core machine.
+#![allow(clippy::await_holding_lock)]
+
 mod common;
 
 use std::path::Path;

@@ -8,12 +8,14 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use hdrhistogram::Histogram;
 use tokenlog_decoder::worker::{identity_to_pb, Worker, WorkerConfig};
-use tokenlog_decoder::{DecodeState, Model, ResumeMode, SamplingParams, StopConditions};
+use tokenlog_decoder::{DecodeState, Model, ResumeMode, SamplingConfig, StopConfig};
 use tokenlog_proto::raftlog as pb;
 use tokenlog_raftlog::client::LogClient;
 
-use crate::bench::{start_tokenlog, wait_for_leader};
-use crate::decoder::{load_model, DecoderArgs};
+use tokenlog_raftlog::limits::LEASE_MS_DEFAULT;
+
+use crate::cmd::bench::{start_tokenlog, wait_for_leader};
+use crate::cmd::decoder::{load_model, DecoderArgs};
 
 #[derive(clap::Args, Clone)]
 pub struct DecodeArgs {
@@ -47,7 +49,7 @@ pub struct FailoverArgs {
     #[arg(long, default_value_t = 20)]
     pub kills: usize,
     /// Lease (ms) of the decoders: the detection time is bounded by it.
-    #[arg(long, default_value_t = 800)]
+    #[arg(long, default_value_t = LEASE_MS_DEFAULT)]
     pub lease_ms: u64,
     /// Records committed before the kill.
     #[arg(long, default_value_t = 8)]
@@ -71,7 +73,7 @@ fn dargs(fake: bool, model: Option<std::path::PathBuf>, threads: usize) -> Decod
         model_name: None,
         device: "cpu".into(),
         capacity: 1,
-        lease_ms: 2_000,
+        lease_ms: LEASE_MS_DEFAULT,
         threads,
         decoder_id: None,
         metrics_listen: None,
@@ -106,8 +108,8 @@ fn prompt_ids(model: &dyn Model) -> anyhow::Result<Vec<u32>> {
     )])?)
 }
 
-fn stop(n: u32) -> StopConditions {
-    StopConditions {
+fn stop(n: u32) -> StopConfig {
+    StopConfig {
         max_tokens: n,
         stop_strings: vec![],
         eos_token_ids: vec![],
@@ -118,7 +120,7 @@ fn stop(n: u32) -> StopConditions {
 async fn raw_decode(model: &std::sync::Arc<dyn Model>, prompt: &[u32], n: u32) -> anyhow::Result<(Vec<u32>, f64)> {
     let (m, p) = (model.clone(), prompt.to_vec());
     tokio::task::spawn_blocking(move || -> anyhow::Result<(Vec<u32>, f64)> {
-        let mut st = DecodeState::start(m.as_ref(), &p, SamplingParams::greedy(), stop(n))?;
+        let mut st = DecodeState::start(m.as_ref(), &p, SamplingConfig::greedy(), stop(n))?;
         let t = Instant::now();
         let mut out = Vec::new();
         while let Some(step) = st.next_token()? {
@@ -233,7 +235,7 @@ pub async fn decode(a: DecodeArgs) -> anyhow::Result<()> {
         let (exact, fast) = tokio::task::spawn_blocking(move || -> anyhow::Result<(Duration, Duration)> {
             let time = |mode: ResumeMode| -> anyhow::Result<Duration> {
                 let t = Instant::now();
-                DecodeState::resume(m.as_ref(), &p, &pre, SamplingParams::greedy(), stop(u32::MAX / 2), mode)?;
+                DecodeState::resume(m.as_ref(), &p, &pre, SamplingConfig::greedy(), stop(u32::MAX / 2), mode)?;
                 Ok(t.elapsed())
             };
             Ok((time(ResumeMode::Exact)?, time(ResumeMode::Fast)?))
@@ -339,83 +341,19 @@ pub async fn failover(a: FailoverArgs) -> anyhow::Result<()> {
     ];
     let mut extra_takeovers = 0u64;
     for k in 0..a.kills {
-        // Both decoders registered (the standby has its model loaded).
-        let deadline = Instant::now() + Duration::from_secs(120);
-        while !(registered(&client, &decs[0].id).await && registered(&client, &decs[1].id).await) {
-            if Instant::now() > deadline {
-                bail!(
-                    "decoders did not register within 120 s (logs in {})",
-                    dir.path().display()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let sub = client
-            .submit(pb::SubmitRequest {
-                tenant: "bench".into(),
-                request_id: format!("failover-{k}"),
-                binding: Some(binding(model.as_ref(), &prompt, a.after + 400)),
-            })
-            .await?;
-        let gid = sub.generation.context("no generation")?.generation_id;
-        let mut w = client.watch(gid, 0).await?;
-        let mut seen = 0u32;
-        while seen < a.after {
-            let ev = w.message().await?.context("watch ended")?;
-            seen += ev.records.len() as u32;
-        }
-        let before = info(&client, gid, true).await?;
-        let lease = before.lease.unwrap_or_default();
-        let Some(victim) = decs.iter().position(|d| d.id == lease.owner) else {
-            bail!("owner {} is not one of ours", lease.owner);
-        };
-        let killed = Instant::now();
-        if let Some(mut c) = decs[victim].child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        let frontier_at_kill = seen;
-        // Detection: the standby's grant of the next epoch.
-        let acquired = loop {
-            let g = info(&client, gid, false).await?;
-            if g.lease.as_ref().is_some_and(|l| l.epoch > lease.epoch) {
-                break Instant::now();
-            }
-            if killed.elapsed() > Duration::from_secs(60) {
-                bail!("no takeover within 60 s");
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        };
-        // The next record after the ones committed by the dead owner.
-        let committed_now = before.frontier.max(frontier_at_kill);
-        let mut w = client.watch(gid, committed_now).await?;
-        let visible = loop {
-            let ev = w.message().await?.context("watch ended")?;
-            if ev.records.iter().any(|r| r.epoch > lease.epoch) {
-                break Instant::now();
-            }
-        };
-        let total = visible - killed;
-        let detect = acquired - killed;
-        let rest = visible.saturating_duration_since(acquired);
-        hist[0].record(total.as_micros() as u64)?;
-        hist[1].record(detect.as_micros() as u64)?;
-        hist[2].record(rest.as_micros() as u64)?;
+        wait_registered(&client, &decs, dir.path()).await?;
+        let (victim, t) = kill_round(&client, model.as_ref(), &prompt, &a, k, &mut decs).await?;
+        hist[0].record(t.total.as_micros() as u64)?;
+        hist[1].record(t.detect.as_micros() as u64)?;
+        hist[2].record(t.rest.as_micros() as u64)?;
         println!(
             "kill {:>2}: next token visible after {:>7.1} ms = detection {:>7.1} ms + re-prefill and first step {:>7.1} ms",
             k + 1,
-            ms(total),
-            ms(detect),
-            ms(rest)
+            ms(t.total),
+            ms(t.detect),
+            ms(t.rest)
         );
-        let _ = client
-            .cancel(pb::CancelRequest {
-                tenant: "bench".into(),
-                request_id: format!("failover-{k}"),
-            })
-            .await;
-        let g = info(&client, gid, true).await?;
-        extra_takeovers += g.takeovers.saturating_sub(1);
+        extra_takeovers += t.extra_takeovers;
         // The dead slot gets a fresh decoder, which becomes the next standby.
         let id = next_id(victim);
         decs[victim] = spawn_decoder(&a, &cluster, &id, &dir.path().join(format!("{id}.log")))?;
@@ -439,4 +377,97 @@ pub async fn failover(a: FailoverArgs) -> anyhow::Result<()> {
     );
     println!("takeovers beyond the kills (of slow-but-renewing owners): {extra_takeovers}");
     Ok(())
+}
+
+/// One kill's timings: kill -> next visible token = detection (the next epoch's grant) + the rest
+/// (re-prefill and the first step).
+struct KillTimings {
+    total: Duration,
+    detect: Duration,
+    rest: Duration,
+    /// Takeovers of this generation beyond the one the kill caused.
+    extra_takeovers: u64,
+}
+
+/// Waits until both decoders are registered (the standby has its model loaded).
+async fn wait_registered(client: &LogClient, decs: &[Dec], dir: &std::path::Path) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !(registered(client, &decs[0].id).await && registered(client, &decs[1].id).await) {
+        if Instant::now() > deadline {
+            bail!("decoders did not register within 120 s (logs in {})", dir.display());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
+}
+
+/// Submits generation `k`, kills its owner after `a.after` records, and times the takeover.
+/// Returns the killed slot.
+async fn kill_round(
+    client: &LogClient,
+    model: &dyn Model,
+    prompt: &[u32],
+    a: &FailoverArgs,
+    k: usize,
+    decs: &mut [Dec],
+) -> anyhow::Result<(usize, KillTimings)> {
+    let sub = client
+        .submit(pb::SubmitRequest {
+            tenant: "bench".into(),
+            request_id: format!("failover-{k}"),
+            binding: Some(binding(model, prompt, a.after + 400)),
+        })
+        .await?;
+    let gid = sub.generation.context("no generation")?.generation_id;
+    let mut w = client.watch(gid, 0).await?;
+    let mut seen = 0u32;
+    while seen < a.after {
+        let ev = w.message().await?.context("watch ended")?;
+        seen += ev.records.len() as u32;
+    }
+    let before = info(client, gid, true).await?;
+    let lease = before.lease.unwrap_or_default();
+    let Some(victim) = decs.iter().position(|d| d.id == lease.owner) else {
+        bail!("owner {} is not one of ours", lease.owner);
+    };
+    let killed = Instant::now();
+    if let Some(mut c) = decs[victim].child.take() {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    // Detection: the standby's grant of the next epoch.
+    let acquired = loop {
+        let g = info(client, gid, false).await?;
+        if g.lease.as_ref().is_some_and(|l| l.epoch > lease.epoch) {
+            break Instant::now();
+        }
+        if killed.elapsed() > Duration::from_secs(60) {
+            bail!("no takeover within 60 s");
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    // The next record after the ones committed by the dead owner.
+    let mut w = client.watch(gid, before.frontier.max(seen)).await?;
+    let visible = loop {
+        let ev = w.message().await?.context("watch ended")?;
+        if ev.records.iter().any(|r| r.epoch > lease.epoch) {
+            break Instant::now();
+        }
+    };
+    let _ = client
+        .cancel(pb::CancelRequest {
+            tenant: "bench".into(),
+            request_id: format!("failover-{k}"),
+        })
+        .await;
+    let g = info(client, gid, true).await?;
+    Ok((
+        victim,
+        KillTimings {
+            total: visible - killed,
+            detect: acquired - killed,
+            rest: visible.saturating_duration_since(acquired),
+            extra_takeovers: g.takeovers.saturating_sub(1),
+        },
+    ))
 }

@@ -2,6 +2,11 @@
 //! lease (failure point 9) and after a kill between sampling and commit (failure point 7). The
 //! client's view must be continuous and equal to an uninterrupted run.
 
+// The tests hold `common::serial()` (a std mutex) across awaits on purpose: each test runs its
+// own runtime on its own thread, and the guard only keeps two multi-process tests from running
+// at once on a 2-core machine.
+#![allow(clippy::await_holding_lock)]
+
 mod common;
 
 use std::time::{Duration, Instant};
@@ -9,7 +14,7 @@ use std::time::{Duration, Instant};
 use common::{serial, Cluster};
 use futures::StreamExt;
 use tokenlog_decoder::worker::identity_to_pb;
-use tokenlog_decoder::{generate, FakeConfig, FakeModel, Model, SamplingParams, StopConditions};
+use tokenlog_decoder::{generate, FakeConfig, FakeModel, Model, SamplingConfig, StopConfig};
 use tokenlog_proto::raftlog as pb;
 use tokenlog_raftlog::client::LogClient;
 
@@ -24,8 +29,8 @@ fn fake() -> FakeModel {
     .unwrap()
 }
 
-fn sampling() -> SamplingParams {
-    SamplingParams {
+fn sampling() -> SamplingConfig {
+    SamplingConfig {
         temperature: 0.8,
         top_p: 0.95,
         seed: 42,
@@ -36,7 +41,7 @@ fn sampling() -> SamplingParams {
 /// What an uninterrupted run produces.
 fn expected(prompt: &[u32]) -> Vec<u32> {
     let m = fake();
-    let stop = StopConditions {
+    let stop = StopConfig {
         max_tokens: MAX_TOKENS,
         stop_strings: vec![],
         eos_token_ids: vec![],
@@ -381,7 +386,7 @@ async fn real_takeover(path: &std::path::Path, rid: &str) {
         .unwrap();
     let params = sampling();
     const N: u32 = 40;
-    let stop = StopConditions {
+    let stop = StopConfig {
         max_tokens: N,
         stop_strings: vec![],
         eos_token_ids: vec![],

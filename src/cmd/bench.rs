@@ -25,10 +25,10 @@ pub enum BenchCmd {
     Log(LogArgs),
     /// Raw candle decode vs the decoder writing to a 3-node log (same model, same run), and
     /// re-prefill time vs prefix length in exact and fast mode.
-    Decode(crate::bench_decoder::DecodeArgs),
+    Decode(crate::cmd::bench_decoder::DecodeArgs),
     /// kill -9 the owning decoder repeatedly with a warm standby; p50/p99 of kill -> next token
     /// visible, split into detection (lease expiry) and re-prefill + first step.
-    Failover(crate::bench_decoder::FailoverArgs),
+    Failover(crate::cmd::bench_decoder::FailoverArgs),
 }
 
 #[derive(clap::Args, Clone)]
@@ -59,8 +59,8 @@ pub struct LogArgs {
 pub async fn run(cmd: BenchCmd) -> anyhow::Result<()> {
     match cmd {
         BenchCmd::Log(a) => bench_log(a).await,
-        BenchCmd::Decode(a) => crate::bench_decoder::decode(a).await,
-        BenchCmd::Failover(a) => crate::bench_decoder::failover(a).await,
+        BenchCmd::Decode(a) => crate::cmd::bench_decoder::decode(a).await,
+        BenchCmd::Failover(a) => crate::cmd::bench_decoder::failover(a).await,
     }
 }
 
@@ -313,10 +313,10 @@ async fn run_tokenlog(a: &LogArgs, addrs: Vec<String>) -> anyhow::Result<Outcome
     collect(tasks, start).await
 }
 
-async fn collect(
-    tasks: Vec<tokio::task::JoinHandle<anyhow::Result<(u64, u64, Histogram<u64>)>>>,
-    start: Instant,
-) -> anyhow::Result<Outcome> {
+/// One writer task's result: writes, tokens, commit latencies (µs).
+type WriterResult = anyhow::Result<(u64, u64, Histogram<u64>)>;
+
+async fn collect(tasks: Vec<tokio::task::JoinHandle<WriterResult>>, start: Instant) -> anyhow::Result<Outcome> {
     let mut out = Outcome::default();
     let mut all = Histogram::<u64>::new(3)?;
     for t in tasks {

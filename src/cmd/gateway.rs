@@ -53,7 +53,7 @@ pub fn tokenizers(models: &[PathBuf], fake_only: bool) -> anyhow::Result<Vec<Tok
 
 pub async fn run(a: GatewayArgs) -> anyhow::Result<()> {
     let tenants = match &a.keys {
-        Some(p) => Tenants::load(p).map_err(anyhow::Error::msg)?,
+        Some(p) => Tenants::load(p)?,
         None => Tenants::Open,
     };
     let toks = tokenizers(&a.model, a.fake)?;
@@ -67,7 +67,7 @@ pub async fn run(a: GatewayArgs) -> anyhow::Result<()> {
         serving.http_addr,
         a.cluster.join(",")
     );
-    crate::node::shutdown_signal().await;
+    crate::process::shutdown_signal().await;
     eprintln!("gateway stopping ...");
     serving.shutdown().await;
     Ok(())

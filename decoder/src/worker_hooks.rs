@@ -1,0 +1,45 @@
+//! Hooks into the worker's step loop ([`StepHooks`]): how the fault suite's failpoints
+//! (`crate::failpoint`, feature `faults`) stop a worker as a crash would, without the worker
+//! knowing about failpoints or exiting the process itself.
+
+use std::time::Duration;
+
+/// Exit status of a decoder process halted by a hook (137 = 128 + SIGKILL, what a kill -9 shows).
+pub const HALT_EXIT_CODE: i32 = 137;
+
+/// A generation as [`StepHooks`] see it after a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepView {
+    pub generation: u64,
+    pub epoch: u64,
+    /// Records the log has acknowledged.
+    pub committed: u32,
+    /// Tokens sampled (committed + not yet acknowledged).
+    pub sampled: u32,
+}
+
+/// How a hook stops the worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Halt {
+    /// At once, as a kill would: this step's tokens are never sent, nothing is released.
+    Now,
+    /// Go silent (no renewal, no decoding), hold this step's append for the duration (a message
+    /// stuck in the network), send it and record the answer, then stop.
+    AfterLateAppend(Duration),
+}
+
+/// A hook that fired: which, at which token, and how the worker stops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fired {
+    pub name: &'static str,
+    pub generation: u64,
+    pub seq: u32,
+    pub halt: Halt,
+}
+
+/// Hooks into the step loop, called after every step (after the previous append's answer is
+/// absorbed, before this step's append is sent). The fault suite's failpoints implement it
+/// (`crate::failpoint`, cargo feature `faults`); a production worker has none.
+pub trait StepHooks: Send + Sync {
+    fn after_step(&self, gens: &[StepView]) -> Option<Fired>;
+}

@@ -1,0 +1,98 @@
+//! The lease side of the worker: reading a taken generation's committed prefix, and the renewer
+//! that keeps held leases alive while a step is slow (slow is not dead).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokenlog_proto::raftlog as pb;
+use tokenlog_raftlog::client::LogClient;
+
+use crate::worker::{WorkerConfig, WorkerError};
+
+use crate::limits::{PREFIX_READ_TIMEOUT, RENEWS_PER_LEASE, RENEW_PERIOD_MIN};
+
+/// Shared with the renewer: what we hold, and when the log last confirmed it.
+pub(crate) type Held = Arc<Mutex<HashMap<u64, (u64, Instant)>>>;
+
+/// Aborts the renewer on every exit path of [`crate::worker::Worker::run`], so a worker that ends (with an error,
+/// a panic, or a halt) stops renewing the leases it held: they lapse and another decoder takes over.
+pub(crate) struct AbortOnDrop(pub(crate) tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Reads the first `frontier` committed records of a generation.
+pub(crate) async fn read_prefix(client: &LogClient, id: u64, frontier: u32) -> Result<Vec<u32>, WorkerError> {
+    use futures::StreamExt;
+    let mut out = Vec::with_capacity(frontier as usize);
+    let deadline = Instant::now() + PREFIX_READ_TIMEOUT;
+    while (out.len() as u32) < frontier {
+        let mut stream = client.watch(id, out.len() as u32).await?;
+        while (out.len() as u32) < frontier {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(remaining, stream.next()).await {
+                Ok(Some(Ok(ev))) => {
+                    for r in ev.records {
+                        if r.seq as usize == out.len() && (out.len() as u32) < frontier {
+                            out.push(r.token_id);
+                        }
+                    }
+                    if ev.terminal.is_some() {
+                        break;
+                    }
+                }
+                Ok(_) => break,
+                Err(_) => {
+                    return Err(WorkerError::Other(format!(
+                        "committed prefix of generation {id} not readable within {PREFIX_READ_TIMEOUT:?}"
+                    )))
+                }
+            }
+        }
+        if Instant::now() > deadline {
+            return Err(WorkerError::Other(format!(
+                "committed prefix of generation {id} not readable"
+            )));
+        }
+    }
+    Ok(out)
+}
+
+/// Renews every held lease that the log has not confirmed for a third of the lease.
+pub(crate) async fn renew_loop(client: LogClient, cfg: WorkerConfig, held: Held) {
+    let period = Duration::from_millis(cfg.lease_ms / RENEWS_PER_LEASE).max(RENEW_PERIOD_MIN);
+    loop {
+        tokio::time::sleep(period).await;
+        let due: Vec<(u64, u64)> = held
+            .lock()
+            .expect("lock")
+            .iter()
+            .filter(|(_, (_, at))| at.elapsed() >= period)
+            .map(|(id, (e, _))| (*id, *e))
+            .collect();
+        for (id, epoch) in due {
+            let req = pb::RenewRequest {
+                generation_id: id,
+                epoch,
+                decoder_id: cfg.decoder_id.clone(),
+                lease_ms: cfg.lease_ms,
+            };
+            match client.renew(req).await {
+                Ok(r) if r.ok => {
+                    if let Some(v) = held.lock().expect("lock").get_mut(&id) {
+                        v.1 = Instant::now();
+                    }
+                }
+                Ok(r) => {
+                    tracing::warn!(generation = id, rejection = ?r.rejection, "renew rejected");
+                    held.lock().expect("lock").remove(&id);
+                }
+                Err(e) => tracing::warn!(generation = id, error = %e, "renew failed"),
+            }
+        }
+    }
+}

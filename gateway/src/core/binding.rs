@@ -1,0 +1,205 @@
+//! A request checked against every limit and turned into the binding the log holds (CONTRACT §1).
+
+use tokenlog_decoder::{ChatMessage, RNG_VERSION};
+use tokenlog_proto::raftlog as pb;
+use tokenlog_raftlog::types::{Binding, ResumeMode, SamplingConfig, StopConfig};
+
+use super::{Gateway, GenerateParams, Prompt, ResolvedModel};
+use crate::error::{GatewayError, Result};
+use crate::limits::*;
+
+impl Gateway {
+    /// Checks `p` and builds the binding the log will hold.
+    pub fn binding(&self, tenant: &str, p: &GenerateParams, m: &ResolvedModel) -> Result<pb::Binding> {
+        check_request_id(&p.request_id)?;
+        let (ids, text) = prompt_of(p, m)?;
+        let max_tokens = p.max_tokens.unwrap_or(MAX_TOKENS_DEFAULT);
+        if max_tokens == 0 || max_tokens > GENERATION_TOKENS_MAX {
+            return Err(GatewayError::Invalid(format!(
+                "max_tokens {max_tokens}: must be 1..={GENERATION_TOKENS_MAX}"
+            )));
+        }
+        let s = &p.sampling;
+        check_range("temperature", s.temperature, 0.0, TEMPERATURE_MAX)?;
+        check_range("top_p", s.top_p, 0.0, 1.0)?;
+        check_range("repetition_penalty", s.repetition_penalty, 0.0, REPETITION_PENALTY_MAX)?;
+        check_range(
+            "frequency_penalty",
+            s.frequency_penalty,
+            -PENALTY_ABS_MAX,
+            PENALTY_ABS_MAX,
+        )?;
+        check_range(
+            "presence_penalty",
+            s.presence_penalty,
+            -PENALTY_ABS_MAX,
+            PENALTY_ABS_MAX,
+        )?;
+        check_stops(&p.stop)?;
+        let off_is_one = |v: f32| if v == 0.0 { 1.0 } else { v };
+        let binding = Binding {
+            model: m.info.identity.clone().unwrap_or_default().into(),
+            prompt_token_ids: ids,
+            prompt_text: text,
+            sampling: SamplingConfig {
+                top_p: off_is_one(s.top_p),
+                repetition_penalty: off_is_one(s.repetition_penalty),
+                seed: p.seed.unwrap_or_else(|| default_seed(tenant, &p.request_id)),
+                rng_version: RNG_VERSION,
+                ..s.clone()
+            },
+            stop: StopConfig {
+                max_tokens,
+                stop_strings: p.stop.clone(),
+                eos_token_ids: if p.ignore_eos {
+                    Vec::new()
+                } else {
+                    m.tokenizer.eos_token_ids().to_vec()
+                },
+            },
+            mode: if p.fast_resume {
+                ResumeMode::Fast
+            } else {
+                ResumeMode::Exact
+            },
+            deadline_ms: 0,
+        };
+        Ok(binding.into())
+    }
+}
+
+/// The prompt as the binding holds it, `(token ids, text)` (one of them empty), checked against
+/// the limits and the model's context.
+fn prompt_of(p: &GenerateParams, m: &ResolvedModel) -> Result<(Vec<u32>, String)> {
+    let context = m.info.context_tokens as usize;
+    let (ids, text) = match &p.prompt {
+        Prompt::Ids(ids) => {
+            if ids.is_empty() {
+                return Err(GatewayError::Invalid("prompt_token_ids is empty".into()));
+            }
+            let vocab = m.tokenizer.vocab_size() as u32;
+            if let Some(bad) = ids.iter().find(|&&t| t >= vocab) {
+                return Err(GatewayError::Invalid(format!(
+                    "prompt token id {bad} is outside the model's vocabulary ({vocab} tokens)"
+                )));
+            }
+            (ids.clone(), String::new())
+        }
+        Prompt::Text(t) => {
+            if t.is_empty() {
+                return Err(GatewayError::Invalid("prompt is empty".into()));
+            }
+            (Vec::new(), t.clone())
+        }
+        Prompt::Chat(msgs) => {
+            if msgs.is_empty() {
+                return Err(GatewayError::Invalid("messages is empty".into()));
+            }
+            if msgs.len() > MESSAGES_MAX {
+                return Err(GatewayError::Invalid(format!(
+                    "{} messages; at most {MESSAGES_MAX}",
+                    msgs.len()
+                )));
+            }
+            for m in msgs {
+                if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer") {
+                    return Err(GatewayError::Invalid(format!(
+                        "message role {:?}: expected system, developer, user or assistant",
+                        m.role
+                    )));
+                }
+            }
+            let msgs: Vec<ChatMessage> = msgs
+                .iter()
+                .map(|m| {
+                    let role = if m.role == "developer" {
+                        "system"
+                    } else {
+                        m.role.as_str()
+                    };
+                    ChatMessage::new(role, m.content.clone())
+                })
+                .collect();
+            (Vec::new(), m.tokenizer.apply_chat_template(&msgs))
+        }
+    };
+    if text.len() > PROMPT_TEXT_BYTES_MAX {
+        return Err(GatewayError::Invalid(format!(
+            "prompt is {} bytes; the limit is {PROMPT_TEXT_BYTES_MAX}",
+            text.len()
+        )));
+    }
+    // Count the prompt's tokens here (the decoder tokenizes the same text the same way) so an
+    // oversized prompt is refused before it is submitted.
+    let prompt_len = if text.is_empty() {
+        ids.len()
+    } else {
+        m.tokenizer
+            .encode(&text)
+            .map_err(|e| GatewayError::Invalid(format!("prompt cannot be tokenized: {e}")))?
+            .len()
+    };
+    let cap = PROMPT_TOKENS_MAX.min(context.saturating_sub(1).max(1));
+    if prompt_len > cap {
+        return Err(GatewayError::Invalid(format!(
+            "prompt is {prompt_len} tokens; model {:?} takes at most {cap} (context {context})",
+            m.info.name
+        )));
+    }
+    Ok((ids, text))
+}
+
+fn check_stops(stops: &[String]) -> Result<()> {
+    if stops.len() > STOP_STRINGS_MAX {
+        return Err(GatewayError::Invalid(format!(
+            "{} stop strings; at most {STOP_STRINGS_MAX}",
+            stops.len()
+        )));
+    }
+    if let Some(s) = stops.iter().find(|s| s.is_empty() || s.len() > STOP_STRING_BYTES_MAX) {
+        return Err(GatewayError::Invalid(format!(
+            "stop string {s:?}: must be 1..={STOP_STRING_BYTES_MAX} bytes"
+        )));
+    }
+    Ok(())
+}
+
+pub(super) fn check_request_id(id: &str) -> Result<()> {
+    if id.is_empty() {
+        return Err(GatewayError::Invalid("request_id is empty".into()));
+    }
+    if id.len() > REQUEST_ID_BYTES_MAX {
+        return Err(GatewayError::Invalid(format!(
+            "request_id is {} bytes; at most {REQUEST_ID_BYTES_MAX}",
+            id.len()
+        )));
+    }
+    if id.chars().any(|c| c.is_control()) {
+        return Err(GatewayError::Invalid("request_id contains control characters".into()));
+    }
+    Ok(())
+}
+
+fn check_range(name: &str, v: f32, lo: f32, hi: f32) -> Result<()> {
+    if !v.is_finite() || v < lo || v > hi {
+        return Err(GatewayError::Invalid(format!("{name} {v}: must be in [{lo}, {hi}]")));
+    }
+    Ok(())
+}
+
+/// The seed of a request that names none: a function of (tenant, request id), so a retry binds
+/// the same seed and is idempotent.
+pub fn default_seed(tenant: &str, request_id: &str) -> u64 {
+    use sha2::{Digest, Sha256};
+    let d = Sha256::new()
+        .chain_update(tenant.as_bytes())
+        .chain_update([0u8])
+        .chain_update(request_id.as_bytes())
+        .finalize();
+    u64::from_be_bytes(d[..8].try_into().expect("8 bytes"))
+}
+
+/// A fresh random request id (for HTTP requests without an Idempotency-Key).
+pub fn random_request_id() -> String {
+    format!("req-{:016x}{:016x}", rand::random::<u64>(), rand::random::<u64>())
+}

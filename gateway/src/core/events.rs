@@ -1,0 +1,198 @@
+//! A generation's client events, rebuilt from the log's Watch: from seq 0, so the text of each
+//! event is a function of the committed prefix, whichever gateway serves it (CONTRACT §3).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokenlog_decoder::{IncrementalDetokenizer, StopText, Tokenizer};
+use tokenlog_proto::raftlog as pb;
+use tokio::sync::{mpsc, OwnedSemaphorePermit};
+
+use super::{finish_reason_str, prompt_tokens, Event, Finish, Gateway};
+use crate::error::{GatewayError, Result};
+use crate::limits::*;
+
+impl Gateway {
+    /// Streams the events of `info`'s generation with seq > `after_seq` (-1 = all), ending with
+    /// the last event once the generation is terminal. Errors end the stream.
+    pub fn events(self: &Arc<Self>, info: pb::GenerationInfo, after_seq: i64) -> Result<mpsc::Receiver<Result<Event>>> {
+        let digest = info
+            .binding
+            .as_ref()
+            .and_then(|b| b.model.as_ref())
+            .map(|m| m.tokenizer_sha256.clone())
+            .unwrap_or_default();
+        let tokenizer = self.tokenizer_for(&digest, &info.request_id)?;
+        let permit = self
+            .streams
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| GatewayError::Overloaded(format!("gateway overloaded: {STREAMS_MAX} streams open")))?;
+        let (tx, rx) = mpsc::channel(STREAM_BUFFER_EVENTS);
+        let gw = self.clone();
+        tokio::spawn(async move { gw.pump(info, after_seq, tokenizer, tx, permit).await });
+        Ok(rx)
+    }
+
+    /// Runs one stream: re-opens the Watch when a log node dies, and stops as soon as the client
+    /// goes away (even while the generation is stalled), releasing the stream slot.
+    async fn pump(
+        self: Arc<Self>,
+        info: pb::GenerationInfo,
+        after_seq: i64,
+        tokenizer: Tokenizer,
+        tx: mpsc::Sender<Result<Event>>,
+        _permit: OwnedSemaphorePermit,
+    ) {
+        let _active = self.metrics.stream_guard();
+        let mut text = EventText::new(&info, &tokenizer, after_seq);
+        let mut last_progress = Instant::now();
+        loop {
+            let opened = tokio::select! {
+                _ = tx.closed() => return,
+                w = self.log.watch(text.generation, text.next) => w,
+            };
+            let mut stream = match opened {
+                Ok(s) => s,
+                Err(e) => {
+                    if last_progress.elapsed() > WATCH_RETRY_BUDGET {
+                        let _ = tx.send(Err(e.into())).await;
+                        return;
+                    }
+                    tokio::time::sleep(WATCH_OPEN_RETRY).await;
+                    continue;
+                }
+            };
+            loop {
+                let message = tokio::select! {
+                    _ = tx.closed() => return,
+                    m = stream.message() => m,
+                };
+                let ev = match message {
+                    Ok(Some(ev)) => ev,
+                    Ok(None) => break,
+                    Err(status) if status.code() == tonic::Code::NotFound => {
+                        let _ = tx.send(Err(GatewayError::NotFound(status.message().to_string()))).await;
+                        return;
+                    }
+                    Err(status) => {
+                        tracing::debug!(
+                            generation = text.generation,
+                            "watch broke ({status}); reopening at seq {}",
+                            text.next
+                        );
+                        break;
+                    }
+                };
+                last_progress = Instant::now();
+                match text.events(ev) {
+                    Ok(events) => {
+                        let done = events.last().is_some_and(|e| e.finish.is_some()) || text.done;
+                        for e in events {
+                            let token = e.token_id.is_some();
+                            if tx.send(Ok(e)).await.is_err() {
+                                return;
+                            }
+                            if token {
+                                self.metrics.tokens_streamed.inc();
+                            }
+                        }
+                        if done {
+                            return;
+                        }
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Err(e)).await;
+                        return;
+                    }
+                }
+            }
+            tokio::time::sleep(WATCH_REOPEN_BACKOFF).await;
+        }
+    }
+}
+
+/// The client events of one generation, rebuilt record by record from seq 0: the detokenizer
+/// and the stop-string cut are fed every record, events are emitted only past `after_seq`.
+struct EventText {
+    request_id: String,
+    generation: u64,
+    after_seq: i64,
+    /// The next record expected from the log.
+    next: u32,
+    last_epoch: u64,
+    detok: IncrementalDetokenizer,
+    stop_text: StopText,
+    done: bool,
+}
+
+impl EventText {
+    fn new(info: &pb::GenerationInfo, tokenizer: &Tokenizer, after_seq: i64) -> Self {
+        let stops = info
+            .binding
+            .as_ref()
+            .and_then(|b| b.stop.as_ref())
+            .map(|s| s.stop_strings.clone())
+            .unwrap_or_default();
+        EventText {
+            request_id: info.request_id.clone(),
+            generation: info.generation_id,
+            after_seq,
+            next: 0,
+            last_epoch: 0,
+            detok: tokenizer.detokenizer(true),
+            stop_text: StopText::new(stops),
+            done: false,
+        }
+    }
+
+    fn event(&self, seq: u32, epoch: u64, token_id: Option<u32>, text: String, finish: Option<Finish>) -> Event {
+        Event {
+            request_id: self.request_id.clone(),
+            generation: self.generation,
+            epoch,
+            seq,
+            token_id,
+            text,
+            finish,
+        }
+    }
+
+    /// The client events of one Watch message (records already seen are skipped; a gap is an
+    /// error); the last event when the message says the generation is terminal.
+    fn events(&mut self, ev: pb::WatchEvent) -> Result<Vec<Event>> {
+        let mut out = Vec::new();
+        for r in ev.records {
+            if r.seq < self.next {
+                continue;
+            }
+            if r.seq > self.next {
+                return Err(GatewayError::Internal(format!(
+                    "log skipped from seq {} to {} for generation {}",
+                    self.next, r.seq, self.generation
+                )));
+            }
+            let text = self.stop_text.push(&self.detok.push(r.token_id));
+            self.last_epoch = r.epoch;
+            if i64::from(r.seq) > self.after_seq {
+                out.push(self.event(r.seq, r.epoch, Some(r.token_id), text, None));
+            }
+            self.next += 1;
+        }
+        if let Some(term) = ev.terminal {
+            self.done = true;
+            if i64::from(self.next) > self.after_seq {
+                let finish = Finish {
+                    reason: finish_reason_str(term.finish_reason),
+                    detail: term.finish_detail.clone(),
+                    prompt_tokens: prompt_tokens(&term),
+                    completion_tokens: term.frontier,
+                };
+                let epoch = term.lease.as_ref().map_or(self.last_epoch, |l| l.epoch);
+                let rest = self.stop_text.finish(&self.detok.finish());
+                out.push(self.event(self.next, epoch, None, rest, Some(finish)));
+            }
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,201 @@
+//! `/v1/chat/completions` and `/v1/completions`: create (streaming or not), resume by
+//! `Last-Event-ID`, and the SSE chunks.
+
+use super::*;
+
+#[derive(Clone, Copy, PartialEq)]
+pub(super) enum Kind {
+    Chat,
+    Completion,
+}
+
+impl Kind {
+    fn id(self, rid: &str) -> String {
+        match self {
+            Kind::Chat => format!("chatcmpl-{rid}"),
+            Kind::Completion => format!("cmpl-{rid}"),
+        }
+    }
+    fn stream_url(self, rid: &str) -> String {
+        match self {
+            Kind::Chat => format!("/v1/chat/completions/{}/stream", encode_path(rid)),
+            Kind::Completion => format!("/v1/completions/{}/stream", encode_path(rid)),
+        }
+    }
+}
+
+pub(super) async fn chat_completions(State(gw): Gw, h: HeaderMap, body: Bytes) -> Result<Response> {
+    let tenant = tenant(&gw, &h)?;
+    let b = parse_body(&body)?;
+    let msgs = messages(
+        b.get("messages")
+            .ok_or_else(|| GatewayError::Invalid("messages is required".into()))?,
+    )?;
+    let p = common_params(
+        &b,
+        request_id(&h)?,
+        Prompt::Chat(msgs),
+        &["max_tokens", "max_completion_tokens"],
+    )?;
+    create(gw, h, tenant, p, opt_bool(&b, "stream")?, Kind::Chat).await
+}
+
+pub(super) async fn completions(State(gw): Gw, h: HeaderMap, body: Bytes) -> Result<Response> {
+    let tenant = tenant(&gw, &h)?;
+    let b = parse_body(&body)?;
+    let prompt = match b.get("prompt") {
+        Some(Value::String(s)) => Prompt::Text(s.clone()),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => Prompt::Text(a[0].as_str().unwrap_or("").into()),
+        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_u64) => Prompt::Ids(
+            a.iter()
+                .map(|v| {
+                    u32::try_from(v.as_u64().unwrap_or(u64::MAX))
+                        .map_err(|_| GatewayError::Invalid("token id too large".into()))
+                })
+                .collect::<Result<_>>()?,
+        ),
+        _ => {
+            return Err(GatewayError::Invalid(
+                "prompt must be a string or an array of token ids".into(),
+            ))
+        }
+    };
+    let p = common_params(&b, request_id(&h)?, prompt, &["max_tokens"])?;
+    create(gw, h, tenant, p, opt_bool(&b, "stream")?, Kind::Completion).await
+}
+
+pub(super) async fn create(
+    gw: Arc<Gateway>,
+    h: HeaderMap,
+    tenant: String,
+    p: GenerateParams,
+    stream: bool,
+    kind: Kind,
+) -> Result<Response> {
+    let after = last_event_id(&h)?;
+    let (info, model) = gw.submit(&tenant, &p).await?;
+    let rid = p.request_id.clone();
+    let gid = info.generation_id;
+    let url = kind.stream_url(&rid);
+    let rx = gw.events(info.clone(), after)?;
+    if !stream {
+        let (text, last) = collect(rx).await?;
+        let f = last.finish.as_ref().expect("last");
+        if f.reason == "error" {
+            return Err(GatewayError::Unavailable(format!("generation failed: {}", f.detail)));
+        }
+        let choice = match kind {
+            Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text},
+                                 "logprobs": null, "finish_reason": openai_finish(f.reason)}),
+            Kind::Completion => json!({"index": 0, "text": text, "logprobs": null,
+                                       "finish_reason": openai_finish(f.reason)}),
+        };
+        let object = if kind == Kind::Chat {
+            "chat.completion"
+        } else {
+            "text_completion"
+        };
+        let body = json!({"id": kind.id(&rid), "object": object, "created": created_s(&info), "model": model,
+                          "choices": [choice], "usage": usage_json(&last), "system_fingerprint": null});
+        return Ok(with_headers(Json(body).into_response(), &rid, gid, Some(url)));
+    }
+    let started = Instant::now();
+    let resp = chunk_stream(gw, rx, kind, rid.clone(), model, created_s(&info), Some(started)).into_response();
+    Ok(with_headers(resp, &rid, gid, Some(url)))
+}
+
+pub(super) async fn chat_resume(State(gw): Gw, h: HeaderMap, Path(rid): Path<String>) -> Result<Response> {
+    resume(gw, h, rid, Kind::Chat).await
+}
+
+pub(super) async fn completions_resume(State(gw): Gw, h: HeaderMap, Path(rid): Path<String>) -> Result<Response> {
+    resume(gw, h, rid, Kind::Completion).await
+}
+
+pub(super) async fn resume(gw: Arc<Gateway>, h: HeaderMap, rid: String, kind: Kind) -> Result<Response> {
+    let tenant = tenant(&gw, &h)?;
+    let after = last_event_id(&h)?;
+    let info = gw.lookup(&tenant, &rid).await?;
+    gw.metrics.resumes.inc();
+    tracing::info!(tenant, request_id = %rid, after, "http resume");
+    let model = gw.model_name(&info).await;
+    let gid = info.generation_id;
+    let created = created_s(&info);
+    let rx = gw.events(info, after)?;
+    let resp = chunk_stream(gw, rx, kind, rid.clone(), model, created, None).into_response();
+    Ok(with_headers(resp, &rid, gid, Some(kind.stream_url(&rid))))
+}
+
+/// SSE of chat.completion.chunk / text_completion objects, `id: <seq>` on each, `[DONE]` last.
+pub(super) fn chunk_stream(
+    gw: Arc<Gateway>,
+    mut rx: mpsc::Receiver<Result<Event>>,
+    kind: Kind,
+    rid: String,
+    model: String,
+    created: u64,
+    started: Option<Instant>,
+) -> Sse<impl Stream<Item = std::result::Result<SseEvent, Infallible>>> {
+    let (tx, out) = mpsc::channel(SSE_BUFFER_EVENTS);
+    tokio::spawn(async move {
+        let mut first = started;
+        while let Some(ev) = rx.recv().await {
+            let ev = match ev {
+                Ok(e) => e,
+                Err(e) => {
+                    gw.metrics.stream_errors.inc();
+                    let _ = tx.send(SseEvent::default().data(e.openai_body().to_string())).await;
+                    return;
+                }
+            };
+            if let (Some(t), Some(_)) = (first, ev.token_id) {
+                gw.metrics.first_token_seconds.observe(t.elapsed().as_secs_f64());
+                first = None;
+            }
+            let finish = ev.finish.as_ref();
+            if finish.is_some_and(|f| f.reason == "error") {
+                let err = GatewayError::Unavailable(format!("generation failed: {}", finish.unwrap().detail));
+                let _ = tx
+                    .send(
+                        SseEvent::default()
+                            .id(ev.seq.to_string())
+                            .data(err.openai_body().to_string()),
+                    )
+                    .await;
+                return;
+            }
+            let fr = finish.map(|f| openai_finish(f.reason));
+            let mut chunk = match kind {
+                Kind::Chat => {
+                    let mut delta = json!({"content": ev.text});
+                    if ev.seq == 0 {
+                        delta["role"] = json!("assistant");
+                    }
+                    json!({"id": kind.id(&rid), "object": "chat.completion.chunk", "created": created, "model": model,
+                           "system_fingerprint": null,
+                           "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": fr}]})
+                }
+                Kind::Completion => json!({"id": kind.id(&rid), "object": "text_completion", "created": created,
+                                           "model": model,
+                                           "choices": [{"index": 0, "text": ev.text, "logprobs": null, "finish_reason": fr}]}),
+            };
+            chunk["tokenlog"] =
+                json!({"seq": ev.seq, "generation": ev.generation, "epoch": ev.epoch, "token_id": ev.token_id});
+            if finish.is_some() {
+                chunk["usage"] = usage_json(&ev);
+            }
+            if tx
+                .send(SseEvent::default().id(ev.seq.to_string()).data(chunk.to_string()))
+                .await
+                .is_err()
+            {
+                return;
+            }
+            if finish.is_some() {
+                let _ = tx.send(SseEvent::default().data("[DONE]")).await;
+                return;
+            }
+        }
+    });
+    sse(out)
+}

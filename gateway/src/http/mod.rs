@@ -1,0 +1,165 @@
+//! The OpenAI-compatible HTTP API, on the same [`Gateway`] as the gRPC service.
+//!
+//! - `GET /v1/models`, `GET /v1/models/{name}`
+//! - `POST /v1/chat/completions`, `POST /v1/completions`: streaming (SSE) and not. The
+//!   `Idempotency-Key` header is the request id (one is generated when absent and returned in
+//!   `x-request-id`). Every SSE event carries `id: <seq>`; the stream resumes at
+//!   `GET /v1/chat/completions/{request_id}/stream` (or `/v1/completions/...`) after the seq in
+//!   `Last-Event-ID` (the URL is in the `x-tokenlog-stream-url` header). A POST repeated with the
+//!   same key and a `Last-Event-ID` resumes too.
+//! - `POST /v1/responses` (`background`, `stream`), `GET /v1/responses/{id}` and
+//!   `GET /v1/responses/{id}?stream=true&starting_after=N`, `POST /v1/responses/{id}/cancel`.
+//!   Event `sequence_number`s are a pure function of the log (see `responses::response_stream`), so a
+//!   stream resumed on any gateway continues exactly after N.
+//! - `GET /metrics` (Prometheus), `GET /healthz`.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::http::{HeaderMap, HeaderValue};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::Stream;
+use serde_json::{json, Value};
+use tokenlog_decoder::ChatMessage;
+use tokenlog_proto::raftlog as pb;
+use tokio::sync::mpsc;
+
+use crate::core::{is_terminal, random_request_id, Event, Gateway, GenerateParams, Prompt};
+use crate::error::{GatewayError, Result};
+use crate::limits::{HTTP_BODY_BYTES_MAX, SSE_BUFFER_EVENTS};
+
+mod chat;
+mod parse;
+mod responses;
+
+use chat::*;
+use parse::*;
+use responses::*;
+
+type Gw = State<Arc<Gateway>>;
+
+pub fn router(gw: Arc<Gateway>) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/metrics", get(metrics))
+        .route("/v1/models", get(list_models))
+        .route("/v1/models/{name}", get(get_model))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/chat/completions/{rid}/stream", get(chat_resume))
+        .route("/v1/completions", post(completions))
+        .route("/v1/completions/{rid}/stream", get(completions_resume))
+        .route("/v1/responses", post(create_response))
+        .route("/v1/responses/{id}", get(get_response))
+        .route("/v1/responses/{id}/cancel", post(cancel_response))
+        .layer(DefaultBodyLimit::max(HTTP_BODY_BYTES_MAX))
+        .with_state(gw)
+}
+
+async fn metrics(State(gw): Gw) -> impl IntoResponse {
+    (
+        [(
+            "content-type",
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        gw.metrics.render(),
+    )
+}
+
+fn tenant(gw: &Gateway, h: &HeaderMap) -> Result<String> {
+    let auth = h.get("authorization").and_then(|v| v.to_str().ok());
+    let xkey = h.get("x-api-key").and_then(|v| v.to_str().ok());
+    gw.http_request();
+    gw.tenant(crate::tenants::key_from_headers(auth, xkey))
+}
+
+fn encode_path(s: &str) -> String {
+    let mut out = String::new();
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+fn with_headers(mut r: Response, rid: &str, generation: u64, stream_url: Option<String>) -> Response {
+    let h = r.headers_mut();
+    if let Ok(v) = HeaderValue::from_str(rid) {
+        h.insert("x-request-id", v);
+    }
+    h.insert("x-tokenlog-generation", HeaderValue::from(generation));
+    if let Some(u) = stream_url.and_then(|u| HeaderValue::from_str(&u).ok()) {
+        h.insert("x-tokenlog-stream-url", u);
+    }
+    r
+}
+
+fn created_s(info: &pb::GenerationInfo) -> u64 {
+    info.submitted_log_ms / 1000
+}
+
+fn sse(rx: mpsc::Receiver<SseEvent>) -> Sse<impl Stream<Item = std::result::Result<SseEvent, Infallible>>> {
+    use futures::StreamExt;
+    Sse::new(tokio_stream::wrappers::ReceiverStream::new(rx).map(Ok)).keep_alive(KeepAlive::default())
+}
+
+/// Reads every event of a stream into (text, last event); fails on a stream error.
+async fn collect(mut rx: mpsc::Receiver<Result<Event>>) -> Result<(String, Event)> {
+    let mut text = String::new();
+    while let Some(e) = rx.recv().await {
+        let e = e?;
+        text.push_str(&e.text);
+        if e.finish.is_some() {
+            return Ok((text, e));
+        }
+    }
+    Err(GatewayError::Unavailable(
+        "event stream ended before the generation did".into(),
+    ))
+}
+
+fn openai_finish(reason: &str) -> &'static str {
+    match reason {
+        "length" => "length",
+        _ => "stop",
+    }
+}
+
+fn usage_json(e: &Event) -> Value {
+    let f = e.finish.as_ref().expect("last event");
+    json!({"prompt_tokens": f.prompt_tokens, "completion_tokens": f.completion_tokens,
+           "total_tokens": f.prompt_tokens + f.completion_tokens})
+}
+
+// ------------------------------------------------------------------ models
+
+async fn list_models(State(gw): Gw, h: HeaderMap) -> Result<Json<Value>> {
+    tenant(&gw, &h)?;
+    let models = gw.models().await?;
+    let data: Vec<Value> = models.iter().map(model_json).collect();
+    Ok(Json(json!({"object": "list", "data": data})))
+}
+
+fn model_json(m: &pb::ModelInfo) -> Value {
+    json!({"id": m.name, "object": "model", "created": 0, "owned_by": "tokenlog",
+           "context_length": m.context_tokens, "decoders": m.decoders.len(),
+           "weights_sha256": m.identity.as_ref().map(|i| i.weights_sha256.clone())})
+}
+
+async fn get_model(State(gw): Gw, h: HeaderMap, Path(name): Path<String>) -> Result<Json<Value>> {
+    tenant(&gw, &h)?;
+    let models = gw.models().await?;
+    models
+        .iter()
+        .find(|m| m.name == name)
+        .map(|m| Json(model_json(m)))
+        .ok_or_else(|| GatewayError::NotFound(format!("unknown model {name:?}")))
+}

@@ -1,0 +1,300 @@
+//! `/v1/responses`: create (`background`, `stream`), retrieve (and resume its stream at
+//! `starting_after`), cancel; event sequence numbers that are a pure function of the log.
+
+use super::*;
+
+pub(super) fn response_id(rid: &str) -> String {
+    format!("resp_{rid}")
+}
+
+pub(super) fn rid_of(response_id: &str) -> Result<&str> {
+    response_id
+        .strip_prefix("resp_")
+        .ok_or_else(|| GatewayError::NotFound(format!("no response {response_id:?} (ids start with resp_)")))
+}
+
+pub(super) async fn create_response(State(gw): Gw, h: HeaderMap, body: Bytes) -> Result<Response> {
+    let tenant = tenant(&gw, &h)?;
+    let b = parse_body(&body)?;
+    let mut msgs = Vec::new();
+    if let Some(i) = opt_str(&b, "instructions")? {
+        msgs.push(ChatMessage::system(i));
+    }
+    match b.get("input") {
+        Some(Value::String(s)) => msgs.push(ChatMessage::user(s.clone())),
+        Some(Value::Array(items)) => {
+            for it in items {
+                let ty = it.get("type").and_then(Value::as_str).unwrap_or("message");
+                if ty != "message" {
+                    return Err(GatewayError::Invalid(format!(
+                        "input item type {ty:?} is not supported (messages only)"
+                    )));
+                }
+                let role = it
+                    .get("role")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| GatewayError::Invalid("each input message needs a role".into()))?;
+                msgs.push(ChatMessage::new(
+                    role,
+                    content_text(it.get("content").unwrap_or(&Value::Null))?,
+                ));
+            }
+        }
+        _ => {
+            return Err(GatewayError::Invalid(
+                "input must be a string or an array of messages".into(),
+            ))
+        }
+    }
+    let p = common_params(&b, request_id(&h)?, Prompt::Chat(msgs), &["max_output_tokens"])?;
+    let stream = opt_bool(&b, "stream")?;
+    let background = opt_bool(&b, "background")?;
+    let (info, model) = gw.submit(&tenant, &p).await?;
+    let rid = p.request_id.clone();
+    let gid = info.generation_id;
+    let url = format!(
+        "/v1/responses/{}?stream=true&starting_after=",
+        encode_path(&response_id(&rid))
+    );
+    let r = if stream {
+        let rx = gw.events(info.clone(), -1)?;
+        response_stream(gw, rx, info, model, background, -1).into_response()
+    } else if background {
+        Json(response_json(&info, &model, background, "", None)).into_response()
+    } else {
+        let rx = gw.events(info.clone(), -1)?;
+        let (text, last) = collect(rx).await?;
+        let info = gw.lookup(&tenant, &rid).await.unwrap_or(info);
+        Json(response_json(&info, &model, background, &text, Some(&last))).into_response()
+    };
+    Ok(with_headers(r, &rid, gid, Some(url)))
+}
+
+#[derive(serde::Deserialize)]
+pub(super) struct RetrieveQuery {
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    starting_after: Option<i64>,
+}
+
+pub(super) async fn get_response(
+    State(gw): Gw,
+    h: HeaderMap,
+    Path(id): Path<String>,
+    Query(q): Query<RetrieveQuery>,
+) -> Result<Response> {
+    let tenant = tenant(&gw, &h)?;
+    let rid = rid_of(&id)?;
+    let info = gw.lookup(&tenant, rid).await?;
+    let model = gw.model_name(&info).await;
+    if q.stream.unwrap_or(false) {
+        let after = q.starting_after.unwrap_or(-1);
+        if after < -1 {
+            return Err(GatewayError::Invalid("starting_after must be >= -1".into()));
+        }
+        gw.metrics.resumes.inc();
+        tracing::info!(tenant, request_id = %rid, starting_after = after, "responses resume");
+        let rx = gw.events(info.clone(), -1)?;
+        return Ok(response_stream(gw, rx, info, model, true, after).into_response());
+    }
+    // Not streaming: the response as it stands (text up to the current frontier).
+    let frontier = info.frontier;
+    let terminal = is_terminal(&info);
+    let mut text = String::new();
+    let mut last = None;
+    // Nothing committed and not over: there is no text to read (and no event would come yet).
+    if terminal || frontier > 0 {
+        let mut rx = gw.events(info.clone(), -1)?;
+        while let Some(e) = rx.recv().await {
+            let e = e?;
+            text.push_str(&e.text);
+            if e.finish.is_some() {
+                last = Some(e);
+                break;
+            }
+            if !terminal && e.seq + 1 >= frontier {
+                break;
+            }
+        }
+    }
+    Ok(Json(response_json(&info, &model, true, &text, last.as_ref())).into_response())
+}
+
+pub(super) async fn cancel_response(State(gw): Gw, h: HeaderMap, Path(id): Path<String>) -> Result<Json<Value>> {
+    let tenant = tenant(&gw, &h)?;
+    let rid = rid_of(&id)?;
+    let info = gw.cancel(&tenant, rid).await?;
+    let model = gw.model_name(&info).await;
+    Ok(Json(response_json(&info, &model, true, "", None)))
+}
+
+/// `status` of a response object for a generation (and its last event when it has ended).
+pub(super) fn response_status(info: &pb::GenerationInfo, last: Option<&Event>) -> (&'static str, Value, Value) {
+    let (reason, detail) = match last.and_then(|e| e.finish.as_ref()) {
+        Some(f) => (f.reason, f.detail.clone()),
+        None if is_terminal(info) => (
+            crate::core::finish_reason_str(info.finish_reason),
+            info.finish_detail.clone(),
+        ),
+        None => {
+            let running = info.frontier > 0 || info.lease.as_ref().is_some_and(|l| l.epoch > 0);
+            return (if running { "in_progress" } else { "queued" }, Value::Null, Value::Null);
+        }
+    };
+    match reason {
+        "stop" => ("completed", Value::Null, Value::Null),
+        "length" => ("incomplete", json!({"reason": "max_output_tokens"}), Value::Null),
+        "cancelled" => ("cancelled", Value::Null, Value::Null),
+        _ => (
+            "failed",
+            Value::Null,
+            json!({"code": "server_error", "message": detail}),
+        ),
+    }
+}
+
+pub(super) fn message_item(rid: &str, status: &str, text: Option<&str>) -> Value {
+    let content = match text {
+        Some(t) => json!([{"type": "output_text", "text": t, "annotations": []}]),
+        None => json!([]),
+    };
+    json!({"type": "message", "id": format!("msg_{rid}"), "status": status, "role": "assistant", "content": content})
+}
+
+pub(super) fn response_json(
+    info: &pb::GenerationInfo,
+    model: &str,
+    background: bool,
+    text: &str,
+    last: Option<&Event>,
+) -> Value {
+    let (status, incomplete, error) = response_status(info, last);
+    let rid = &info.request_id;
+    let output = if text.is_empty() && last.is_none() {
+        json!([])
+    } else {
+        let item_status = if last.is_some() { "completed" } else { "in_progress" };
+        json!([message_item(rid, item_status, Some(text))])
+    };
+    let prompt = crate::core::prompt_tokens(info);
+    let done = last
+        .and_then(|e| e.finish.as_ref())
+        .map_or(info.frontier, |f| f.completion_tokens);
+    json!({
+        "id": response_id(rid), "object": "response", "created_at": created_s(info), "status": status,
+        "background": background, "model": model, "output": output, "output_text": text,
+        "error": error, "incomplete_details": incomplete, "instructions": null, "metadata": {},
+        "parallel_tool_calls": false, "tool_choice": "none", "tools": [], "temperature": null, "top_p": null,
+        "usage": {"input_tokens": prompt, "output_tokens": done, "total_tokens": prompt + done,
+                  "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}},
+    })
+}
+
+/// The Responses API event sequence of a generation. Sequence numbers are a pure function of the
+/// committed records, so a resumed stream continues exactly after `starting_after`:
+/// 0 `response.created`, 1 `response.in_progress`, 2 `response.output_item.added`,
+/// 3 `response.content_part.added`, 4+seq one `response.output_text.delta` per token, then (after
+/// F tokens) the held-back remainder as one more delta if it is not empty, then
+/// `output_text.done`, `content_part.done`, `output_item.done` and `response.completed` (or
+/// `incomplete` / `failed` / `cancelled`).
+pub(super) fn response_stream(
+    gw: Arc<Gateway>,
+    mut rx: mpsc::Receiver<Result<Event>>,
+    info: pb::GenerationInfo,
+    model: String,
+    background: bool,
+    after: i64,
+) -> Sse<impl Stream<Item = std::result::Result<SseEvent, Infallible>>> {
+    let (tx, out) = mpsc::channel(SSE_BUFFER_EVENTS);
+    tokio::spawn(async move {
+        let rid = info.request_id.clone();
+        let item_id = format!("msg_{rid}");
+        let mut n: i64 = 0;
+        // Sends event `n` when it is after `after`; false when the client went away.
+        macro_rules! emit {
+            ($ty:expr, $body:expr) => {{
+                let mut body: Value = $body;
+                body["type"] = json!($ty);
+                body["sequence_number"] = json!(n);
+                let ok = if n > after {
+                    tx.send(SseEvent::default().event($ty).data(body.to_string()))
+                        .await
+                        .is_ok()
+                } else {
+                    true
+                };
+                n += 1;
+                if !ok {
+                    return;
+                }
+            }};
+        }
+        let mut start_info = info.clone();
+        start_info.state = pb::GenerationState::Running as i32;
+        let start = response_json(&start_info, &model, background, "", None);
+        emit!("response.created", json!({"response": start.clone()}));
+        emit!("response.in_progress", json!({"response": start}));
+        emit!(
+            "response.output_item.added",
+            json!({"output_index": 0, "item": message_item(&rid, "in_progress", None)})
+        );
+        emit!(
+            "response.content_part.added",
+            json!({"item_id": item_id, "output_index": 0, "content_index": 0,
+                                                     "part": {"type": "output_text", "text": "", "annotations": []}})
+        );
+        let mut text = String::new();
+        while let Some(ev) = rx.recv().await {
+            let ev = match ev {
+                Ok(e) => e,
+                Err(e) => {
+                    gw.metrics.stream_errors.inc();
+                    let body = json!({"type": "error", "code": e.http().2, "message": e.to_string(), "param": null,
+                                      "sequence_number": n});
+                    let _ = tx.send(SseEvent::default().event("error").data(body.to_string())).await;
+                    return;
+                }
+            };
+            text.push_str(&ev.text);
+            if ev.finish.is_none() || !ev.text.is_empty() {
+                emit!(
+                    "response.output_text.delta",
+                    json!({"item_id": item_id, "output_index": 0, "content_index": 0,
+                                                            "delta": ev.text, "logprobs": []})
+                );
+            }
+            if ev.finish.is_some() {
+                let part = json!({"type": "output_text", "text": text, "annotations": []});
+                emit!(
+                    "response.output_text.done",
+                    json!({"item_id": item_id, "output_index": 0, "content_index": 0,
+                                                           "text": text, "logprobs": []})
+                );
+                emit!(
+                    "response.content_part.done",
+                    json!({"item_id": item_id, "output_index": 0, "content_index": 0,
+                                                            "part": part})
+                );
+                emit!(
+                    "response.output_item.done",
+                    json!({"output_index": 0,
+                                                           "item": message_item(&rid, "completed", Some(&text))})
+                );
+                let mut end_info = info.clone();
+                end_info.state = pb::GenerationState::Finished as i32;
+                let resp = response_json(&end_info, &model, background, &text, Some(&ev));
+                let ty = match resp["status"].as_str() {
+                    Some("completed") => "response.completed",
+                    Some("incomplete") => "response.incomplete",
+                    Some("cancelled") => "response.cancelled",
+                    _ => "response.failed",
+                };
+                emit!(ty, json!({"response": resp}));
+                let _ = n;
+                return;
+            }
+        }
+    });
+    sse(out)
+}

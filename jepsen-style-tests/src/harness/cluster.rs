@@ -1,0 +1,273 @@
+//! Starting a run's cluster: the log nodes, decoders and gateways of a [`RunConfig`], each its
+//! own `tokenlog` process, and the leader watcher.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use serde_json::{json, Value};
+use tokenlog_raftlog::client::LogClient;
+
+use super::procs::{free_port, wait_for_port, Proc, Role};
+use super::{nemesis, net, now_us, Cluster, Fault, Plant, RunConfig, FAILPOINTS_ENV};
+
+/// Starts the processes of `cfg` (decoder 1 only when `cfg.standby_later`) and the leader
+/// watcher; returns once the nodes and gateways listen and a decoder has registered.
+pub async fn start_cluster(cfg: &RunConfig) -> Result<Cluster> {
+    let started = Instant::now();
+    std::fs::create_dir_all(&cfg.out).with_context(|| format!("{}", cfg.out.display()))?;
+    let dir = cfg.out.clone();
+    let bin = &cfg.bin;
+    anyhow::ensure!(
+        bin.exists(),
+        "no tokenlog binary at {} (cargo build --workspace)",
+        bin.display()
+    );
+    // --- the cluster
+    let net = if cfg.netns {
+        Some(net::Netns::create(3).context("making network namespaces")?)
+    } else {
+        None
+    };
+    let node_addrs: Vec<String> = match &net {
+        Some(n) => n.ips.iter().map(|ip| format!("{ip}:7001")).collect(),
+        None => (0..3).map(|_| format!("127.0.0.1:{}", free_port())).collect(),
+    };
+    let mut faults = cfg.faults.clone();
+    if net.is_none() && faults.contains(&Fault::Partition) {
+        eprintln!("partition left out: it needs --netns");
+        faults.retain(|f| *f != Fault::Partition);
+    }
+    let peers = node_addrs
+        .iter()
+        .enumerate()
+        .map(|(i, a)| format!("{}={a}", i + 1))
+        .collect::<Vec<_>>()
+        .join(",");
+    let cluster = node_addrs.join(",");
+    let (mut nodes, node_dirs) = node_procs(cfg, &dir, net.as_ref(), &node_addrs, &peers);
+    let mut decoders = decoder_procs(cfg, &dir, &cluster);
+    let (mut gateways, gateway_addrs) = gateway_procs(cfg, &dir, &cluster);
+    let first_decoders = if cfg.standby_later { 1 } else { decoders.len() };
+    for p in nodes
+        .iter_mut()
+        .chain(gateways.iter_mut())
+        .chain(decoders.iter_mut().take(first_decoders))
+    {
+        p.start()?;
+    }
+    for p in nodes.iter().chain(gateways.iter()) {
+        wait_for_port(p.ready_addr.as_deref().expect("set"), Duration::from_secs(30))?;
+    }
+    let log = LogClient::new(node_addrs.clone())?;
+    wait_for_model(&log).await?;
+    let procs = Arc::new(Mutex::new(nemesis::Procs {
+        net,
+        nodes,
+        node_dirs,
+        gateways,
+        decoders,
+    }));
+
+    // --- leader watcher
+    let leader = Arc::new(Mutex::new(None::<usize>));
+    let leader_changes = Arc::new(Mutex::new(Vec::<Value>::new()));
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let watcher = spawn_leader_watcher(&node_addrs, leader.clone(), leader_changes.clone(), stop_rx)?;
+    Ok(Cluster {
+        procs,
+        node_addrs,
+        gateway_addrs,
+        log,
+        leader,
+        faults,
+        leader_changes,
+        stop_watcher: stop_tx,
+        watcher,
+        started,
+    })
+}
+
+/// The log nodes' process slots (in their namespaces when `net` is set) and data dirs.
+fn node_procs(
+    cfg: &RunConfig,
+    dir: &Path,
+    net: Option<&net::Netns>,
+    node_addrs: &[String],
+    peers: &str,
+) -> (Vec<Proc>, Vec<PathBuf>) {
+    let bin = &cfg.bin;
+    let mut nodes = Vec::new();
+    let mut node_dirs = Vec::new();
+    for (i, a) in node_addrs.iter().enumerate() {
+        let d = dir.join(format!("node{}-data", i + 1));
+        // A fresh cluster: data left by an earlier run in the same directory is not ours.
+        let _ = std::fs::remove_dir_all(&d);
+        let args = vec![
+            "node".into(),
+            "--id".into(),
+            (i + 1).to_string(),
+            "--listen".into(),
+            a.clone(),
+            "--data-dir".into(),
+            d.display().to_string(),
+            "--peers".into(),
+            peers.to_string(),
+            "--heartbeat-ms".into(),
+            "50".into(),
+            "--election-min-ms".into(),
+            "300".into(),
+            "--election-max-ms".into(),
+            "600".into(),
+            "--snapshot-every".into(),
+            "500".into(),
+        ];
+        let mut p = match net {
+            // `ip netns exec NS tokenlog ...` execs tokenlog in place: the pid is the node's.
+            Some(n) => {
+                let mut full = n.exec_prefix(i);
+                full.push(bin.display().to_string());
+                full.extend(args);
+                Proc::new(
+                    &format!("node{}", i + 1),
+                    Role::Node,
+                    std::path::Path::new("ip"),
+                    full,
+                    dir,
+                )
+            }
+            None => Proc::new(&format!("node{}", i + 1), Role::Node, bin, args, dir),
+        };
+        match cfg.plant {
+            Some(Plant::NoFence) => p = p.env("TOKENLOG_PLANT_NO_FENCE", "1"),
+            Some(Plant::AckBeforeFsync) => p = p.env("TOKENLOG_PLANT_ACK_BEFORE_FSYNC", "1"),
+            Some(Plant::EarlyVisibility) => p = p.env("TOKENLOG_PLANT_EARLY_VISIBILITY", "1"),
+            None => {}
+        }
+        p.ready_addr = Some(a.clone());
+        nodes.push(p);
+        node_dirs.push(d);
+    }
+    (nodes, node_dirs)
+}
+
+/// The decoders' process slots (decoder 1 with `cfg.decoder1_failpoints` on its first start).
+fn decoder_procs(cfg: &RunConfig, dir: &Path, cluster: &str) -> Vec<Proc> {
+    let bin = &cfg.bin;
+    let mut decoders = Vec::new();
+    for i in 0..cfg.decoders {
+        let model: Vec<String> = if cfg.real_model {
+            vec!["--threads".into(), "1".into()]
+        } else {
+            vec!["--fake".into(), "--fake-step-ms".into(), cfg.step_ms.to_string()]
+        };
+        let args = [
+            vec!["decoder".to_string()],
+            model,
+            vec![
+                "--lease-ms".into(),
+                cfg.lease_ms.to_string(),
+                "--capacity".into(),
+                "4".into(),
+                "--decoder-id".into(),
+                format!("d{}-{{inc}}", i + 1),
+                "--history".into(),
+                dir.join(format!("decoder{}.jsonl", i + 1)).display().to_string(),
+                "--cluster".into(),
+                cluster.to_string(),
+            ],
+        ]
+        .concat();
+        let mut p = Proc::new(&format!("decoder{}", i + 1), Role::Decoder, bin, args, dir);
+        if i == 0 {
+            if let Some(fp) = &cfg.decoder1_failpoints {
+                p = p.first_env(FAILPOINTS_ENV, fp);
+            }
+        }
+        decoders.push(p);
+    }
+    decoders
+}
+
+/// The gateways' process slots and their gRPC addresses.
+fn gateway_procs(cfg: &RunConfig, dir: &Path, cluster: &str) -> (Vec<Proc>, Vec<String>) {
+    let bin = &cfg.bin;
+    let mut gateways = Vec::new();
+    let mut gateway_addrs = Vec::new();
+    for i in 0..cfg.gateways {
+        let grpc = format!("127.0.0.1:{}", free_port());
+        let http = format!("127.0.0.1:{}", free_port());
+        let mut args: Vec<String> = vec!["gateway".into()];
+        if !cfg.real_model {
+            args.push("--fake".into());
+        }
+        args.extend([
+            "--cluster".into(),
+            cluster.to_string(),
+            "--grpc-listen".into(),
+            grpc.clone(),
+            "--http-listen".into(),
+            http,
+        ]);
+        let mut p = Proc::new(&format!("gateway{}", i + 1), Role::Gateway, bin, args, dir);
+        p.ready_addr = Some(grpc.clone());
+        gateways.push(p);
+        gateway_addrs.push(grpc);
+    }
+    (gateways, gateway_addrs)
+}
+
+/// Spawns the task that asks every node for the leader until `stop`, recording each change.
+fn spawn_leader_watcher(
+    node_addrs: &[String],
+    leader: Arc<Mutex<Option<usize>>>,
+    changes: Arc<Mutex<Vec<Value>>>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<tokio::task::JoinHandle<()>> {
+    // One client per node (each asks only its own node), made once.
+    let clients = node_addrs
+        .iter()
+        .map(|a| LogClient::with_budget(vec![a.clone()], Duration::from_millis(200)))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(tokio::spawn(async move {
+        // A leader is counted when it is the first seen at a higher term (a deposed leader
+        // that has not noticed yet still answers as leader of its old term).
+        let mut last = (0u64, 0u64);
+        loop {
+            for (i, c) in clients.iter().enumerate() {
+                if let Ok(Ok(st)) =
+                    tokio::time::timeout(Duration::from_millis(300), async { c.cluster_status(false).await }).await
+                {
+                    if st.leader_id != 0 && st.node_id == st.leader_id && st.term >= last.0 {
+                        *leader.lock().expect("lock") = Some(i);
+                        if (st.term, st.leader_id) != last {
+                            changes.lock().expect("lock").push(
+                                json!({"op": "leader", "node": st.leader_id, "term": st.term, "at_us": now_us()}),
+                            );
+                            last = (st.term, st.leader_id);
+                        }
+                    }
+                }
+            }
+            tokio::select! {
+                _ = stop.wait_for(|s| *s) => return,
+                _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+            }
+        }
+    }))
+}
+
+/// Waits (up to 60 s) until a decoder has registered its model.
+async fn wait_for_model(log: &LogClient) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(r) = log.list_models().await {
+            if !r.models.is_empty() {
+                return Ok(());
+            }
+        }
+        anyhow::ensure!(Instant::now() < deadline, "no decoder registered within 60 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

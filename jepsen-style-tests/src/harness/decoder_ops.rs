@@ -1,0 +1,270 @@
+//! The decoders' side of a run: each decoder's history file (typed `HistoryLine`s, written by
+//! `tokenlog_decoder::history`) joined into one [`DecoderOp`] per call (invoke + complete, or
+//! invoke alone when the decoder died with the call in flight) or per event.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use serde_json::Value;
+use tokenlog_decoder::history::{Answer, Call, DecoderEvent, HistoryLine};
+
+/// One operation or event of one decoder.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DecoderOp {
+    pub decoder: String,
+    /// When the call was sent, or when the event happened.
+    pub invoke_us: u64,
+    /// When the answer arrived; `None` for events and for calls whose answer was never recorded.
+    pub complete_us: Option<u64>,
+    pub kind: OpKind,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum OpKind {
+    Call { call: Call, answer: Option<Answer> },
+    Event(DecoderEvent),
+}
+
+impl DecoderOp {
+    /// `acquire`, `append`, `resumed` or `failpoint`.
+    pub fn op(&self) -> &'static str {
+        match &self.kind {
+            OpKind::Call {
+                call: Call::Acquire { .. },
+                ..
+            } => "acquire",
+            OpKind::Call {
+                call: Call::Append { .. },
+                ..
+            } => "append",
+            OpKind::Event(DecoderEvent::Resumed { .. }) => "resumed",
+            OpKind::Event(DecoderEvent::Failpoint { .. }) => "failpoint",
+        }
+    }
+
+    pub fn gen(&self) -> u64 {
+        match &self.kind {
+            OpKind::Call {
+                call: Call::Acquire { gen },
+                ..
+            }
+            | OpKind::Call {
+                call: Call::Append { gen, .. },
+                ..
+            } => *gen,
+            OpKind::Event(DecoderEvent::Resumed { gen, .. }) | OpKind::Event(DecoderEvent::Failpoint { gen, .. }) => {
+                *gen
+            }
+        }
+    }
+
+    /// The call's answer: `Some(true)` accepted, `Some(false)` rejected, `None` unknown (or an
+    /// event).
+    pub fn ok(&self) -> Option<bool> {
+        match &self.kind {
+            OpKind::Call {
+                answer: Some(Answer::Acquire { ok, .. } | Answer::Append { ok, .. }),
+                ..
+            } => *ok,
+            _ => None,
+        }
+    }
+
+    /// The epoch the operation is about: granted (acquire), written at (append), or the event's.
+    pub fn epoch(&self) -> u64 {
+        match &self.kind {
+            OpKind::Call {
+                call: Call::Acquire { .. },
+                answer,
+            } => match answer {
+                Some(Answer::Acquire { epoch, .. }) => *epoch,
+                _ => 0,
+            },
+            OpKind::Call {
+                call: Call::Append { epoch, .. },
+                ..
+            } => *epoch,
+            OpKind::Event(DecoderEvent::Resumed { epoch, .. })
+            | OpKind::Event(DecoderEvent::Failpoint { epoch, .. }) => *epoch,
+        }
+    }
+
+    /// The frontier the answer named (0 without one).
+    pub fn frontier(&self) -> u64 {
+        match &self.kind {
+            OpKind::Call {
+                answer: Some(Answer::Acquire { frontier, .. } | Answer::Append { frontier, .. }),
+                ..
+            } => u64::from(*frontier),
+            _ => 0,
+        }
+    }
+
+    /// An append's `(start_seq, n)`.
+    pub fn records(&self) -> Option<(u64, u64)> {
+        match &self.kind {
+            OpKind::Call {
+                call: Call::Append { start_seq, n, .. },
+                ..
+            } => Some((u64::from(*start_seq), u64::from(*n))),
+            _ => None,
+        }
+    }
+
+    /// A rejected append's current epoch and reason (`raftlog.v1.RejectReason`).
+    pub fn rejection(&self) -> Option<(u64, Option<i32>)> {
+        match &self.kind {
+            OpKind::Call {
+                answer:
+                    Some(Answer::Append {
+                        ok: Some(false),
+                        current_epoch,
+                        reason,
+                        ..
+                    }),
+                ..
+            } => Some((*current_epoch, *reason)),
+            _ => None,
+        }
+    }
+
+    /// One flat JSON object (the call's, the answer's and the times' fields), as the run's
+    /// `history.jsonl` and timeline show it.
+    pub fn to_json(&self) -> Value {
+        let mut v = match &self.kind {
+            OpKind::Call { call, answer } => {
+                let mut v = serde_json::to_value(call).unwrap_or_default();
+                match answer.as_ref().map(serde_json::to_value) {
+                    Some(Ok(Value::Object(a))) => {
+                        if let Some(o) = v.as_object_mut() {
+                            o.extend(a);
+                        }
+                    }
+                    _ => v["ok"] = Value::Null,
+                }
+                v
+            }
+            OpKind::Event(e) => serde_json::to_value(e).unwrap_or_default(),
+        };
+        v["decoder"] = self.decoder.clone().into();
+        v["invoke_us"] = self.invoke_us.into();
+        if let Some(c) = self.complete_us {
+            v["complete_us"] = c.into();
+        }
+        v
+    }
+}
+
+/// Reads `decoder1.jsonl` .. `decoder{n}.jsonl` in `dir` and joins each decoder's invoke and
+/// complete lines; sorted by invocation time. A line that does not parse (a kill mid-write) is
+/// skipped.
+pub fn read(dir: &Path, n: usize) -> Vec<DecoderOp> {
+    let mut out = Vec::new();
+    for i in 0..n {
+        let Ok(text) = std::fs::read_to_string(dir.join(format!("decoder{}.jsonl", i + 1))) else {
+            continue;
+        };
+        out.extend(join(
+            text.lines().filter_map(|l| serde_json::from_str::<HistoryLine>(l).ok()),
+        ));
+    }
+    out.sort_by_key(|o| o.invoke_us);
+    out
+}
+
+/// Joins history lines into operations.
+pub fn join(lines: impl IntoIterator<Item = HistoryLine>) -> Vec<DecoderOp> {
+    let mut ops: Vec<DecoderOp> = Vec::new();
+    let mut index: HashMap<(String, u64), usize> = HashMap::new();
+    for line in lines {
+        match line {
+            HistoryLine::Event { decoder, at_us, event } => ops.push(DecoderOp {
+                decoder,
+                invoke_us: at_us,
+                complete_us: None,
+                kind: OpKind::Event(event),
+            }),
+            HistoryLine::Invoke {
+                decoder,
+                id,
+                invoke_us,
+                call,
+            } => {
+                index.insert((decoder.clone(), id), ops.len());
+                ops.push(DecoderOp {
+                    decoder,
+                    invoke_us,
+                    complete_us: None,
+                    kind: OpKind::Call { call, answer: None },
+                });
+            }
+            HistoryLine::Complete {
+                decoder,
+                id,
+                complete_us,
+                answer: a,
+            } => {
+                let Some(&k) = index.get(&(decoder, id)) else {
+                    continue;
+                };
+                let op = &mut ops[k];
+                if let OpKind::Call { answer, .. } = &mut op.kind {
+                    *answer = Some(a);
+                    op.complete_us = Some(complete_us);
+                }
+            }
+        }
+    }
+    ops
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn invoke_and_complete_join_and_a_lost_answer_stays_open() {
+        let lines = vec![
+            HistoryLine::Invoke {
+                decoder: "d1".into(),
+                id: 0,
+                invoke_us: 5,
+                call: Call::Acquire { gen: 1 },
+            },
+            HistoryLine::Invoke {
+                decoder: "d1".into(),
+                id: 1,
+                invoke_us: 6,
+                call: Call::Append {
+                    gen: 1,
+                    epoch: 1,
+                    start_seq: 0,
+                    n: 2,
+                    finish: false,
+                },
+            },
+            HistoryLine::Complete {
+                decoder: "d1".into(),
+                id: 0,
+                complete_us: 9,
+                answer: Answer::Acquire {
+                    ok: Some(true),
+                    epoch: 1,
+                    frontier: 0,
+                },
+            },
+        ];
+        let ops = join(lines);
+        assert_eq!(ops.len(), 2);
+        assert_eq!(
+            (ops[0].op(), ops[0].ok(), ops[0].epoch(), ops[0].complete_us),
+            ("acquire", Some(true), 1, Some(9))
+        );
+        assert_eq!(
+            (ops[1].op(), ops[1].ok(), ops[1].records()),
+            ("append", None, Some((0, 2)))
+        );
+        assert_eq!(ops[1].to_json()["ok"], Value::Null);
+        assert_eq!(ops[0].to_json()["frontier"], 0);
+    }
+}

@@ -1,0 +1,277 @@
+//! Ending a run: the final state read from the cluster, the checkers' verdicts, the summary, and
+//! the report (`history.jsonl`, `verdicts.json`, `timeline.html`).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use serde_json::Value;
+use tokenlog_proto::raftlog as pb;
+use tokenlog_raftlog::client::LogClient;
+
+use super::checks::{self, FinalGen, Verdict};
+use super::decoder_ops::{self, DecoderOp};
+use super::procs::SelfExit;
+use super::workload::{self, RequestRecord};
+use super::{report, Cluster, RunConfig, RunSummary};
+
+/// Stops the leader watcher, reads the final state, stops every process, runs the checkers
+/// over `reqs` and the decoders' histories, and writes the report into `cfg.out`. Call it once
+/// the cluster is healed and the clients are done. Also returns the decoders' joined history.
+pub async fn conclude(
+    cfg: &RunConfig,
+    cluster: Cluster,
+    reqs: Vec<workload::RequestRecord>,
+    nemesis_records: Vec<Value>,
+) -> Result<(RunSummary, Vec<DecoderOp>)> {
+    let Cluster {
+        procs,
+        node_addrs,
+        log,
+        leader_changes,
+        stop_watcher,
+        watcher,
+        started,
+        ..
+    } = cluster;
+    let dir = cfg.out.clone();
+    let _ = stop_watcher.send(true);
+    let _ = watcher.await;
+    // --- final state
+    let finals = final_gens(&log, &reqs).await?;
+    let convergence = convergence(&node_addrs).await;
+    let decoder_ops = decoder_ops::read(&dir, cfg.decoders);
+    let self_exits = procs.lock().expect("lock").stop_all();
+    // Stop the processes before checking (and before the report).
+    drop(procs);
+
+    let verdicts = verdicts(cfg, &reqs, &finals, &decoder_ops, convergence, &self_exits);
+    let faults = fault_counts(&nemesis_records);
+    let leader_changes = leader_changes.lock().expect("lock").clone();
+    let summary = summarize(cfg, verdicts, faults, &reqs, &leader_changes, &decoder_ops, started);
+
+    // --- report
+    write_report(&dir, &summary, &reqs, &nemesis_records, &leader_changes, &decoder_ops)?;
+    Ok((summary, decoder_ops))
+}
+
+/// The final state of every generation a client saw (one gone from the log is left out).
+async fn final_gens(log: &LogClient, reqs: &[RequestRecord]) -> Result<HashMap<u64, FinalGen>> {
+    let mut finals = HashMap::new();
+    for r in reqs {
+        if r.generation != 0 && !finals.contains_key(&r.generation) {
+            match final_gen(log, r.generation).await {
+                Ok(f) => {
+                    finals.insert(r.generation, f);
+                }
+                // A generation a client saw is gone from the log: the checkers report it.
+                Err(e) if is_not_found(&e) => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    Ok(finals)
+}
+
+/// Runs every checker; `convergence` was judged while the nodes ran.
+fn verdicts(
+    cfg: &RunConfig,
+    reqs: &[RequestRecord],
+    finals: &HashMap<u64, FinalGen>,
+    decoder_ops: &[DecoderOp],
+    convergence: Verdict,
+    self_exits: &[SelfExit],
+) -> BTreeMap<String, Verdict> {
+    let mut verdicts = BTreeMap::new();
+    verdicts.insert("exactly-once".to_string(), checks::exactly_once(reqs, finals));
+    verdicts.insert("durability".to_string(), checks::durability(reqs, finals));
+    verdicts.insert("fencing".to_string(), checks::fencing(decoder_ops, finals));
+    let (lin, _) = checks::linearizability(decoder_ops, Duration::from_secs(20));
+    verdicts.insert("linearizability".to_string(), lin);
+    verdicts.insert("status".to_string(), checks::status(reqs));
+    verdicts.insert("liveness".to_string(), checks::liveness(reqs));
+    verdicts.insert("convergence".to_string(), convergence);
+    verdicts.insert(
+        "processes".to_string(),
+        checks::processes(self_exits, cfg.decoder1_failpoints.is_some()),
+    );
+    verdicts
+}
+
+/// How many times each fault struck.
+fn fault_counts(nemesis_records: &[Value]) -> BTreeMap<String, u64> {
+    let mut faults = BTreeMap::new();
+    for n in nemesis_records {
+        *faults
+            .entry(n["fault"].as_str().unwrap_or("?").to_string())
+            .or_insert(0) += 1;
+    }
+    faults
+}
+
+/// The run's summary from its verdicts and histories.
+fn summarize(
+    cfg: &RunConfig,
+    verdicts: BTreeMap<String, Verdict>,
+    faults: BTreeMap<String, u64>,
+    reqs: &[RequestRecord],
+    leader_changes: &[Value],
+    decoder_ops: &[DecoderOp],
+    started: Instant,
+) -> RunSummary {
+    RunSummary {
+        seed: cfg.seed,
+        ok: verdicts.values().all(|v| v.ok),
+        requests: reqs.len(),
+        tokens_seen: reqs.iter().map(|r| r.events.len()).sum(),
+        resumes: reqs.iter().map(|r| u64::from(r.connections.saturating_sub(1))).sum(),
+        takeovers: decoder_ops
+            .iter()
+            .filter(|o| o.op() == "acquire" && o.ok() == Some(true) && o.epoch() > 1)
+            .count() as u64,
+        fence_rejections: decoder_ops
+            .iter()
+            .filter(|o| matches!(o.rejection(), Some((_, Some(1) | Some(2)))))
+            .count() as u64,
+        leader_changes: leader_changes.len().saturating_sub(1) as u64,
+        faults,
+        decoder_ops: decoder_ops.len(),
+        verdicts,
+        seconds: started.elapsed().as_secs_f64(),
+    }
+}
+
+/// Writes `history.jsonl`, `verdicts.json` and `timeline.html` into `dir`; removes the node data dirs.
+fn write_report(
+    dir: &Path,
+    summary: &RunSummary,
+    reqs: &[RequestRecord],
+    nemesis_records: &[Value],
+    leader_changes: &[Value],
+    decoder_ops: &[DecoderOp],
+) -> Result<()> {
+    let mut history: Vec<Value> = reqs.iter().map(workload::to_json).collect();
+    history.extend(nemesis_records.iter().cloned());
+    history.extend(leader_changes.iter().cloned());
+    history.extend(decoder_ops.iter().map(DecoderOp::to_json));
+    let mut lines = String::new();
+    for h in &history {
+        lines.push_str(&h.to_string());
+        lines.push('\n');
+    }
+    std::fs::write(dir.join("history.jsonl"), lines)?;
+    std::fs::write(dir.join("verdicts.json"), serde_json::to_string_pretty(summary)?)?;
+    std::fs::write(
+        dir.join("timeline.html"),
+        report::timeline(summary, reqs, nemesis_records, leader_changes, decoder_ops),
+    )?;
+    // Node data dirs are large and not part of the report.
+    for i in 0..3 {
+        let _ = std::fs::remove_dir_all(dir.join(format!("node{}-data", i + 1)));
+    }
+    Ok(())
+}
+
+/// Whether `e` is the log's not-found answer.
+fn is_not_found(e: &anyhow::Error) -> bool {
+    matches!(
+        e.downcast_ref::<tokenlog_raftlog::client::ClientError>(),
+        Some(tokenlog_raftlog::client::ClientError::Status(s)) if s.code() == tonic::Code::NotFound
+    )
+}
+
+/// The committed records of a generation (up to its frontier now), read linearizably.
+async fn final_gen(log: &LogClient, id: u64) -> Result<FinalGen> {
+    let info = log
+        .get(pb::GetRequest {
+            generation_id: id,
+            linearizable: true,
+            ..Default::default()
+        })
+        .await?
+        .generation
+        .context("no generation")?;
+    let mut out = FinalGen {
+        terminal: matches!(
+            pb::GenerationState::try_from(info.state),
+            Ok(pb::GenerationState::Finished | pb::GenerationState::Failed | pb::GenerationState::Cancelled)
+        ),
+        state: format!("{:?}", pb::GenerationState::try_from(info.state).unwrap_or_default()),
+        records: vec![],
+    };
+    if info.frontier == 0 {
+        return Ok(out);
+    }
+    let mut s = log.watch(id, 0).await?;
+    while let Some(ev) = s.message().await? {
+        for r in ev.records {
+            out.records.push((r.token_id, r.epoch));
+        }
+        if ev.terminal.is_some() || out.records.len() >= info.frontier as usize {
+            break;
+        }
+    }
+    out.records.truncate(info.frontier as usize);
+    Ok(out)
+}
+
+/// Waits (up to 30 s) until every node reports the same applied chain heads; then verifies each.
+async fn convergence(addrs: &[String]) -> Verdict {
+    let mut v = Verdict {
+        ok: true,
+        checked: 0,
+        problems: vec![],
+    };
+    let log = match LogClient::new(addrs.to_vec()) {
+        Ok(l) => l,
+        Err(e) => {
+            v.ok = false;
+            v.problems.push(e.to_string());
+            return v;
+        }
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut last = String::new();
+    loop {
+        let mut heads = Vec::new();
+        for a in addrs {
+            match log.node(a).chain_heads(pb::ChainHeadsRequest {}).await {
+                Ok(r) => heads.push(
+                    r.into_inner()
+                        .heads
+                        .into_iter()
+                        .map(|h| (h.generation_id, h.frontier, h.head))
+                        .collect::<Vec<_>>(),
+                ),
+                Err(e) => last = format!("{a}: {e}"),
+            }
+        }
+        if heads.len() == addrs.len() && heads.windows(2).all(|w| w[0] == w[1]) {
+            v.checked = heads[0].len();
+            break;
+        }
+        if Instant::now() > deadline {
+            v.ok = false;
+            v.problems
+                .push(format!("chain heads differ between nodes after 30 s ({last})"));
+            return v;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    for a in addrs {
+        match log.node(a).verify(pb::VerifyRequest {}).await {
+            Ok(r) => {
+                for p in r.into_inner().problems {
+                    v.ok = false;
+                    v.problems.push(format!("{a}: {p}"));
+                }
+            }
+            Err(e) => {
+                v.ok = false;
+                v.problems.push(format!("{a}: verify failed: {e}"));
+            }
+        }
+    }
+    v
+}

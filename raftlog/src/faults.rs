@@ -1,0 +1,63 @@
+//! Planted bugs for the fault suite, as a value: the binary decides them once at start-up and
+//! hands them to the state machine, the log store, the database options and the Watch service.
+//! Nothing in this crate reads the environment or a global for them.
+//!
+//! The switches exist only with the cargo feature `faults` (the fault suite's build). Without it
+//! [`Faults`] has no fields and every query is the constant `false`, so a production build
+//! contains none of the planted code paths. Each plant must be caught by the fault suite:
+//! - `no_fence`: appends skip the epoch fence (fencing, linearizability);
+//! - `ack_before_fsync`: appends are acknowledged before the WAL fsync, and written WAL data is
+//!   kept in the process, so kill -9 acts as a power cut (durability);
+//! - `early_visibility`: Watch shows records of proposed, uncommitted appends (exactly-once).
+
+/// Which planted bugs are on. `Faults::default()` is none.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Faults {
+    #[cfg(feature = "faults")]
+    pub no_fence: bool,
+    #[cfg(feature = "faults")]
+    pub ack_before_fsync: bool,
+    #[cfg(feature = "faults")]
+    pub early_visibility: bool,
+}
+
+impl Faults {
+    /// Whether this build can plant bugs at all (cargo feature `faults`).
+    pub const COMPILED: bool = cfg!(feature = "faults");
+
+    #[inline]
+    pub fn no_fence(self) -> bool {
+        #[cfg(feature = "faults")]
+        return self.no_fence;
+        #[cfg(not(feature = "faults"))]
+        false
+    }
+
+    #[inline]
+    pub fn ack_before_fsync(self) -> bool {
+        #[cfg(feature = "faults")]
+        return self.ack_before_fsync;
+        #[cfg(not(feature = "faults"))]
+        false
+    }
+
+    #[inline]
+    pub fn early_visibility(self) -> bool {
+        #[cfg(feature = "faults")]
+        return self.early_visibility;
+        #[cfg(not(feature = "faults"))]
+        false
+    }
+
+    /// The names of the planted bugs that are on (for the start-up warning).
+    pub fn names(self) -> Vec<&'static str> {
+        [
+            (self.no_fence(), "no-fence"),
+            (self.ack_before_fsync(), "ack-before-fsync"),
+            (self.early_visibility(), "early-visibility"),
+        ]
+        .into_iter()
+        .filter_map(|(on, name)| on.then_some(name))
+        .collect()
+    }
+}

@@ -1,0 +1,129 @@
+//! Appends: records of many generations in one entry, each item fenced on its own.
+
+use std::collections::BTreeSet;
+
+use super::{check_lease_ms, check_len, fence, reject, reject_gen, terminate, Changes, LogState};
+use crate::chain;
+use crate::limits::*;
+use crate::types::*;
+
+impl LogState {
+    pub(super) fn append(
+        &mut self,
+        decoder: &str,
+        lease_ms: u64,
+        items: &[AppendItem],
+        changes: &mut Changes,
+    ) -> Vec<AppendOutcome> {
+        let batch_error = check_lease_ms(lease_ms)
+            .and(check_len("append items", items.len(), ITEMS_PER_APPEND_MAX))
+            .err();
+        let mut seen = BTreeSet::new();
+        items
+            .iter()
+            .map(|item| {
+                let result = match (&batch_error, seen.insert(item.generation)) {
+                    (Some(e), _) => Err(e.clone()),
+                    (None, false) => Err(reject(
+                        RejectReason::Invalid,
+                        "a generation appears twice in one append",
+                    )),
+                    (None, true) => self.append_one(decoder, lease_ms, item, changes),
+                };
+                let frontier = self.generations.get(&item.generation).map_or(0, |g| g.frontier());
+                AppendOutcome {
+                    generation: item.generation,
+                    result,
+                    frontier,
+                }
+            })
+            .collect()
+    }
+
+    fn append_one(
+        &mut self,
+        decoder: &str,
+        lease_ms: u64,
+        item: &AppendItem,
+        changes: &mut Changes,
+    ) -> Result<Lease, Rejection> {
+        check_len("records in one append", item.token_ids.len(), RECORDS_PER_APPEND_MAX)?;
+        if let Some((_, detail)) = &item.finish {
+            check_len("finish detail bytes", detail.len(), FINISH_DETAIL_BYTES_MAX)?;
+        }
+        let now = self.log_ms;
+        let no_fence = self.faults.no_fence();
+        let g = self.get_mut(item.generation)?;
+        if !no_fence && (item.epoch != g.lease.epoch || g.lease.owner != decoder) {
+            return Err(reject_gen(
+                RejectReason::StaleEpoch,
+                format!(
+                    "epoch {} by {decoder} is not the current epoch {} of {}",
+                    item.epoch, g.lease.epoch, g.lease.owner
+                ),
+                g,
+            ));
+        }
+        let start = item.start_seq as usize;
+        let end = start + item.token_ids.len();
+        let committed = g.records.len();
+        let overlap_ok = g.records[start.min(committed)..end.min(committed)]
+            .iter()
+            .zip(&item.token_ids)
+            .all(|(r, t)| r.token_id == *t);
+        // An identical re-send of committed records (a retry) is acknowledged without effect.
+        if end <= committed && overlap_ok && (item.finish.is_none() || g.state.is_terminal()) {
+            return Ok(g.lease.clone());
+        }
+        if !no_fence {
+            fence(g, item.epoch, now)?;
+        } else if g.state.is_terminal() {
+            return Err(reject_gen(RejectReason::Terminal, "terminal", g));
+        }
+        if start > committed {
+            return Err(reject_gen(
+                RejectReason::SeqMismatch,
+                format!("start_seq {start} is past the frontier {committed}"),
+                g,
+            ));
+        }
+        if !overlap_ok {
+            return Err(reject_gen(
+                RejectReason::RecordConflict,
+                format!("records from seq {start} differ from the committed ones"),
+                g,
+            ));
+        }
+        if end > g.binding.stop.max_tokens as usize {
+            return Err(reject_gen(
+                RejectReason::Limit,
+                format!("frontier would be {end}, past max_tokens {}", g.binding.stop.max_tokens),
+                g,
+            ));
+        }
+        if g.binding.prompt_token_ids.is_empty() && end > committed {
+            return Err(reject_gen(
+                RejectReason::Invalid,
+                "the prompt must be bound (BindPrompt) before records",
+                g,
+            ));
+        }
+        for &token_id in &item.token_ids[committed - start..] {
+            let seq = g.frontier();
+            let record = Record {
+                token_id,
+                epoch: item.epoch,
+                log_ms: now,
+            };
+            g.chain_head = chain::next(&g.chain_head, g.id, seq, &record);
+            g.records.push(record);
+            changes.new_records.push((g.id, seq, g.chain_head));
+        }
+        g.lease.expiry_log_ms = g.lease.expiry_log_ms.max(now + lease_ms);
+        if let Some((reason, detail)) = &item.finish {
+            terminate(g, *reason, detail, now);
+        }
+        changes.touched.insert(g.id);
+        Ok(g.lease.clone())
+    }
+}

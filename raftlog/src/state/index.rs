@@ -1,0 +1,210 @@
+//! The ordered indexes `apply` keeps over the generations ([`Indexes`]), and the invariants
+//! checked after every apply: cheap ones always, full ones in debug and test builds.
+
+use std::collections::{BTreeSet, HashMap};
+
+use super::LogState;
+use crate::chain;
+use crate::types::*;
+
+/// Where a generation is filed in the [`Indexes`]; derived from the generation alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct IndexKey {
+    state: GenState,
+    /// Non-terminal and no record yet: the log time `Tick` fails it at.
+    deadline_log_ms: Option<u64>,
+    /// Terminal: when it finished (retention counts from here).
+    finished_log_ms: Option<u64>,
+    /// Non-terminal: the log time from which it can be acquired (0 = unowned; else the lease's
+    /// end).
+    claimable_log_ms: Option<u64>,
+    epoch: Epoch,
+    takeovers: u64,
+}
+
+impl IndexKey {
+    fn of(g: &Generation) -> IndexKey {
+        let live = !g.state.is_terminal();
+        let owned = g.lease.epoch > 0 && !g.lease.owner.is_empty();
+        IndexKey {
+            state: g.state,
+            deadline_log_ms: (live && g.records.is_empty()).then_some(g.deadline_log_ms),
+            finished_log_ms: (!live).then_some(g.finished_log_ms),
+            claimable_log_ms: live.then_some(if owned { g.lease.expiry_log_ms } else { 0 }),
+            epoch: g.lease.epoch,
+            takeovers: g.takeovers(),
+        }
+    }
+}
+
+/// Ordered indexes over the generations, kept by `apply` so that no per-tick or per-request path
+/// walks the whole table (up to `GENERATIONS_MAX`). Derived: not serialized, rebuilt on load.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Indexes {
+    /// The key each generation is filed under now.
+    keys: HashMap<GenerationId, IndexKey>,
+    /// Non-terminal generations without a record, by deadline: what `Tick` may fail.
+    pub(super) deadlines: BTreeSet<(u64, GenerationId)>,
+    /// Terminal generations by finish time: what retention prunes, oldest first.
+    pub(super) finished: BTreeSet<(u64, GenerationId)>,
+    /// Non-terminal generations per model, by the log time from which they can be acquired.
+    pub(super) claimable: HashMap<ModelIdentity, BTreeSet<(u64, GenerationId)>>,
+    /// Decoder registrations by expiry.
+    pub(super) decoder_expiry: BTreeSet<(u64, String)>,
+    /// Generations per state, in [`GenState::ALL`] order.
+    pub(super) by_state: [u64; GenState::ALL.len()],
+    /// Takeovers (grants after the first) summed over the generations in the table.
+    pub(super) takeovers: u64,
+}
+
+impl Indexes {
+    fn unfile(&mut self, id: GenerationId, k: IndexKey, model: &ModelIdentity) {
+        if let Some(d) = k.deadline_log_ms {
+            self.deadlines.remove(&(d, id));
+        }
+        if let Some(f) = k.finished_log_ms {
+            self.finished.remove(&(f, id));
+        }
+        if let Some(c) = k.claimable_log_ms {
+            if let Some(set) = self.claimable.get_mut(model) {
+                set.remove(&(c, id));
+                if set.is_empty() {
+                    self.claimable.remove(model);
+                }
+            }
+        }
+        self.by_state[k.state.index()] -= 1;
+        self.takeovers -= k.takeovers;
+    }
+
+    fn file(&mut self, id: GenerationId, k: IndexKey, model: &ModelIdentity) {
+        if let Some(d) = k.deadline_log_ms {
+            self.deadlines.insert((d, id));
+        }
+        if let Some(f) = k.finished_log_ms {
+            self.finished.insert((f, id));
+        }
+        if let Some(c) = k.claimable_log_ms {
+            match self.claimable.get_mut(model) {
+                Some(set) => {
+                    set.insert((c, id));
+                }
+                None => {
+                    self.claimable.insert(model.clone(), BTreeSet::from([(c, id)]));
+                }
+            }
+        }
+        self.by_state[k.state.index()] += 1;
+        self.takeovers += k.takeovers;
+    }
+
+    /// Files `g` under its current key (moving it if it was filed elsewhere).
+    pub(super) fn refile(&mut self, g: &Generation) {
+        let new = IndexKey::of(g);
+        let old = self.keys.insert(g.id, new);
+        if let Some(old) = old {
+            if old == new {
+                return;
+            }
+            // Invariant: epochs only grow.
+            assert!(
+                new.epoch >= old.epoch,
+                "generation {}: epoch went from {} to {}",
+                g.id,
+                old.epoch,
+                new.epoch
+            );
+            self.unfile(g.id, old, &g.binding.model);
+        }
+        self.file(g.id, new, &g.binding.model);
+    }
+
+    /// Drops a generation that left the table.
+    pub(super) fn remove(&mut self, g: &Generation) {
+        if let Some(old) = self.keys.remove(&g.id) {
+            self.unfile(g.id, old, &g.binding.model);
+        }
+    }
+
+    /// Generations in state `s`.
+    pub fn count(&self, s: GenState) -> u64 {
+        self.by_state[s.index()]
+    }
+
+    /// Takeovers summed over the generations in the table.
+    pub fn takeovers(&self) -> u64 {
+        self.takeovers
+    }
+}
+
+impl LogState {
+    /// Full check of the indexes against the table (debug and test builds, after every apply):
+    /// every generation filed under its current key, and nothing else filed.
+    #[cfg(any(test, debug_assertions))]
+    pub(super) fn check_indexes(&self) {
+        let ix = &self.index;
+        assert_eq!(
+            ix.keys.len(),
+            self.generations.len(),
+            "index and table disagree in size"
+        );
+        let counted: u64 = ix.by_state.iter().sum();
+        assert_eq!(counted, self.generations.len() as u64, "state counts");
+        let claimable: usize = ix.claimable.values().map(BTreeSet::len).sum();
+        let filed = ix.deadlines.len() + ix.finished.len() + claimable;
+        let mut expected = 0;
+        for g in self.generations.values() {
+            let k = IndexKey::of(g);
+            assert_eq!(
+                ix.keys.get(&g.id),
+                Some(&k),
+                "generation {} is filed under a stale key",
+                g.id
+            );
+            expected += usize::from(k.deadline_log_ms.is_some())
+                + usize::from(k.finished_log_ms.is_some())
+                + usize::from(k.claimable_log_ms.is_some());
+        }
+        assert_eq!(filed, expected, "index entries that name no generation");
+        assert_eq!(ix.decoder_expiry.len(), self.decoders.len(), "decoder expiry index");
+    }
+}
+
+/// Cheap invariants of one generation, checked after every apply that touched it (always on):
+/// a terminal generation has no live lease past its finish; records never exceed `max_tokens`;
+/// the chain head is the genesis exactly when there is no record. The full chain walk runs in
+/// debug and test builds.
+pub(super) fn check_generation(g: &Generation) {
+    if g.state.is_terminal() {
+        assert!(
+            g.lease.expiry_log_ms <= g.finished_log_ms,
+            "generation {}: terminal with a lease past its finish",
+            g.id
+        );
+    }
+    assert!(
+        g.records.len() <= g.binding.stop.max_tokens as usize,
+        "generation {}: {} records, max_tokens {}",
+        g.id,
+        g.records.len(),
+        g.binding.stop.max_tokens
+    );
+    assert_eq!(
+        g.records.is_empty(),
+        g.chain_head == chain::genesis(g.id),
+        "generation {}: chain head and records disagree",
+        g.id
+    );
+    #[cfg(any(test, debug_assertions))]
+    {
+        let mut h = chain::genesis(g.id);
+        for (seq, r) in g.records.iter().enumerate() {
+            h = chain::next(&h, g.id, seq as Seq, r);
+        }
+        assert_eq!(
+            h, g.chain_head,
+            "generation {}: chain head is not the hash of its records",
+            g.id
+        );
+    }
+}

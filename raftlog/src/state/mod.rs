@@ -1,0 +1,417 @@
+//! The pure state machine. `LogState::apply` takes one stamped command and returns the answer
+//! and the set of changed rows; it reads no clock (time is the entry's `log_ms`, made monotone
+//! here), does no I/O, and is deterministic, so every replica that applies the same entries
+//! holds the same state. Persistence of the changed rows is `sm_store`'s job.
+//!
+//! Fencing (CONTRACT §2): every write that names an epoch is checked, in this order, against
+//! the generation's current epoch, its terminal state, its lease at the entry's log time, and
+//! (for appends) the frontier.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use serde::{Deserialize, Serialize};
+
+use crate::chain::{self, Hash};
+use crate::faults::Faults;
+use crate::limits::*;
+use crate::types::*;
+
+mod append;
+mod index;
+mod ownership;
+mod upkeep;
+
+use index::check_generation;
+pub use index::Indexes;
+
+/// Rows that one or more applied entries changed, for the storage layer to persist.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Changes {
+    /// Generations whose metadata changed (or that were created).
+    pub touched: BTreeSet<GenerationId>,
+    /// New records with their chain hash, in order per generation.
+    pub new_records: Vec<(GenerationId, Seq, Hash)>,
+    /// Generations removed by retention, with their request keys.
+    pub pruned: Vec<(GenerationId, String, String)>,
+    /// The decoder registrations changed.
+    pub decoders: bool,
+}
+
+impl Changes {
+    pub fn is_empty(&self) -> bool {
+        self.touched.is_empty() && self.new_records.is_empty() && self.pruned.is_empty() && !self.decoders
+    }
+
+    /// Adds the changes of a later entry of the same batch. A generation that `later` pruned
+    /// leaves no row behind: its metadata and records are dropped from the batch.
+    pub fn merge(&mut self, later: Changes) {
+        if !later.pruned.is_empty() {
+            let gone: BTreeSet<GenerationId> = later.pruned.iter().map(|(id, _, _)| *id).collect();
+            self.touched.retain(|id| !gone.contains(id));
+            self.new_records.retain(|(id, _, _)| !gone.contains(id));
+        }
+        self.touched.extend(later.touched);
+        self.new_records.extend(later.new_records);
+        self.pruned.extend(later.pruned);
+        self.decoders |= later.decoders;
+    }
+}
+
+/// The whole replicated state, without Raft metadata.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LogState {
+    pub generations: BTreeMap<GenerationId, Generation>,
+    /// `(tenant, request_id)` -> generation. Derived from `generations`; not serialized.
+    #[serde(skip)]
+    pub requests: HashMap<(String, String), GenerationId>,
+    /// Generations per tenant. Derived; not serialized.
+    #[serde(skip)]
+    pub tenants: HashMap<String, u64>,
+    pub next_generation: GenerationId,
+    /// The log time of the last applied entry; never goes backwards.
+    pub log_ms: u64,
+    /// Live decoder registrations by decoder id (expired ones are dropped by `Tick`).
+    pub decoders: BTreeMap<String, DecoderInfo>,
+    /// Ordered indexes over `generations` and `decoders`. Derived; not serialized.
+    #[serde(skip)]
+    pub index: Indexes,
+    /// Planted bugs (fault suite builds only); set by the storage layer, not replicated.
+    #[serde(skip)]
+    pub faults: Faults,
+}
+
+fn reject(reason: RejectReason, message: impl Into<String>) -> Rejection {
+    Rejection {
+        reason,
+        message: message.into(),
+        current_epoch: 0,
+        frontier: 0,
+        state: None,
+    }
+}
+
+fn reject_gen(reason: RejectReason, message: impl Into<String>, g: &Generation) -> Rejection {
+    Rejection {
+        reason,
+        message: message.into(),
+        current_epoch: g.lease.epoch,
+        frontier: g.frontier(),
+        state: Some(g.state),
+    }
+}
+
+fn check_len(what: &str, len: usize, max: usize) -> Result<(), Rejection> {
+    if len > max {
+        return Err(reject(
+            RejectReason::Limit,
+            format!("{what} is {len}, the limit is {max}"),
+        ));
+    }
+    Ok(())
+}
+
+fn check_lease_ms(lease_ms: u64) -> Result<(), Rejection> {
+    if !(LEASE_MS_MIN..=LEASE_MS_MAX).contains(&lease_ms) {
+        return Err(reject(
+            RejectReason::Limit,
+            format!("lease_ms is {lease_ms}, it must be in {LEASE_MS_MIN}..={LEASE_MS_MAX}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Validates a submitted binding against the named limits.
+pub fn validate_binding(b: &Binding) -> Result<(), Rejection> {
+    let has_ids = !b.prompt_token_ids.is_empty();
+    let has_text = !b.prompt_text.is_empty();
+    if has_ids == has_text {
+        return Err(reject(
+            RejectReason::Invalid,
+            "exactly one of prompt_token_ids and prompt_text must be set",
+        ));
+    }
+    check_len("prompt tokens", b.prompt_token_ids.len(), PROMPT_TOKENS_MAX)?;
+    check_len("prompt text bytes", b.prompt_text.len(), PROMPT_TEXT_BYTES_MAX)?;
+    check_len("stop strings", b.stop.stop_strings.len(), STOP_STRINGS_MAX)?;
+    for s in &b.stop.stop_strings {
+        check_len("stop string bytes", s.len(), STOP_STRING_BYTES_MAX)?;
+        if s.is_empty() {
+            return Err(reject(RejectReason::Invalid, "a stop string is empty"));
+        }
+    }
+    check_len("eos ids", b.stop.eos_token_ids.len(), EOS_IDS_MAX)?;
+    if b.stop.max_tokens == 0 || b.stop.max_tokens > GENERATION_TOKENS_MAX {
+        return Err(reject(
+            RejectReason::Limit,
+            format!(
+                "max_tokens is {}, it must be in 1..={GENERATION_TOKENS_MAX}",
+                b.stop.max_tokens
+            ),
+        ));
+    }
+    if b.deadline_ms > DEADLINE_MS_MAX {
+        return Err(reject(
+            RejectReason::Limit,
+            format!("deadline_ms is {}, the limit is {DEADLINE_MS_MAX}", b.deadline_ms),
+        ));
+    }
+    let s = &b.sampling;
+    let finite = [
+        s.temperature,
+        s.top_p,
+        s.repetition_penalty,
+        s.frequency_penalty,
+        s.presence_penalty,
+    ];
+    if finite.iter().any(|x| !x.is_finite()) || s.temperature < 0.0 || !(0.0..=1.0).contains(&s.top_p) {
+        return Err(reject(
+            RejectReason::Invalid,
+            "sampling parameters must be finite, temperature >= 0, top_p in [0, 1]",
+        ));
+    }
+    if b.model.weights_sha256.is_empty() {
+        return Err(reject(RejectReason::Invalid, "the binding names no model"));
+    }
+    Ok(())
+}
+
+impl LogState {
+    /// Applies one stamped command. Pure: same state + same request = same result. Keeps the
+    /// indexes and checks the invariants of every generation it touched.
+    pub fn apply(&mut self, req: &Request, changes: &mut Changes) -> Response {
+        let mut local = Changes::default();
+        let response = self.apply_command(req, &mut local);
+        for id in &local.touched {
+            if let Some(g) = self.generations.get(id) {
+                self.index.refile(g);
+                check_generation(g);
+            }
+        }
+        if local.decoders {
+            self.index.decoder_expiry = self
+                .decoders
+                .iter()
+                .map(|(d, i)| (i.expiry_log_ms, d.clone()))
+                .collect();
+        }
+        #[cfg(any(test, debug_assertions))]
+        self.check_indexes();
+        changes.merge(local);
+        response
+    }
+
+    fn apply_command(&mut self, req: &Request, changes: &mut Changes) -> Response {
+        // Log time is monotone even across leaders whose clocks disagree.
+        self.log_ms = self.log_ms.max(req.log_ms);
+        let now = self.log_ms;
+        match &req.cmd {
+            Command::Submit {
+                tenant,
+                request_id,
+                binding,
+            } => self.submit(tenant, request_id, binding, changes),
+            Command::Acquire {
+                generation,
+                decoder,
+                lease_ms,
+                model,
+                rng_version,
+            } => Response::Ownership(self.acquire(*generation, decoder, *lease_ms, model, *rng_version, changes)),
+            Command::Renew {
+                generation,
+                epoch,
+                decoder,
+                lease_ms,
+            } => Response::Ownership(self.renew(*generation, *epoch, decoder, *lease_ms, changes)),
+            Command::BindPrompt {
+                generation,
+                epoch,
+                prompt_token_ids,
+            } => Response::Ownership(self.bind_prompt(*generation, *epoch, prompt_token_ids, changes)),
+            Command::Append {
+                decoder,
+                lease_ms,
+                items,
+            } => Response::Appended(self.append(decoder, *lease_ms, items, changes)),
+            Command::Finish {
+                generation,
+                epoch,
+                reason,
+                detail,
+            } => Response::Ownership(self.finish(*generation, *epoch, *reason, detail, changes)),
+            Command::Release { generation, epoch } => Response::Ownership(self.release(*generation, *epoch, changes)),
+            Command::Cancel { tenant, request_id } => {
+                Response::Ownership(self.cancel(tenant, request_id, now, changes))
+            }
+            Command::Register { decoder, info, ttl_ms } => {
+                Response::Registered(self.register(decoder, info, *ttl_ms, changes))
+            }
+            Command::Tick { retention_ms } => self.tick(*retention_ms, changes),
+        }
+    }
+
+    /// Rebuilds every derived index (after decoding a snapshot or loading rows).
+    pub fn rebuild_index(&mut self) {
+        self.requests = self
+            .generations
+            .values()
+            .map(|g| ((g.tenant.clone(), g.request_id.clone()), g.id))
+            .collect();
+        self.tenants.clear();
+        self.index = Indexes::default();
+        for g in self.generations.values() {
+            *self.tenants.entry(g.tenant.clone()).or_default() += 1;
+            self.index.refile(g);
+        }
+        self.index.decoder_expiry = self
+            .decoders
+            .iter()
+            .map(|(d, i)| (i.expiry_log_ms, d.clone()))
+            .collect();
+    }
+
+    pub fn by_request(&self, tenant: &str, request_id: &str) -> Option<&Generation> {
+        let id = self.requests.get(&(tenant.to_string(), request_id.to_string()))?;
+        self.generations.get(id)
+    }
+
+    fn submit(&mut self, tenant: &str, request_id: &str, binding: &Binding, changes: &mut Changes) -> Response {
+        let fail = |r: Rejection| Response::Ownership(Err(r));
+        if tenant.is_empty() || request_id.is_empty() {
+            return fail(reject(RejectReason::Invalid, "tenant and request_id must not be empty"));
+        }
+        if let Err(r) = check_len("tenant bytes", tenant.len(), TENANT_BYTES_MAX)
+            .and(check_len("request_id bytes", request_id.len(), REQUEST_ID_BYTES_MAX))
+            .and(validate_binding(binding))
+        {
+            return fail(r);
+        }
+        if let Some(g) = self.by_request(tenant, request_id) {
+            if same_submission(&g.binding, binding) {
+                return Response::Submitted {
+                    generation: g.into(),
+                    created: false,
+                };
+            }
+            return fail(reject_gen(
+                RejectReason::BindingConflict,
+                format!("request {request_id:?} exists with different parameters"),
+                g,
+            ));
+        }
+        if self.generations.len() >= GENERATIONS_MAX {
+            return fail(reject(
+                RejectReason::Limit,
+                format!("the log holds {GENERATIONS_MAX} generations"),
+            ));
+        }
+        if !self.tenants.contains_key(tenant) && self.tenants.len() >= TENANTS_MAX {
+            return fail(reject(
+                RejectReason::Limit,
+                format!("the log holds {TENANTS_MAX} tenants"),
+            ));
+        }
+        self.next_generation += 1;
+        let id = self.next_generation;
+        let deadline_ms = if binding.deadline_ms == 0 {
+            DEADLINE_MS_DEFAULT
+        } else {
+            binding.deadline_ms
+        };
+        let g = Generation {
+            id,
+            tenant: tenant.to_string(),
+            request_id: request_id.to_string(),
+            binding: binding.clone(),
+            state: GenState::Pending,
+            lease: Lease::default(),
+            records: Vec::new(),
+            chain_head: chain::genesis(id),
+            finish_reason: None,
+            finish_detail: String::new(),
+            submitted_log_ms: self.log_ms,
+            deadline_log_ms: self.log_ms + deadline_ms,
+            finished_log_ms: 0,
+            grants: Vec::new(),
+        };
+        let view = (&g).into();
+        self.generations.insert(id, g);
+        self.requests.insert((tenant.to_string(), request_id.to_string()), id);
+        *self.tenants.entry(tenant.to_string()).or_default() += 1;
+        changes.touched.insert(id);
+        Response::Submitted {
+            generation: view,
+            created: true,
+        }
+    }
+
+    fn get_mut(&mut self, id: GenerationId) -> Result<&mut Generation, Rejection> {
+        self.generations
+            .get_mut(&id)
+            .ok_or_else(|| reject(RejectReason::NotFound, format!("generation {id} does not exist")))
+    }
+
+    /// The fence shared by renew, bind-prompt, finish and release: current epoch, not terminal,
+    /// lease live at the entry's log time.
+    fn fenced(&mut self, id: GenerationId, epoch: Epoch) -> Result<&mut Generation, Rejection> {
+        let now = self.log_ms;
+        let g = self.get_mut(id)?;
+        fence(g, epoch, now)?;
+        Ok(g)
+    }
+}
+
+/// Whether `incoming` is the submission that created `stored`. A text prompt is tokenized later
+/// (BindPrompt adds the ids to the stored binding), so a retried text submission is compared
+/// without them.
+fn same_submission(stored: &Binding, incoming: &Binding) -> bool {
+    if stored.prompt_text.is_empty() || stored.prompt_token_ids.is_empty() {
+        return stored == incoming;
+    }
+    let mut as_submitted = stored.clone();
+    as_submitted.prompt_token_ids.clear();
+    as_submitted == *incoming
+}
+
+fn fence(g: &Generation, epoch: Epoch, now: u64) -> Result<(), Rejection> {
+    if epoch != g.lease.epoch {
+        return Err(reject_gen(
+            RejectReason::StaleEpoch,
+            format!("epoch {epoch} is not the current epoch {}", g.lease.epoch),
+            g,
+        ));
+    }
+    if g.state.is_terminal() {
+        return Err(reject_gen(
+            RejectReason::Terminal,
+            format!("generation {} is {}", g.id, g.state.name()),
+            g,
+        ));
+    }
+    if !g.lease_live(now) {
+        return Err(reject_gen(
+            RejectReason::LeaseExpired,
+            format!(
+                "the lease of epoch {epoch} ended at log time {}; now is {now}",
+                g.lease.expiry_log_ms
+            ),
+            g,
+        ));
+    }
+    Ok(())
+}
+
+fn terminate(g: &mut Generation, reason: FinishReason, detail: &str, now: u64) {
+    g.state = match reason {
+        FinishReason::Stop | FinishReason::Length => GenState::Finished,
+        FinishReason::Error => GenState::Failed,
+        FinishReason::Cancelled => GenState::Cancelled,
+    };
+    g.finish_reason = Some(reason);
+    g.finish_detail = detail.to_string();
+    g.finished_log_ms = now;
+    g.lease.expiry_log_ms = g.lease.expiry_log_ms.min(now);
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,131 @@
+//! Upkeep: decoder registrations, the leader's `Tick` (deadlines, retention), and the queries
+//! the leader and decoders ask between entries (`tick_due`, `pending_work`). All served from the
+//! indexes: nothing here walks the table.
+
+use super::{check_lease_ms, check_len, reject, terminate, Changes, LogState};
+use crate::limits::*;
+use crate::types::*;
+
+impl LogState {
+    pub(super) fn register(
+        &mut self,
+        decoder: &str,
+        info: &DecoderInfo,
+        ttl_ms: u64,
+        changes: &mut Changes,
+    ) -> Result<u64, Rejection> {
+        check_lease_ms(ttl_ms)?;
+        check_len("decoder id bytes", decoder.len(), DECODER_ID_BYTES_MAX)?;
+        check_len("model name bytes", info.model_name.len(), MODEL_NAME_BYTES_MAX)?;
+        if decoder.is_empty() || info.model_name.is_empty() || info.model.weights_sha256.is_empty() {
+            return Err(reject(
+                RejectReason::Invalid,
+                "decoder id, model name and model identity are required",
+            ));
+        }
+        if !self.decoders.contains_key(decoder) && self.decoders.len() >= DECODERS_MAX {
+            return Err(reject(
+                RejectReason::Limit,
+                format!("the log holds {DECODERS_MAX} decoder registrations"),
+            ));
+        }
+        let expiry_log_ms = self.log_ms + ttl_ms;
+        self.decoders.insert(
+            decoder.to_string(),
+            DecoderInfo {
+                expiry_log_ms,
+                ..info.clone()
+            },
+        );
+        changes.decoders = true;
+        Ok(expiry_log_ms)
+    }
+
+    pub(super) fn tick(&mut self, retention_ms: u64, changes: &mut Changes) -> Response {
+        let now = self.log_ms;
+        let lapsed: Vec<String> = self
+            .index
+            .decoder_expiry
+            .range(..(now + 1, String::new()))
+            .map(|(_, d)| d.clone())
+            .collect();
+        for d in &lapsed {
+            self.decoders.remove(d);
+        }
+        changes.decoders |= !lapsed.is_empty();
+        let mut failed = 0;
+        for id in self.deadline_due(now) {
+            let g = self.generations.get_mut(&id).expect("indexed generations exist");
+            terminate(
+                g,
+                FinishReason::Error,
+                "no compatible decoder produced a record before the deadline",
+                now,
+            );
+            changes.touched.insert(id);
+            failed += 1;
+        }
+        let expired: Vec<GenerationId> = self.retention_due(now, retention_ms).collect();
+        for id in &expired {
+            if let Some(g) = self.generations.remove(id) {
+                self.index.remove(&g);
+                self.requests.remove(&(g.tenant.clone(), g.request_id.clone()));
+                if let Some(n) = self.tenants.get_mut(&g.tenant) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.tenants.remove(&g.tenant);
+                    }
+                }
+                changes.touched.remove(id);
+                changes.new_records.retain(|(r, _, _)| r != id);
+                changes.pruned.push((g.id, g.tenant, g.request_id));
+            }
+        }
+        Response::Ticked {
+            failed,
+            pruned: expired.len() as u32,
+        }
+    }
+
+    /// Generations without a record whose deadline has passed at `now` and that no live lease
+    /// holds (a decoder that owns one is about to write its first record).
+    fn deadline_due(&self, now: u64) -> Vec<GenerationId> {
+        self.index
+            .deadlines
+            .range(..(now + 1, 0))
+            .map(|&(_, id)| id)
+            .filter(|id| !self.generations[id].lease_live(now))
+            .collect()
+    }
+
+    /// Terminal generations finished at least `retention_ms` before `now`, oldest first.
+    fn retention_due(&self, now: u64, retention_ms: u64) -> impl Iterator<Item = GenerationId> + '_ {
+        let cutoff = now.saturating_sub(retention_ms);
+        let end = if now >= retention_ms { cutoff + 1 } else { 0 };
+        self.index.finished.range(..(end, 0)).map(|&(_, id)| id)
+    }
+
+    /// Whether a `Tick` would change anything at `now` (the leader asks before proposing one).
+    pub fn tick_due(&self, now: u64, retention_ms: u64) -> bool {
+        self.index.decoder_expiry.first().is_some_and(|(t, _)| *t <= now)
+            || !self.deadline_due(now).is_empty()
+            || self.retention_due(now, retention_ms).next().is_some()
+    }
+
+    /// Generations a decoder serving `model` could take at `now`: orphaned ones first (an owner
+    /// whose lease ran out: clients are waiting on their streams), the longest orphaned first;
+    /// then unowned ones (new or released), oldest first.
+    pub fn pending_work(&self, model: &ModelIdentity, now: u64, limit: usize) -> Vec<&Generation> {
+        let Some(set) = self.index.claimable.get(model) else {
+            return Vec::new();
+        };
+        let orphaned = set.range((1, 0)..(now.saturating_add(1), 0));
+        let unowned = set.range(..(1, 0));
+        orphaned
+            .chain(unowned)
+            .map(|(_, id)| &self.generations[id])
+            .filter(|g| !g.lease_live(now))
+            .take(limit)
+            .collect()
+    }
+}

@@ -1,0 +1,10 @@
+//! One module per subcommand of `tokenlog` (see `main.rs` for the dispatch).
+
+pub mod bench;
+pub mod bench_decoder;
+pub mod decoder;
+pub mod dev;
+pub mod gateway;
+pub mod generate;
+pub mod node;
+pub mod status;

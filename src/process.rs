@@ -1,0 +1,124 @@
+//! Process plumbing shared by every subcommand: tracing set-up, the shutdown signal, and the
+//! metrics listener of processes that have no gateway (`tokenlog node`, `tokenlog decoder`).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+/// Renders one Prometheus/OpenMetrics text exposition.
+pub type Render = Arc<dyn Fn() -> String + Send + Sync>;
+
+/// Logs to stderr; `RUST_LOG` overrides the default filter.
+pub fn init_tracing() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,openraft=warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+/// Resolves on SIGINT (Ctrl-C) or SIGTERM: the signal to shut down cleanly.
+pub async fn shutdown_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("cannot install a SIGTERM handler ({e}); only Ctrl-C stops this process cleanly");
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
+/// Serves `GET /metrics` (and `/healthz`) on `addr` from `render`.
+pub async fn serve_metrics(addr: SocketAddr, render: Render) -> std::io::Result<(SocketAddr, JoinHandle<()>)> {
+    let l = TcpListener::bind(addr).await?;
+    let local = l.local_addr()?;
+    let app = axum::Router::new()
+        .route("/healthz", axum::routing::get(|| async { "ok\n" }))
+        .route(
+            "/metrics",
+            axum::routing::get(move || {
+                let render = render.clone();
+                async move {
+                    (
+                        [(
+                            "content-type",
+                            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                        )],
+                        render(),
+                    )
+                }
+            }),
+        );
+    let task = tokio::spawn(async move {
+        if let Err(e) = axum::serve(l, app).await {
+            tracing::error!("metrics server: {e}");
+        }
+    });
+    Ok((local, task))
+}
+
+/// One counter in the text format (for components that keep plain numbers).
+pub fn counter_text(name: &str, help: &str, value: u64) -> String {
+    format!("# HELP {name} {help}\n# TYPE {name} counter\n{name}_total {value}\n")
+}
+
+/// The planted bugs the environment asks for (`TOKENLOG_PLANT_NO_FENCE`,
+/// `TOKENLOG_PLANT_ACK_BEFORE_FSYNC`, `TOKENLOG_PLANT_EARLY_VISIBILITY` = 1), read once at start-up.
+/// A build without the `faults` feature refuses them rather than silently running without.
+pub fn planted_faults() -> anyhow::Result<tokenlog_raftlog::faults::Faults> {
+    let on = |name: &str| std::env::var(name).is_ok_and(|v| v == "1");
+    let asked = [
+        on("TOKENLOG_PLANT_NO_FENCE"),
+        on("TOKENLOG_PLANT_ACK_BEFORE_FSYNC"),
+        on("TOKENLOG_PLANT_EARLY_VISIBILITY"),
+    ];
+    #[cfg(feature = "faults")]
+    {
+        let [no_fence, ack_before_fsync, early_visibility] = asked;
+        Ok(tokenlog_raftlog::faults::Faults {
+            no_fence,
+            ack_before_fsync,
+            early_visibility,
+        })
+    }
+    #[cfg(not(feature = "faults"))]
+    {
+        anyhow::ensure!(
+            !asked.contains(&true),
+            "TOKENLOG_PLANT_* is set, but this build has no planted bugs (build with --features faults)"
+        );
+        Ok(Default::default())
+    }
+}
+
+/// The decoder failpoints `TOKENLOG_FAILPOINTS` names, as worker hooks (none when unset). A build
+/// without the `faults` feature refuses the variable.
+pub fn failpoint_hooks() -> anyhow::Result<Option<Arc<dyn tokenlog_decoder::worker::StepHooks>>> {
+    let Ok(spec) = std::env::var("TOKENLOG_FAILPOINTS") else {
+        return Ok(None);
+    };
+    #[cfg(feature = "faults")]
+    {
+        let fp = tokenlog_decoder::failpoint::Failpoints::parse(&spec)
+            .map_err(|e| anyhow::anyhow!("TOKENLOG_FAILPOINTS: {e}"))?;
+        if !fp.any() {
+            return Ok(None);
+        }
+        eprintln!("TEST FAILPOINTS ARMED: {fp:?}");
+        Ok(Some(Arc::new(fp)))
+    }
+    #[cfg(not(feature = "faults"))]
+    {
+        anyhow::bail!(
+            "TOKENLOG_FAILPOINTS={spec:?} is set, but this build has no failpoints (build with --features faults)"
+        )
+    }
+}
