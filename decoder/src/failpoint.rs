@@ -65,29 +65,27 @@ impl Failpoints {
 }
 
 impl StepHooks for Failpoints {
-    fn after_step(&self, gens: &[StepView]) -> Option<Fired> {
-        if let Some(seq) = self.exit_after_sample {
-            // Sampled seq, not yet acknowledged: it is about to be sent.
-            if let Some(g) = gens.iter().find(|g| g.sampled == seq + 1 && g.committed <= seq) {
-                return Some(Fired {
-                    name: "exit-after-sample",
-                    generation: g.generation,
-                    seq,
-                    halt: Halt::Now,
-                });
-            }
-        }
-        if let Some((seq, delay)) = self.delay_append {
-            if let Some(g) = gens.iter().find(|g| g.committed <= seq && seq < g.sampled) {
-                return Some(Fired {
-                    name: "delay-append",
-                    generation: g.generation,
-                    seq,
-                    halt: Halt::AfterLateAppend(delay),
-                });
-            }
-        }
-        None
+    fn after_sample(&self, gens: &[StepView]) -> Option<Fired> {
+        let seq = self.exit_after_sample?;
+        // Sampled seq, not yet acknowledged: it is about to be sent.
+        let g = gens.iter().find(|g| g.sampled == seq + 1 && g.committed <= seq)?;
+        Some(Fired {
+            name: "exit-after-sample",
+            generation: g.generation,
+            seq,
+            halt: Halt::Now,
+        })
+    }
+
+    fn before_send(&self, gens: &[StepView]) -> Option<Fired> {
+        let (seq, delay) = self.delay_append?;
+        let g = gens.iter().find(|g| g.committed <= seq && seq < g.sampled)?;
+        Some(Fired {
+            name: "delay-append",
+            generation: g.generation,
+            seq,
+            halt: Halt::AfterLateAppend(delay),
+        })
     }
 }
 

@@ -2,11 +2,12 @@
 //! without candle: what the text layer needs (the tokenizer's vocabulary, merges, special ids and
 //! chat template) so that a gateway can read a model's tokenizer without linking any model code.
 //!
-//! Format (GGUF v2 and v3, little-endian): magic `GGUF`, `u32` version, `u64` tensor count, `u64`
-//! metadata count, then that many `(string key, u32 type, value)`. Strings are a `u64` length and
-//! UTF-8 bytes; arrays are a `u32` element type, a `u64` count and the elements. Every length is
-//! checked against [`limits`] before anything is allocated, so a corrupt or hostile file gives an
-//! error, not an allocation of its claimed size.
+//! Format (little-endian): magic `GGUF`, `u32` version, tensor count, metadata count, then that
+//! many `(string key, u32 type, value)`. Strings are a length and bytes (trailing NULs dropped,
+//! invalid UTF-8 replaced, as candle's reader does); arrays are a `u32` element type, a count
+//! and the elements (arrays may nest). Counts and lengths are `u64` in v2 and v3, `u32` in v1.
+//! Every length is checked against [`limits`], and nothing is reserved ahead of the bytes that
+//! back it, so a corrupt or hostile file gives an error, not an allocation of its claimed size.
 
 use std::collections::HashMap;
 use std::io::{BufReader, Read};
@@ -20,6 +21,8 @@ pub mod limits {
     pub const METADATA_PAIRS_MAX: u64 = 65_536;
     /// Longest string (a chat template is a few KiB; a vocabulary entry a few bytes).
     pub const STRING_BYTES_MAX: u64 = 16 << 20;
+    /// Arrays inside arrays (candle reads nested arrays; real files have none).
+    pub const NESTING_MAX: u32 = 8;
     /// Most elements of one array (vocabularies and merge lists: up to a few hundred thousand).
     pub const ARRAY_LEN_MAX: u64 = 16 << 20;
 }
@@ -45,29 +48,21 @@ pub enum MetaValue {
 }
 
 impl MetaValue {
-    /// The value as an integer, for any integer type.
-    fn integer(&self) -> Option<i128> {
-        Some(match *self {
-            MetaValue::U8(v) => v.into(),
-            MetaValue::I8(v) => v.into(),
-            MetaValue::U16(v) => v.into(),
-            MetaValue::I16(v) => v.into(),
-            MetaValue::U32(v) => v.into(),
-            MetaValue::I32(v) => v.into(),
-            MetaValue::U64(v) => v.into(),
-            MetaValue::I64(v) => v.into(),
-            _ => return None,
-        })
-    }
-
-    /// The value as a `u32`, for any integer type whose value fits.
+    /// The value of a `U32` (only: the same rule candle's reader applies, so a tokenizer read
+    /// here is the one a GGUF decoder reads, down to its digest).
     pub fn to_u32(&self) -> Option<u32> {
-        self.integer().and_then(|v| u32::try_from(v).ok())
+        match *self {
+            MetaValue::U32(v) => Some(v),
+            _ => None,
+        }
     }
 
-    /// The value as an `i32`, for any integer type whose value fits.
+    /// The value of an `I32` (only; see [`MetaValue::to_u32`]).
     pub fn to_i32(&self) -> Option<i32> {
-        self.integer().and_then(|v| i32::try_from(v).ok())
+        match *self {
+            MetaValue::I32(v) => Some(v),
+            _ => None,
+        }
     }
 
     pub fn as_str(&self) -> Option<&str> {
@@ -104,18 +99,23 @@ impl GgufMetadata {
 
     /// Reads a metadata block from `r`, positioned at the start of the file.
     pub fn read(r: &mut impl Read) -> Result<Self> {
-        let mut rd = Reader { r };
+        let mut rd = Reader {
+            r,
+            wide: true,
+            depth: 0,
+        };
         let mut magic = [0u8; 4];
         rd.exact(&mut magic)?;
         if &magic != MAGIC {
             return Err(malformed(format!("not a GGUF file (magic {magic:02x?})")));
         }
         let version = rd.u32()?;
-        if !(2..=3).contains(&version) {
-            return Err(Error::Unsupported(format!("GGUF version {version} (2 and 3 are read)")));
+        if !(1..=3).contains(&version) {
+            return Err(Error::Unsupported(format!("GGUF version {version} (1 to 3 are read)")));
         }
-        let _tensor_count = rd.u64()?;
-        let pairs = rd.u64()?;
+        rd.wide = version >= 2;
+        let _tensor_count = rd.len()?;
+        let pairs = rd.len()?;
         if pairs > limits::METADATA_PAIRS_MAX {
             return Err(malformed(format!(
                 "{pairs} metadata pairs (at most {})",
@@ -143,7 +143,14 @@ fn malformed(m: String) -> Error {
 
 struct Reader<'a, R: Read> {
     r: &'a mut R,
+    /// Lengths and counts are `u64` (v2, v3), not `u32` (v1).
+    wide: bool,
+    /// Arrays open around the value being read.
+    depth: u32,
 }
+
+/// Elements reserved ahead of reading them (more grow as they arrive).
+const RESERVE_MAX: usize = 4_096;
 
 impl<R: Read> Reader<'_, R> {
     fn exact(&mut self, buf: &mut [u8]) -> Result<()> {
@@ -170,17 +177,35 @@ impl<R: Read> Reader<'_, R> {
         Ok(u64::from_le_bytes(self.array()?))
     }
 
+    /// A length or count: `u64`, or `u32` in v1.
+    fn len(&mut self) -> Result<u64> {
+        if self.wide {
+            self.u64()
+        } else {
+            Ok(u64::from(self.u32()?))
+        }
+    }
+
     fn string(&mut self) -> Result<String> {
-        let len = self.u64()?;
+        let len = self.len()?;
         if len > limits::STRING_BYTES_MAX {
             return Err(malformed(format!(
                 "a string of {len} bytes (at most {})",
                 limits::STRING_BYTES_MAX
             )));
         }
-        let mut buf = vec![0u8; len as usize];
-        self.exact(&mut buf)?;
-        String::from_utf8(buf).map_err(|_| malformed("a string is not UTF-8".into()))
+        let mut buf = Vec::with_capacity((len as usize).min(RESERVE_MAX));
+        let got = (&mut *self.r).take(len).read_to_end(&mut buf).map_err(|e| Error::Io {
+            path: "<gguf>".into(),
+            source: e,
+        })?;
+        if got as u64 != len {
+            return Err(malformed("the file ends inside the metadata".into()));
+        }
+        while buf.last() == Some(&0) {
+            buf.pop();
+        }
+        Ok(String::from_utf8_lossy(&buf).into_owned())
     }
 
     fn value(&mut self, ty: u32) -> Result<MetaValue> {
@@ -196,20 +221,22 @@ impl<R: Read> Reader<'_, R> {
             8 => MetaValue::String(self.string()?),
             9 => {
                 let elem = self.u32()?;
-                if elem == 9 {
-                    return Err(malformed("nested arrays".into()));
+                let n = self.len()?;
+                if self.depth >= limits::NESTING_MAX {
+                    return Err(malformed(format!("arrays nested deeper than {}", limits::NESTING_MAX)));
                 }
-                let n = self.u64()?;
                 if n > limits::ARRAY_LEN_MAX {
                     return Err(malformed(format!(
                         "an array of {n} elements (at most {})",
                         limits::ARRAY_LEN_MAX
                     )));
                 }
-                let mut out = Vec::with_capacity(n as usize);
+                let mut out = Vec::with_capacity((n as usize).min(RESERVE_MAX));
+                self.depth += 1;
                 for _ in 0..n {
                     out.push(self.value(elem)?);
                 }
+                self.depth -= 1;
                 MetaValue::Array(out)
             }
             10 => MetaValue::U64(self.u64()?),
@@ -264,6 +291,37 @@ mod tests {
             .filter_map(|v| v.as_str())
             .collect();
         assert_eq!(list, ["x", "y z"]);
+    }
+
+    #[test]
+    fn strips_trailing_nuls_reads_nested_arrays_and_v1() {
+        let mut f = header(2);
+        string(&mut f, "s");
+        f.extend(8u32.to_le_bytes());
+        string(&mut f, "ab\0\0");
+        string(&mut f, "nested");
+        f.extend(9u32.to_le_bytes());
+        f.extend(9u32.to_le_bytes());
+        f.extend(1u64.to_le_bytes());
+        f.extend(4u32.to_le_bytes());
+        f.extend(1u64.to_le_bytes());
+        f.extend(5u32.to_le_bytes());
+        let md = GgufMetadata::read(&mut f.as_slice()).unwrap();
+        assert_eq!(md.get("s").and_then(MetaValue::as_str), Some("ab"));
+        let inner = md.get("nested").unwrap().as_array().unwrap()[0].as_array().unwrap();
+        assert_eq!(inner[0].to_u32(), Some(5));
+        // v1: u32 counts and lengths.
+        let mut v1 = MAGIC.to_vec();
+        v1.extend(1u32.to_le_bytes());
+        v1.extend(0u32.to_le_bytes());
+        v1.extend(1u32.to_le_bytes());
+        v1.extend(1u32.to_le_bytes());
+        v1.push(b'k');
+        v1.extend(5u32.to_le_bytes());
+        v1.extend((-3i32).to_le_bytes());
+        let md = GgufMetadata::read(&mut v1.as_slice()).unwrap();
+        assert_eq!(md.get("k").and_then(MetaValue::to_i32), Some(-3));
+        assert_eq!(md.get("k").and_then(MetaValue::to_u32), None, "only a U32 reads as u32");
     }
 
     #[test]

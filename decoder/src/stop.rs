@@ -27,8 +27,9 @@ impl StopText {
         }
     }
 
-    /// The stop string (its index in the list given to [`StopText::new`]) that ended the text:
-    /// the one that starts earliest, the lowest index on a tie.
+    /// The stop string that ended the text: the lowest index (in the list given to
+    /// [`StopText::new`]) among those the text contains once it stopped (the finish detail the
+    /// decoder records). The text is cut where the earliest of them starts.
     pub fn hit(&self) -> Option<usize> {
         self.hit
     }
@@ -42,15 +43,15 @@ impl StopText {
             return delta.to_string();
         }
         self.held.push_str(delta);
-        let first = self
+        let found: Vec<(usize, usize)> = self
             .stops
             .iter()
             .enumerate()
             .filter(|(_, s)| !s.is_empty())
-            .filter_map(|(i, s)| self.held.find(s.as_str()).map(|pos| (pos, i)))
-            .min();
-        if let Some((pos, i)) = first {
-            self.hit = Some(i);
+            .filter_map(|(i, s)| self.held.find(s.as_str()).map(|pos| (i, pos)))
+            .collect();
+        if let (Some(&(lowest, _)), Some(pos)) = (found.first(), found.iter().map(|&(_, p)| p).min()) {
+            self.hit = Some(lowest);
             let out = self.held[..pos].to_string();
             self.held.clear();
             return out;
@@ -123,6 +124,11 @@ mod tests {
         let shown = s.push("aab") + &s.push("cxyz") + &s.finish("");
         assert_eq!(shown, "aa");
         assert_eq!(s.hit(), Some(1));
+        // Cut at the earliest stop string; the hit names the lowest index found (the decoder's
+        // finish detail, as before the matcher was shared).
+        let mut s = StopText::new(vec!["d".into(), "cd".into()]);
+        let shown = s.push("ab c") + &s.push("d!") + &s.finish("");
+        assert_eq!((shown.as_str(), s.hit()), ("ab ", Some(0)));
         let (shown, rest) = run(&[], &["a", "b", "c"]);
         assert_eq!(shown.concat() + &rest, "abc");
     }

@@ -185,10 +185,13 @@ impl Worker {
                 continue;
             }
             self.step().await?;
+            if let Some(fired) = self.hooks.as_ref().and_then(|h| h.after_sample(&self.views())) {
+                return self.halt(fired, renewer).await;
+            }
             if let Some(h) = inflight.take() {
                 self.absorb(h.await.map_err(|e| WorkerError::Other(e.to_string()))?);
             }
-            if let Some(fired) = self.hooks.as_ref().and_then(|h| h.after_step(&self.views())) {
+            if let Some(fired) = self.hooks.as_ref().and_then(|h| h.before_send(&self.views())) {
                 return self.halt(fired, renewer).await;
             }
             inflight = self.send();

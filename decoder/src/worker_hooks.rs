@@ -37,9 +37,17 @@ pub struct Fired {
     pub halt: Halt,
 }
 
-/// Hooks into the step loop, called after every step (after the previous append's answer is
-/// absorbed, before this step's append is sent). The fault suite's failpoints implement it
+/// Hooks into the step loop, called at two points of every step. The fault suite's failpoints implement it
 /// (`crate::failpoint`, cargo feature `faults`); a production worker has none.
 pub trait StepHooks: Send + Sync {
-    fn after_step(&self, gens: &[StepView]) -> Option<Fired>;
+    /// Right after a step sampled, before the previous append's answer is awaited (a kill here
+    /// may also lose that append's answer).
+    fn after_sample(&self, _gens: &[StepView]) -> Option<Fired> {
+        None
+    }
+
+    /// After the previous append's answer is absorbed, before this step's append is sent.
+    fn before_send(&self, _gens: &[StepView]) -> Option<Fired> {
+        None
+    }
 }

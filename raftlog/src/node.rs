@@ -295,6 +295,7 @@ fn raft_config(cfg: &NodeConfig) -> Result<Arc<Config>, LogError> {
 
 /// Opens storage, starts Raft and serves both gRPC services on `cfg.listen`.
 pub async fn start(cfg: NodeConfig) -> Result<RunningNode, LogError> {
+    #[cfg(feature = "faults")]
     if !cfg.faults.names().is_empty() {
         tracing::error!(faults = ?cfg.faults.names(), "PLANTED BUGS are on: test use only");
     }

@@ -247,10 +247,8 @@ impl SmShared {
         batch.delete_range_cf(cf, [b'g'], [b'g' + 1]);
         batch.delete_range_cf(cf, [b'r'], [b'r' + 1]);
         self.db.write(batch).map_err(io_err)?;
-        let mut changes = Changes {
-            decoders: true,
-            ..Default::default()
-        };
+        let mut changes = Changes::default();
+        changes.decoders = true;
         let mut bound = Vec::new();
         for g in state.generations.values() {
             changes.touched.insert(g.id);

@@ -85,26 +85,22 @@ impl Gateway {
                     }
                 };
                 last_progress = Instant::now();
-                match text.events(ev) {
-                    Ok(events) => {
-                        let done = events.last().is_some_and(|e| e.finish.is_some()) || text.done;
-                        for e in events {
-                            let token = e.token_id.is_some();
-                            if tx.send(Ok(e)).await.is_err() {
-                                return;
-                            }
-                            if token {
-                                self.metrics.tokens_streamed.inc();
-                            }
-                        }
-                        if done {
-                            return;
-                        }
-                    }
-                    Err(e) => {
-                        let _ = tx.send(Err(e)).await;
+                let (events, broken) = text.events(ev);
+                for e in events {
+                    let token = e.token_id.is_some();
+                    if tx.send(Ok(e)).await.is_err() {
                         return;
                     }
+                    if token {
+                        self.metrics.tokens_streamed.inc();
+                    }
+                }
+                if let Some(e) = broken {
+                    let _ = tx.send(Err(e)).await;
+                    return;
+                }
+                if text.done {
+                    return;
                 }
             }
             tokio::time::sleep(WATCH_REOPEN_BACKOFF).await;
@@ -158,19 +154,21 @@ impl EventText {
         }
     }
 
-    /// The client events of one Watch message (records already seen are skipped; a gap is an
-    /// error); the last event when the message says the generation is terminal.
-    fn events(&mut self, ev: pb::WatchEvent) -> Result<Vec<Event>> {
+    /// The client events of one Watch message (records already seen are skipped); the last
+    /// event when the message says the generation is terminal. A gap in the records ends the
+    /// stream: the events before it, then the error.
+    fn events(&mut self, ev: pb::WatchEvent) -> (Vec<Event>, Option<GatewayError>) {
         let mut out = Vec::new();
         for r in ev.records {
             if r.seq < self.next {
                 continue;
             }
             if r.seq > self.next {
-                return Err(GatewayError::Internal(format!(
+                let gap = GatewayError::Internal(format!(
                     "log skipped from seq {} to {} for generation {}",
                     self.next, r.seq, self.generation
-                )));
+                ));
+                return (out, Some(gap));
             }
             let text = self.stop_text.push(&self.detok.push(r.token_id));
             self.last_epoch = r.epoch;
@@ -193,6 +191,79 @@ impl EventText {
                 out.push(self.event(self.next, epoch, None, rest, Some(finish)));
             }
         }
-        Ok(out)
+        (out, None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(stops: &[&str]) -> pb::GenerationInfo {
+        pb::GenerationInfo {
+            generation_id: 7,
+            request_id: "r".into(),
+            binding: Some(pb::Binding {
+                stop: Some(pb::StopConfig {
+                    stop_strings: stops.iter().map(|s| s.to_string()).collect(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn rec(seq: u32, token_id: u32) -> pb::Record {
+        pb::Record {
+            seq,
+            token_id,
+            epoch: 1,
+        }
+    }
+
+    #[test]
+    fn events_skip_what_was_seen_and_a_gap_ends_after_the_events_before_it() {
+        let tok = tokenlog_decoder::fake::fake_tokenizer().unwrap();
+        let mut t = EventText::new(&info(&[]), &tok, 0);
+        let (ev, err) = t.events(pb::WatchEvent {
+            records: vec![rec(0, 100), rec(1, 101)],
+            terminal: None,
+        });
+        assert!(err.is_none());
+        assert_eq!(
+            ev.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            vec![1],
+            "seq 0 is not after after_seq 0"
+        );
+        let (ev, err) = t.events(pb::WatchEvent {
+            records: vec![rec(1, 101), rec(2, 102), rec(4, 104)],
+            terminal: None,
+        });
+        assert_eq!(
+            ev.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            vec![2],
+            "re-sent seq 1 skipped"
+        );
+        assert!(matches!(err, Some(GatewayError::Internal(m)) if m.contains("skipped from seq 3 to 4")));
+    }
+
+    #[test]
+    fn the_terminal_message_ends_with_one_last_event() {
+        let tok = tokenlog_decoder::fake::fake_tokenizer().unwrap();
+        let mut t = EventText::new(&info(&[]), &tok, -1);
+        let terminal = pb::GenerationInfo {
+            frontier: 1,
+            finish_reason: pb::FinishReason::Length as i32,
+            ..info(&[])
+        };
+        let (ev, err) = t.events(pb::WatchEvent {
+            records: vec![rec(0, 100)],
+            terminal: Some(terminal),
+        });
+        assert!(err.is_none() && t.done);
+        assert_eq!(ev.len(), 2);
+        let last = ev[1].finish.as_ref().unwrap();
+        assert_eq!((ev[1].seq, last.reason, last.completion_tokens), (1, "length", 1));
     }
 }

@@ -123,7 +123,7 @@ impl LogState {
         if let Some((reason, detail)) = &item.finish {
             terminate(g, *reason, detail, now);
         }
-        changes.touched.insert(g.id);
+        changes.touch(g.id);
         Ok(g.lease.clone())
     }
 }

@@ -35,6 +35,10 @@ pub struct Changes {
     pub pruned: Vec<(GenerationId, String, String)>,
     /// The decoder registrations changed.
     pub decoders: bool,
+    /// What the entry being applied touched (cleared by every `apply`): the generations to
+    /// re-file in the indexes and check.
+    entry_touched: Vec<GenerationId>,
+    entry_decoders: bool,
 }
 
 impl Changes {
@@ -42,18 +46,25 @@ impl Changes {
         self.touched.is_empty() && self.new_records.is_empty() && self.pruned.is_empty() && !self.decoders
     }
 
-    /// Adds the changes of a later entry of the same batch. A generation that `later` pruned
-    /// leaves no row behind: its metadata and records are dropped from the batch.
-    pub fn merge(&mut self, later: Changes) {
-        if !later.pruned.is_empty() {
-            let gone: BTreeSet<GenerationId> = later.pruned.iter().map(|(id, _, _)| *id).collect();
-            self.touched.retain(|id| !gone.contains(id));
-            self.new_records.retain(|(id, _, _)| !gone.contains(id));
-        }
-        self.touched.extend(later.touched);
-        self.new_records.extend(later.new_records);
-        self.pruned.extend(later.pruned);
-        self.decoders |= later.decoders;
+    /// Generation `id` changed (or was created).
+    pub(crate) fn touch(&mut self, id: GenerationId) {
+        self.touched.insert(id);
+        // Re-filing is idempotent: an id touched twice in one entry is filed twice.
+        self.entry_touched.push(id);
+    }
+
+    pub(crate) fn decoders_changed(&mut self) {
+        self.decoders = true;
+        self.entry_decoders = true;
+    }
+
+    /// Generation `id` was pruned: it leaves no row behind, whatever earlier entries of the
+    /// batch wrote for it.
+    pub(crate) fn prune(&mut self, id: GenerationId, tenant: String, request_id: String) {
+        self.touched.remove(&id);
+        self.new_records.retain(|(r, _, _)| *r != id);
+        self.entry_touched.retain(|r| *r != id);
+        self.pruned.push((id, tenant, request_id));
     }
 }
 
@@ -179,15 +190,16 @@ impl LogState {
     /// Applies one stamped command. Pure: same state + same request = same result. Keeps the
     /// indexes and checks the invariants of every generation it touched.
     pub fn apply(&mut self, req: &Request, changes: &mut Changes) -> Response {
-        let mut local = Changes::default();
-        let response = self.apply_command(req, &mut local);
-        for id in &local.touched {
+        changes.entry_touched.clear();
+        changes.entry_decoders = false;
+        let response = self.apply_command(req, changes);
+        for id in &changes.entry_touched {
             if let Some(g) = self.generations.get(id) {
                 self.index.refile(g);
                 check_generation(g);
             }
         }
-        if local.decoders {
+        if changes.entry_decoders {
             self.index.decoder_expiry = self
                 .decoders
                 .iter()
@@ -196,7 +208,6 @@ impl LogState {
         }
         #[cfg(any(test, debug_assertions))]
         self.check_indexes();
-        changes.merge(local);
         response
     }
 
@@ -338,7 +349,7 @@ impl LogState {
         self.generations.insert(id, g);
         self.requests.insert((tenant.to_string(), request_id.to_string()), id);
         *self.tenants.entry(tenant.to_string()).or_default() += 1;
-        changes.touched.insert(id);
+        changes.touch(id);
         Response::Submitted {
             generation: view,
             created: true,

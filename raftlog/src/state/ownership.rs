@@ -66,7 +66,7 @@ impl LogState {
             log_ms: now,
             frontier: g.frontier(),
         });
-        changes.touched.insert(id);
+        changes.touch(id);
         Ok((&*g).into())
     }
 
@@ -89,7 +89,7 @@ impl LogState {
             ));
         }
         g.lease.expiry_log_ms = g.lease.expiry_log_ms.max(now + lease_ms);
-        changes.touched.insert(id);
+        changes.touch(id);
         Ok((&*g).into())
     }
 
@@ -123,7 +123,7 @@ impl LogState {
             ));
         }
         g.binding.prompt_token_ids = ids.to_vec();
-        changes.touched.insert(id);
+        changes.touch(id);
         Ok((&*g).into())
     }
 
@@ -144,7 +144,7 @@ impl LogState {
         }
         fence(g, epoch, now)?;
         terminate(g, reason, detail, now);
-        changes.touched.insert(id);
+        changes.touch(id);
         Ok((&*g).into())
     }
 
@@ -163,7 +163,7 @@ impl LogState {
         g.lease.owner.clear();
         g.lease.expiry_log_ms = now;
         g.state = GenState::Pending;
-        changes.touched.insert(id);
+        changes.touch(id);
         Ok((&*g).into())
     }
 
@@ -190,7 +190,7 @@ impl LogState {
             ));
         }
         terminate(g, FinishReason::Cancelled, "cancelled by the client", now);
-        changes.touched.insert(id);
+        changes.touch(id);
         Ok((&*g).into())
     }
 }

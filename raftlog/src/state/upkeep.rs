@@ -37,7 +37,7 @@ impl LogState {
                 ..info.clone()
             },
         );
-        changes.decoders = true;
+        changes.decoders_changed();
         Ok(expiry_log_ms)
     }
 
@@ -52,7 +52,9 @@ impl LogState {
         for d in &lapsed {
             self.decoders.remove(d);
         }
-        changes.decoders |= !lapsed.is_empty();
+        if !lapsed.is_empty() {
+            changes.decoders_changed();
+        }
         let mut failed = 0;
         for id in self.deadline_due(now) {
             let g = self.generations.get_mut(&id).expect("indexed generations exist");
@@ -62,7 +64,9 @@ impl LogState {
                 "no compatible decoder produced a record before the deadline",
                 now,
             );
-            changes.touched.insert(id);
+            // Filed as finished now, so retention (0 included) sees it in this same tick.
+            self.index.refile(g);
+            changes.touch(id);
             failed += 1;
         }
         let expired: Vec<GenerationId> = self.retention_due(now, retention_ms).collect();
@@ -76,9 +80,7 @@ impl LogState {
                         self.tenants.remove(&g.tenant);
                     }
                 }
-                changes.touched.remove(id);
-                changes.new_records.retain(|(r, _, _)| r != id);
-                changes.pruned.push((g.id, g.tenant, g.request_id));
+                changes.prune(g.id, g.tenant, g.request_id);
             }
         }
         Response::Ticked {
@@ -100,8 +102,13 @@ impl LogState {
 
     /// Terminal generations finished at least `retention_ms` before `now`, oldest first.
     fn retention_due(&self, now: u64, retention_ms: u64) -> impl Iterator<Item = GenerationId> + '_ {
-        let cutoff = now.saturating_sub(retention_ms);
-        let end = if now >= retention_ms { cutoff + 1 } else { 0 };
+        // Retention 0 prunes every terminal generation, even one finished at a log time past
+        // `now` (a leader clock behind the log).
+        let end = match retention_ms {
+            0 => u64::MAX,
+            r if now >= r => now - r + 1,
+            _ => 0,
+        };
         self.index.finished.range(..(end, 0)).map(|&(_, id)| id)
     }
 

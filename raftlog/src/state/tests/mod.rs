@@ -1,0 +1,221 @@
+//! Pure apply tests: no I/O, no clock. Each test drives `LogState::apply` with stamped commands.
+//! Here: the helpers, submit, log time, determinism; `fencing`: ownership and appends;
+//! `upkeep`: ticks, retention, pending work, registrations.
+
+use super::*;
+
+const LEASE: u64 = 1_000;
+
+fn model() -> ModelIdentity {
+    ModelIdentity {
+        weights_sha256: "w".into(),
+        tokenizer_sha256: "t".into(),
+        architecture: "llama".into(),
+        dtype_class: "fake".into(),
+    }
+}
+
+fn binding() -> Binding {
+    Binding {
+        model: model(),
+        prompt_token_ids: vec![1, 2, 3],
+        stop: StopConfig {
+            max_tokens: 16,
+            ..Default::default()
+        },
+        ..Default::default()
+    }
+}
+
+struct T {
+    s: LogState,
+    changes: Changes,
+}
+
+impl T {
+    fn new() -> Self {
+        T {
+            s: LogState::default(),
+            changes: Changes::default(),
+        }
+    }
+    fn at(&mut self, log_ms: u64, cmd: Command) -> Response {
+        self.s.apply(&Request { log_ms, cmd }, &mut self.changes)
+    }
+    fn submit(&mut self, t: u64, rid: &str) -> GenerationId {
+        match self.at(
+            t,
+            Command::Submit {
+                tenant: "a".into(),
+                request_id: rid.into(),
+                binding: binding(),
+            },
+        ) {
+            Response::Submitted { generation, .. } => generation.id,
+            r => panic!("submit failed: {r:?}"),
+        }
+    }
+    fn acquire(&mut self, t: u64, g: GenerationId, dec: &str) -> Result<GenerationView, Rejection> {
+        let cmd = Command::Acquire {
+            generation: g,
+            decoder: dec.into(),
+            lease_ms: LEASE,
+            model: model(),
+            rng_version: 0,
+        };
+        match self.at(t, cmd) {
+            Response::Ownership(r) => r,
+            r => panic!("{r:?}"),
+        }
+    }
+    fn append(
+        &mut self,
+        t: u64,
+        g: GenerationId,
+        dec: &str,
+        epoch: Epoch,
+        start: Seq,
+        toks: &[u32],
+    ) -> Result<Lease, Rejection> {
+        let item = AppendItem {
+            generation: g,
+            epoch,
+            start_seq: start,
+            token_ids: toks.to_vec(),
+            finish: None,
+        };
+        match self.at(
+            t,
+            Command::Append {
+                decoder: dec.into(),
+                lease_ms: LEASE,
+                items: vec![item],
+            },
+        ) {
+            Response::Appended(mut v) => v.remove(0).result,
+            r => panic!("{r:?}"),
+        }
+    }
+    fn ownership(&mut self, t: u64, cmd: Command) -> Result<GenerationView, Rejection> {
+        match self.at(t, cmd) {
+            Response::Ownership(r) => r,
+            r => panic!("{r:?}"),
+        }
+    }
+    fn gen(&self, g: GenerationId) -> &Generation {
+        &self.s.generations[&g]
+    }
+}
+
+fn reason<T: std::fmt::Debug>(r: Result<T, Rejection>) -> RejectReason {
+    r.expect_err("expected a rejection").reason
+}
+
+mod fencing;
+mod upkeep;
+
+#[test]
+fn submit_is_idempotent_and_conflicts_on_other_binding() {
+    let mut t = T::new();
+    let g = t.submit(10, "r1");
+    let again = t.at(
+        20,
+        Command::Submit {
+            tenant: "a".into(),
+            request_id: "r1".into(),
+            binding: binding(),
+        },
+    );
+    assert!(matches!(again, Response::Submitted { created: false, ref generation } if generation.id == g));
+    assert_eq!(t.s.generations.len(), 1);
+
+    let mut other = binding();
+    other.sampling.seed = 9;
+    let conflict = t.at(
+        30,
+        Command::Submit {
+            tenant: "a".into(),
+            request_id: "r1".into(),
+            binding: other.clone(),
+        },
+    );
+    assert!(matches!(
+        conflict,
+        Response::Ownership(Err(Rejection {
+            reason: RejectReason::BindingConflict,
+            ..
+        }))
+    ));
+    // Another tenant may use the same request id.
+    let b = t.at(
+        40,
+        Command::Submit {
+            tenant: "b".into(),
+            request_id: "r1".into(),
+            binding: other,
+        },
+    );
+    assert!(matches!(b, Response::Submitted { created: true, ref generation } if generation.id != g));
+}
+
+#[test]
+fn submit_validates_limits_and_input() {
+    let mut t = T::new();
+    let mut big = binding();
+    big.prompt_token_ids = vec![0; PROMPT_TOKENS_MAX + 1];
+    let long_id = "x".repeat(REQUEST_ID_BYTES_MAX + 1);
+    let mut both = binding();
+    both.prompt_text = "hi".into();
+    let mut zero = binding();
+    zero.stop.max_tokens = 0;
+    let mut nan = binding();
+    nan.sampling.temperature = f32::NAN;
+    for (rid, b, want) in [
+        ("r", big, RejectReason::Limit),
+        (long_id.as_str(), binding(), RejectReason::Limit),
+        ("r", both, RejectReason::Invalid),
+        ("r", zero, RejectReason::Limit),
+        ("r", nan, RejectReason::Invalid),
+        ("", binding(), RejectReason::Invalid),
+    ] {
+        let r = t.at(
+            1,
+            Command::Submit {
+                tenant: "a".into(),
+                request_id: rid.into(),
+                binding: b,
+            },
+        );
+        assert!(
+            matches!(r, Response::Ownership(Err(ref e)) if e.reason == want),
+            "{r:?}"
+        );
+    }
+    assert!(t.s.generations.is_empty());
+}
+
+#[test]
+fn log_time_never_goes_backwards() {
+    let mut t = T::new();
+    let g = t.submit(5_000, "r");
+    t.acquire(5_000, g, "d1").unwrap(); // lease to 6_000
+                                        // A new leader with a slow clock stamps 100: log time stays at 5_000, so the lease is live.
+    assert_eq!(reason(t.acquire(100, g, "d2")), RejectReason::LeaseHeld);
+    assert_eq!(t.s.log_ms, 5_000);
+}
+
+#[test]
+fn apply_is_deterministic() {
+    let script = |t: &mut T| {
+        let g = t.submit(3, "x");
+        t.acquire(4, g, "d").unwrap();
+        t.append(5, g, "d", 1, 0, &[1, 2, 3]).unwrap();
+        t.acquire(2_000, g, "e").unwrap();
+        t.append(2_001, g, "e", 2, 3, &[4]).unwrap();
+    };
+    let (mut a, mut b) = (T::new(), T::new());
+    script(&mut a);
+    script(&mut b);
+    assert_eq!(a.s, b.s);
+    assert_eq!(a.changes, b.changes);
+}

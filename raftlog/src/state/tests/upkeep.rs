@@ -1,0 +1,217 @@
+//! Upkeep: ticks (deadlines, retention), pending work, registrations.
+
+use super::*;
+
+#[test]
+fn tick_fails_past_deadline_and_prunes_after_retention() {
+    let mut t = T::new();
+    let mut b = binding();
+    b.deadline_ms = 500;
+    let Response::Submitted { generation, .. } = t.at(
+        0,
+        Command::Submit {
+            tenant: "a".into(),
+            request_id: "late".into(),
+            binding: b,
+        },
+    ) else {
+        panic!()
+    };
+    let late = generation.id;
+    let done = t.submit(0, "done");
+    t.acquire(0, done, "d").unwrap();
+    t.ownership(
+        1,
+        Command::Finish {
+            generation: done,
+            epoch: 1,
+            reason: FinishReason::Stop,
+            detail: String::new(),
+        },
+    )
+    .unwrap();
+    assert!(!t.s.tick_due(400, 10_000));
+    assert_eq!(
+        t.at(400, Command::Tick { retention_ms: 10_000 }),
+        Response::Ticked { failed: 0, pruned: 0 }
+    );
+    assert!(t.s.tick_due(500, 10_000));
+    assert_eq!(
+        t.at(500, Command::Tick { retention_ms: 10_000 }),
+        Response::Ticked { failed: 1, pruned: 0 }
+    );
+    assert_eq!(t.gen(late).state, GenState::Failed);
+    assert_eq!(
+        t.at(10_001, Command::Tick { retention_ms: 10_000 }),
+        Response::Ticked { failed: 0, pruned: 1 }
+    );
+    assert!(t.s.by_request("a", "done").is_none());
+    assert_eq!(
+        t.at(10_500, Command::Tick { retention_ms: 10_000 }),
+        Response::Ticked { failed: 0, pruned: 1 }
+    );
+    assert!(t.s.generations.is_empty() && t.s.requests.is_empty());
+}
+
+#[test]
+fn pending_work_lists_unowned_and_orphaned_of_the_model() {
+    let mut t = T::new();
+    let (a, b, c) = (t.submit(0, "a"), t.submit(0, "b"), t.submit(0, "c"));
+    t.acquire(0, b, "d").unwrap();
+    t.acquire(0, c, "d").unwrap();
+    t.ownership(
+        1,
+        Command::Finish {
+            generation: c,
+            epoch: 1,
+            reason: FinishReason::Stop,
+            detail: String::new(),
+        },
+    )
+    .unwrap();
+    let ids = |now| {
+        t.s.pending_work(&model(), now, 10)
+            .iter()
+            .map(|g| g.id)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(ids(500), vec![a]);
+    assert_eq!(
+        ids(1_000),
+        vec![b, a],
+        "b's lease expired: orphaned, listed before unowned work"
+    );
+    assert!(t.s.pending_work(&ModelIdentity::default(), 0, 10).is_empty());
+}
+
+#[test]
+fn registrations_live_for_their_ttl_and_are_refreshed() {
+    let mut t = T::new();
+    let info = DecoderInfo {
+        model_name: "m".into(),
+        model: model(),
+        capacity: 4,
+        ..Default::default()
+    };
+    let reg = |info: &DecoderInfo| Command::Register {
+        decoder: "d1".into(),
+        info: info.clone(),
+        ttl_ms: 1_000,
+    };
+    assert_eq!(t.at(0, reg(&info)), Response::Registered(Ok(1_000)));
+    assert!(t.changes.decoders);
+    assert_eq!(t.at(900, reg(&info)), Response::Registered(Ok(1_900)), "refreshed");
+    assert!(!t.s.tick_due(1_899, 10_000));
+    assert!(t.s.tick_due(1_900, 10_000));
+    t.at(1_900, Command::Tick { retention_ms: 10_000 });
+    assert!(t.s.decoders.is_empty());
+    let bad = DecoderInfo {
+        model_name: String::new(),
+        ..info
+    };
+    assert!(matches!(
+        t.at(2_000, reg(&bad)),
+        Response::Registered(Err(Rejection {
+            reason: RejectReason::Invalid,
+            ..
+        }))
+    ));
+}
+
+/// Regression (issue: `persist` indexed `generations[id]` for the records of a generation pruned
+/// in the same apply batch: a panic under the state lock, then the same panic on every restart).
+/// The changes of a batch never name records, or metadata, of a generation the batch pruned.
+#[test]
+fn records_and_pruning_in_one_batch_leave_no_rows_of_the_pruned_generation() {
+    let mut t = T::new();
+    let g = t.submit(0, "r");
+    t.acquire(0, g, "d").unwrap();
+    t.append(1, g, "d", 1, 0, &[5, 6]).unwrap();
+    t.ownership(
+        2,
+        Command::Finish {
+            generation: g,
+            epoch: 1,
+            reason: FinishReason::Stop,
+            detail: String::new(),
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        t.at(2, Command::Tick { retention_ms: 0 }),
+        Response::Ticked { failed: 0, pruned: 1 }
+    );
+    assert!(t.s.generations.is_empty());
+    assert_eq!(t.changes.pruned.len(), 1);
+    assert!(
+        t.changes.new_records.iter().all(|(id, _, _)| *id != g),
+        "records of a pruned generation left in the batch's changes: {:?}",
+        t.changes.new_records
+    );
+    assert!(!t.changes.touched.contains(&g));
+}
+
+#[test]
+fn pending_work_lists_a_generation_whose_owner_stopped_appending() {
+    let mut t = T::new();
+    let g = t.submit(0, "a");
+    t.acquire(0, g, "d1").unwrap();
+    t.append(100, g, "d1", 1, 0, &[1]).unwrap();
+    t.at(
+        150,
+        Command::Renew {
+            generation: g,
+            epoch: 1,
+            decoder: "d1".into(),
+            lease_ms: LEASE,
+        },
+    );
+    let ids = |t: &T, now| {
+        t.s.pending_work(&model(), now, 10)
+            .iter()
+            .map(|g| g.id)
+            .collect::<Vec<_>>()
+    };
+    assert!(ids(&t, 1_000).is_empty(), "lease live until 1150");
+    assert_eq!(ids(&t, 1_150), vec![g]);
+    t.acquire(1_200, g, "d2").unwrap();
+    assert!(ids(&t, 1_300).is_empty());
+}
+
+/// Retention 0 prunes a generation that the same tick failed (the indexes see the failure at
+/// once), and every terminal generation even when the leader's clock is behind its finish.
+#[test]
+fn retention_zero_prunes_in_the_same_tick() {
+    let mut t = T::new();
+    let mut b = binding();
+    b.deadline_ms = 500;
+    t.at(
+        0,
+        Command::Submit {
+            tenant: "a".into(),
+            request_id: "late".into(),
+            binding: b,
+        },
+    );
+    assert_eq!(
+        t.at(500, Command::Tick { retention_ms: 0 }),
+        Response::Ticked { failed: 1, pruned: 1 }
+    );
+    let g = t.submit(600, "done");
+    t.acquire(600, g, "d").unwrap();
+    t.ownership(
+        900,
+        Command::Finish {
+            generation: g,
+            epoch: 1,
+            reason: FinishReason::Stop,
+            detail: String::new(),
+        },
+    )
+    .unwrap();
+    assert!(
+        t.s.tick_due(800, 0),
+        "a clock behind the finish still prunes with retention 0"
+    );
+    assert!(!t.s.tick_due(800, 1));
+}
