@@ -16,7 +16,7 @@ use super::{nemesis, net, now_us, Cluster, Fault, Plant, RunConfig, FAILPOINTS_E
 /// watcher; returns once the nodes and gateways listen and a decoder has registered.
 pub async fn start_cluster(cfg: &RunConfig) -> Result<Cluster> {
     let started = Instant::now();
-    std::fs::create_dir_all(&cfg.out).with_context(|| format!("{}", cfg.out.display()))?;
+    fresh_run_dir(&cfg.out)?;
     let dir = cfg.out.clone();
     let bin = &cfg.bin;
     anyhow::ensure!(
@@ -269,5 +269,60 @@ async fn wait_for_model(log: &LogClient) -> Result<()> {
         }
         anyhow::ensure!(Instant::now() < deadline, "no decoder registered within 60 s");
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Files every run writes at the top of its directory; a directory holding one of them is an
+/// earlier run's output.
+const RUN_FILES: [&str; 5] = [
+    "verdicts.json",
+    "history.jsonl",
+    "decoder1.jsonl",
+    "node1.log",
+    "scenario.json",
+];
+
+/// Makes `dir` an empty directory for a new run. Decoders append to their history files, so a
+/// run into an earlier run's directory would mix two histories (and report false violations):
+/// an earlier run's output is removed, with a line saying so; a non-empty directory that is not
+/// one is refused.
+pub fn fresh_run_dir(dir: &std::path::Path) -> Result<()> {
+    if let Ok(mut entries) = std::fs::read_dir(dir) {
+        if entries.next().is_some() {
+            anyhow::ensure!(
+                RUN_FILES.iter().any(|f| dir.join(f).exists()),
+                "{} is not empty and holds no earlier run's output; choose another --out",
+                dir.display()
+            );
+            eprintln!("{}: removing the earlier run's output", dir.display());
+            std::fs::remove_dir_all(dir).with_context(|| format!("removing {}", dir.display()))?;
+        }
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("{}", dir.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_earlier_runs_output_is_replaced_and_a_foreign_directory_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = tmp.path().join("seed-1");
+        fresh_run_dir(&run).unwrap();
+        std::fs::write(run.join("decoder1.jsonl"), "{\"phase\":\"invoke\"}\n").unwrap();
+        std::fs::write(run.join("node1.log"), "old\n").unwrap();
+        fresh_run_dir(&run).unwrap();
+        assert_eq!(
+            std::fs::read_dir(&run).unwrap().count(),
+            0,
+            "the earlier run's files are gone"
+        );
+        let foreign = tmp.path().join("mine");
+        std::fs::create_dir_all(&foreign).unwrap();
+        std::fs::write(foreign.join("notes.txt"), "keep me").unwrap();
+        let e = fresh_run_dir(&foreign).unwrap_err().to_string();
+        assert!(e.contains("holds no earlier run's output"), "{e}");
+        assert!(foreign.join("notes.txt").exists());
     }
 }
