@@ -47,8 +47,10 @@ pub struct NodeArgs {
     pub metrics_listen: Option<SocketAddr>,
 }
 
+/// Parses `--peers` (`id=host:port`, ...). Two members with one id or one address are refused:
+/// a node that is its own peer under another id breaks Raft's elections.
 pub fn parse_peers(peers: &[String]) -> anyhow::Result<Vec<(u64, String)>> {
-    peers
+    let members: Vec<(u64, String)> = peers
         .iter()
         .map(|p| {
             let (id, addr) = p
@@ -59,7 +61,13 @@ pub fn parse_peers(peers: &[String]) -> anyhow::Result<Vec<(u64, String)>> {
                 addr.to_string(),
             ))
         })
-        .collect()
+        .collect::<anyhow::Result<_>>()?;
+    for (i, (id, addr)) in members.iter().enumerate() {
+        if let Some((other, _)) = members[..i].iter().find(|(o, a)| o == id || a == addr) {
+            bail!("--peers names {other} and {id} with the same id or address ({addr}); each member needs its own");
+        }
+    }
+    Ok(members)
 }
 
 pub async fn run(a: NodeArgs) -> anyhow::Result<()> {

@@ -7,11 +7,21 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
+/// A loopback port that was free just now and that this process has not handed out before (two
+/// picks in a row may otherwise get the same ephemeral port).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free loopback port");
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 pub fn wait_for_port(addr: &str, within: Duration) -> Result<()> {
