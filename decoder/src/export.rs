@@ -85,7 +85,7 @@ pub fn export_gguf_as_safetensors(gguf: &Path, out: &Path) -> Result<usize> {
             "{heads} attention heads, {kv_heads} key/value heads"
         )));
     }
-    let tokenizer = Tokenizer::from_gguf_file(gguf)?;
+    let tokenizer = Tokenizer::from_gguf(&crate::gguf_model::metadata_of(&content))?;
 
     std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
     let mut tensors: HashMap<String, Tensor> = HashMap::new();

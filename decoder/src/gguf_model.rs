@@ -13,6 +13,7 @@ use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::{ModelWeights, MAX_SEQ_LEN};
 
 use crate::error::{Error, Result};
+use crate::gguf_meta::{GgufMetadata, MetaValue};
 use crate::identity::{self, ModelIdentity};
 use crate::kv::{Forward, KvSequence};
 use crate::model::{DeviceSpec, Model, Sequence};
@@ -54,7 +55,7 @@ impl GgufModel {
             .and_then(|v| v.to_u32().ok())
             .map_or(MAX_SEQ_LEN, |n| n as usize);
         let dtype_class = dtype_class(&content);
-        let tokenizer = Tokenizer::from_gguf_file(path)?;
+        let tokenizer = Tokenizer::from_gguf(&metadata_of(&content))?;
         let template = ModelWeights::from_gguf(content, &mut file, &dev)?;
         let identity = ModelIdentity {
             weights_sha256: identity::weights_sha256(path)?,
@@ -80,6 +81,37 @@ impl GgufModel {
 
     pub fn device(&self) -> DeviceSpec {
         self.device_spec
+    }
+}
+
+/// The metadata candle already read, in the text layer's form (so the tokenizer of a loaded
+/// model comes from the same parse as its weights, not a second read of the file).
+pub(crate) fn metadata_of(content: &gguf_file::Content) -> GgufMetadata {
+    fn value(v: &gguf_file::Value) -> MetaValue {
+        use gguf_file::Value as V;
+        match v {
+            V::U8(x) => MetaValue::U8(*x),
+            V::I8(x) => MetaValue::I8(*x),
+            V::U16(x) => MetaValue::U16(*x),
+            V::I16(x) => MetaValue::I16(*x),
+            V::U32(x) => MetaValue::U32(*x),
+            V::I32(x) => MetaValue::I32(*x),
+            V::U64(x) => MetaValue::U64(*x),
+            V::I64(x) => MetaValue::I64(*x),
+            V::F32(x) => MetaValue::F32(*x),
+            V::F64(x) => MetaValue::F64(*x),
+            V::Bool(x) => MetaValue::Bool(*x),
+            V::String(x) => MetaValue::String(x.clone()),
+            V::Array(x) => MetaValue::Array(x.iter().map(value).collect()),
+        }
+    }
+    GgufMetadata {
+        version: match content.magic {
+            gguf_file::VersionedMagic::GgufV1 => 1,
+            gguf_file::VersionedMagic::GgufV2 => 2,
+            gguf_file::VersionedMagic::GgufV3 => 3,
+        },
+        values: content.metadata.iter().map(|(k, v)| (k.clone(), value(v))).collect(),
     }
 }
 

@@ -58,13 +58,17 @@ impl Changes {
         self.entry_decoders = true;
     }
 
-    /// Generation `id` was pruned: it leaves no row behind, whatever earlier entries of the
-    /// batch wrote for it.
-    pub(crate) fn prune(&mut self, id: GenerationId, tenant: String, request_id: String) {
-        self.touched.remove(&id);
-        self.new_records.retain(|(r, _, _)| *r != id);
-        self.entry_touched.retain(|r| *r != id);
-        self.pruned.push((id, tenant, request_id));
+    /// Generations `gone` (with their request keys) were pruned: they leave no row behind,
+    /// whatever earlier entries of the batch wrote for them. One pass over the batch for all.
+    pub(crate) fn prune(&mut self, gone: Vec<(GenerationId, String, String)>) {
+        if gone.is_empty() {
+            return;
+        }
+        let ids: BTreeSet<GenerationId> = gone.iter().map(|(id, _, _)| *id).collect();
+        self.touched.retain(|id| !ids.contains(id));
+        self.new_records.retain(|(id, _, _)| !ids.contains(id));
+        self.entry_touched.retain(|id| !ids.contains(id));
+        self.pruned.extend(gone);
     }
 }
 

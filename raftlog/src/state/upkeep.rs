@@ -70,6 +70,7 @@ impl LogState {
             failed += 1;
         }
         let expired: Vec<GenerationId> = self.retention_due(now, retention_ms).collect();
+        let mut gone = Vec::with_capacity(expired.len());
         for id in &expired {
             if let Some(g) = self.generations.remove(id) {
                 self.index.remove(&g);
@@ -80,9 +81,10 @@ impl LogState {
                         self.tenants.remove(&g.tenant);
                     }
                 }
-                changes.prune(g.id, g.tenant, g.request_id);
+                gone.push((g.id, g.tenant, g.request_id));
             }
         }
+        changes.prune(gone);
         Response::Ticked {
             failed,
             pruned: expired.len() as u32,
