@@ -240,4 +240,48 @@ async fn restart_all_nodes_at_once_keeps_identical_state_and_wiped_node_catches_
         .unwrap()
         .into_inner();
     assert!(s3.snapshot_index > 0, "node 3 was restored from a snapshot: {s3:?}");
+
+    // `tokenlog verify` on the stopped node's data dir: intact.
+    cluster.kill9(2);
+    let verify = |dir: &Path| {
+        std::process::Command::new(common::BIN)
+            .args(["verify", "--data-dir"])
+            .arg(dir)
+            .output()
+            .unwrap()
+    };
+    let ok = verify(&cluster.data_dir(2));
+    let ok_text = String::from_utf8_lossy(&ok.stdout).to_string();
+    assert!(ok.status.success(), "{ok_text} {}", String::from_utf8_lossy(&ok.stderr));
+    assert!(ok_text.contains("every chain intact"), "{ok_text}");
+
+    // A flipped byte in its snapshot: the node refuses to start, and verify says why.
+    let snap = std::fs::read_dir(cluster.data_dir(2).join("snapshots"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "snap"))
+        .expect("node 3 has a snapshot file");
+    let mut bytes = std::fs::read(&snap).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x01;
+    std::fs::write(&snap, &bytes).unwrap();
+    cluster.start_node(2);
+    let status = cluster
+        .wait_exit(2, Duration::from_secs(20))
+        .expect("a node with a damaged snapshot must not keep running");
+    assert!(!status.success());
+    let log = cluster.node_log(2);
+    assert!(log.contains("refusing to serve") && log.contains("checksum"), "{log}");
+    let bad = verify(&cluster.data_dir(2));
+    let bad_text = String::from_utf8_lossy(&bad.stdout).to_string();
+    assert!(!bad.status.success(), "{bad_text}");
+    assert!(
+        bad_text.contains("BROKEN") && bad_text.contains("checksum"),
+        "{bad_text}"
+    );
+
+    // The documented recovery: move the data dir aside; the node rebuilds from its peers.
+    std::fs::rename(cluster.data_dir(2), cluster.dir.path().join("node3-damaged")).unwrap();
+    cluster.start_node(2);
+    assert_eq!(before, cluster.converged().await, "rebuilt node caught up");
 }

@@ -30,6 +30,10 @@ pub enum LogError {
         #[source]
         source: std::io::Error,
     },
+    /// The data dir holds something broken (a checksum that does not match, a hash chain that
+    /// breaks, a log with a hole). A node in this state does not serve.
+    #[error("{dir}: {} integrity problem(s), refusing to serve: {}. Run `tokenlog verify --data-dir {dir}` for the full report; to recover, move the data dir aside and let the node rebuild from a healthy peer (`tokenlog members replace`, see the README)", problems.len(), problems.iter().take(3).cloned().collect::<Vec<_>>().join("; "))]
+    Integrity { dir: String, problems: Vec<String> },
     /// A listener could not be bound.
     #[error("cannot listen on {addr}: {source}")]
     Listen {
@@ -96,6 +100,7 @@ impl From<LogError> for Status {
             LogError::Invalid(_) => Status::invalid_argument(msg),
             LogError::NotFound(_) => Status::not_found(msg),
             LogError::Storage { .. } | LogError::Listen { .. } | LogError::Internal(_) => Status::internal(msg),
+            LogError::Integrity { .. } => Status::data_loss(msg),
             LogError::Payload(_) => Status::invalid_argument(msg),
         }
     }

@@ -4,7 +4,9 @@
 //! - [`types`], [`limits`], [`chain`]: domain types, named limits, the per-generation hash chain.
 //! - [`state`]: the pure, deterministic state machine (`LogState::apply`), tested without I/O.
 //! - [`raft_types`]: openraft's type configuration.
-//! - [`db`], [`log_store`], [`sm_store`]: RocksDB storage of the Raft log and the state machine.
+//! - [`data_dir`]: a node's data dir, its integrity checks at start and `verify`.
+//! - [`db`], [`log_store`]: the Raft log in RocksDB, checksummed entries.
+//! - [`sm_store`], [`snapshot`]: the in-memory state machine, durable through snapshot files.
 //! - [`transport`]: Raft messages between nodes over gRPC.
 //! - [`service`], [`convert`], [`error`]: the `raftlog.v1` client API, wire conversions, and the
 //!   one mapping of errors to `tonic::Status`.
@@ -13,6 +15,7 @@
 pub mod chain;
 pub mod client;
 pub mod convert;
+pub mod data_dir;
 pub mod db;
 pub mod error;
 pub mod faults;
@@ -23,6 +26,7 @@ pub mod node;
 pub mod raft_types;
 pub mod service;
 pub mod sm_store;
+pub mod snapshot;
 pub mod state;
 pub mod transport;
 pub mod types;

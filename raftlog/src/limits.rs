@@ -52,6 +52,9 @@ pub const PENDING_WORK_LIMIT_MAX: u32 = 1_024;
 pub const WATCH_BUFFER_EVENTS: usize = 16;
 /// Bytes per chunk of a snapshot streamed to a follower.
 pub const SNAPSHOT_CHUNK_BYTES: usize = 1 << 20;
+/// Largest snapshot a follower accepts from the leader (bytes on disk; in memory it holds one
+/// chunk at a time).
+pub const SNAPSHOT_BYTES_MAX: u64 = 256 << 30;
 /// How often the leader considers proposing a `Tick`.
 pub const TICK_INTERVAL: Duration = Duration::from_millis(500);
 /// Connecting to a peer or a node (Raft transport and `LogClient`).

@@ -1,5 +1,6 @@
-//! The Raft log in RocksDB: column family `logs` (big-endian index -> bincode entry) and `meta`
-//! (vote, committed, last purged).
+//! The Raft log in RocksDB: column family `logs` (big-endian index -> CRC-32 (4 bytes, little
+//! endian) + bincode entry) and `meta` (vote, committed, last purged, format). Every read checks
+//! the entry's checksum and index; [`check`] reads them all at start-up.
 //!
 //! Durability rule: `append` writes its batch to RocksDB (WAL, not yet synced) and hands the
 //! completion callback to one flusher thread. The flusher takes every callback that is waiting,
@@ -27,6 +28,120 @@ pub const CF_META: &str = "meta";
 const KEY_VOTE: &[u8] = b"vote";
 const KEY_COMMITTED: &[u8] = b"committed";
 const KEY_PURGED: &[u8] = b"last_purged";
+
+/// An entry row: the CRC-32 of the encoded entry, then the entry.
+fn encode_entry(e: &Entry) -> io::Result<Vec<u8>> {
+    let body = encode(e)?;
+    let mut v = Vec::with_capacity(4 + body.len());
+    v.extend_from_slice(&crc32fast::hash(&body).to_le_bytes());
+    v.extend_from_slice(&body);
+    Ok(v)
+}
+
+fn corrupt(msg: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, msg)
+}
+
+/// Decodes the row at `index`, refusing one whose checksum or index is wrong.
+fn decode_entry(index: u64, v: &[u8]) -> io::Result<Entry> {
+    if v.len() < 4 {
+        return Err(corrupt(format!("log entry {index}: {} bytes, too short", v.len())));
+    }
+    let (crc, body) = v.split_at(4);
+    if crc32fast::hash(body).to_le_bytes() != crc {
+        return Err(corrupt(format!("log entry {index}: checksum mismatch")));
+    }
+    let e: Entry = decode(body).map_err(|err| corrupt(format!("log entry {index}: {err}")))?;
+    if e.log_id.index != index {
+        return Err(corrupt(format!("log entry {index}: holds index {}", e.log_id.index)));
+    }
+    Ok(e)
+}
+
+fn key_index(k: &[u8]) -> io::Result<u64> {
+    Ok(u64::from_be_bytes(
+        k.try_into()
+            .map_err(|_| corrupt(format!("log key of {} bytes", k.len())))?,
+    ))
+}
+
+/// What a full read of the log found.
+#[derive(Debug, Default)]
+pub struct LogCheck {
+    pub entries: u64,
+    pub first_index: Option<u64>,
+    pub last_index: Option<u64>,
+    pub last_purged: Option<LogId>,
+    pub committed: Option<LogId>,
+    pub problems: Vec<String>,
+}
+
+/// Reads every entry of the log: checksums, indexes, no holes, nothing at or before the purge
+/// point. Calls `each` with every entry that reads back whole, in order.
+pub fn check(db: &DB, mut each: impl FnMut(&Entry)) -> io::Result<LogCheck> {
+    let meta = db.cf_handle(CF_META).expect("column family exists");
+    let get = |k: &[u8]| -> io::Result<Option<Vec<u8>>> { db.get_cf(meta, k).map_err(io_err) };
+    let mut c = LogCheck::default();
+    match get(KEY_PURGED).and_then(|b| b.map(|b| decode::<LogId>(&b)).transpose()) {
+        Ok(p) => c.last_purged = p,
+        Err(e) => c.problems.push(format!("the purge point does not read: {e}")),
+    }
+    match get(KEY_COMMITTED).and_then(|b| b.map(|b| decode::<Option<LogId>>(&b)).transpose()) {
+        Ok(p) => c.committed = p.flatten(),
+        Err(e) => c.problems.push(format!("the committed index does not read: {e}")),
+    }
+    if let Err(e) = get(KEY_VOTE).and_then(|b| b.map(|b| decode::<Vote>(&b)).transpose()) {
+        c.problems.push(format!("the vote does not read: {e}"));
+    }
+    let logs = db.cf_handle(CF_LOGS).expect("column family exists");
+    let mut expect: Option<u64> = None;
+    for item in db.iterator_cf(logs, IteratorMode::Start) {
+        let (k, v) = match item {
+            Ok(kv) => kv,
+            Err(e) => {
+                c.problems
+                    .push(format!("the log does not read past entry {:?}: {e}", c.last_index));
+                break;
+            }
+        };
+        let index = match key_index(&k) {
+            Ok(i) => i,
+            Err(e) => {
+                c.problems.push(e.to_string());
+                continue;
+            }
+        };
+        if c.last_purged.is_some_and(|p| index <= p.index) {
+            c.problems.push(format!(
+                "log entry {index} is at or before the purge point {}",
+                c.last_purged.map_or(0, |p| p.index)
+            ));
+        }
+        if let Some(e) = expect {
+            if index != e {
+                c.problems
+                    .push(format!("the log has a hole: entry {e} is missing before {index}"));
+            }
+        }
+        expect = Some(index + 1);
+        c.first_index.get_or_insert(index);
+        c.last_index = Some(index);
+        c.entries += 1;
+        match decode_entry(index, &v) {
+            Ok(entry) => each(&entry),
+            Err(e) => c.problems.push(e.to_string()),
+        }
+    }
+    if let (Some(p), Some(first)) = (c.last_purged, c.first_index) {
+        if first > p.index + 1 {
+            c.problems.push(format!(
+                "the log has a hole: purged to {}, first entry {first}",
+                p.index
+            ));
+        }
+    }
+    Ok(c)
+}
 
 pub(crate) fn io_err(e: impl std::fmt::Display) -> io::Error {
     io::Error::other(e.to_string())
@@ -133,11 +248,11 @@ impl RaftLogReader<TypeConfig> for LogStore {
             .iterator_cf(self.cf(CF_LOGS), IteratorMode::From(&key, Direction::Forward))
         {
             let (k, v) = item.map_err(io_err)?;
-            let index = u64::from_be_bytes(k[..8].try_into().map_err(io_err)?);
+            let index = key_index(&k)?;
             if !range.contains(&index) {
                 break;
             }
-            out.push(decode::<Entry>(&v)?);
+            out.push(decode_entry(index, &v)?);
         }
         Ok(out)
     }
@@ -153,7 +268,10 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, io::Error> {
         let last_purged_log_id: Option<LogId> = self.get_meta(KEY_PURGED)?;
         let last = match self.db.iterator_cf(self.cf(CF_LOGS), IteratorMode::End).next() {
-            Some(item) => Some(decode::<Entry>(&item.map_err(io_err)?.1)?.log_id),
+            Some(item) => {
+                let (k, v) = item.map_err(io_err)?;
+                Some(decode_entry(key_index(&k)?, &v)?.log_id)
+            }
             None => None,
         };
         Ok(LogState {
@@ -186,7 +304,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     {
         let mut batch = WriteBatch::default();
         for entry in entries {
-            batch.put_cf(self.cf(CF_LOGS), index_key(entry.log_id.index), encode(&entry)?);
+            batch.put_cf(self.cf(CF_LOGS), index_key(entry.log_id.index), encode_entry(&entry)?);
         }
         // Written before returning, so the entries are readable at once; durable only after
         // the flusher's fsync, which is when the callback fires.

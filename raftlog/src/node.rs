@@ -11,7 +11,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+#[cfg(feature = "faults")]
+use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use openraft::async_runtime::WatchReceiver;
@@ -25,10 +28,9 @@ use tokio::sync::watch;
 use crate::error::LogError;
 use crate::faults::Faults;
 use crate::limits::{GRPC_MESSAGE_BYTES_MAX, RETENTION_MS_DEFAULT, TICK_INTERVAL};
-use crate::log_store::LogStore;
 use crate::raft_types::{Node as RaftNode, NodeId, Raft};
 use crate::service::LogService;
-use crate::sm_store::{SmShared, SmStore};
+use crate::sm_store::SmShared;
 use crate::transport::{Network, RaftService};
 use crate::types::{Command, GenState, Request, Response};
 
@@ -79,7 +81,7 @@ pub struct NodeCtx {
     pub raft: Raft,
     pub sm: Arc<SmShared>,
     /// The last log time this node stamped; stamps never go backwards.
-    last_stamp_ms: Mutex<u64>,
+    last_stamp_ms: AtomicU64,
     pub metrics: crate::metrics::NodeMetrics,
     /// Planted bugs (fault suite builds only).
     pub faults: Faults,
@@ -105,11 +107,11 @@ fn raft_err<E: std::fmt::Display>(e: RaftError<crate::raft_types::TypeConfig, E>
 }
 
 impl NodeCtx {
+    /// The log time for a new proposal: never below an earlier stamp of this node or the applied
+    /// log time. No lock: a compare-and-max on one word.
     fn stamp(&self) -> u64 {
-        let mut last = self.last_stamp_ms.lock().expect("lock");
-        let applied = self.sm.read().log_ms;
-        *last = (*last).max(wall_ms()).max(applied);
-        *last
+        let floor = wall_ms().max(self.sm.log_ms());
+        self.last_stamp_ms.fetch_max(floor, Ordering::AcqRel).max(floor)
     }
 
     /// Proposes `cmd` and waits until it is committed and applied. Returns the answer and the
@@ -320,7 +322,7 @@ pub async fn start(cfg: NodeConfig) -> Result<RunningNode, LogError> {
         addr: advertise.clone(),
         raft: raft.clone(),
         sm: shared,
-        last_stamp_ms: Mutex::new(0),
+        last_stamp_ms: AtomicU64::new(0),
         metrics: Default::default(),
         faults: cfg.faults,
         #[cfg(feature = "faults")]
@@ -339,31 +341,13 @@ pub async fn start(cfg: NodeConfig) -> Result<RunningNode, LogError> {
     })
 }
 
-/// Opens the data dir (RocksDB, the state machine with its load-time chain check) and Raft.
+/// Opens the data dir (refusing one that fails its integrity checks) and Raft.
 async fn open_raft(cfg: &NodeConfig) -> Result<(Raft, Arc<SmShared>), LogError> {
-    std::fs::create_dir_all(&cfg.data_dir).map_err(|e| LogError::storage(cfg.data_dir.display(), e))?;
-    let db = crate::db::open(&cfg.data_dir, cfg.faults)
-        .map_err(|e| LogError::storage(cfg.data_dir.display(), std::io::Error::other(e)))?;
-    let (sm, report) =
-        SmStore::open(db.clone(), cfg.faults).map_err(|e| LogError::storage("loading the state machine", e))?;
-    for p in &report.problems {
-        tracing::error!(problem = %p, "integrity problem found while loading the state machine");
-    }
-    tracing::info!(
-        generations = report.generations,
-        records = report.records,
-        "state machine loaded"
-    );
-    let shared = sm.shared();
-    let raft = Raft::new(
-        cfg.id,
-        raft_config(cfg)?,
-        Network::new(cfg.id),
-        LogStore::new(db, cfg.faults),
-        sm,
-    )
-    .await
-    .map_err(raft_err_fatal)?;
+    let storage = crate::data_dir::open(&cfg.data_dir, cfg.faults)?;
+    let shared = storage.sm.shared();
+    let raft = Raft::new(cfg.id, raft_config(cfg)?, Network::new(cfg.id), storage.log, storage.sm)
+        .await
+        .map_err(raft_err_fatal)?;
     Ok((raft, shared))
 }
 
@@ -379,7 +363,7 @@ fn serve(
     let log_svc = LogServer::new(LogService::new(ctx.clone()))
         .max_decoding_message_size(GRPC_MESSAGE_BYTES_MAX)
         .max_encoding_message_size(GRPC_MESSAGE_BYTES_MAX);
-    let raft_svc = RaftTransportServer::new(RaftService::new(ctx.raft.clone()))
+    let raft_svc = RaftTransportServer::new(RaftService::new(ctx.raft.clone(), ctx.sm.clone()))
         .max_decoding_message_size(GRPC_MESSAGE_BYTES_MAX)
         .max_encoding_message_size(GRPC_MESSAGE_BYTES_MAX);
     tokio::spawn(

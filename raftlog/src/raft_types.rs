@@ -17,7 +17,7 @@ pub type LogId = openraft::alias::LogIdOf<TypeConfig>;
 pub type Vote = openraft::alias::VoteOf<TypeConfig>;
 pub type StoredMembership = openraft::alias::StoredMembershipOf<TypeConfig>;
 pub type SnapshotMeta = openraft::alias::SnapshotMetaOf<TypeConfig>;
-/// Snapshots travel and are stored as one encoded blob (see `sm_store`).
-pub type SnapshotData = Vec<u8>;
+/// Snapshots are files (see `snapshot`), streamed to followers in chunks.
+pub type SnapshotData = crate::snapshot::SnapshotFile;
 pub type Snapshot = openraft::alias::SnapshotOf<TypeConfig, SnapshotData>;
 pub type Raft = openraft::Raft<TypeConfig, crate::sm_store::SmStore>;

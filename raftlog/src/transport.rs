@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 
+use futures::StreamExt;
 use openraft::error::{NetworkError, RPCError, ReplicationClosed, StreamingError, Timeout, Unreachable};
 use openraft::network::{RPCOption, RaftNetworkFactory};
 use openraft::raft::{AppendEntriesRequest, AppendEntriesResponse, SnapshotResponse, VoteRequest, VoteResponse};
@@ -19,8 +20,9 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::error::{LogError, PayloadError};
-use crate::limits::{CONNECT_TIMEOUT, GRPC_MESSAGE_BYTES_MAX, SNAPSHOT_CHUNK_BYTES};
+use crate::limits::{CONNECT_TIMEOUT, GRPC_MESSAGE_BYTES_MAX, SNAPSHOT_BYTES_MAX, SNAPSHOT_CHUNK_BYTES};
 use crate::raft_types::{Node, NodeId, Raft, Snapshot, SnapshotData, SnapshotMeta, TypeConfig, Vote};
+use crate::sm_store::SmShared;
 
 const PAYLOAD_VERSION: u32 = 1;
 
@@ -183,16 +185,47 @@ impl RaftNetworkV2<TypeConfig> for Connection {
     ) -> Result<SnapshotResponse<TypeConfig>, StreamingError<TypeConfig>> {
         let mut client = self.client().map_err(StreamingError::from)?;
         let meta = pack(&(vote, snapshot.meta)).map_err(|e| StreamingError::Network(net_err(e)))?;
-        let data = snapshot.snapshot;
-        let mut chunks = vec![SnapshotChunk {
-            meta: Some(meta),
-            data: Vec::new(),
-        }];
-        chunks.extend(data.chunks(SNAPSHOT_CHUNK_BYTES).map(|c| SnapshotChunk {
-            meta: None,
-            data: c.to_vec(),
-        }));
-        let send = client.install_snapshot(tokio_stream::iter(chunks));
+        let file = snapshot.snapshot;
+        // The file is read one chunk at a time as the stream is polled: a sender holds at most
+        // a few chunks in memory whatever the snapshot's size.
+        let first = futures::stream::once(async move {
+            SnapshotChunk {
+                meta: Some(meta),
+                data: Vec::new(),
+            }
+        });
+        let rest = futures::stream::unfold((file, 0u64), |(file, off)| async move {
+            if off >= file.len() {
+                return None;
+            }
+            let want = (SNAPSHOT_CHUNK_BYTES as u64).min(file.len() - off) as usize;
+            let mut data = vec![0u8; want];
+            let (data, file) = tokio::task::spawn_blocking(move || {
+                let n = file.read_at(off, &mut data);
+                (
+                    n.map(|n| {
+                        data.truncate(n);
+                        data
+                    }),
+                    file,
+                )
+            })
+            .await
+            .ok()?;
+            match data {
+                Ok(d) if !d.is_empty() => {
+                    let next = off + d.len() as u64;
+                    Some((SnapshotChunk { meta: None, data: d }, (file, next)))
+                }
+                Ok(_) => None,
+                Err(e) => {
+                    // A read error ends the stream short; the receiver's checksum refuses it.
+                    tracing::warn!(error = %e, path = %file.path().display(), "reading a snapshot to send");
+                    None
+                }
+            }
+        });
+        let send = client.install_snapshot(first.chain(rest));
         tokio::select! {
             closed = cancel => Err(StreamingError::Closed(closed)),
             r = send => {
@@ -209,11 +242,12 @@ impl RaftNetworkV2<TypeConfig> for Connection {
 /// Serves the Raft transport of one node.
 pub struct RaftService {
     raft: Raft,
+    sm: Arc<SmShared>,
 }
 
 impl RaftService {
-    pub fn new(raft: Raft) -> Self {
-        RaftService { raft }
+    pub fn new(raft: Raft, sm: Arc<SmShared>) -> Self {
+        RaftService { raft, sm }
     }
 }
 
@@ -249,11 +283,39 @@ impl RaftTransport for RaftService {
             .meta
             .ok_or_else(|| LogError::from(PayloadError::Malformed("the first snapshot chunk carries no meta")))?;
         let (vote, meta): (Vote, SnapshotMeta) = unpack(&meta).map_err(LogError::from)?;
-        let mut data = first.data;
-        while let Some(chunk) = stream.message().await? {
-            data.extend_from_slice(&chunk.data);
+        // Chunks go straight to a partial file: one chunk in memory at a time, and no more than
+        // `SNAPSHOT_BYTES_MAX` on disk.
+        let mut partial = self
+            .sm
+            .receive_snapshot()
+            .map_err(|e| LogError::storage("receiving a snapshot", e))?;
+        let mut pending = first.data;
+        loop {
+            if partial.written() + pending.len() as u64 > SNAPSHOT_BYTES_MAX {
+                return Err(LogError::Invalid(format!(
+                    "snapshot stream exceeds SNAPSHOT_BYTES_MAX ({SNAPSHOT_BYTES_MAX} bytes)"
+                ))
+                .into());
+            }
+            partial
+                .write(&pending)
+                .map_err(|e| LogError::storage("receiving a snapshot", e))?;
+            match stream.message().await? {
+                Some(chunk) => {
+                    if chunk.meta.is_some() {
+                        return Err(
+                            LogError::from(PayloadError::Malformed("a later snapshot chunk carries meta")).into(),
+                        );
+                    }
+                    pending = chunk.data;
+                }
+                None => break,
+            }
         }
-        let snapshot = Snapshot { meta, snapshot: data };
+        let file = partial
+            .finish()
+            .map_err(|e| LogError::storage("receiving a snapshot", e))?;
+        let snapshot = Snapshot { meta, snapshot: file };
         let resp = self
             .raft
             .install_full_snapshot(vote, snapshot)

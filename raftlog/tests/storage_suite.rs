@@ -1,4 +1,5 @@
-//! openraft's storage conformance suite against our RocksDB log store and state machine.
+//! openraft's storage conformance suite against our RocksDB log store and the snapshot-based
+//! state machine.
 
 use openraft::testing::log::{StoreBuilder, Suite};
 use openraft::StorageError;
@@ -12,9 +13,8 @@ struct RocksBuilder;
 impl StoreBuilder<TypeConfig, LogStore, SmStore, TempDir> for RocksBuilder {
     async fn build(&self) -> Result<(TempDir, LogStore, SmStore), StorageError<TypeConfig>> {
         let dir = tempfile::tempdir().expect("tempdir");
-        let db = tokenlog_raftlog::db::open(dir.path(), Default::default()).expect("open rocksdb");
-        let (sm, _) = SmStore::open(db.clone(), Default::default()).expect("open state machine");
-        Ok((dir, LogStore::new(db, Default::default()), sm))
+        let s = tokenlog_raftlog::data_dir::open(dir.path(), Default::default()).expect("open data dir");
+        Ok((dir, s.log, s.sm))
     }
 }
 

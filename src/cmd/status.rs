@@ -101,8 +101,7 @@ pub async fn verify(a: VerifyArgs) -> anyhow::Result<()> {
             if !dir.exists() {
                 bail!("{} does not exist", dir.display());
             }
-            let db = tokenlog_raftlog::db::open(&dir, Default::default())?;
-            let (_, r) = tokenlog_raftlog::sm_store::SmStore::open(db, Default::default())?;
+            let r = tokenlog_raftlog::data_dir::verify(&dir)?;
             pb::VerifyResponse {
                 generations: r.generations,
                 records: r.records,

@@ -98,6 +98,26 @@ impl Cluster {
         self.procs[i] = Some(child);
     }
 
+    /// Waits up to `within` for node `i` to exit on its own; its exit status, or None if it runs.
+    pub fn wait_exit(&mut self, i: usize, within: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + within;
+        loop {
+            let c = self.procs[i].as_mut()?;
+            if let Some(st) = c.try_wait().unwrap() {
+                self.procs[i] = None;
+                return Some(st);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn node_log(&self, i: usize) -> String {
+        std::fs::read_to_string(self.dir.path().join(format!("node{}.log", i + 1))).unwrap_or_default()
+    }
+
     pub fn kill9(&mut self, i: usize) {
         if let Some(mut c) = self.procs[i].take() {
             c.kill().unwrap(); // SIGKILL

@@ -1,0 +1,322 @@
+//! Regression tests of the state machine's snapshots, through openraft's storage traits only:
+//! a snapshot's content always equals its index, also while apply runs.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use openraft::storage::{RaftSnapshotBuilder, RaftStateMachine};
+use openraft::testing::log_id;
+use tempfile::TempDir;
+use tokenlog_raftlog::raft_types::{Entry, TypeConfig};
+use tokenlog_raftlog::sm_store::{load_snapshot, SmStore};
+use tokenlog_raftlog::types::{Binding, Command, ModelIdentity, Request, StopConfig};
+
+fn open_sm(dir: &TempDir) -> SmStore {
+    tokenlog_raftlog::data_dir::open(dir.path(), Default::default())
+        .expect("open data dir")
+        .sm
+}
+
+fn model() -> ModelIdentity {
+    ModelIdentity {
+        weights_sha256: "w".into(),
+        tokenizer_sha256: "t".into(),
+        architecture: "llama".into(),
+        dtype_class: "fake".into(),
+    }
+}
+
+/// Entry `index` submits request `r{index}`: after applying entries 1..=n the state holds n
+/// generations, so a snapshot's generation count must equal its last log index.
+fn submit_entry(index: u64) -> Entry {
+    let binding = Binding {
+        model: model(),
+        prompt_token_ids: vec![1, 2, 3],
+        stop: StopConfig {
+            max_tokens: 4,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let req = Request {
+        log_ms: index,
+        cmd: Command::Submit {
+            tenant: "t".into(),
+            request_id: format!("r{index}"),
+            binding,
+        },
+    };
+    Entry {
+        log_id: log_id::<TypeConfig>(1, 1, index),
+        payload: openraft::EntryPayload::Normal(req),
+    }
+}
+
+async fn apply_one(sm: &mut SmStore, e: Entry) {
+    let s = futures::stream::iter([Ok((e, None))]);
+    sm.apply(s).await.expect("apply");
+}
+
+/// openraft builds snapshots while apply runs. Every snapshot must contain exactly the entries up
+/// to the index it claims: one that claims N but holds N+1 is applied twice by a follower that
+/// installs it (a second grant, a re-applied tick: divergence).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshot_built_during_apply_has_content_equal_to_its_index() {
+    const SNAPSHOTS: u32 = 40;
+    const ENTRIES_MAX: u64 = 200_000;
+    let dir = tempfile::tempdir().unwrap();
+    let mut leader = open_sm(&dir);
+    let done = Arc::new(AtomicBool::new(false));
+    let mut builder_sm = leader.clone();
+    let snap_done = done.clone();
+    let snapshots = tokio::spawn(async move {
+        let mut checked = 0u32;
+        let mut bad = Vec::new();
+        while checked < SNAPSHOTS && !snap_done.load(Ordering::Relaxed) {
+            let mut b = builder_sm.get_snapshot_builder().await;
+            let snap = b.build_snapshot().await.expect("build snapshot");
+            let claimed = snap.meta.last_log_id.map_or(0, |l| l.index);
+            let mut problems = Vec::new();
+            let (_, m) = load_snapshot(&snap.snapshot, &mut problems).expect("snapshot loads");
+            let held = m.generations.len() as u64;
+            if held != claimed || m.applied() != snap.meta.last_log_id {
+                bad.push((claimed, held));
+            }
+            checked += 1;
+        }
+        snap_done.store(true, Ordering::Relaxed);
+        (checked, bad)
+    });
+    let mut i = 0;
+    while !done.load(Ordering::Relaxed) && i < ENTRIES_MAX {
+        i += 1;
+        apply_one(&mut leader, submit_entry(i)).await;
+        tokio::task::yield_now().await;
+    }
+    done.store(true, Ordering::Relaxed);
+    let (checked, bad) = snapshots.await.unwrap();
+    assert!(
+        checked > 10,
+        "only {checked} snapshots were built while {i} entries were applied"
+    );
+    assert!(
+        bad.is_empty(),
+        "{} of {checked} snapshots hold other entries than their index claims: (claimed, held) {:?}",
+        bad.len(),
+        &bad[..bad.len().min(10)]
+    );
+}
+
+fn count_of(sm: &SmStore) -> (u64, u64) {
+    let m = sm.shared();
+    let r = m.read();
+    (r.applied().map_or(0, |l| l.index), r.generations.len() as u64)
+}
+
+async fn build(sm: &mut SmStore) -> tokenlog_raftlog::raft_types::Snapshot {
+    sm.get_snapshot_builder()
+        .await
+        .build_snapshot()
+        .await
+        .expect("build snapshot")
+}
+
+/// A follower that crashes at any step of installing a snapshot restarts with the old snapshot
+/// or the new one, whole: never an empty state under the old index, never a mix.
+#[tokio::test]
+async fn a_crash_at_every_step_of_install_restarts_to_a_whole_snapshot() {
+    use tokenlog_raftlog::snapshot::Step;
+    let ldir = tempfile::tempdir().unwrap();
+    let mut leader = open_sm(&ldir);
+    for i in 1..=30 {
+        apply_one(&mut leader, submit_entry(i)).await;
+    }
+    let new = build(&mut leader).await;
+    for step in Step::ALL {
+        let fdir = tempfile::tempdir().unwrap();
+        {
+            let mut f = open_sm(&fdir);
+            for i in 1..=10 {
+                apply_one(&mut f, submit_entry(i)).await;
+            }
+            build(&mut f).await;
+            assert!(f.crash_install_after(Some(step)), "store is shared");
+            let r = f.install_snapshot(&new.meta, new.snapshot.clone()).await;
+            assert!(r.is_err(), "no crash after {step:?}");
+        }
+        let f = open_sm(&fdir);
+        let (index, gens) = count_of(&f);
+        assert_eq!(
+            index, gens,
+            "after a crash after {step:?}: index {index} but {gens} generations"
+        );
+        assert!(index == 10 || index == 30, "after {step:?}: index {index}");
+        if step != Step::Written {
+            assert_eq!(index, 30, "the new snapshot was in place after {step:?}");
+        }
+    }
+}
+
+/// Records of a generation and its pruning in one apply batch: no panic, and the state (and a
+/// restart from its snapshot) holds none of it.
+#[tokio::test]
+async fn records_and_pruning_in_one_apply_batch() {
+    use tokenlog_raftlog::types::{AppendItem, FinishReason};
+    let dir = tempfile::tempdir().unwrap();
+    let mut sm = open_sm(&dir);
+    let mut entries = vec![submit_entry(1)];
+    let cmds = vec![
+        Command::Acquire {
+            generation: 1,
+            decoder: "d".into(),
+            lease_ms: 1_000,
+            model: model(),
+            rng_version: 0,
+        },
+        Command::Append {
+            decoder: "d".into(),
+            lease_ms: 1_000,
+            items: vec![AppendItem {
+                generation: 1,
+                epoch: 1,
+                start_seq: 0,
+                token_ids: vec![7, 8, 9],
+                finish: None,
+            }],
+        },
+        Command::Finish {
+            generation: 1,
+            epoch: 1,
+            reason: FinishReason::Stop,
+            detail: String::new(),
+        },
+        Command::Tick { retention_ms: 0 },
+    ];
+    for (i, cmd) in cmds.into_iter().enumerate() {
+        let index = i as u64 + 2;
+        entries.push(Entry {
+            log_id: log_id::<TypeConfig>(1, 1, index),
+            payload: openraft::EntryPayload::Normal(Request {
+                log_ms: index * 10,
+                cmd,
+            }),
+        });
+    }
+    let s = futures::stream::iter(entries.into_iter().map(|e| Ok((e, None))));
+    sm.apply(s).await.expect("apply");
+    assert_eq!(count_of(&sm), (5, 0), "the generation was pruned by the tick");
+    build(&mut sm).await;
+    drop(sm);
+    let sm = open_sm(&dir);
+    assert_eq!(count_of(&sm), (5, 0));
+}
+
+/// A flipped byte anywhere in a stopped node's snapshot makes opening the data dir fail with
+/// an integrity error naming the file; the node never serves the state.
+#[tokio::test]
+async fn a_flipped_byte_in_the_snapshot_is_refused_at_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = {
+        let mut sm = open_sm(&dir);
+        for i in 1..=20 {
+            apply_one(&mut sm, submit_entry(i)).await;
+        }
+        build(&mut sm).await.snapshot.path().to_path_buf()
+    };
+    let clean = std::fs::read(&path).unwrap();
+    for at in [
+        0,
+        9,
+        clean.len() / 3,
+        clean.len() / 2,
+        clean.len() - 40,
+        clean.len() - 1,
+    ] {
+        let mut bad = clean.clone();
+        bad[at] ^= 0x01;
+        std::fs::write(&path, &bad).unwrap();
+        match tokenlog_raftlog::data_dir::open(dir.path(), Default::default()) {
+            Ok(_) => panic!("byte {at} of {} flipped, yet the data dir opened", clean.len()),
+            Err(e) => {
+                let msg = e.to_string();
+                assert!(msg.contains("refusing to serve") && msg.contains("snapshot"), "{msg}");
+            }
+        }
+        let report = tokenlog_raftlog::data_dir::verify(dir.path()).expect("verify reads");
+        assert!(!report.problems.is_empty(), "verify missed byte {at}");
+    }
+    std::fs::write(&path, &clean).unwrap();
+    let s = tokenlog_raftlog::data_dir::open(dir.path(), Default::default()).expect("clean again");
+    assert_eq!(s.report.generations, 20);
+}
+
+async fn append_blank_entries(log: &mut tokenlog_raftlog::log_store::LogStore, n: u64) {
+    use openraft::storage::{IOFlushed, RaftLogStorage};
+    use openraft::type_config::TypeConfigExt;
+    for i in 1..=n {
+        let (tx, rx) = TypeConfig::oneshot();
+        log.append([submit_entry(i)], IOFlushed::signal(tx))
+            .await
+            .expect("append");
+        rx.await.expect("flushed").expect("fsync");
+    }
+}
+
+/// A flipped byte in the log's files (RocksDB's WAL or tables) of a stopped node is found when
+/// the data dir is opened: RocksDB's own checksums in AbsoluteConsistency mode, or ours.
+#[tokio::test]
+async fn a_flipped_byte_in_the_log_is_refused_at_open() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let mut s = tokenlog_raftlog::data_dir::open(dir.path(), Default::default()).unwrap();
+        append_blank_entries(&mut s.log, 200).await;
+    }
+    let log_dir = tokenlog_raftlog::data_dir::log_dir(dir.path());
+    // The largest WAL or table file holds the entries.
+    let (file, len) = std::fs::read_dir(&log_dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "log" || x == "sst"))
+        .map(|p| (p.clone(), std::fs::metadata(&p).unwrap().len()))
+        .max_by_key(|(_, l)| *l)
+        .expect("a WAL or table file");
+    let clean = std::fs::read(&file).unwrap();
+    for frac in [4, 2] {
+        let at = len as usize / frac;
+        let mut bad = clean.clone();
+        bad[at] ^= 0x40;
+        std::fs::write(&file, &bad).unwrap();
+        let r = tokenlog_raftlog::data_dir::open(dir.path(), Default::default());
+        assert!(
+            r.is_err(),
+            "byte {at} of {} ({len} bytes) flipped, yet the data dir opened",
+            file.display()
+        );
+        std::fs::write(&file, &clean).unwrap();
+    }
+    tokenlog_raftlog::data_dir::open(dir.path(), Default::default()).expect("clean again");
+}
+
+/// A log row whose bytes changed above RocksDB (its own checksums pass) fails ours.
+#[tokio::test]
+async fn a_log_row_that_fails_its_checksum_is_refused_at_open() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let mut s = tokenlog_raftlog::data_dir::open(dir.path(), Default::default()).unwrap();
+        append_blank_entries(&mut s.log, 5).await;
+    }
+    {
+        let db =
+            tokenlog_raftlog::db::open(&tokenlog_raftlog::data_dir::log_dir(dir.path()), Default::default()).unwrap();
+        let cf = db.cf_handle(tokenlog_raftlog::log_store::CF_LOGS).unwrap();
+        let mut v = db.get_cf(cf, 3u64.to_be_bytes()).unwrap().unwrap();
+        let last = v.len() - 1;
+        v[last] ^= 0x01;
+        db.put_cf(cf, 3u64.to_be_bytes(), v).unwrap();
+    }
+    let e = match tokenlog_raftlog::data_dir::open(dir.path(), Default::default()) {
+        Ok(_) => panic!("a damaged log row was served"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("log entry 3: checksum mismatch"), "{e}");
+}
