@@ -43,16 +43,23 @@ pub struct Cluster {
     pub addrs: Vec<String>,
     procs: Vec<Option<Child>>,
     snapshot_every: u64,
+    /// More `tokenlog node` arguments for every node.
+    extra: Vec<String>,
 }
 
 impl Cluster {
     pub fn start(snapshot_every: u64) -> Cluster {
+        Self::start_with(snapshot_every, &[])
+    }
+
+    pub fn start_with(snapshot_every: u64, extra: &[&str]) -> Cluster {
         let addrs: Vec<String> = (0..3).map(|_| format!("127.0.0.1:{}", free_port())).collect();
         let mut c = Cluster {
             dir: tempfile::tempdir().unwrap(),
             addrs,
             procs: vec![None, None, None],
             snapshot_every,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
         };
         for i in 0..3 {
             c.start_node(i);
@@ -90,6 +97,7 @@ impl Cluster {
                 "--election-max-ms",
                 "600",
             ])
+            .args(&self.extra)
             .env("RUST_LOG", "info,openraft=warn")
             .stdout(Stdio::null())
             .stderr(log)
@@ -112,6 +120,17 @@ impl Cluster {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// Sends `sig` (`STOP`, `CONT`, ...) to node `i`.
+    pub fn signal(&self, i: usize, sig: &str) {
+        let pid = self.procs[i].as_ref().expect("node runs").id();
+        let st = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(pid.to_string())
+            .status()
+            .unwrap();
+        assert!(st.success(), "kill -{sig} {pid}");
     }
 
     pub fn node_log(&self, i: usize) -> String {

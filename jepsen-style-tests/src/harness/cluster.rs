@@ -121,7 +121,7 @@ fn node_procs(
             "--election-max-ms".into(),
             "600".into(),
             "--snapshot-every".into(),
-            "500".into(),
+            cfg.snapshot_every.to_string(),
         ];
         let mut p = match net {
             // `ip netns exec NS tokenlog ...` execs tokenlog in place: the pid is the node's.

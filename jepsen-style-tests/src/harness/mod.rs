@@ -80,6 +80,9 @@ pub struct RunConfig {
     pub real_model: bool,
     /// `TOKENLOG_FAILPOINTS` for decoder 1's first incarnation (scenarios).
     pub decoder1_failpoints: Option<String>,
+    /// Nodes build a snapshot (and purge the log behind it) every this many entries: small
+    /// values put snapshot install, restart from a snapshot and catch-up under the nemeses.
+    pub snapshot_every: u64,
     /// Start only decoder 1 with the cluster; the scenario starts the others (so that decoder 1
     /// owns the first generation).
     pub standby_later: bool,
@@ -103,6 +106,7 @@ impl RunConfig {
             netns: false,
             real_model: false,
             decoder1_failpoints: None,
+            snapshot_every: 500,
             standby_later: false,
         }
     }

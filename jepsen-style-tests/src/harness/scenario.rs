@@ -307,6 +307,8 @@ fn scenario_config(bin: PathBuf, out: PathBuf, sc: Scenario, opts: Options) -> R
     cfg.netns = sc.needs_netns();
     cfg.standby_later = true;
     cfg.decoder1_failpoints = sc.failpoints();
+    // Snapshots every 50 entries: every scenario also runs across snapshot builds and purges.
+    cfg.snapshot_every = 50;
     cfg
 }
 
