@@ -55,6 +55,14 @@ pub const SNAPSHOT_CHUNK_BYTES: usize = 1 << 20;
 /// Largest snapshot a follower accepts from the leader (bytes on disk; in memory it holds one
 /// chunk at a time).
 pub const SNAPSHOT_BYTES_MAX: u64 = 256 << 30;
+/// The leader's proposer (group commit at the proposal level): proposals not yet committed at
+/// once; while that many are in flight, commands that arrive wait and go out together as one
+/// `Batch` entry of at most this many commands and tokens.
+pub const PROPOSALS_IN_FLIGHT_MAX: usize = 4;
+pub const PROPOSAL_COMMANDS_MAX: usize = 1_024;
+pub const PROPOSAL_TOKENS_MAX: u64 = 65_536;
+/// Commands waiting for the proposer before `write` pushes back (waits for room).
+pub const PROPOSER_QUEUE_MAX: usize = 16_384;
 /// How often the leader considers proposing a `Tick`.
 pub const TICK_INTERVAL: Duration = Duration::from_millis(500);
 /// Connecting to a peer or a node (Raft transport and `LogClient`).

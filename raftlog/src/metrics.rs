@@ -16,6 +16,9 @@ pub struct NodeMetrics {
     /// Seconds from proposing a write to its answer (committed on a quorum and applied here).
     pub commit_seconds: Histogram,
     pub writes: Counter,
+    /// Raft entries proposed through this node: `writes / proposals` is how many commands the
+    /// proposer merged into one entry on average.
+    pub proposals: Counter,
     pub tokens_committed: Counter,
     pub fence_rejections: Counter,
     generations: Family<Vec<(String, String)>, Gauge>,
@@ -33,6 +36,7 @@ impl Default for NodeMetrics {
             registry: Registry::default(),
             commit_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 16)),
             writes: Counter::default(),
+            proposals: Counter::default(),
             tokens_committed: Counter::default(),
             fence_rejections: Counter::default(),
             generations: Family::default(),
@@ -48,6 +52,11 @@ impl Default for NodeMetrics {
             m.commit_seconds.clone(),
         );
         r.register("writes", "Writes proposed through this node", m.writes.clone());
+        r.register(
+            "proposals",
+            "Raft entries proposed through this node (writes / proposals = commands per entry)",
+            m.proposals.clone(),
+        );
         r.register(
             "tokens_committed",
             "Token records accepted in writes proposed through this node",
@@ -112,6 +121,7 @@ impl NodeMetrics {
     pub fn tokens_of(cmd: &Command) -> u64 {
         match cmd {
             Command::Append { items, .. } => items.iter().map(|i| i.token_ids.len() as u64).sum(),
+            Command::Batch(cmds) => cmds.iter().map(Self::tokens_of).sum(),
             _ => 0,
         }
     }

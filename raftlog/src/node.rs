@@ -2,11 +2,14 @@
 //! clock stamping and housekeeping tick, and graceful shutdown.
 //!
 //! Write path, in order: a client's command reaches any node; a node that is not the leader
-//! answers `NotLeader` with the leader's address (nothing proposed); the leader stamps it with its
-//! clock (`log_ms`, never below the last stamp) and proposes it; openraft appends it to the
-//! leader's log (fsynced by the log store's flusher) and replicates it; once a quorum has it on
-//! disk it is committed and applied (`SmStore::apply`, which persists the changed rows and then
-//! answers); only then does the client get its answer, and only then can Watch show its records.
+//! answers `NotLeader` with the leader's address (nothing proposed); on the leader the command
+//! goes to the proposer, which merges the commands waiting at that moment into one entry
+//! (`Command::Batch`, group commit at the proposal level), stamps it with the leader's clock
+//! (`log_ms`, never below the last stamp) and proposes it; openraft appends it to the leader's
+//! log (fsynced by the log store's flusher) and replicates it; once a quorum has it on disk it is
+//! committed and applied (`SmStore::apply`, in memory: the log and the snapshots are what is
+//! durable); only then does each command get its own answer, and only then can Watch show its
+//! records.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -27,7 +30,10 @@ use tokio::sync::watch;
 
 use crate::error::LogError;
 use crate::faults::Faults;
-use crate::limits::{GRPC_MESSAGE_BYTES_MAX, RETENTION_MS_DEFAULT, TICK_INTERVAL};
+use crate::limits::{
+    GRPC_MESSAGE_BYTES_MAX, PROPOSALS_IN_FLIGHT_MAX, PROPOSAL_COMMANDS_MAX, PROPOSAL_TOKENS_MAX, PROPOSER_QUEUE_MAX,
+    RETENTION_MS_DEFAULT, TICK_INTERVAL,
+};
 use crate::raft_types::{Node as RaftNode, NodeId, Raft};
 use crate::service::LogService;
 use crate::sm_store::SmShared;
@@ -74,14 +80,44 @@ impl NodeConfig {
     }
 }
 
+/// The leader's clock for stamping proposals: never below an earlier stamp of this node or the
+/// applied log time. No lock: a compare-and-max on one word.
+pub struct Clock {
+    last_ms: AtomicU64,
+    sm: Arc<SmShared>,
+}
+
+impl Clock {
+    fn new(sm: Arc<SmShared>) -> Self {
+        Clock {
+            last_ms: AtomicU64::new(0),
+            sm,
+        }
+    }
+
+    pub fn stamp(&self) -> u64 {
+        let floor = wall_ms().max(self.sm.log_ms());
+        self.last_ms.fetch_max(floor, Ordering::AcqRel).max(floor)
+    }
+}
+
+type WriteResult = Result<(Response, u64), LogError>;
+
+/// A command waiting for the proposer, and where its answer goes.
+struct Pending {
+    cmd: Command,
+    answer: tokio::sync::oneshot::Sender<WriteResult>,
+}
+
 /// What the services of a node share.
 pub struct NodeCtx {
     pub id: NodeId,
     pub addr: String,
     pub raft: Raft,
     pub sm: Arc<SmShared>,
-    /// The last log time this node stamped; stamps never go backwards.
-    last_stamp_ms: AtomicU64,
+    clock: Arc<Clock>,
+    /// To the proposer task, which merges concurrent commands into one entry.
+    proposals: tokio::sync::mpsc::Sender<Pending>,
     pub metrics: crate::metrics::NodeMetrics,
     /// Planted bugs (fault suite builds only).
     pub faults: Faults,
@@ -107,11 +143,8 @@ fn raft_err<E: std::fmt::Display>(e: RaftError<crate::raft_types::TypeConfig, E>
 }
 
 impl NodeCtx {
-    /// The log time for a new proposal: never below an earlier stamp of this node or the applied
-    /// log time. No lock: a compare-and-max on one word.
     fn stamp(&self) -> u64 {
-        let floor = wall_ms().max(self.sm.log_ms());
-        self.last_stamp_ms.fetch_max(floor, Ordering::AcqRel).max(floor)
+        self.clock.stamp()
     }
 
     /// Proposes `cmd` and waits until it is committed and applied. Returns the answer and the
@@ -128,22 +161,18 @@ impl NodeCtx {
                 }
             }
         }
-        let req = Request {
-            log_ms: self.stamp(),
-            cmd,
-        };
         let started = std::time::Instant::now();
-        match self.raft.client_write(req).await {
-            Ok(resp) => {
-                self.metrics
-                    .observe_write(tokens, started.elapsed().as_secs_f64(), resp.response());
-                Ok((resp.response().clone(), resp.log_id().index))
-            }
-            Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f))) => Err(LogError::NotLeader {
-                leader_addr: f.leader_node.map(|n| n.addr),
-            }),
-            Err(e) => Err(raft_err(e)),
-        }
+        let (answer, rx) = tokio::sync::oneshot::channel();
+        self.proposals
+            .send(Pending { cmd, answer })
+            .await
+            .map_err(|_| LogError::Raft("the node is shutting down".into()))?;
+        let (response, index) = rx
+            .await
+            .map_err(|_| LogError::Raft("the node is shutting down".into()))??;
+        self.metrics
+            .observe_write(tokens, started.elapsed().as_secs_f64(), &response);
+        Ok((response, index))
     }
 
     /// Returns once this node's applied state includes every write committed before the call
@@ -256,6 +285,103 @@ fn membership_err(
     }
 }
 
+/// The proposer: group commit at the proposal level. At most `PROPOSALS_IN_FLIGHT_MAX` entries
+/// are proposed and not yet applied; while that many are in flight, commands queue, and the next
+/// proposal takes every command waiting (up to `PROPOSAL_COMMANDS_MAX` commands and
+/// `PROPOSAL_TOKENS_MAX` tokens) as one `Batch` entry. Under light load a command is proposed
+/// alone at once; under heavy load many decoders' appends share one entry, one stamp, one apply
+/// call. Proposals enter Raft in arrival order (queued with `client_write_ff`); their answers are
+/// awaited on separate tasks.
+async fn proposer(
+    raft: Raft,
+    clock: Arc<Clock>,
+    proposals: prometheus_client::metrics::counter::Counter,
+    mut rx: tokio::sync::mpsc::Receiver<Pending>,
+) {
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(PROPOSALS_IN_FLIGHT_MAX));
+    while let Some(first) = rx.recv().await {
+        let Ok(permit) = in_flight.clone().acquire_owned().await else {
+            return;
+        };
+        let mut tokens = crate::metrics::NodeMetrics::tokens_of(&first.cmd);
+        let mut batch = vec![first];
+        while batch.len() < PROPOSAL_COMMANDS_MAX && tokens < PROPOSAL_TOKENS_MAX {
+            match rx.try_recv() {
+                Ok(p) => {
+                    tokens += crate::metrics::NodeMetrics::tokens_of(&p.cmd);
+                    batch.push(p);
+                }
+                Err(_) => break,
+            }
+        }
+        let (cmd, answers): (Command, Vec<_>) = if batch.len() == 1 {
+            let p = batch.pop().expect("one");
+            (p.cmd, vec![p.answer])
+        } else {
+            let (cmds, answers) = batch.into_iter().map(|p| (p.cmd, p.answer)).unzip();
+            (Command::Batch(cmds), answers)
+        };
+        let req = Request {
+            log_ms: clock.stamp(),
+            cmd,
+        };
+        proposals.inc();
+        let (responder, result) = openraft::impls::ProgressResponder::complete_only();
+        if let Err(e) = raft.client_write_ff(req, Some(responder)).await {
+            let msg = e.to_string();
+            for a in answers {
+                let _ = a.send(Err(LogError::Raft(msg.clone())));
+            }
+            continue;
+        }
+        tokio::spawn(async move {
+            let outcome = match result.await {
+                Err(_) => Err(LogError::Raft("raft stopped before answering".into())),
+                Ok(Err(ClientWriteError::ForwardToLeader(f))) => Err(LogError::NotLeader {
+                    leader_addr: f.leader_node.map(|n| n.addr),
+                }),
+                Ok(Err(e)) => Err(LogError::Raft(e.to_string())),
+                Ok(Ok(resp)) => Ok((resp.response().clone(), resp.log_id().index)),
+            };
+            answer_all(answers, outcome);
+            drop(permit);
+        });
+    }
+}
+
+/// Hands each waiting command its answer: the entry's own, or its part of a batch's.
+fn answer_all(answers: Vec<tokio::sync::oneshot::Sender<WriteResult>>, outcome: WriteResult) {
+    match outcome {
+        Err(e) => {
+            let again = |e: &LogError| match e {
+                LogError::NotLeader { leader_addr } => LogError::NotLeader {
+                    leader_addr: leader_addr.clone(),
+                },
+                e => LogError::Raft(e.to_string()),
+            };
+            for a in answers {
+                let _ = a.send(Err(again(&e)));
+            }
+        }
+        Ok((Response::Batch(parts), index)) if parts.len() == answers.len() && answers.len() > 1 => {
+            for (a, r) in answers.into_iter().zip(parts) {
+                let _ = a.send(Ok((r, index)));
+            }
+        }
+        Ok((r, index)) if answers.len() == 1 => {
+            let a = answers.into_iter().next().expect("one");
+            let _ = a.send(Ok((r, index)));
+        }
+        Ok((r, _)) => {
+            for a in answers {
+                let _ = a.send(Err(LogError::Internal(format!(
+                    "a batch entry answered {r:?}, not one answer per command"
+                ))));
+            }
+        }
+    }
+}
+
 /// A running node. Dropping it does not stop it: call [`RunningNode::shutdown`].
 pub struct RunningNode {
     pub ctx: Arc<NodeCtx>,
@@ -317,13 +443,23 @@ pub async fn start(cfg: NodeConfig) -> Result<RunningNode, LogError> {
     } else {
         cfg.advertise.clone()
     };
+    let clock = Arc::new(Clock::new(shared.clone()));
+    let (proposals, proposals_rx) = tokio::sync::mpsc::channel(PROPOSER_QUEUE_MAX);
+    let metrics = crate::metrics::NodeMetrics::default();
+    tokio::spawn(proposer(
+        raft.clone(),
+        clock.clone(),
+        metrics.proposals.clone(),
+        proposals_rx,
+    ));
     let ctx = Arc::new(NodeCtx {
         id: cfg.id,
         addr: advertise.clone(),
         raft: raft.clone(),
         sm: shared,
-        last_stamp_ms: AtomicU64::new(0),
-        metrics: Default::default(),
+        clock,
+        proposals,
+        metrics,
         faults: cfg.faults,
         #[cfg(feature = "faults")]
         proposed: Default::default(),

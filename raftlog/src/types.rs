@@ -297,6 +297,10 @@ pub enum Command {
     Tick {
         retention_ms: u64,
     },
+    /// Commands the leader proposed together as one entry (group commit at the proposal level,
+    /// `node::proposer`): applied in order at the entry's log time, each answered on its own in
+    /// [`Response::Batch`]. Never nested; fencing stays per command and per item.
+    Batch(Vec<Command>),
 }
 
 /// What a registered decoder serves.
@@ -410,6 +414,8 @@ pub enum Response {
         pruned: u32,
     },
     Registered(Result<u64, Rejection>),
+    /// One answer per command of a [`Command::Batch`], in order.
+    Batch(Vec<Response>),
 }
 
 impl std::fmt::Display for Request {
@@ -425,6 +431,7 @@ impl std::fmt::Display for Request {
             Command::Cancel { .. } => "cancel",
             Command::Register { .. } => "register",
             Command::Tick { .. } => "tick",
+            Command::Batch(_) => "batch",
         };
         write!(f, "{name}@{}", self.log_ms)
     }

@@ -218,8 +218,26 @@ impl LogState {
     fn apply_command(&mut self, req: &Request, changes: &mut Changes) -> Response {
         // Log time is monotone even across leaders whose clocks disagree.
         self.log_ms = self.log_ms.max(req.log_ms);
-        let now = self.log_ms;
         match &req.cmd {
+            Command::Batch(cmds) => Response::Batch(
+                cmds.iter()
+                    .map(|c| match c {
+                        Command::Batch(_) => Response::Ownership(Err(reject(
+                            RejectReason::Invalid,
+                            "a batch inside a batch is not applied",
+                        ))),
+                        c => self.dispatch(c, changes),
+                    })
+                    .collect(),
+            ),
+            c => self.dispatch(c, changes),
+        }
+    }
+
+    /// One command at the current log time.
+    fn dispatch(&mut self, cmd: &Command, changes: &mut Changes) -> Response {
+        let now = self.log_ms;
+        match cmd {
             Command::Submit {
                 tenant,
                 request_id,
@@ -262,6 +280,7 @@ impl LogState {
                 Response::Registered(self.register(decoder, info, *ttl_ms, changes))
             }
             Command::Tick { retention_ms } => self.tick(*retention_ms, changes),
+            Command::Batch(_) => unreachable!("apply_command unpacks batches"),
         }
     }
 

@@ -219,3 +219,59 @@ fn apply_is_deterministic() {
     assert_eq!(a.s, b.s);
     assert_eq!(a.changes, b.changes);
 }
+
+/// A `Batch` entry applies its commands in order at one log time: same answers and same state
+/// as the same commands applied one by one at that time; fencing stays per command; a nested
+/// batch is refused alone.
+#[test]
+fn a_batch_applies_like_its_commands_one_by_one() {
+    let prefix = |t: &mut T| {
+        let g = t.submit(10, "r1");
+        t.acquire(11, g, "d1").unwrap();
+        g
+    };
+    let append = |g, epoch, start, toks: &[u32]| Command::Append {
+        decoder: "d1".into(),
+        lease_ms: LEASE,
+        items: vec![AppendItem {
+            generation: g,
+            epoch,
+            start_seq: start,
+            token_ids: toks.to_vec(),
+            finish: None,
+        }],
+    };
+    let cmds = |g| {
+        vec![
+            append(g, 1, 0, &[5, 6]),
+            append(g, 7, 2, &[9]), // stale epoch: rejected, the rest goes on
+            Command::Submit {
+                tenant: "a".into(),
+                request_id: "r2".into(),
+                binding: binding(),
+            },
+            append(g, 1, 2, &[7]),
+            Command::Batch(vec![]),
+        ]
+    };
+    let mut one = T::new();
+    let g = prefix(&mut one);
+    let singles: Vec<Response> = cmds(g)
+        .into_iter()
+        .map(|c| match c {
+            Command::Batch(_) => Response::Ownership(Err(reject(
+                RejectReason::Invalid,
+                "a batch inside a batch is not applied",
+            ))),
+            c => one.at(20, c),
+        })
+        .collect();
+    let mut batched = T::new();
+    let g2 = prefix(&mut batched);
+    assert_eq!(g, g2);
+    let r = batched.at(20, Command::Batch(cmds(g)));
+    assert_eq!(r, Response::Batch(singles.clone()));
+    assert_eq!(one.s, batched.s, "same state");
+    assert!(matches!(&singles[1], Response::Appended(v) if v[0].result.is_err()));
+    assert_eq!(batched.gen(g).records.len(), 3);
+}
