@@ -6,9 +6,12 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 
-use futures::StreamExt;
+use futures::future::BoxFuture;
+use futures::stream::BoxStream;
+use futures::{Stream, StreamExt};
 use openraft::error::{NetworkError, RPCError, ReplicationClosed, StreamingError, Timeout, Unreachable};
 use openraft::network::{RPCOption, RaftNetworkFactory};
+use openraft::raft::StreamAppendResult;
 use openraft::raft::{AppendEntriesRequest, AppendEntriesResponse, SnapshotResponse, VoteRequest, VoteResponse};
 use openraft::RaftNetworkV2;
 use serde::de::DeserializeOwned;
@@ -160,6 +163,37 @@ impl Connection {
 impl RaftNetworkV2<TypeConfig> for Connection {
     type SnapshotData = SnapshotData;
 
+    /// Pipelined: every request goes out on one gRPC stream as openraft produces it, without
+    /// waiting for the previous answer; the follower answers each in order on the same stream.
+    /// (openraft's default sends one request and waits for its answer before the next.)
+    fn stream_append<'s, S>(
+        &'s mut self,
+        input: S,
+        _option: RPCOption,
+    ) -> BoxFuture<
+        's,
+        Result<BoxStream<'s, Result<StreamAppendResult<TypeConfig>, RPCError<TypeConfig>>>, RPCError<TypeConfig>>,
+    >
+    where
+        S: Stream<Item = AppendEntriesRequest<TypeConfig>> + Send + Unpin + 'static,
+    {
+        Box::pin(async move {
+            let mut client = self.client()?;
+            // A request that cannot be encoded ends the stream (the follower then answers what
+            // it got, and openraft starts a new stream from there).
+            let requests = input
+                .map(|r| pack(&r))
+                .take_while(|p| futures::future::ready(p.is_ok()))
+                .filter_map(|p| futures::future::ready(p.ok()));
+            let answers = client.append_stream(requests).await.map_err(status_err)?.into_inner();
+            let out = answers.map(|item| match item {
+                Ok(p) => unpack::<StreamAppendResult<TypeConfig>>(&p).map_err(|e| RPCError::Network(net_err(e))),
+                Err(s) => Err(status_err(s)),
+            });
+            Ok(out.boxed())
+        })
+    }
+
     async fn append_entries(
         &mut self,
         rpc: AppendEntriesRequest<TypeConfig>,
@@ -265,6 +299,37 @@ impl RaftTransport for RaftService {
         let rpc: AppendEntriesRequest<TypeConfig> = unpack(req.get_ref()).map_err(LogError::from)?;
         let resp = self.raft.append_entries(rpc).await.map_err(raft_failed)?;
         reply(&resp)
+    }
+
+    type AppendStreamStream = BoxStream<'static, Result<RaftPayload, Status>>;
+
+    async fn append_stream(
+        &self,
+        req: Request<Streaming<RaftPayload>>,
+    ) -> Result<Response<Self::AppendStreamStream>, Status> {
+        // Requests are decoded as they arrive; one that does not decode ends the input (and so,
+        // after the answers to those before it, the stream).
+        let requests = futures::stream::unfold(req.into_inner(), |mut s| async move {
+            match s.message().await {
+                Ok(Some(p)) => match unpack::<AppendEntriesRequest<TypeConfig>>(&p) {
+                    Ok(r) => Some((r, s)),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "append stream: a request does not decode; ending the stream");
+                        None
+                    }
+                },
+                Ok(None) => None,
+                Err(e) => {
+                    tracing::debug!(error = %e, "append stream closed by the leader");
+                    None
+                }
+            }
+        });
+        let answers = self.raft.stream_append(requests).map(|r| match r {
+            Ok(result) => pack(&result).map_err(|e| Status::from(LogError::from(e))),
+            Err(fatal) => Err(raft_failed(fatal)),
+        });
+        Ok(Response::new(answers.boxed()))
     }
 
     async fn request_vote(&self, req: Request<RaftPayload>) -> Result<Response<RaftPayload>, Status> {
