@@ -26,6 +26,9 @@ pub enum BenchCmd {
     /// Raw candle decode vs the decoder writing to a 3-node log (same model, same run), and
     /// re-prefill time vs prefix length in exact and fast mode.
     Decode(crate::cmd::bench_decoder::DecodeArgs),
+    /// A node's resident memory and disk per million committed records, and the time it takes
+    /// to serve again after kill -9 with that many records.
+    Restart(crate::cmd::bench_restart::RestartArgs),
     /// kill -9 the owning decoder repeatedly with a warm standby; p50/p99 of kill -> next token
     /// visible, split into detection (lease expiry) and re-prefill + first step.
     Failover(crate::cmd::bench_decoder::FailoverArgs),
@@ -33,11 +36,12 @@ pub enum BenchCmd {
 
 #[derive(clap::Args, Clone)]
 pub struct LogArgs {
-    /// Concurrent writers (decoders) per system.
-    #[arg(long, default_value_t = 16)]
-    pub writers: usize,
+    /// Concurrent writers (decoders) per system; a list runs each in turn, every one on a fresh
+    /// cluster of each system.
+    #[arg(long, value_delimiter = ',', default_value = "16,64,256")]
+    pub writers: Vec<usize>,
     /// Generations in all, split across writers.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 512)]
     pub generations: usize,
     /// Tokens per generation per step.
     #[arg(long, default_value_t = 1)]
@@ -61,11 +65,12 @@ pub async fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Log(a) => bench_log(a).await,
         BenchCmd::Decode(a) => crate::cmd::bench_decoder::decode(a).await,
         BenchCmd::Failover(a) => crate::cmd::bench_decoder::failover(a).await,
+        BenchCmd::Restart(a) => crate::cmd::bench_restart::restart(a).await,
     }
 }
 
 /// Child processes killed on drop.
-pub struct Procs(Vec<Child>);
+pub struct Procs(pub Vec<Child>);
 
 impl Drop for Procs {
     fn drop(&mut self) {
@@ -104,35 +109,52 @@ impl Outcome {
 }
 
 async fn bench_log(a: LogArgs) -> anyhow::Result<()> {
-    if a.writers == 0 || a.generations < a.writers || a.tokens_per_step == 0 {
+    let max = a.writers.iter().copied().max().unwrap_or(0);
+    if a.writers.contains(&0) || a.generations < max || a.tokens_per_step == 0 {
         bail!("need writers >= 1, generations >= writers, tokens-per-step >= 1");
     }
-    let dir = tempfile::tempdir()?;
-    println!(
-        "bench log: {} writers, {} generations, {} token(s) per generation per step, {} s per system",
-        a.writers, a.generations, a.tokens_per_step, a.seconds
-    );
-    let ours = {
-        let _procs = start_tokenlog(dir.path(), a.base_port)?;
-        let addrs: Vec<String> = (0..3).map(|i| format!("127.0.0.1:{}", a.base_port + i)).collect();
-        run_tokenlog(&a, addrs).await?
-    };
-    ours.print("tokenlog");
-    if a.no_etcd {
-        return Ok(());
+    let mut rows = Vec::new();
+    for &writers in &a.writers {
+        let dir = tempfile::tempdir()?;
+        println!(
+            "bench log: {writers} writers, {} generations, {} token(s) per generation per step, {} s per system",
+            a.generations, a.tokens_per_step, a.seconds
+        );
+        let ours = {
+            let _procs = start_tokenlog(dir.path(), a.base_port)?;
+            let addrs: Vec<String> = (0..3).map(|i| format!("127.0.0.1:{}", a.base_port + i)).collect();
+            run_tokenlog(&a, writers, addrs).await?
+        };
+        ours.print("tokenlog");
+        if a.no_etcd {
+            continue;
+        }
+        let theirs = {
+            let _procs = start_etcd(&a.etcd, dir.path(), a.base_port + 10)?;
+            run_etcd(&a, writers, a.base_port + 10).await?
+        };
+        theirs.print("etcd");
+        let q = |o: &Outcome, at: f64| o.latency_us.as_ref().expect("measured").value_at_quantile(at).max(1) as f64;
+        let ratio = (
+            ours.steps_per_s() / theirs.steps_per_s(),
+            q(&ours, 0.5) / q(&theirs, 0.5),
+            q(&ours, 0.99) / q(&theirs, 0.99),
+        );
+        println!(
+            "ratio     tokenlog / etcd: {:.2}x writes/s, {:.2}x tokens/s, p50 latency {:.2}x, p99 latency {:.2}x",
+            ratio.0,
+            ours.tokens_per_s() / theirs.tokens_per_s(),
+            ratio.1,
+            ratio.2
+        );
+        rows.push((writers, ratio));
     }
-    let theirs = {
-        let _procs = start_etcd(&a.etcd, dir.path(), a.base_port + 10)?;
-        run_etcd(&a, a.base_port + 10).await?
-    };
-    theirs.print("etcd");
-    println!(
-        "ratio     tokenlog / etcd: {:.2}x writes/s, {:.2}x tokens/s, p50 latency {:.2}x",
-        ours.steps_per_s() / theirs.steps_per_s(),
-        ours.tokens_per_s() / theirs.tokens_per_s(),
-        ours.latency_us.as_ref().unwrap().value_at_quantile(0.5) as f64
-            / theirs.latency_us.as_ref().unwrap().value_at_quantile(0.5).max(1) as f64
-    );
+    if rows.len() > 1 {
+        println!("summary   writers  writes/s vs etcd  p50 vs etcd  p99 vs etcd");
+        for (w, (t, p50, p99)) in rows {
+            println!("          {w:>7}  {t:>15.2}x  {p50:>10.2}x  {p99:>10.2}x");
+        }
+    }
     Ok(())
 }
 
@@ -204,6 +226,26 @@ fn model() -> pb::ModelIdentity {
     }
 }
 
+/// Sets up `writers` writers (`bench-decoder-{w}`) of `per_writer` generations each, the writers
+/// concurrently.
+pub async fn setup_writers(
+    client: &LogClient,
+    writers: usize,
+    per_writer: usize,
+) -> anyhow::Result<Vec<Vec<(u64, u64)>>> {
+    let tasks: Vec<_> = (0..writers)
+        .map(|w| {
+            let client = client.clone();
+            tokio::spawn(async move { setup_writer(&client, w, per_writer, &format!("bench-decoder-{w}")).await })
+        })
+        .collect();
+    let mut owned = Vec::new();
+    for t in tasks {
+        owned.push(t.await??);
+    }
+    Ok(owned)
+}
+
 /// Submits and acquires this writer's generations; returns `(generation, epoch)` pairs.
 async fn setup_writer(
     client: &LogClient,
@@ -261,14 +303,10 @@ pub async fn wait_for_leader(client: &LogClient) -> anyhow::Result<()> {
     }
 }
 
-async fn run_tokenlog(a: &LogArgs, addrs: Vec<String>) -> anyhow::Result<Outcome> {
+async fn run_tokenlog(a: &LogArgs, writers: usize, addrs: Vec<String>) -> anyhow::Result<Outcome> {
     let client = LogClient::new(addrs)?;
     wait_for_leader(&client).await?;
-    let per_writer = a.generations / a.writers;
-    let mut owned = Vec::new();
-    for w in 0..a.writers {
-        owned.push(setup_writer(&client, w, per_writer, &format!("bench-decoder-{w}")).await?);
-    }
+    let owned = setup_writers(&client, writers, a.generations / writers).await?;
     let start = Instant::now();
     let deadline = start + Duration::from_secs(a.seconds);
     let mut tasks = Vec::new();
@@ -352,19 +390,19 @@ async fn etcd_leader(base: u16) -> anyhow::Result<String> {
     }
 }
 
-async fn run_etcd(a: &LogArgs, base: u16) -> anyhow::Result<Outcome> {
+async fn run_etcd(a: &LogArgs, writers: usize, base: u16) -> anyhow::Result<Outcome> {
     let leader = etcd_leader(base).await?;
     let channel = tonic::transport::Endpoint::from_shared(leader)?
         .tcp_nodelay(true)
         .connect()
         .await?;
-    let per_writer = a.generations / a.writers;
+    let per_writer = a.generations / writers;
     let value_bytes = per_writer * a.tokens_per_step * 4;
     let start = Instant::now();
     let deadline = start + Duration::from_secs(a.seconds);
     let value = Arc::new(vec![7u8; value_bytes]);
     let mut tasks = Vec::new();
-    for w in 0..a.writers {
+    for w in 0..writers {
         let mut kv = etcd::kv_client::KvClient::new(channel.clone());
         let value = value.clone();
         let tokens_per_put = (per_writer * a.tokens_per_step) as u64;
