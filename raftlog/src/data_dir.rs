@@ -38,6 +38,17 @@ fn refuse_old_layout(data_dir: &Path) -> Result<(), LogError> {
     Ok(())
 }
 
+/// The log must continue where the snapshot ends: entries purged past it are lost.
+fn purged_past_snapshot(lc: &log_store::LogCheck, snapshot_index: u64) -> Option<String> {
+    let p = lc.last_purged?.index;
+    (p > snapshot_index).then(|| {
+        format!(
+            "the log is purged to entry {p} but the newest usable snapshot ends at {snapshot_index}: entries {}..={p} are gone",
+            snapshot_index + 1
+        )
+    })
+}
+
 /// Opened storage of a node that passed every check.
 pub struct Storage {
     pub log: LogStore,
@@ -59,17 +70,7 @@ pub fn open(data_dir: &Path, faults: Faults) -> Result<Storage, LogError> {
     let (sm, mut report) =
         SmStore::open(&snapshot_dir(data_dir), faults).map_err(|e| LogError::storage("loading the snapshot", e))?;
     report.problems.extend(lc.problems.iter().cloned());
-    if let Some(p) = lc.last_purged {
-        if p.index > report.snapshot_index {
-            report.problems.push(format!(
-                "the log is purged to entry {} but the newest usable snapshot ends at {}: entries {}..={} are gone",
-                p.index,
-                report.snapshot_index,
-                report.snapshot_index + 1,
-                p.index
-            ));
-        }
-    }
+    report.problems.extend(purged_past_snapshot(&lc, report.snapshot_index));
     if !report.problems.is_empty() {
         return Err(LogError::Integrity {
             dir: data_dir.display().to_string(),
@@ -123,15 +124,9 @@ pub fn verify(data_dir: &Path) -> Result<LoadReport, LogError> {
         }
     })
     .map_err(|e| LogError::storage("reading the Raft log", e))?;
+    let purged = purged_past_snapshot(&lc, report.snapshot_index);
     report.problems.extend(lc.problems);
-    if let Some(p) = lc.last_purged {
-        if p.index > report.snapshot_index {
-            report.problems.push(format!(
-                "the log is purged to entry {} but the newest usable snapshot ends at {}",
-                p.index, report.snapshot_index
-            ));
-        }
-    }
+    report.problems.extend(purged);
     let committed = lc.committed.map_or(0, |c| c.index);
     let mut changes = Changes::default();
     for e in entries.iter().filter(|e| e.log_id.index <= committed) {

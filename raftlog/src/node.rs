@@ -106,6 +106,8 @@ type WriteResult = Result<(Response, u64), LogError>;
 /// A command waiting for the proposer, and where its answer goes.
 struct Pending {
     cmd: Command,
+    /// Tokens the command carries (`NodeMetrics::tokens_of`), counted once.
+    tokens: u64,
     answer: tokio::sync::oneshot::Sender<WriteResult>,
 }
 
@@ -164,7 +166,7 @@ impl NodeCtx {
         let started = std::time::Instant::now();
         let (answer, rx) = tokio::sync::oneshot::channel();
         self.proposals
-            .send(Pending { cmd, answer })
+            .send(Pending { cmd, tokens, answer })
             .await
             .map_err(|_| LogError::Raft("the node is shutting down".into()))?;
         let (response, index) = rx
@@ -303,12 +305,12 @@ async fn proposer(
         let Ok(permit) = in_flight.clone().acquire_owned().await else {
             return;
         };
-        let mut tokens = crate::metrics::NodeMetrics::tokens_of(&first.cmd);
+        let mut tokens = first.tokens;
         let mut batch = vec![first];
         while batch.len() < PROPOSAL_COMMANDS_MAX && tokens < PROPOSAL_TOKENS_MAX {
             match rx.try_recv() {
                 Ok(p) => {
-                    tokens += crate::metrics::NodeMetrics::tokens_of(&p.cmd);
+                    tokens += p.tokens;
                     batch.push(p);
                 }
                 Err(_) => break,

@@ -155,7 +155,12 @@ impl SnapshotFile {
 
     /// Checks the whole file against its checksum and returns its meta.
     pub fn verify(&self) -> Result<SnapshotMeta, SnapshotError> {
-        let (meta, _, end) = self.layout()?;
+        Ok(self.verified_layout()?.0)
+    }
+
+    /// [`SnapshotFile::layout`], after checking the whole file against its checksum.
+    fn verified_layout(&self) -> Result<(SnapshotMeta, u64, u64), SnapshotError> {
+        let (meta, start, end) = self.layout()?;
         let mut hasher = Sha256::new();
         let mut buf = vec![0u8; 1 << 20];
         let mut off = 0u64;
@@ -170,13 +175,12 @@ impl SnapshotFile {
         if hasher.finalize().as_slice() != stored {
             return Err(self.corrupt("checksum mismatch: the file was changed or damaged after it was written"));
         }
-        Ok(meta)
+        Ok((meta, start, end))
     }
 
     /// Verifies the checksum, then decodes the body (bounded by its length).
     pub fn load<T: DeserializeOwned>(&self) -> Result<(SnapshotMeta, T), SnapshotError> {
-        let meta = self.verify()?;
-        let (_, start, end) = self.layout()?;
+        let (meta, start, end) = self.verified_layout()?;
         let range = RangeReader {
             file: &self.file,
             pos: start,

@@ -317,28 +317,9 @@ async fn run_tokenlog(a: &LogArgs, writers: usize, addrs: Vec<String>) -> anyhow
             let mut h = Histogram::<u64>::new(3).expect("histogram");
             let (mut steps, mut seq) = (0u64, 0u32);
             while Instant::now() < deadline {
-                let items = gens
-                    .iter()
-                    .map(|&(id, epoch)| pb::AppendItem {
-                        generation_id: id,
-                        epoch,
-                        start_seq: seq,
-                        token_ids: vec![seq; tokens],
-                        ..Default::default()
-                    })
-                    .collect();
                 let t = Instant::now();
-                let resp = client
-                    .append(pb::AppendRequest {
-                        decoder_id: format!("bench-decoder-{w}"),
-                        lease_ms: 60_000,
-                        items,
-                    })
-                    .await?;
+                append_step(&client, w, &gens, seq, &vec![seq; tokens]).await?;
                 h.record(t.elapsed().as_micros() as u64)?;
-                if let Some(r) = resp.results.iter().find(|r| !r.accepted) {
-                    bail!("append rejected: {:?}", r.rejection);
-                }
                 steps += 1;
                 seq += tokens as u32;
                 if seq as usize + tokens > tokenlog_raftlog::limits::GENERATION_TOKENS_MAX as usize {
@@ -349,6 +330,38 @@ async fn run_tokenlog(a: &LogArgs, writers: usize, addrs: Vec<String>) -> anyhow
         }));
     }
     collect(tasks, start).await
+}
+
+/// One step of writer `w` (decoder `bench-decoder-{w}`): one Append carrying `token_ids` from
+/// `seq` for each of its generations; an item refused is an error.
+pub async fn append_step(
+    client: &LogClient,
+    w: usize,
+    gens: &[(u64, u64)],
+    seq: u32,
+    token_ids: &[u32],
+) -> anyhow::Result<()> {
+    let items = gens
+        .iter()
+        .map(|&(id, epoch)| pb::AppendItem {
+            generation_id: id,
+            epoch,
+            start_seq: seq,
+            token_ids: token_ids.to_vec(),
+            ..Default::default()
+        })
+        .collect();
+    let resp = client
+        .append(pb::AppendRequest {
+            decoder_id: format!("bench-decoder-{w}"),
+            lease_ms: 60_000,
+            items,
+        })
+        .await?;
+    if let Some(r) = resp.results.iter().find(|r| !r.accepted) {
+        bail!("append rejected: {:?}", r.rejection);
+    }
+    Ok(())
 }
 
 /// One writer task's result: writes, tokens, commit latencies (µs).

@@ -11,10 +11,9 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use tokenlog_proto::raftlog as pb;
 use tokenlog_raftlog::client::LogClient;
 
-use crate::cmd::bench::{setup_writers, wait_for_leader, Procs};
+use crate::cmd::bench::{append_step, setup_writers, wait_for_leader, Procs};
 
 #[derive(clap::Args, Clone)]
 pub struct RestartArgs {
@@ -114,30 +113,12 @@ pub async fn restart(a: RestartArgs) -> anyhow::Result<()> {
             let mut written = 0u64;
             while (seq as u64) < per_gen {
                 let n = step.min((per_gen - seq as u64) as u32);
-                let items = gens
-                    .iter()
-                    .map(|&(id, epoch)| pb::AppendItem {
-                        generation_id: id,
-                        epoch,
-                        start_seq: seq,
-                        token_ids: (seq..seq + n).collect(),
-                        ..Default::default()
-                    })
-                    .collect();
-                let r = client
-                    .append(pb::AppendRequest {
-                        decoder_id: format!("bench-decoder-{w}"),
-                        lease_ms: 60_000,
-                        items,
-                    })
-                    .await?;
-                if let Some(bad) = r.results.iter().find(|x| !x.accepted) {
-                    bail!("append refused: {bad:?}");
-                }
+                let tokens: Vec<u32> = (seq..seq + n).collect();
+                append_step(&client, w, &gens, seq, &tokens).await?;
                 seq += n;
                 written += n as u64 * gens.len() as u64;
             }
-            Ok(written)
+            anyhow::Ok(written)
         }));
     }
     let mut written = 0;

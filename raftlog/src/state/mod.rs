@@ -1,7 +1,7 @@
 //! The pure state machine. `LogState::apply` takes one stamped command and returns the answer
-//! and the set of changed rows; it reads no clock (time is the entry's `log_ms`, made monotone
-//! here), does no I/O, and is deterministic, so every replica that applies the same entries
-//! holds the same state. Persistence of the changed rows is `sm_store`'s job.
+//! and what it changed; it reads no clock (time is the entry's `log_ms`, made monotone here),
+//! does no I/O, and is deterministic, so every replica that applies the same entries holds the
+//! same state. Durability is `sm_store`'s job (snapshots plus the log), not apply's.
 //!
 //! Fencing (CONTRACT §2): every write that names an epoch is checked, in this order, against
 //! the generation's current epoch, its terminal state, its lease at the entry's log time, and
@@ -24,7 +24,9 @@ mod upkeep;
 use index::check_generation;
 pub use index::Indexes;
 
-/// Rows that one or more applied entries changed, for the storage layer to persist.
+/// What one or more applied entries changed. Apply uses the per-entry part to keep its indexes;
+/// the accumulated part describes a batch's effect (checked by the state tests; storage no
+/// longer persists rows from it).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Changes {
     /// Generations whose metadata changed (or that were created).
