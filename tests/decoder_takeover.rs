@@ -216,6 +216,34 @@ async fn killed_owner_is_replaced_and_uncommitted_tokens_are_resampled() {
     drop(d2);
 }
 
+/// A leader election must not expire the leases of running generations (issue 11, bug 9): the
+/// owner keeps its generation through a leader kill -9, with no takeover.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_kill_takes_no_running_generation_from_its_owner() {
+    let _serial = serial();
+    let mut cluster = Cluster::start(20_000);
+    cluster.leader().await;
+    let client = cluster.client();
+    let args = ["--fake-step-ms", "20", "--lease-ms", "600", "--capacity", "2"];
+    let d = cluster.start_decoder("dec-a", &args);
+    let prompt = vec![4, 5, 6];
+    let id = submit(&client, "election", &prompt).await;
+    wait_for(&client, id, "progress", |o| o.2 >= 10).await;
+    let leader = cluster.leader().await;
+    let started = Instant::now();
+    cluster.kill9(leader);
+    let (toks, epochs, terminal) = follow(&client, id).await;
+    assert_eq!(toks, expected(&prompt), "equals an uninterrupted run");
+    assert_eq!(
+        terminal.takeovers,
+        0,
+        "the election took the generation from its live owner ({:?} after the kill): {terminal:?}",
+        started.elapsed()
+    );
+    assert!(epochs.iter().all(|&e| e == 1), "records at a later epoch: {epochs:?}");
+    drop(d);
+}
+
 /// CONTRACT §5: a generation bound to a model no decoder serves is refused by every decoder
 /// (model mismatch, with the reason) and fails explicitly at its deadline instead of hanging.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -244,7 +244,7 @@ async fn restart_all_nodes_at_once_keeps_identical_state_and_wiped_node_catches_
     // `tokenlog verify` on the stopped node's data dir: intact.
     cluster.kill9(2);
     let verify = |dir: &Path| {
-        std::process::Command::new(common::BIN)
+        std::process::Command::new(common::bin())
             .args(["verify", "--data-dir"])
             .arg(dir)
             .output()

@@ -8,7 +8,7 @@ mod common;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
-use common::{free_port, serial, wait_for_port, BIN};
+use common::{bin, free_port, serial, wait_for_port};
 
 /// The pinned client version the test installs.
 const OPENAI_PIP: &str = "openai==3.57.0";
@@ -52,7 +52,7 @@ fn openai_python_package_streams_and_resumes_against_tokenlog_dev() {
     tokenlog_decoder::fetch::ensure_default_model(&model_dir).expect("default model");
     let dir = tempfile::tempdir().unwrap();
     let (log, grpc, http) = (free_port(), free_port(), free_port());
-    let mut dev = Command::new(BIN)
+    let mut dev = Command::new(bin())
         .args([
             "dev",
             "--data-dir",

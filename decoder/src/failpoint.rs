@@ -68,7 +68,7 @@ impl StepHooks for Failpoints {
     fn after_sample(&self, gens: &[StepView]) -> Option<Fired> {
         let seq = self.exit_after_sample?;
         // Sampled seq, not yet acknowledged: it is about to be sent.
-        let g = gens.iter().find(|g| g.sampled == seq + 1 && g.committed <= seq)?;
+        let g = gens.iter().find(|g| g.sampled == seq + 1 && g.sent <= seq)?;
         Some(Fired {
             name: "exit-after-sample",
             generation: g.generation,
@@ -79,7 +79,8 @@ impl StepHooks for Failpoints {
 
     fn before_send(&self, gens: &[StepView]) -> Option<Fired> {
         let (seq, delay) = self.delay_append?;
-        let g = gens.iter().find(|g| g.committed <= seq && seq < g.sampled)?;
+        // Due: sampled, not yet sent.
+        let g = gens.iter().find(|g| g.sent <= seq && seq < g.sampled)?;
         Some(Fired {
             name: "delay-append",
             generation: g.generation,

@@ -13,3 +13,15 @@ pub const REGISTER_PERIOD_MIN: Duration = Duration::from_secs(1);
 /// A registration lives `REGISTRATION_TTL_LEASES` leases, and at least `REGISTRATION_TTL_MIN_MS`.
 pub const REGISTRATION_TTL_LEASES: u64 = 5;
 pub const REGISTRATION_TTL_MIN_MS: u64 = 5_000;
+/// Appends a worker has sent on its `AppendStream` and not yet seen answered; at this many it
+/// waits for the oldest answer before sending again.
+pub const APPENDS_IN_FLIGHT_MAX: usize = 4;
+/// A generation stops sampling while this many of its tokens are not yet acknowledged (the log
+/// is slow or unreachable); it resumes as answers arrive.
+pub const UNACKED_TOKENS_MAX: usize = 256;
+/// An append unanswered this long ends its stream (the worker opens another and re-sends from
+/// the last acknowledged frontier).
+pub const APPEND_ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+/// Generations a worker acquires and prepares at once when it takes work (the leader merges
+/// the acquires into few entries; re-prefills run on blocking threads).
+pub const TAKES_AT_ONCE_MAX: usize = 64;

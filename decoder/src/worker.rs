@@ -6,26 +6,36 @@
 //!    generations of our model and `Acquire` them; read each one's committed prefix, bind a text
 //!    prompt if needed, and re-prefill (`DecodeState::resume`, exact or fast per the binding).
 //! 2. Sample one token for every active generation (the model work runs on a blocking thread).
-//! 3. Wait for the previous step's append; apply its answers: accepted ⇒ `mark_committed`;
-//!    rejected ⇒ drop that generation at once (another owner has it, or it ended).
-//! 4. Send this step's tokens of all generations as one `Append` (one Raft entry), without waiting:
-//!    the next step computes while it replicates. Visibility waits for commit; decoding does not.
+//! 3. Absorb the append answers that have arrived: accepted ⇒ `mark_committed`; rejected ⇒ drop
+//!    that generation at once (another owner has it, or it ended), except a gap (`SEQ_MISMATCH`,
+//!    an earlier append was lost), after which its tokens are re-sent from the acknowledged
+//!    frontier.
+//! 4. Send this step's new tokens of all generations as one `Append` (one Raft entry) on the
+//!    decoder's `AppendStream`, without waiting: up to `APPENDS_IN_FLIGHT_MAX` appends are in
+//!    flight while the next steps compute. Visibility waits for commit; decoding does not. When
+//!    the stream fails, the answers still owed are unknown: a new stream re-sends every
+//!    unacknowledged token from the acknowledged frontier, which the log accepts idempotently.
 //!
 //! A separate renewer keeps leases alive while a step is slow (slow is not dead), and stops
 //! renewing a generation the moment it is dropped.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokenlog_proto::raftlog as pb;
-use tokenlog_raftlog::client::{ClientError, LogClient};
+use tokenlog_raftlog::client::{AppendStream, ClientError, LogClient};
 
 use tokenlog_raftlog::convert::reason_to_pb;
 use tokenlog_raftlog::types::Binding;
 
 use crate::history::{Answer, Call, DecoderEvent};
-use crate::limits::{REGISTER_PERIOD_MIN, REGISTRATION_TTL_LEASES, REGISTRATION_TTL_MIN_MS};
+use crate::limits::{
+    APPENDS_IN_FLIGHT_MAX, APPEND_ANSWER_TIMEOUT, REGISTER_PERIOD_MIN, REGISTRATION_TTL_LEASES,
+    REGISTRATION_TTL_MIN_MS, TAKES_AT_ONCE_MAX, UNACKED_TOKENS_MAX,
+};
+
+const _: () = assert!(UNACKED_TOKENS_MAX <= tokenlog_raftlog::limits::RECORDS_PER_APPEND_MAX);
 use crate::resume::DecodeState;
 use crate::sampler::{StopCause, RNG_VERSION};
 pub use crate::worker_hooks::{Fired, Halt, StepHooks, StepView, HALT_EXIT_CODE};
@@ -78,8 +88,12 @@ struct Active {
     state: DecodeState,
     /// Committed records (our view; equals the log's after each accepted append).
     committed: u32,
-    /// Sampled tokens past `committed`, in order; re-sent whole until acknowledged.
+    /// Sampled tokens past `committed`, in order, until acknowledged.
     uncommitted: Vec<u32>,
+    /// How many of `uncommitted` went out on the current stream (their answers are pending).
+    sent: usize,
+    /// Whether `finish` went out on the current stream.
+    finish_sent: bool,
     finish: Option<StopCause>,
 }
 
@@ -88,6 +102,53 @@ impl Active {
     fn sampled(&self) -> u32 {
         self.committed + self.uncommitted.len() as u32
     }
+
+    /// The next append item: the tokens not yet sent on this stream (and the finish once every
+    /// token is in), or `None` when there is nothing new.
+    fn next_item(&mut self) -> Option<pb::AppendItem> {
+        let due_finish = self.finish.is_some() && !self.finish_sent;
+        if self.sent == self.uncommitted.len() && !due_finish {
+            return None;
+        }
+        let (finish, detail) = self
+            .finish
+            .as_ref()
+            .map_or((pb::FinishReason::Unspecified, String::new()), finish_to_pb);
+        let item = pb::AppendItem {
+            generation_id: self.id,
+            epoch: self.epoch,
+            start_seq: self.committed + self.sent as u32,
+            token_ids: self.uncommitted[self.sent..].to_vec(),
+            finish: finish as i32,
+            finish_detail: detail,
+        };
+        self.sent = self.uncommitted.len();
+        self.finish_sent = self.finish.is_some();
+        Some(item)
+    }
+
+    /// Forget what went out on the stream: the next item starts at the acknowledged frontier.
+    fn resend_all(&mut self) {
+        self.sent = 0;
+        self.finish_sent = false;
+    }
+
+    /// Whether it can sample another token now.
+    fn can_sample(&self) -> bool {
+        self.finish.is_none() && self.uncommitted.len() < UNACKED_TOKENS_MAX
+    }
+}
+
+/// An append on the stream, waiting for its answer: per item, the generation, whether it
+/// carried the finish, and its history id.
+struct InFlight {
+    items: Vec<SentItem>,
+}
+
+struct SentItem {
+    generation: u64,
+    finish: bool,
+    history_id: Option<u64>,
 }
 
 /// A model identity in the log's wire form (what bindings, acquires and registrations carry).
@@ -120,6 +181,10 @@ pub struct Worker {
     model: Arc<dyn Model>,
     identity: pb::ModelIdentity,
     active: BTreeMap<u64, Active>,
+    /// The decoder's `AppendStream` to the leader, opened when there is something to send.
+    stream: Option<AppendStream>,
+    /// Appends sent on `stream` and not yet answered, oldest first.
+    in_flight: VecDeque<InFlight>,
     held: Held,
     stats: Arc<Mutex<WorkerStats>>,
     history: Option<Arc<crate::history::History>>,
@@ -147,6 +212,8 @@ impl Worker {
             model,
             identity,
             active: BTreeMap::new(),
+            stream: None,
+            in_flight: VecDeque::new(),
             held: Default::default(),
             stats: Default::default(),
             history: None,
@@ -158,14 +225,14 @@ impl Worker {
         self.stats.clone()
     }
 
-    /// Runs until `stop` turns true; then releases every generation it holds.
+    /// Runs until `stop` turns true; then waits for the appends in flight and releases every
+    /// generation it holds.
     pub async fn run(mut self, mut stop: tokio::sync::watch::Receiver<bool>) -> Result<(), WorkerError> {
         let renewer = AbortOnDrop(tokio::spawn(renew_loop(
             self.client.clone(),
             self.cfg.clone(),
             self.held.clone(),
         )));
-        let mut inflight: Option<tokio::task::JoinHandle<Result<pb::AppendResponse, ClientError>>> = None;
         let mut last_poll = Instant::now() - Duration::from_secs(3600);
         let mut last_register = last_poll;
         while !*stop.borrow() {
@@ -177,27 +244,30 @@ impl Worker {
                 self.take_work().await;
                 last_poll = Instant::now();
             }
-            if self.active.is_empty() && inflight.is_none() {
+            let sampling = self.active.values().any(Active::can_sample);
+            if sampling {
+                self.step().await?;
+                if let Some(fired) = self.hooks.as_ref().and_then(|h| h.after_sample(&self.views())) {
+                    return self.halt(fired, renewer).await;
+                }
+            }
+            // Wait for an answer when the window is full, or when there is nothing to compute.
+            let wait = self.in_flight.len() >= APPENDS_IN_FLIGHT_MAX || !sampling;
+            self.collect(wait).await;
+            if let Some(fired) = self.hooks.as_ref().and_then(|h| h.before_send(&self.views())) {
+                return self.halt(fired, renewer).await;
+            }
+            let sent = self.send().await;
+            if !sent && !sampling && self.in_flight.is_empty() {
+                // Idle, or the log is unreachable: do not spin.
                 tokio::select! {
                     _ = stop.changed() => {}
                     _ = tokio::time::sleep(Duration::from_millis(self.cfg.poll_ms)) => {}
                 }
-                continue;
             }
-            self.step().await?;
-            if let Some(fired) = self.hooks.as_ref().and_then(|h| h.after_sample(&self.views())) {
-                return self.halt(fired, renewer).await;
-            }
-            if let Some(h) = inflight.take() {
-                self.absorb(h.await.map_err(|e| WorkerError::Other(e.to_string()))?);
-            }
-            if let Some(fired) = self.hooks.as_ref().and_then(|h| h.before_send(&self.views())) {
-                return self.halt(fired, renewer).await;
-            }
-            inflight = self.send();
         }
-        if let Some(h) = inflight.take() {
-            self.absorb(h.await.map_err(|e| WorkerError::Other(e.to_string()))?);
+        while !self.in_flight.is_empty() && self.stream.is_some() {
+            self.collect(true).await;
         }
         drop(renewer);
         self.release_all().await;
@@ -211,6 +281,7 @@ impl Worker {
                 generation: g.id,
                 epoch: g.epoch,
                 committed: g.committed,
+                sent: g.committed + g.sent as u32,
                 sampled: g.sampled(),
             })
             .collect()
@@ -220,12 +291,15 @@ impl Worker {
     async fn halt(&mut self, fired: Fired, renewer: AbortOnDrop) -> Result<(), WorkerError> {
         self.fired(&fired);
         if let Halt::AfterLateAppend(delay) = fired.halt {
-            // Gone silent: no renewal, no decoding; only the held message arrives late.
+            // Gone silent: no renewal, no decoding; only the held message arrives late. It
+            // carries every unacknowledged token, as a re-send after a lost stream would.
             drop(renewer);
             self.held.lock().expect("lock").clear();
+            self.close_stream("halted by a failpoint");
             tokio::time::sleep(delay).await;
-            if let Some(h) = self.send() {
-                let _ = h.await;
+            if let Some((req, items)) = self.next_request() {
+                let resp = self.client.append(req).await;
+                self.record_answers(&items, resp.as_ref().ok());
             }
         }
         Err(WorkerError::Halted(fired.name))
@@ -249,7 +323,6 @@ impl Worker {
             });
         }
     }
-
     async fn register(&mut self) {
         let req = pb::RegisterRequest {
             decoder_id: self.cfg.decoder_id.clone(),
@@ -266,6 +339,7 @@ impl Worker {
     }
 
     async fn take_work(&mut self) {
+        use futures::StreamExt;
         let want = (self.cfg.capacity - self.active.len()) as u32;
         let pending = match self
             .client
@@ -281,18 +355,299 @@ impl Worker {
                 return;
             }
         };
-        for g in pending {
-            if self.active.len() >= self.cfg.capacity {
-                break;
-            }
-            if let Err(e) = self.take(g.generation_id).await {
-                tracing::warn!(generation = g.generation_id, error = %e, "could not take generation");
+        // PendingWork judges leases by the answering node's clock: it may list a generation this
+        // worker is decoding (after a pause, or across an election). Acquiring it again would
+        // replace the live state while its appends are in flight: skip it.
+        let ids: Vec<u64> = pending
+            .iter()
+            .map(|g| g.generation_id)
+            .filter(|id| !self.active.contains_key(id))
+            .take(want as usize)
+            .collect();
+        // Acquire and prepare several at once: the leader merges the acquires into few entries.
+        let taker = Taker {
+            cfg: self.cfg.clone(),
+            client: self.client.clone(),
+            model: self.model.clone(),
+            identity: self.identity.clone(),
+            held: self.held.clone(),
+            stats: self.stats.clone(),
+            history: self.history.clone(),
+        };
+        let taker = &taker;
+        let taken: Vec<_> = futures::stream::iter(ids)
+            .map(|id| async move { (id, taker.take(id).await) })
+            .buffered(TAKES_AT_ONCE_MAX)
+            .collect()
+            .await;
+        for (id, r) in taken {
+            match r {
+                Ok(Some(active)) => {
+                    tracing::info!(
+                        generation = id,
+                        epoch = active.epoch,
+                        frontier = active.committed,
+                        "generation taken"
+                    );
+                    self.active.insert(id, active);
+                }
+                Ok(None) => {}
+                Err(e) => tracing::warn!(generation = id, error = %e, "could not take generation"),
             }
         }
     }
 
-    /// Acquire → read prefix → bind prompt → re-prefill.
-    async fn take(&mut self, id: u64) -> Result<(), WorkerError> {
+    /// Samples one token for every generation that can take one ([`Active::can_sample`]).
+    async fn step(&mut self) -> Result<(), WorkerError> {
+        let mut gens: Vec<Active> = std::mem::take(&mut self.active).into_values().collect();
+        let gens = tokio::task::spawn_blocking(move || {
+            for g in gens.iter_mut().filter(|g| g.can_sample()) {
+                match g.state.next_token()? {
+                    Some(step) => {
+                        g.uncommitted.push(step.token);
+                        g.finish = step.finish;
+                    }
+                    None => g.finish = g.state.finished().cloned(),
+                }
+            }
+            Ok::<_, crate::Error>(gens)
+        })
+        .await
+        .map_err(|e| WorkerError::Other(e.to_string()))??;
+        self.active = gens.into_iter().map(|g| (g.id, g)).collect();
+        Ok(())
+    }
+
+    /// The next append: every generation's tokens not yet sent on this stream (and finishes),
+    /// with its items recorded as invoked in the history. `None` when there is nothing new.
+    fn next_request(&mut self) -> Option<(pb::AppendRequest, Vec<SentItem>)> {
+        let items: Vec<pb::AppendItem> = self.active.values_mut().filter_map(Active::next_item).collect();
+        if items.is_empty() {
+            return None;
+        }
+        let sent = items
+            .iter()
+            .map(|i| SentItem {
+                generation: i.generation_id,
+                finish: i.finish != pb::FinishReason::Unspecified as i32,
+                history_id: self.history.as_ref().map(|h| {
+                    h.invoke(Call::Append {
+                        gen: i.generation_id,
+                        epoch: i.epoch,
+                        start_seq: i.start_seq,
+                        n: i.token_ids.len() as u32,
+                        finish: i.finish != 0,
+                    })
+                }),
+            })
+            .collect();
+        let req = pb::AppendRequest {
+            decoder_id: self.cfg.decoder_id.clone(),
+            lease_ms: self.cfg.lease_ms,
+            items,
+        };
+        Some((req, sent))
+    }
+
+    /// Sends what is new on the stream (opening one if needed), without waiting for the answer.
+    /// Returns whether an append went out.
+    async fn send(&mut self) -> bool {
+        if !self
+            .active
+            .values()
+            .any(|g| g.sent < g.uncommitted.len() || (g.finish.is_some() && !g.finish_sent))
+        {
+            return false;
+        }
+        if self.stream.is_none() {
+            match self.client.append_stream().await {
+                Ok(s) => self.stream = Some(s),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot open an append stream; will retry");
+                    return false;
+                }
+            }
+        }
+        let Some((req, items)) = self.next_request() else {
+            return false;
+        };
+        let stream = self.stream.as_ref().expect("opened above");
+        if let Err(e) = stream.send(req).await {
+            self.record_answers(&items, None);
+            self.close_stream(&e.to_string());
+            return false;
+        }
+        self.in_flight.push_back(InFlight { items });
+        true
+    }
+
+    /// Absorbs the answers that have arrived; with `wait`, first waits for at least one, up to
+    /// `APPEND_ANSWER_TIMEOUT` from now. The timeout counts only time spent waiting, never time
+    /// since the send: a process that was paused finds its answers waiting, not a timeout.
+    async fn collect(&mut self, mut wait: bool) {
+        while let (false, Some(stream)) = (self.in_flight.is_empty(), self.stream.as_mut()) {
+            let answer = if wait {
+                match tokio::time::timeout(APPEND_ANSWER_TIMEOUT, stream.answer()).await {
+                    Ok(a) => a.map_err(|e| e.to_string()),
+                    Err(_) => Err(format!("no answer to an append within {APPEND_ANSWER_TIMEOUT:?}")),
+                }
+            } else {
+                match stream.try_answer() {
+                    Some(a) => a.map_err(|e| e.to_string()),
+                    None => return,
+                }
+            };
+            match answer {
+                Ok(resp) => {
+                    let sent = self.in_flight.pop_front().expect("not empty");
+                    self.record_answers(&sent.items, Some(&resp));
+                    self.absorb(&sent.items, resp);
+                    wait = false;
+                }
+                Err(e) => {
+                    self.close_stream(&e);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Ends the stream: the answers still owed are unknown (the appends may or may not have
+    /// committed), so every unacknowledged token is re-sent on the next stream.
+    fn close_stream(&mut self, why: &str) {
+        if self.stream.take().is_some() && !self.in_flight.is_empty() {
+            tracing::warn!(
+                error = why,
+                unanswered = self.in_flight.len(),
+                "append stream failed; will re-send"
+            );
+        }
+        for f in std::mem::take(&mut self.in_flight) {
+            self.record_answers(&f.items, None);
+        }
+        for g in self.active.values_mut() {
+            g.resend_all();
+        }
+    }
+
+    /// Completes the items' history operations with the answer (`None`: outcome unknown).
+    fn record_answers(&self, items: &[SentItem], resp: Option<&pb::AppendResponse>) {
+        let Some(h) = &self.history else {
+            return;
+        };
+        for (i, item) in items.iter().enumerate() {
+            let Some(id) = item.history_id else {
+                continue;
+            };
+            let result = resp.and_then(|r| match r.results.get(i) {
+                Some(x) if x.generation_id == item.generation => Some(x),
+                _ => r.results.iter().find(|x| x.generation_id == item.generation),
+            });
+            let answer = result.map_or(
+                Answer::Append {
+                    ok: None,
+                    frontier: 0,
+                    current_epoch: 0,
+                    reason: None,
+                },
+                |r| {
+                    let rej = r.rejection.as_ref();
+                    Answer::Append {
+                        ok: Some(r.accepted),
+                        frontier: rej.map_or(r.frontier, |x| x.frontier),
+                        current_epoch: rej.map_or(r.epoch, |x| x.current_epoch),
+                        reason: rej.map(|x| x.reason),
+                    }
+                },
+            );
+            h.complete(id, answer);
+        }
+    }
+
+    /// Applies an append's answers (one per item, in the items' order).
+    fn absorb(&mut self, items: &[SentItem], resp: pb::AppendResponse) {
+        let now = Instant::now();
+        let (mut newly_total, mut finished, mut fenced) = (0u64, 0u64, 0u64);
+        let mut gone = Vec::new();
+        let mut held = self.held.lock().expect("lock");
+        for (i, r) in resp.results.iter().enumerate() {
+            let Some(g) = self.active.get_mut(&r.generation_id) else {
+                continue;
+            };
+            if !r.accepted {
+                let reason = r.rejection.as_ref().map(|x| x.reason);
+                if reason == Some(pb::RejectReason::SeqMismatch as i32) {
+                    // An earlier append of ours was lost: re-send from the acknowledged frontier.
+                    tracing::debug!(generation = g.id, "append past the frontier; re-sending");
+                    g.resend_all();
+                    continue;
+                }
+                tracing::warn!(generation = g.id, epoch = g.epoch, rejection = ?r.rejection, "append rejected: dropping the generation");
+                fenced += 1;
+                gone.push(g.id);
+                continue;
+            }
+            let newly = r.frontier.saturating_sub(g.committed).min(g.uncommitted.len() as u32);
+            g.uncommitted.drain(..newly as usize);
+            g.committed += newly;
+            g.sent = g.sent.saturating_sub(newly as usize);
+            g.state.mark_committed(g.committed as usize);
+            held.insert(g.id, (g.epoch, now));
+            newly_total += u64::from(newly);
+            let carried_finish = match items.get(i) {
+                Some(item) if item.generation == r.generation_id => item.finish,
+                _ => items.iter().any(|it| it.generation == r.generation_id && it.finish),
+            };
+            if carried_finish && g.uncommitted.is_empty() {
+                finished += 1;
+                gone.push(g.id);
+            }
+        }
+        drop(held);
+        {
+            let mut s = self.stats.lock().expect("lock");
+            s.tokens_committed += newly_total;
+            s.finished += finished;
+            s.fence_rejections += fenced;
+        }
+        for id in gone {
+            self.drop_generation(id);
+        }
+    }
+
+    fn drop_generation(&mut self, id: u64) {
+        self.active.remove(&id);
+        self.held.lock().expect("lock").remove(&id);
+    }
+
+    async fn release_all(&mut self) {
+        for (id, g) in std::mem::take(&mut self.active) {
+            self.held.lock().expect("lock").remove(&id);
+            let _ = self
+                .client
+                .release(pb::ReleaseRequest {
+                    generation_id: id,
+                    epoch: g.epoch,
+                })
+                .await;
+        }
+    }
+}
+
+/// What taking a generation needs from the worker (shared by the takes that run at once).
+struct Taker {
+    cfg: WorkerConfig,
+    client: LogClient,
+    model: Arc<dyn Model>,
+    identity: pb::ModelIdentity,
+    held: Held,
+    stats: Arc<Mutex<WorkerStats>>,
+    history: Option<Arc<crate::history::History>>,
+}
+
+impl Taker {
+    /// Acquire → read prefix → bind prompt → re-prefill. `None`: the log refused the acquire.
+    async fn take(&self, id: u64) -> Result<Option<Active>, WorkerError> {
         let hid = self.history.as_ref().map(|h| h.invoke(Call::Acquire { gen: id }));
         let acq = self
             .client
@@ -321,7 +676,7 @@ impl Worker {
         let acq = acq?;
         let Some(info) = acq.generation.filter(|_| acq.ok) else {
             tracing::debug!(generation = id, rejection = ?acq.rejection, "acquire refused");
-            return Ok(());
+            return Ok(None);
         };
         let epoch = info.lease.as_ref().map_or(0, |l| l.epoch);
         self.held.lock().expect("lock").insert(id, (epoch, Instant::now()));
@@ -332,7 +687,6 @@ impl Worker {
         }
         match self.prepare(&info, epoch).await {
             Ok(active) => {
-                tracing::info!(generation = id, epoch, frontier = active.committed, "generation taken");
                 if let Some(h) = &self.history {
                     let f = active.state.frontiers();
                     h.event(DecoderEvent::Resumed {
@@ -345,8 +699,7 @@ impl Worker {
                         committed: f.committed as u64,
                     });
                 }
-                self.active.insert(id, active);
-                Ok(())
+                Ok(Some(active))
             }
             Err(e) => {
                 self.held.lock().expect("lock").remove(&id);
@@ -368,7 +721,7 @@ impl Worker {
         }
     }
 
-    async fn prepare(&mut self, info: &pb::GenerationInfo, epoch: u64) -> Result<Active, WorkerError> {
+    async fn prepare(&self, info: &pb::GenerationInfo, epoch: u64) -> Result<Active, WorkerError> {
         let id = info.generation_id;
         let binding: Binding = info
             .binding
@@ -405,161 +758,9 @@ impl Worker {
             state,
             committed: committed.len() as u32,
             uncommitted: Vec::new(),
+            sent: 0,
+            finish_sent: false,
             finish,
         })
-    }
-
-    /// Samples one token for every unfinished generation.
-    async fn step(&mut self) -> Result<(), WorkerError> {
-        let mut gens: Vec<Active> = std::mem::take(&mut self.active).into_values().collect();
-        let gens = tokio::task::spawn_blocking(move || {
-            for g in gens.iter_mut().filter(|g| g.finish.is_none()) {
-                match g.state.next_token()? {
-                    Some(step) => {
-                        g.uncommitted.push(step.token);
-                        g.finish = step.finish;
-                    }
-                    None => g.finish = g.state.finished().cloned(),
-                }
-            }
-            Ok::<_, crate::Error>(gens)
-        })
-        .await
-        .map_err(|e| WorkerError::Other(e.to_string()))??;
-        self.active = gens.into_iter().map(|g| (g.id, g)).collect();
-        Ok(())
-    }
-
-    /// Sends every generation's uncommitted tokens (and finish) as one append.
-    fn send(&self) -> Option<tokio::task::JoinHandle<Result<pb::AppendResponse, ClientError>>> {
-        let items: Vec<pb::AppendItem> = self
-            .active
-            .values()
-            .filter(|g| !g.uncommitted.is_empty() || g.finish.is_some())
-            .map(|g| {
-                let (finish, detail) = g
-                    .finish
-                    .as_ref()
-                    .map_or((pb::FinishReason::Unspecified, String::new()), finish_to_pb);
-                pb::AppendItem {
-                    generation_id: g.id,
-                    epoch: g.epoch,
-                    start_seq: g.committed,
-                    token_ids: g.uncommitted.clone(),
-                    finish: finish as i32,
-                    finish_detail: detail,
-                }
-            })
-            .collect();
-        if items.is_empty() {
-            return None;
-        }
-        let client = self.client.clone();
-        let req = pb::AppendRequest {
-            decoder_id: self.cfg.decoder_id.clone(),
-            lease_ms: self.cfg.lease_ms,
-            items,
-        };
-        let history = self.history.clone();
-        Some(tokio::spawn(async move {
-            let Some(h) = history else {
-                return client.append(req).await;
-            };
-            let ids: Vec<(u64, u64)> = req
-                .items
-                .iter()
-                .map(|i| {
-                    let id = h.invoke(Call::Append {
-                        gen: i.generation_id,
-                        epoch: i.epoch,
-                        start_seq: i.start_seq,
-                        n: i.token_ids.len() as u32,
-                        finish: i.finish != 0,
-                    });
-                    (id, i.generation_id)
-                })
-                .collect();
-            let resp = client.append(req).await;
-            for (id, gen) in ids {
-                let answer = resp
-                    .as_ref()
-                    .ok()
-                    .and_then(|r| r.results.iter().find(|x| x.generation_id == gen))
-                    .map_or(
-                        Answer::Append {
-                            ok: None,
-                            frontier: 0,
-                            current_epoch: 0,
-                            reason: None,
-                        },
-                        |r| {
-                            let rej = r.rejection.as_ref();
-                            Answer::Append {
-                                ok: Some(r.accepted),
-                                frontier: rej.map_or(r.frontier, |x| x.frontier),
-                                current_epoch: rej.map_or(r.epoch, |x| x.current_epoch),
-                                reason: rej.map(|x| x.reason),
-                            }
-                        },
-                    );
-                h.complete(id, answer);
-            }
-            resp
-        }))
-    }
-
-    /// Applies an append's answers.
-    fn absorb(&mut self, resp: Result<pb::AppendResponse, ClientError>) {
-        let resp = match resp {
-            Ok(r) => r,
-            Err(e) => {
-                // Unknown whether it committed: the same tokens are re-sent from `committed`
-                // with the next append, which the log acknowledges idempotently.
-                tracing::warn!(error = %e, "append failed; will re-send");
-                return;
-            }
-        };
-        for r in resp.results {
-            let Some(g) = self.active.get_mut(&r.generation_id) else {
-                continue;
-            };
-            if !r.accepted {
-                tracing::warn!(generation = g.id, epoch = g.epoch, rejection = ?r.rejection, "append rejected: dropping the generation");
-                self.stats.lock().expect("lock").fence_rejections += 1;
-                self.drop_generation(r.generation_id);
-                continue;
-            }
-            let sent = g.uncommitted.len() as u32;
-            let newly = r.frontier.saturating_sub(g.committed).min(sent);
-            g.uncommitted.drain(..newly as usize);
-            g.committed += newly;
-            g.state.mark_committed(g.committed as usize);
-            self.held.lock().expect("lock").insert(g.id, (g.epoch, Instant::now()));
-            let mut s = self.stats.lock().expect("lock");
-            s.tokens_committed += newly as u64;
-            if g.finish.is_some() && g.uncommitted.is_empty() {
-                s.finished += 1;
-                drop(s);
-                self.drop_generation(r.generation_id);
-            }
-        }
-    }
-
-    fn drop_generation(&mut self, id: u64) {
-        self.active.remove(&id);
-        self.held.lock().expect("lock").remove(&id);
-    }
-
-    async fn release_all(&mut self) {
-        for (id, g) in std::mem::take(&mut self.active) {
-            self.held.lock().expect("lock").remove(&id);
-            let _ = self
-                .client
-                .release(pb::ReleaseRequest {
-                    generation_id: id,
-                    epoch: g.epoch,
-                })
-                .await;
-        }
     }
 }

@@ -14,6 +14,8 @@ pub struct StepView {
     pub epoch: u64,
     /// Records the log has acknowledged.
     pub committed: u32,
+    /// Records sent on the current append stream (acknowledged or not): `committed <= sent`.
+    pub sent: u32,
     /// Tokens sampled (committed + not yet acknowledged).
     pub sampled: u32,
 }
@@ -40,13 +42,13 @@ pub struct Fired {
 /// Hooks into the step loop, called at two points of every step. The fault suite's failpoints implement it
 /// (`crate::failpoint`, cargo feature `faults`); a production worker has none.
 pub trait StepHooks: Send + Sync {
-    /// Right after a step sampled, before the previous append's answer is awaited (a kill here
-    /// may also lose that append's answer).
+    /// Right after a step sampled, before the answers that arrived are absorbed (a kill here
+    /// may also lose the answers of the appends in flight).
     fn after_sample(&self, _gens: &[StepView]) -> Option<Fired> {
         None
     }
 
-    /// After the previous append's answer is absorbed, before this step's append is sent.
+    /// After the answers that arrived are absorbed, before this step's append is sent.
     fn before_send(&self, _gens: &[StepView]) -> Option<Fired> {
         None
     }

@@ -18,7 +18,10 @@ use tonic::{Code, Status};
 
 use crate::error::leader_hint;
 pub use crate::limits::RETRY_BUDGET_DEFAULT;
-use crate::limits::{CALL_TIMEOUT, CONNECT_TIMEOUT, GRPC_MESSAGE_BYTES_MAX, RETRY_PAUSE_MAX, RETRY_PAUSE_MIN};
+use crate::limits::{
+    APPEND_STREAM_IN_FLIGHT_MAX, CALL_TIMEOUT, CONNECT_TIMEOUT, GRPC_MESSAGE_BYTES_MAX, RETRY_PAUSE_MAX,
+    RETRY_PAUSE_MIN,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -28,6 +31,49 @@ pub enum ClientError {
     Status(#[from] Status),
     #[error("bad node address {0:?}: {1}")]
     BadAddress(String, String),
+}
+
+/// An open `AppendStream`: requests go out in order without waiting for each other; the
+/// answers come back one per request, in the same order. Dropping it closes the stream.
+pub struct AppendStream {
+    requests: tokio::sync::mpsc::Sender<pb::AppendRequest>,
+    answers: tokio::sync::mpsc::Receiver<Result<pb::AppendResponse, Status>>,
+    reader: tokio::task::JoinHandle<()>,
+}
+
+impl AppendStream {
+    /// Queues a request. An error means the stream is closed (its answers say why).
+    pub async fn send(&self, req: pb::AppendRequest) -> Result<(), ClientError> {
+        self.requests
+            .send(req)
+            .await
+            .map_err(|_| ClientError::Status(Status::unavailable("the append stream is closed")))
+    }
+
+    /// The next answer; an error ends the stream (the requests after it are unanswered).
+    pub async fn answer(&mut self) -> Result<pb::AppendResponse, ClientError> {
+        match self.answers.recv().await {
+            Some(r) => r.map_err(ClientError::Status),
+            None => Err(ClientError::Status(Status::unavailable("the append stream is closed"))),
+        }
+    }
+
+    /// The next answer if one has arrived.
+    pub fn try_answer(&mut self) -> Option<Result<pb::AppendResponse, ClientError>> {
+        match self.answers.try_recv() {
+            Ok(r) => Some(r.map_err(ClientError::Status)),
+            Err(tokio::sync::mpsc::error::TryRecvError::Empty) => None,
+            Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => Some(Err(ClientError::Status(
+                Status::unavailable("the append stream is closed"),
+            ))),
+        }
+    }
+}
+
+impl Drop for AppendStream {
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
 }
 
 #[derive(Clone)]
@@ -237,6 +283,50 @@ impl LogClient {
             async move { c.change_membership(r).await }
         })
         .await
+    }
+
+    /// Opens an `AppendStream` on the leader (following redirects and retrying within the
+    /// budget, as [`LogClient::call`] does). Not retried once open: when it fails, the caller
+    /// opens another and re-sends from its last acknowledged frontier.
+    pub async fn append_stream(&self) -> Result<AppendStream, ClientError> {
+        let sender = Mutex::new(None);
+        let answers = self
+            .call(|mut c| {
+                let (tx, rx) = tokio::sync::mpsc::channel(APPEND_STREAM_IN_FLIGHT_MAX);
+                *sender.lock().expect("lock") = Some(tx);
+                async move { c.append_stream(tokio_stream::wrappers::ReceiverStream::new(rx)).await }
+            })
+            .await?;
+        let requests = sender
+            .lock()
+            .expect("lock")
+            .take()
+            .expect("set by the try that answered");
+        let (tx, rx) = tokio::sync::mpsc::channel(APPEND_STREAM_IN_FLIGHT_MAX);
+        let client = self.clone();
+        let reader = tokio::spawn(async move {
+            let mut answers = answers;
+            loop {
+                let item = match answers.message().await {
+                    Ok(Some(r)) => Ok(r),
+                    Ok(None) => Err(Status::unavailable("the append stream was closed by the node")),
+                    Err(s) => {
+                        // A node that lost the lead names the new leader: the next stream goes there.
+                        *client.inner.leader.lock().expect("lock") = leader_hint(&s);
+                        Err(s)
+                    }
+                };
+                let end = item.is_err();
+                if tx.send(item).await.is_err() || end {
+                    return;
+                }
+            }
+        });
+        Ok(AppendStream {
+            requests,
+            answers: rx,
+            reader,
+        })
     }
 
     /// Opens a Watch stream on whichever node answers (any node serves it from applied state).

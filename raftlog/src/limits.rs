@@ -63,6 +63,13 @@ pub const PROPOSAL_COMMANDS_MAX: usize = 1_024;
 pub const PROPOSAL_TOKENS_MAX: u64 = 65_536;
 /// Commands waiting for the proposer before `write` pushes back (waits for room).
 pub const PROPOSER_QUEUE_MAX: usize = 16_384;
+/// Appends of one `AppendStream` proposed and not yet answered; the stream reads no further
+/// request until the oldest is answered (HTTP/2 flow control then holds the decoder back).
+pub const APPEND_STREAM_IN_FLIGHT_MAX: usize = 64;
+/// The newest log entries kept in memory for replication and apply (`log_store::EntryCache`):
+/// at most this many, and this many encoded bytes (the newest entry stays even if larger).
+pub const LOG_CACHE_ENTRIES_MAX: usize = 4_096;
+pub const LOG_CACHE_BYTES_MAX: usize = 32 << 20;
 /// How often the leader considers proposing a `Tick`.
 pub const TICK_INTERVAL: Duration = Duration::from_millis(500);
 /// Connecting to a peer or a node (Raft transport and `LogClient`).

@@ -6,12 +6,18 @@
 //! completion callback to one flusher thread. The flusher takes every callback that is waiting,
 //! syncs the WAL once (`flush_wal(true)`, an fsync), and only then fires them: entries are on disk
 //! before openraft counts them, and concurrent appends share one fsync (group commit).
+//!
+//! The newest entries are also kept in memory ([`EntryCache`], bounded by
+//! `LOG_CACHE_ENTRIES_MAX` and `LOG_CACHE_BYTES_MAX`): replication to followers and apply read
+//! them from there instead of reading, checking and decoding them again from RocksDB. The cache
+//! holds exactly what the disk holds for its range: append, truncate and purge change both.
 
+use std::collections::VecDeque;
 use std::fmt::Debug;
 use std::io;
 use std::ops::{Bound, RangeBounds};
 use std::sync::mpsc;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use openraft::storage::{IOFlushed, RaftLogStorage};
 use openraft::{LogState, OptionalSend, RaftLogReader};
@@ -20,6 +26,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::faults::Faults;
+use crate::limits::{LOG_CACHE_BYTES_MAX, LOG_CACHE_ENTRIES_MAX};
 use crate::raft_types::{Entry, LogId, TypeConfig, Vote};
 
 pub const CF_LOGS: &str = "logs";
@@ -159,9 +166,73 @@ fn index_key(index: u64) -> [u8; 8] {
     index.to_be_bytes()
 }
 
+/// The newest log entries, contiguous by index, with their encoded sizes.
+#[derive(Default)]
+struct EntryCache {
+    entries: VecDeque<(Entry, usize)>,
+    bytes: usize,
+}
+
+impl EntryCache {
+    fn first_index(&self) -> Option<u64> {
+        self.entries.front().map(|(e, _)| e.log_id.index)
+    }
+
+    fn push(&mut self, e: Entry, size: usize) {
+        let next = self.entries.back().map(|(b, _)| b.log_id.index + 1);
+        if next.is_some_and(|n| n != e.log_id.index) {
+            // Not contiguous (cannot happen after truncate_after; kept safe): start over.
+            self.entries.clear();
+            self.bytes = 0;
+        }
+        self.bytes += size;
+        self.entries.push_back((e, size));
+        while self.entries.len() > LOG_CACHE_ENTRIES_MAX || (self.bytes > LOG_CACHE_BYTES_MAX && self.entries.len() > 1)
+        {
+            let (_, s) = self.entries.pop_front().expect("non-empty");
+            self.bytes -= s;
+        }
+    }
+
+    /// Drops entries above `last` (None: all).
+    fn truncate_after(&mut self, last: Option<u64>) {
+        while let Some((b, s)) = self.entries.back() {
+            if last.is_some_and(|l| b.log_id.index <= l) {
+                break;
+            }
+            self.bytes -= *s;
+            self.entries.pop_back();
+        }
+    }
+
+    /// Drops entries at or below `upto`.
+    fn purge(&mut self, upto: u64) {
+        while let Some((f, s)) = self.entries.front() {
+            if f.log_id.index > upto {
+                break;
+            }
+            self.bytes -= *s;
+            self.entries.pop_front();
+        }
+    }
+
+    /// Entries `[start, end)` if the cache holds all of them.
+    fn get(&self, start: u64, end: u64) -> Option<Vec<Entry>> {
+        let first = self.first_index()?;
+        let past = first + self.entries.len() as u64;
+        if start < first || end > past || start > end {
+            return None;
+        }
+        let from = (start - first) as usize;
+        let to = (end - first) as usize;
+        Some(self.entries.range(from..to).map(|(e, _)| e.clone()).collect())
+    }
+}
+
 #[derive(Clone)]
 pub struct LogStore {
     db: Arc<DB>,
+    cache: Arc<Mutex<EntryCache>>,
     flusher: Arc<Flusher>,
     /// Planted bug (fault suite builds only): acknowledge appends before the fsync.
     faults: Faults,
@@ -194,6 +265,7 @@ impl LogStore {
             .expect("spawn fsync thread");
         LogStore {
             db,
+            cache: Arc::default(),
             flusher: Arc::new(Flusher {
                 tx: Some(tx),
                 thread: Some(thread),
@@ -241,6 +313,16 @@ impl RaftLogReader<TypeConfig> for LogStore {
             Bound::Excluded(x) => *x + 1,
             Bound::Unbounded => 0,
         };
+        let end = match range.end_bound() {
+            Bound::Included(x) => Some(*x + 1),
+            Bound::Excluded(x) => Some(*x),
+            Bound::Unbounded => None,
+        };
+        if let Some(end) = end {
+            if let Some(hit) = self.cache.lock().expect("lock").get(start, end) {
+                return Ok(hit);
+            }
+        }
         let mut out = Vec::new();
         let key = index_key(start);
         for item in self
@@ -303,12 +385,21 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         I: IntoIterator<Item = Entry> + Send,
     {
         let mut batch = WriteBatch::default();
+        let mut cached = Vec::new();
         for entry in entries {
-            batch.put_cf(self.cf(CF_LOGS), index_key(entry.log_id.index), encode_entry(&entry)?);
+            let row = encode_entry(&entry)?;
+            batch.put_cf(self.cf(CF_LOGS), index_key(entry.log_id.index), &row);
+            cached.push((entry, row.len()));
         }
         // Written before returning, so the entries are readable at once; durable only after
         // the flusher's fsync, which is when the callback fires.
         self.db.write(batch).map_err(io_err)?;
+        {
+            let mut cache = self.cache.lock().expect("lock");
+            for (e, size) in cached {
+                cache.push(e, size);
+            }
+        }
         if self.faults.ack_before_fsync() {
             callback.io_completed(Ok(()));
             return Ok(());
@@ -323,6 +414,10 @@ impl RaftLogStorage<TypeConfig> for LogStore {
 
     async fn truncate_after(&mut self, last_log_id: Option<LogId>) -> Result<(), io::Error> {
         let from = last_log_id.map_or(0, |id| id.index + 1);
+        self.cache
+            .lock()
+            .expect("lock")
+            .truncate_after(last_log_id.map(|id| id.index));
         self.db
             .delete_range_cf(self.cf(CF_LOGS), index_key(from), index_key(u64::MAX))
             .map_err(io_err)?;
@@ -333,8 +428,65 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     async fn purge(&mut self, log_id: LogId) -> Result<(), io::Error> {
         // Record the purge point first: entries at or before it are ignored from then on.
         self.put_meta_synced(KEY_PURGED, &log_id)?;
+        self.cache.lock().expect("lock").purge(log_id.index);
         self.db
             .delete_range_cf(self.cf(CF_LOGS), index_key(0), index_key(log_id.index + 1))
             .map_err(io_err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use openraft::testing::log_id;
+
+    fn blank(index: u64) -> Entry {
+        Entry {
+            log_id: log_id::<TypeConfig>(1, 1, index),
+            payload: openraft::EntryPayload::Blank,
+        }
+    }
+
+    fn indexes(v: Option<Vec<Entry>>) -> Option<Vec<u64>> {
+        v.map(|v| v.iter().map(|e| e.log_id.index).collect())
+    }
+
+    #[test]
+    fn the_cache_answers_only_ranges_it_holds_whole_and_follows_truncate_and_purge() {
+        let mut c = EntryCache::default();
+        assert_eq!(indexes(c.get(0, 1)), None);
+        for i in 5..15 {
+            c.push(blank(i), 10);
+        }
+        assert_eq!(indexes(c.get(5, 8)), Some(vec![5, 6, 7]));
+        assert_eq!(indexes(c.get(12, 15)), Some(vec![12, 13, 14]));
+        assert_eq!(indexes(c.get(4, 8)), None, "starts before the cache");
+        assert_eq!(indexes(c.get(12, 16)), None, "ends past the cache");
+        c.truncate_after(Some(9));
+        assert_eq!(indexes(c.get(9, 11)), None, "truncated entries are gone");
+        assert_eq!(indexes(c.get(8, 10)), Some(vec![8, 9]));
+        c.push(blank(10), 10);
+        assert_eq!(indexes(c.get(9, 11)), Some(vec![9, 10]), "re-appended after truncation");
+        c.purge(7);
+        assert_eq!(indexes(c.get(7, 9)), None, "purged entries are gone");
+        assert_eq!(c.bytes, 30, "sizes follow truncate and purge");
+        c.push(blank(20), 10);
+        assert_eq!(indexes(c.get(8, 9)), None, "a gap starts the cache over");
+        assert_eq!(indexes(c.get(20, 21)), Some(vec![20]));
+        c.truncate_after(None);
+        assert_eq!((c.entries.len(), c.bytes), (0, 0));
+    }
+
+    #[test]
+    fn the_cache_stays_within_its_limits() {
+        let mut c = EntryCache::default();
+        for i in 0..(LOG_CACHE_ENTRIES_MAX as u64 + 10) {
+            c.push(blank(i), 1);
+        }
+        assert_eq!(c.entries.len(), LOG_CACHE_ENTRIES_MAX);
+        assert_eq!(c.first_index(), Some(10));
+        c.push(blank(LOG_CACHE_ENTRIES_MAX as u64 + 10), LOG_CACHE_BYTES_MAX);
+        assert_eq!(c.entries.len(), 1, "one huge entry evicts the rest but stays");
+        assert_eq!(c.bytes, LOG_CACHE_BYTES_MAX);
     }
 }

@@ -111,6 +111,28 @@ struct Pending {
     answer: tokio::sync::oneshot::Sender<WriteResult>,
 }
 
+/// A command queued by [`NodeCtx::propose`].
+pub struct Proposed {
+    ctx: Arc<NodeCtx>,
+    rx: tokio::sync::oneshot::Receiver<WriteResult>,
+    tokens: u64,
+    started: std::time::Instant,
+}
+
+impl Proposed {
+    /// Waits until the command is committed and applied: its answer and its entry's log index.
+    pub async fn answer(self) -> WriteResult {
+        let (response, index) = self
+            .rx
+            .await
+            .map_err(|_| LogError::Raft("the node is shutting down".into()))??;
+        self.ctx
+            .metrics
+            .observe_write(self.tokens, self.started.elapsed().as_secs_f64(), &response);
+        Ok((response, index))
+    }
+}
+
 /// What the services of a node share.
 pub struct NodeCtx {
     pub id: NodeId,
@@ -151,7 +173,14 @@ impl NodeCtx {
 
     /// Proposes `cmd` and waits until it is committed and applied. Returns the answer and the
     /// entry's log index.
-    pub async fn write(&self, cmd: Command) -> Result<(Response, u64), LogError> {
+    pub async fn write(self: &Arc<Self>, cmd: Command) -> Result<(Response, u64), LogError> {
+        self.propose(cmd).await?.answer().await
+    }
+
+    /// Queues `cmd` for the proposer and returns once it is queued, not committed: commands
+    /// queued one after another by one caller enter Raft in that order. The answer comes from
+    /// [`Proposed::answer`].
+    pub async fn propose(self: &Arc<Self>, cmd: Command) -> Result<Proposed, LogError> {
         let tokens = crate::metrics::NodeMetrics::tokens_of(&cmd);
         #[cfg(feature = "faults")]
         if self.faults.early_visibility() {
@@ -169,12 +198,23 @@ impl NodeCtx {
             .send(Pending { cmd, tokens, answer })
             .await
             .map_err(|_| LogError::Raft("the node is shutting down".into()))?;
-        let (response, index) = rx
-            .await
-            .map_err(|_| LogError::Raft("the node is shutting down".into()))??;
-        self.metrics
-            .observe_write(tokens, started.elapsed().as_secs_f64(), &response);
-        Ok((response, index))
+        Ok(Proposed {
+            ctx: self.clone(),
+            rx,
+            tokens,
+            started,
+        })
+    }
+
+    /// `Ok` when this node is the leader, else `NotLeader` with the leader's address if known
+    /// (for streams, which cannot be redirected once open).
+    pub fn check_leader(&self) -> Result<(), LogError> {
+        if self.raft.metrics().borrow_watched().state == ServerState::Leader {
+            return Ok(());
+        }
+        Err(LogError::NotLeader {
+            leader_addr: self.leader_addr(),
+        })
     }
 
     /// Returns once this node's applied state includes every write committed before the call
@@ -301,6 +341,8 @@ async fn proposer(
     mut rx: tokio::sync::mpsc::Receiver<Pending>,
 ) {
     let in_flight = Arc::new(tokio::sync::Semaphore::new(PROPOSALS_IN_FLIGHT_MAX));
+    // The term whose `NewLeader` this node proposed last (see `Command::NewLeader`).
+    let mut announced_term = None;
     while let Some(first) = rx.recv().await {
         let Ok(permit) = in_flight.clone().acquire_owned().await else {
             return;
@@ -316,11 +358,22 @@ async fn proposer(
                 Err(_) => break,
             }
         }
-        let (cmd, answers): (Command, Vec<_>) = if batch.len() == 1 {
+        let term = {
+            let m = raft.metrics();
+            let m = m.borrow_watched();
+            (m.state == ServerState::Leader).then_some(m.current_term)
+        };
+        // A leader's first proposal in its term starts with `NewLeader`, applied before anything
+        // else of the term can be fenced by a lease the election expired.
+        let announce = term.is_some() && term != announced_term;
+        let (cmd, answers): (Command, Vec<_>) = if batch.len() == 1 && !announce {
             let p = batch.pop().expect("one");
             (p.cmd, vec![p.answer])
         } else {
-            let (cmds, answers) = batch.into_iter().map(|p| (p.cmd, p.answer)).unzip();
+            let (mut cmds, answers): (Vec<_>, Vec<_>) = batch.into_iter().map(|p| (p.cmd, p.answer)).unzip();
+            if announce {
+                cmds.insert(0, Command::NewLeader);
+            }
             (Command::Batch(cmds), answers)
         };
         let req = Request {
@@ -336,6 +389,9 @@ async fn proposer(
             }
             continue;
         }
+        if announce {
+            announced_term = term;
+        }
         tokio::spawn(async move {
             let outcome = match result.await {
                 Err(_) => Err(LogError::Raft("raft stopped before answering".into())),
@@ -344,6 +400,17 @@ async fn proposer(
                 }),
                 Ok(Err(e)) => Err(LogError::Raft(e.to_string())),
                 Ok(Ok(resp)) => Ok((resp.response().clone(), resp.log_id().index)),
+            };
+            // The announcement's own answer goes to nobody.
+            let outcome = match outcome {
+                Ok((Response::Batch(mut parts), index)) if announce => {
+                    parts.remove(0);
+                    match parts.len() {
+                        1 => Ok((parts.pop().expect("one"), index)),
+                        _ => Ok((Response::Batch(parts), index)),
+                    }
+                }
+                o => o,
             };
             answer_all(answers, outcome);
             drop(permit);

@@ -14,8 +14,10 @@ use tonic::{Request, Response as TonicResponse, Status};
 
 use crate::convert::{append_to_pb, ownership_to_pb, reason_from_pb, record_to_pb};
 use crate::error::LogError;
-use crate::limits::{PENDING_WORK_LIMIT_MAX, WATCH_BUFFER_EVENTS, WATCH_RECORDS_PER_EVENT_MAX};
-use crate::node::NodeCtx;
+use crate::limits::{
+    APPEND_STREAM_IN_FLIGHT_MAX, PENDING_WORK_LIMIT_MAX, WATCH_BUFFER_EVENTS, WATCH_RECORDS_PER_EVENT_MAX,
+};
+use crate::node::{NodeCtx, Proposed};
 use crate::types::*;
 
 pub struct LogService {
@@ -48,6 +50,22 @@ impl LogService {
 }
 
 type WatchStream = Pin<Box<dyn Stream<Item = Result<pb::WatchEvent, Status>> + Send>>;
+type AppendStream = Pin<Box<dyn Stream<Item = Result<pb::AppendResponse, Status>> + Send>>;
+
+fn append_cmd(r: pb::AppendRequest) -> Command {
+    Command::Append {
+        decoder: r.decoder_id,
+        lease_ms: r.lease_ms,
+        items: r.items.into_iter().map(AppendItem::from).collect(),
+    }
+}
+
+fn appended(resp: Response, index: u64) -> Result<pb::AppendResponse, Status> {
+    match resp {
+        Response::Appended(outcomes) => Ok(append_to_pb(outcomes, index)),
+        other => Err(LogError::Internal(format!("unexpected answer {other:?}")).into()),
+    }
+}
 
 fn required<T>(v: Option<T>, what: &str) -> Result<T, Status> {
     v.ok_or_else(|| Status::from(LogError::Invalid(format!("{what} is required"))))
@@ -114,20 +132,56 @@ impl Log for LogService {
     }
 
     async fn append(&self, req: Request<pb::AppendRequest>) -> Result<TonicResponse<pb::AppendResponse>, Status> {
-        let r = req.into_inner();
-        let items = r.items.into_iter().map(AppendItem::from).collect();
-        let (resp, index) = self
-            .ctx
-            .write(Command::Append {
-                decoder: r.decoder_id,
-                lease_ms: r.lease_ms,
-                items,
-            })
-            .await?;
-        match resp {
-            Response::Appended(outcomes) => Ok(TonicResponse::new(append_to_pb(outcomes, index))),
-            other => Err(LogError::Internal(format!("unexpected answer {other:?}")).into()),
-        }
+        let (resp, index) = self.ctx.write(append_cmd(req.into_inner())).await?;
+        Ok(TonicResponse::new(appended(resp, index)?))
+    }
+
+    type AppendStreamStream = AppendStream;
+
+    async fn append_stream(
+        &self,
+        req: Request<tonic::Streaming<pb::AppendRequest>>,
+    ) -> Result<TonicResponse<AppendStream>, Status> {
+        self.ctx.check_leader()?;
+        let mut inbound = req.into_inner();
+        let (queued_tx, mut queued) = mpsc::channel::<Result<Proposed, LogError>>(APPEND_STREAM_IN_FLIGHT_MAX);
+        let (out, out_rx) = mpsc::channel(APPEND_STREAM_IN_FLIGHT_MAX);
+        // Proposes each request as it arrives, in order, without waiting for the last to commit.
+        let ctx = self.ctx.clone();
+        tokio::spawn(async move {
+            loop {
+                let req = match inbound.message().await {
+                    Ok(Some(r)) => r,
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "append stream closed by the decoder");
+                        break;
+                    }
+                };
+                let proposed = ctx.propose(append_cmd(req)).await;
+                let failed = proposed.is_err();
+                if queued_tx.send(proposed).await.is_err() || failed {
+                    break;
+                }
+            }
+        });
+        // Answers them in the same order; the first failure ends the stream.
+        tokio::spawn(async move {
+            while let Some(p) = queued.recv().await {
+                let answer = match p {
+                    Ok(p) => p.answer().await,
+                    Err(e) => Err(e),
+                };
+                let item = answer.map_err(Status::from).and_then(|(r, i)| appended(r, i));
+                let end = item.is_err();
+                if out.send(item).await.is_err() || end {
+                    break;
+                }
+            }
+        });
+        Ok(TonicResponse::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(out_rx),
+        )))
     }
 
     async fn finish(&self, req: Request<pb::FinishRequest>) -> Result<TonicResponse<pb::OwnershipResponse>, Status> {

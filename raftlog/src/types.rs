@@ -301,6 +301,12 @@ pub enum Command {
     /// `node::proposer`): applied in order at the entry's log time, each answered on its own in
     /// [`Response::Batch`]. Never nested; fencing stays per command and per item.
     Batch(Vec<Command>),
+    /// A new leader's first command in its term (prepended by its proposer to its first
+    /// proposal): log time that passed since the previous entry (an election, usually) does not
+    /// count against leases. Every lease live at the previous entry's log time keeps the time
+    /// it had left then, as etcd's lessor extends leases on promotion: an election no longer
+    /// expires every running generation. Leases only get longer: fencing is unaffected.
+    NewLeader,
 }
 
 /// What a registered decoder serves.
@@ -416,6 +422,11 @@ pub enum Response {
     Registered(Result<u64, Rejection>),
     /// One answer per command of a [`Command::Batch`], in order.
     Batch(Vec<Response>),
+    /// [`Command::NewLeader`]: how many leases were extended, and by how much log time.
+    LeasesExtended {
+        leases: u32,
+        by_ms: u64,
+    },
 }
 
 impl std::fmt::Display for Request {
@@ -432,6 +443,7 @@ impl std::fmt::Display for Request {
             Command::Register { .. } => "register",
             Command::Tick { .. } => "tick",
             Command::Batch(_) => "batch",
+            Command::NewLeader => "new-leader",
         };
         write!(f, "{name}@{}", self.log_ms)
     }

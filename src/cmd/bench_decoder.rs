@@ -64,7 +64,7 @@ pub struct FailoverArgs {
     pub base_port: u16,
 }
 
-fn dargs(fake: bool, model: Option<std::path::PathBuf>, threads: usize) -> DecoderArgs {
+pub(crate) fn dargs(fake: bool, model: Option<std::path::PathBuf>, threads: usize) -> DecoderArgs {
     DecoderArgs {
         cluster: vec![],
         model,
@@ -81,7 +81,7 @@ fn dargs(fake: bool, model: Option<std::path::PathBuf>, threads: usize) -> Decod
     }
 }
 
-fn binding(model: &dyn Model, prompt: &[u32], max_tokens: u32) -> pb::Binding {
+pub(crate) fn binding(model: &dyn Model, prompt: &[u32], max_tokens: u32) -> pb::Binding {
     pb::Binding {
         model: Some(identity_to_pb(model.identity())),
         prompt_token_ids: prompt.to_vec(),
@@ -101,7 +101,7 @@ fn binding(model: &dyn Model, prompt: &[u32], max_tokens: u32) -> pb::Binding {
     }
 }
 
-fn prompt_ids(model: &dyn Model) -> anyhow::Result<Vec<u32>> {
+pub(crate) fn prompt_ids(model: &dyn Model) -> anyhow::Result<Vec<u32>> {
     let t = model.tokenizer();
     Ok(t.encode_chat(&[tokenlog_decoder::ChatMessage::user(
         "Write a long story about a lighthouse keeper and the sea.",

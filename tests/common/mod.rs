@@ -10,7 +10,11 @@ use std::time::{Duration, Instant};
 use tokenlog_proto::raftlog as pb;
 use tokenlog_raftlog::client::LogClient;
 
-pub const BIN: &str = env!("CARGO_BIN_EXE_tokenlog");
+/// The `tokenlog` binary the tests run: the one cargo built, or `TOKENLOG_TEST_BIN` (another
+/// build, e.g. an older commit's, to show a new test failing on the old code).
+pub fn bin() -> String {
+    std::env::var("TOKENLOG_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_tokenlog").to_string())
+}
 
 /// Cluster tests run one at a time: each runs three nodes, and the machine may have two cores.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -79,7 +83,7 @@ impl Cluster {
             .map(|(j, a)| format!("{}={a}", j + 1))
             .collect();
         let log = std::fs::File::create(self.dir.path().join(format!("node{}.log", i + 1))).unwrap();
-        let child = Command::new(BIN)
+        let child = Command::new(bin())
             .args(["node", "--id", &(i + 1).to_string(), "--listen", &self.addrs[i]])
             .arg("--data-dir")
             .arg(self.data_dir(i))
@@ -226,7 +230,7 @@ impl Cluster {
 
     fn start_decoder_of(&self, id: &str, model: &[&str], extra: &[&str]) -> Decoder {
         let log = self.dir.path().join(format!("{id}.log"));
-        let child = Command::new(BIN)
+        let child = Command::new(bin())
             .arg("decoder")
             .args(model)
             .args(["--decoder-id", id, "--cluster", &self.addrs.join(",")])
@@ -289,7 +293,7 @@ impl Cluster {
         let grpc = format!("127.0.0.1:{}", free_port());
         let http = format!("127.0.0.1:{}", free_port());
         let log = self.dir.path().join(format!("{name}.log"));
-        let child = Command::new(BIN)
+        let child = Command::new(bin())
             .args([
                 "gateway",
                 "--fake",

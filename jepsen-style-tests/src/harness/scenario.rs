@@ -389,6 +389,32 @@ async fn wait_old_owner_exit(cluster: &Cluster) -> Result<()> {
     Ok(())
 }
 
+/// Waits (at most 10 s) until the decoder history at `path` shows an append invoked and answered
+/// after `since_us`: the continued old owner's write has met the log (rejected, or accepted if
+/// fencing is broken; the expectations judge which). Without this wait the request may already
+/// have ended and the run stop before that answer is recorded.
+async fn wait_continued_write(path: &std::path::Path, since_us: u64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        let lines: Vec<Value> = text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+        let sent_after: BTreeSet<u64> = lines
+            .iter()
+            .filter(|v| {
+                v["phase"] == "invoke" && v["op"] == "append" && v["invoke_us"].as_u64().is_some_and(|t| t >= since_us)
+            })
+            .filter_map(|v| v["id"].as_u64())
+            .collect();
+        let answered = lines
+            .iter()
+            .any(|v| v["phase"] == "complete" && v["id"].as_u64().is_some_and(|id| sent_after.contains(&id)));
+        if answered {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// For the scenarios without a failpoint, strikes the fault once the client has seen seqs
 /// 0-19; returns the nemesis records, the killed gateway, and the Raft term just before.
 async fn harness_fault(
@@ -435,6 +461,7 @@ async fn strike(
             procs.lock().expect("lock").decoders[0].pause();
             tokio::time::sleep(Duration::from_millis(cfg.lease_ms * 3)).await;
             procs.lock().expect("lock").decoders[0].resume();
+            wait_continued_write(&cfg.out.join("decoder1.jsonl"), now_us()).await;
             "decoder1 (the owner)".into()
         }
         Scenario::LeaderCrash => {

@@ -117,7 +117,6 @@ impl LogState {
             };
             g.chain_head = chain::next(&g.chain_head, g.id, seq, &record);
             g.records.push(record);
-            changes.new_records.push((g.id, seq, g.chain_head));
         }
         g.lease.expiry_log_ms = g.lease.expiry_log_ms.max(now + lease_ms);
         if let Some((reason, detail)) = &item.finish {

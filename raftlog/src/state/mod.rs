@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use serde::{Deserialize, Serialize};
 
-use crate::chain::{self, Hash};
+use crate::chain;
 use crate::faults::Faults;
 use crate::limits::*;
 use crate::types::*;
@@ -24,15 +24,11 @@ mod upkeep;
 use index::check_generation;
 pub use index::Indexes;
 
-/// What one or more applied entries changed. Apply uses the per-entry part to keep its indexes;
-/// the accumulated part describes a batch's effect (checked by the state tests; storage no
-/// longer persists rows from it).
+/// What applied entries changed. Apply uses the per-entry part to keep its indexes; the rest
+/// (rare events) accumulates over a batch for tests and metrics. Nothing per record or per
+/// append lives here: the hot path pays only for the per-entry list of touched generations.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Changes {
-    /// Generations whose metadata changed (or that were created).
-    pub touched: BTreeSet<GenerationId>,
-    /// New records with their chain hash, in order per generation.
-    pub new_records: Vec<(GenerationId, Seq, Hash)>,
     /// Generations removed by retention, with their request keys.
     pub pruned: Vec<(GenerationId, String, String)>,
     /// The decoder registrations changed.
@@ -44,13 +40,8 @@ pub struct Changes {
 }
 
 impl Changes {
-    pub fn is_empty(&self) -> bool {
-        self.touched.is_empty() && self.new_records.is_empty() && self.pruned.is_empty() && !self.decoders
-    }
-
     /// Generation `id` changed (or was created).
     pub(crate) fn touch(&mut self, id: GenerationId) {
-        self.touched.insert(id);
         // Re-filing is idempotent: an id touched twice in one entry is filed twice.
         self.entry_touched.push(id);
     }
@@ -60,15 +51,13 @@ impl Changes {
         self.entry_decoders = true;
     }
 
-    /// Generations `gone` (with their request keys) were pruned: they leave no row behind,
-    /// whatever earlier entries of the batch wrote for them. One pass over the batch for all.
+    /// Generations `gone` (with their request keys) were pruned: the entry does not re-file
+    /// them. One pass over the entry's touched list for all.
     pub(crate) fn prune(&mut self, gone: Vec<(GenerationId, String, String)>) {
         if gone.is_empty() {
             return;
         }
         let ids: BTreeSet<GenerationId> = gone.iter().map(|(id, _, _)| *id).collect();
-        self.touched.retain(|id| !ids.contains(id));
-        self.new_records.retain(|(id, _, _)| !ids.contains(id));
         self.entry_touched.retain(|id| !ids.contains(id));
         self.pruned.extend(gone);
     }
@@ -219,6 +208,7 @@ impl LogState {
 
     fn apply_command(&mut self, req: &Request, changes: &mut Changes) -> Response {
         // Log time is monotone even across leaders whose clocks disagree.
+        let before = self.log_ms;
         self.log_ms = self.log_ms.max(req.log_ms);
         match &req.cmd {
             Command::Batch(cmds) => Response::Batch(
@@ -228,16 +218,16 @@ impl LogState {
                             RejectReason::Invalid,
                             "a batch inside a batch is not applied",
                         ))),
-                        c => self.dispatch(c, changes),
+                        c => self.dispatch(c, before, changes),
                     })
                     .collect(),
             ),
-            c => self.dispatch(c, changes),
+            c => self.dispatch(c, before, changes),
         }
     }
 
-    /// One command at the current log time.
-    fn dispatch(&mut self, cmd: &Command, changes: &mut Changes) -> Response {
+    /// One command at the current log time; `before` is the log time of the previous entry.
+    fn dispatch(&mut self, cmd: &Command, before: u64, changes: &mut Changes) -> Response {
         let now = self.log_ms;
         match cmd {
             Command::Submit {
@@ -282,6 +272,7 @@ impl LogState {
                 Response::Registered(self.register(decoder, info, *ttl_ms, changes))
             }
             Command::Tick { retention_ms } => self.tick(*retention_ms, changes),
+            Command::NewLeader => self.new_leader(before, changes),
             Command::Batch(_) => unreachable!("apply_command unpacks batches"),
         }
     }

@@ -91,6 +91,36 @@ impl LogState {
         }
     }
 
+    /// [`Command::NewLeader`]: every lease live at `before` (the previous entry's log time)
+    /// keeps the time it had left then. Walks only the claimable index from just below `before`
+    /// (running leases), not the whole table.
+    pub(super) fn new_leader(&mut self, before: u64, changes: &mut Changes) -> Response {
+        let by_ms = self.log_ms - before;
+        if by_ms == 0 {
+            return Response::LeasesExtended { leases: 0, by_ms };
+        }
+        let from = (before.saturating_sub(super::index::CLAIMABLE_LAG_MS_MAX), 0);
+        let live: Vec<GenerationId> = self
+            .index
+            .claimable
+            .values()
+            .flat_map(|set| set.range(from..).map(|&(_, id)| id))
+            .collect();
+        let mut leases = 0;
+        for id in live {
+            let Some(g) = self.generations.get_mut(&id) else {
+                continue;
+            };
+            let owned = g.lease.epoch > 0 && !g.lease.owner.is_empty();
+            if owned && !g.state.is_terminal() && g.lease.expiry_log_ms > before {
+                g.lease.expiry_log_ms += by_ms;
+                changes.touch(id);
+                leases += 1;
+            }
+        }
+        Response::LeasesExtended { leases, by_ms }
+    }
+
     /// Generations without a record whose deadline has passed at `now` and that no live lease
     /// holds (a decoder that owns one is about to write its first record).
     fn deadline_due(&self, now: u64) -> Vec<GenerationId> {
