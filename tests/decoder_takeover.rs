@@ -244,6 +244,69 @@ async fn a_leader_kill_takes_no_running_generation_from_its_owner() {
     drop(d);
 }
 
+/// CONTRACT §2: a rejected renewal stops the generation at once (issue 11, bug 7). The owner is
+/// paused in the middle of a long step, another decoder takes over, and the owner continues: its
+/// renewer is rejected, and it must send nothing more for the generation, not even one append
+/// that the log then rejects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejected_renewal_drops_the_generation_before_anything_more_is_sent() {
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    cluster.leader().await;
+    let client = cluster.client();
+    let history = cluster.dir.path().join("dec-a.jsonl");
+    let appends = || {
+        std::fs::read_to_string(&history)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains("\"phase\":\"invoke\"") && l.contains("\"op\":\"append\""))
+            .count()
+    };
+    let slow = [
+        "--fake-step-ms",
+        "6000",
+        "--lease-ms",
+        "600",
+        "--capacity",
+        "1",
+        "--history",
+        history.to_str().unwrap(),
+    ];
+    let d1 = cluster.start_decoder("dec-a", &slow);
+    let prompt = [3, 1, 4];
+    let id = submit(&client, "renew-rejected", &prompt).await;
+    wait_for(&client, id, "dec-a owns it", |o| o.0 == "dec-a").await;
+    // dec-a is in a 6 s step (its first token may have gone out before it); the renewer keeps
+    // its lease meanwhile.
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    assert_eq!(owner(&client, id).await.0, "dec-a", "a renewing owner keeps its lease");
+    let before = appends();
+    d1.signal("-STOP");
+    let fast = ["--fake-step-ms", "5", "--lease-ms", "600", "--capacity", "1"];
+    let d2 = cluster.start_decoder("dec-b", &fast);
+    wait_for(&client, id, "takeover", |o| o.0 == "dec-b").await;
+    d1.signal("-CONT");
+    let (toks, _, _) = follow(&client, id).await;
+    assert_eq!(toks, expected(&prompt));
+    // Wait until dec-a's long step is over and it has acted on the rejection.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !d1.log_text().contains("dropping the generation") && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        d1.log_text().contains("renew rejected: dropping the generation"),
+        "dec-a did not drop the generation on the rejected renewal; its log:\n{}",
+        d1.log_text()
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        appends(),
+        before,
+        "dec-a sent appends for a generation whose renewal was rejected"
+    );
+    drop(d2);
+}
+
 /// CONTRACT §5: a generation bound to a model no decoder serves is refused by every decoder
 /// (model mismatch, with the reason) and fails explicitly at its deadline instead of hanging.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

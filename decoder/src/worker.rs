@@ -39,7 +39,7 @@ const _: () = assert!(UNACKED_TOKENS_MAX <= tokenlog_raftlog::limits::RECORDS_PE
 use crate::resume::DecodeState;
 use crate::sampler::{StopCause, RNG_VERSION};
 pub use crate::worker_hooks::{Fired, Halt, StepHooks, StepView, HALT_EXIT_CODE};
-use crate::worker_lease::{read_prefix, renew_loop, AbortOnDrop, Held};
+use crate::worker_lease::{read_prefix, renew_loop, AbortOnDrop, Held, Lost};
 use crate::{Model, ModelIdentity};
 
 #[derive(Clone, Debug)]
@@ -186,6 +186,8 @@ pub struct Worker {
     /// Appends sent on `stream` and not yet answered, oldest first.
     in_flight: VecDeque<InFlight>,
     held: Held,
+    /// Generations whose renewal the log rejected (filled by the renewer).
+    lost: Lost,
     stats: Arc<Mutex<WorkerStats>>,
     history: Option<Arc<crate::history::History>>,
     hooks: Option<Arc<dyn StepHooks>>,
@@ -215,6 +217,7 @@ impl Worker {
             stream: None,
             in_flight: VecDeque::new(),
             held: Default::default(),
+            lost: Default::default(),
             stats: Default::default(),
             history: None,
             hooks: None,
@@ -232,6 +235,7 @@ impl Worker {
             self.client.clone(),
             self.cfg.clone(),
             self.held.clone(),
+            self.lost.clone(),
         )));
         let mut last_poll = Instant::now() - Duration::from_secs(3600);
         let mut last_register = last_poll;
@@ -244,9 +248,13 @@ impl Worker {
                 self.take_work().await;
                 last_poll = Instant::now();
             }
+            self.drop_lost();
             let sampling = self.active.values().any(Active::can_sample);
             if sampling {
                 self.step().await?;
+                // A step may be slow: a renewal rejected meanwhile stops the generation before
+                // anything more is sent for it.
+                self.drop_lost();
                 if let Some(fired) = self.hooks.as_ref().and_then(|h| h.after_sample(&self.views())) {
                     return self.halt(fired, renewer).await;
                 }
@@ -612,6 +620,18 @@ impl Worker {
         }
         for id in gone {
             self.drop_generation(id);
+        }
+    }
+
+    /// Drops the generations whose renewal the log rejected, at the epoch we hold them.
+    fn drop_lost(&mut self) {
+        let lost = std::mem::take(&mut *self.lost.lock().expect("lock"));
+        for (id, epoch) in lost {
+            if self.active.get(&id).is_some_and(|g| g.epoch == epoch) {
+                tracing::warn!(generation = id, epoch, "renew rejected: dropping the generation");
+                self.stats.lock().expect("lock").fence_rejections += 1;
+                self.drop_generation(id);
+            }
         }
     }
 

@@ -15,6 +15,10 @@ use crate::limits::{PREFIX_READ_TIMEOUT, RENEWS_PER_LEASE, RENEW_PERIOD_MIN};
 /// Shared with the renewer: what we hold, and when the log last confirmed it.
 pub(crate) type Held = Arc<Mutex<HashMap<u64, (u64, Instant)>>>;
 
+/// Filled by the renewer: `(generation, epoch)` whose renewal the log rejected. The worker drops
+/// them before it sends anything more (CONTRACT §2).
+pub(crate) type Lost = Arc<Mutex<Vec<(u64, u64)>>>;
+
 /// Aborts the renewer on every exit path of [`crate::worker::Worker::run`], so a worker that ends (with an error,
 /// a panic, or a halt) stops renewing the leases it held: they lapse and another decoder takes over.
 pub(crate) struct AbortOnDrop(pub(crate) tokio::task::JoinHandle<()>);
@@ -63,7 +67,7 @@ pub(crate) async fn read_prefix(client: &LogClient, id: u64, frontier: u32) -> R
 }
 
 /// Renews every held lease that the log has not confirmed for a third of the lease.
-pub(crate) async fn renew_loop(client: LogClient, cfg: WorkerConfig, held: Held) {
+pub(crate) async fn renew_loop(client: LogClient, cfg: WorkerConfig, held: Held, lost: Lost) {
     let period = Duration::from_millis(cfg.lease_ms / RENEWS_PER_LEASE).max(RENEW_PERIOD_MIN);
     loop {
         tokio::time::sleep(period).await;
@@ -90,6 +94,7 @@ pub(crate) async fn renew_loop(client: LogClient, cfg: WorkerConfig, held: Held)
                 Ok(r) => {
                     tracing::warn!(generation = id, rejection = ?r.rejection, "renew rejected");
                     held.lock().expect("lock").remove(&id);
+                    lost.lock().expect("lock").push((id, epoch));
                 }
                 Err(e) => tracing::warn!(generation = id, error = %e, "renew failed"),
             }
