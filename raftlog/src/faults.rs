@@ -5,7 +5,8 @@
 //! The switches exist only with the cargo feature `faults` (the fault suite's build). Without it
 //! [`Faults`] has no fields and every query is the constant `false`, so a production build
 //! contains none of the planted code paths. Each plant must be caught by the fault suite:
-//! - `no_fence`: appends skip the epoch fence (fencing, linearizability);
+//! - `no_fence`: appends skip the epoch fence, and a superseded owner's renewal is acknowledged
+//!   without effect (fencing, linearizability);
 //! - `ack_before_fsync`: appends are acknowledged before the WAL fsync, and written WAL data is
 //!   kept in the process, so kill -9 acts as a power cut (durability);
 //! - `early_visibility`: Watch shows records of proposed, uncommitted appends (exactly-once).

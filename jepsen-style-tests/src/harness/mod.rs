@@ -48,7 +48,7 @@ pub const FAILPOINTS_ENV: &str = "TOKENLOG_FAILPOINTS";
 /// A test-only bug switched on in the processes, which the checkers must catch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
 pub enum Plant {
-    /// Log nodes accept appends without the epoch fence (TOKENLOG_PLANT_NO_FENCE=1).
+    /// Log nodes accept appends and renewals without the epoch fence (TOKENLOG_PLANT_NO_FENCE=1).
     NoFence,
     /// Log nodes acknowledge appends before the WAL is synced, and keep unsynced WAL data in
     /// the process, so kill -9 acts as a power cut (TOKENLOG_PLANT_ACK_BEFORE_FSYNC=1).

@@ -80,6 +80,14 @@ impl LogState {
     ) -> Result<GenerationView, Rejection> {
         check_lease_ms(lease_ms)?;
         let now = self.log_ms;
+        if self.faults.no_fence() {
+            // Planted bug: renewals are not fenced either. A superseded owner's renewal is
+            // acknowledged without effect, so it goes on appending (unfenced too).
+            let g = self.get_mut(id)?;
+            if g.lease.epoch != epoch || g.lease.owner != decoder {
+                return Ok((&*g).into());
+            }
+        }
         let g = self.fenced(id, epoch)?;
         if g.lease.owner != decoder {
             return Err(reject_gen(
