@@ -106,8 +106,7 @@ impl Active {
     /// The next append item: the tokens not yet sent on this stream (and the finish once every
     /// token is in), or `None` when there is nothing new.
     fn next_item(&mut self) -> Option<pb::AppendItem> {
-        let due_finish = self.finish.is_some() && !self.finish_sent;
-        if self.sent == self.uncommitted.len() && !due_finish {
+        if !self.has_unsent() {
             return None;
         }
         let (finish, detail) = self
@@ -127,6 +126,11 @@ impl Active {
         Some(item)
     }
 
+    /// Whether tokens, or the finish, have not gone out on this stream yet.
+    fn has_unsent(&self) -> bool {
+        self.sent < self.uncommitted.len() || (self.finish.is_some() && !self.finish_sent)
+    }
+
     /// Forget what went out on the stream: the next item starts at the acknowledged frontier.
     fn resend_all(&mut self) {
         self.sent = 0;
@@ -139,12 +143,8 @@ impl Active {
     }
 }
 
-/// An append on the stream, waiting for its answer: per item, the generation, whether it
+/// One item of an append on the stream, waiting for its answer: the generation, whether it
 /// carried the finish, and its history id.
-struct InFlight {
-    items: Vec<SentItem>,
-}
-
 struct SentItem {
     generation: u64,
     finish: bool,
@@ -184,7 +184,7 @@ pub struct Worker {
     /// The decoder's `AppendStream` to the leader, opened when there is something to send.
     stream: Option<AppendStream>,
     /// Appends sent on `stream` and not yet answered, oldest first.
-    in_flight: VecDeque<InFlight>,
+    in_flight: VecDeque<Vec<SentItem>>,
     held: Held,
     /// Generations whose renewal the log rejected (filled by the renewer).
     lost: Lost,
@@ -460,11 +460,7 @@ impl Worker {
     /// Sends what is new on the stream (opening one if needed), without waiting for the answer.
     /// Returns whether an append went out.
     async fn send(&mut self) -> bool {
-        if !self
-            .active
-            .values()
-            .any(|g| g.sent < g.uncommitted.len() || (g.finish.is_some() && !g.finish_sent))
-        {
+        if !self.active.values().any(Active::has_unsent) {
             return false;
         }
         if self.stream.is_none() {
@@ -485,7 +481,7 @@ impl Worker {
             self.close_stream(&e.to_string());
             return false;
         }
-        self.in_flight.push_back(InFlight { items });
+        self.in_flight.push_back(items);
         true
     }
 
@@ -508,8 +504,8 @@ impl Worker {
             match answer {
                 Ok(resp) => {
                     let sent = self.in_flight.pop_front().expect("not empty");
-                    self.record_answers(&sent.items, Some(&resp));
-                    self.absorb(&sent.items, resp);
+                    self.record_answers(&sent, Some(&resp));
+                    self.absorb(&sent, resp);
                     wait = false;
                 }
                 Err(e) => {
@@ -531,7 +527,7 @@ impl Worker {
             );
         }
         for f in std::mem::take(&mut self.in_flight) {
-            self.record_answers(&f.items, None);
+            self.record_answers(&f, None);
         }
         for g in self.active.values_mut() {
             g.resend_all();
