@@ -10,7 +10,7 @@ static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use clap::{Parser, Subcommand};
 
-use cmd::{bench, decoder, dev, gateway, generate, node, status};
+use cmd::{bench, decoder, dev, gateway, generate, keys, node, status};
 
 #[derive(Parser)]
 #[command(
@@ -54,6 +54,9 @@ enum Cmd {
     Verify(status::VerifyArgs),
     /// Change cluster membership: add a node (as learner, then voter) or remove voters.
     Members(status::MembersArgs),
+    /// API keys for a gateway's keys file (it stores only their hashes).
+    #[command(subcommand)]
+    Keys(keys::KeysCmd),
     /// Write a llama GGUF model as a Hugging Face model folder (f32 safetensors, config.json,
     /// tokenizer.json) that `tokenlog decoder --model DIR` runs through the safetensors path.
     ExportSafetensors(decoder::ExportArgs),
@@ -77,6 +80,7 @@ fn main() -> anyhow::Result<()> {
             Cmd::Verify(a) => status::verify(a).await,
             Cmd::Members(a) => status::members(a).await,
             Cmd::ExportSafetensors(a) => decoder::export(a),
+            Cmd::Keys(k) => keys::run(k),
             Cmd::Bench(b) => bench::run(b).await,
         }
     })

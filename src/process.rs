@@ -79,14 +79,16 @@ pub fn planted_faults() -> anyhow::Result<tokenlog_raftlog::faults::Faults> {
         on("TOKENLOG_PLANT_NO_FENCE"),
         on("TOKENLOG_PLANT_ACK_BEFORE_FSYNC"),
         on("TOKENLOG_PLANT_EARLY_VISIBILITY"),
+        on("TOKENLOG_PLANT_UNBOUNDED_CLOCK"),
     ];
     #[cfg(feature = "faults")]
     {
-        let [no_fence, ack_before_fsync, early_visibility] = asked;
+        let [no_fence, ack_before_fsync, early_visibility, unbounded_clock] = asked;
         Ok(tokenlog_raftlog::faults::Faults {
             no_fence,
             ack_before_fsync,
             early_visibility,
+            unbounded_clock,
         })
     }
     #[cfg(not(feature = "faults"))]
@@ -96,6 +98,58 @@ pub fn planted_faults() -> anyhow::Result<tokenlog_raftlog::faults::Faults> {
             "TOKENLOG_PLANT_* is set, but this build has no planted bugs (build with --features faults)"
         );
         Ok(Default::default())
+    }
+}
+
+/// The planted bug `zombie` (`TOKENLOG_PLANT_ZOMBIE_DECODER=1`, fault builds only; issue 11
+/// bug 1): a decoder whose worker fails keeps renewing its leases and keeps running.
+pub fn plant_zombie() -> anyhow::Result<bool> {
+    let on = std::env::var("TOKENLOG_PLANT_ZOMBIE_DECODER").is_ok_and(|v| v == "1");
+    anyhow::ensure!(
+        !on || cfg!(feature = "faults"),
+        "TOKENLOG_PLANT_ZOMBIE_DECODER is set, but this build has no planted bugs (build with --features faults)"
+    );
+    if on {
+        eprintln!("PLANTED BUG ON: zombie decoder");
+    }
+    Ok(on)
+}
+
+/// The fault suite's `clock` nemesis: with `TOKENLOG_CLOCK_SKEW_FILE` set, the node adds the
+/// number of milliseconds that file holds (signed; missing or empty = 0) to its wall clock,
+/// re-read every 50 ms. A build without the `faults` feature refuses the variable.
+pub fn wall_clock_skew() -> anyhow::Result<Option<Arc<std::sync::atomic::AtomicI64>>> {
+    let Ok(path) = std::env::var("TOKENLOG_CLOCK_SKEW_FILE") else {
+        return Ok(None);
+    };
+    #[cfg(feature = "faults")]
+    {
+        use std::sync::atomic::{AtomicI64, Ordering};
+        eprintln!("TEST CLOCK HOOK ARMED: wall clock skew read from {path}");
+        let skew = Arc::new(AtomicI64::new(0));
+        let s = skew.clone();
+        tokio::spawn(async move {
+            let mut last = 0;
+            loop {
+                let ms = std::fs::read_to_string(&path)
+                    .ok()
+                    .and_then(|t| t.trim().parse::<i64>().ok())
+                    .unwrap_or(0);
+                if ms != last {
+                    tracing::warn!(skew_ms = ms, "test clock hook: wall clock skew changed");
+                    last = ms;
+                }
+                s.store(ms, Ordering::Relaxed);
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+        });
+        Ok(Some(skew))
+    }
+    #[cfg(not(feature = "faults"))]
+    {
+        anyhow::bail!(
+            "TOKENLOG_CLOCK_SKEW_FILE={path:?} is set, but this build has no test hooks (build with --features faults)"
+        )
     }
 }
 

@@ -531,3 +531,130 @@ async fn real_takeover(path: &std::path::Path, rid: &str) {
     assert!(epochs.iter().any(|&e| e > 1), "real-b took over: {epochs:?}");
     assert_eq!(toks, expected, "the committed sequence equals the uninterrupted run");
 }
+
+/// Issue 11 bug 1: a decoder whose model step fails (an error, or a panic on the blocking
+/// thread) exits non-zero at once and stops renewing: its lease lapses and a standby decoder
+/// continues the same generation. Under the planted bug `zombie` (the old behaviour: the
+/// renewer outlives the worker and the process keeps waiting) the generation never continues.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_model_step_ends_the_process_and_another_decoder_continues() {
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    cluster.leader().await;
+    let client = cluster.client();
+    let args = ["--fake-step-ms", "20", "--lease-ms", "600", "--capacity", "1"];
+    for (i, failpoint) in ["model-error=10", "model-panic=10"].into_iter().enumerate() {
+        let mut d1 = cluster.start_decoder_env(&format!("dec-a{i}"), &args, &[("TOKENLOG_FAILPOINTS", failpoint)]);
+        let prompt = [9, 8, 7, i as u32];
+        let id = submit(&client, &format!("model-fails-{i}"), &prompt).await;
+        let status = d1.wait_exit(Duration::from_secs(20));
+        let status =
+            status.unwrap_or_else(|| panic!("{failpoint}: the decoder still runs; its log:\n{}", d1.log_text()));
+        assert!(!status.success(), "{failpoint}: exit status {status:?}");
+        assert_eq!(status.code(), Some(1), "{failpoint}: an error, not a kill: {status:?}");
+        let d2 = cluster.start_decoder(&format!("dec-b{i}"), &args);
+        let (toks, _, terminal) = follow(&client, id).await;
+        assert_eq!(toks, expected(&prompt), "{failpoint}: equals an uninterrupted run");
+        assert_eq!(terminal.lease.unwrap().owner, format!("dec-b{i}"));
+        drop(d2);
+    }
+
+    // The plant: the failed decoder lingers and its renewer keeps the lease; nobody continues.
+    let env = [
+        ("TOKENLOG_FAILPOINTS", "model-error=10"),
+        ("TOKENLOG_PLANT_ZOMBIE_DECODER", "1"),
+    ];
+    let mut zombie = cluster.start_decoder_env("dec-zombie", &args, &env);
+    let prompt = [1, 1, 2, 3];
+    let id = submit(&client, "zombie", &prompt).await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !zombie.log_text().contains("PLANTED BUG: the worker failed") {
+        assert!(
+            Instant::now() < deadline,
+            "the zombie's model never failed:\n{}",
+            zombie.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = owner(&client, id).await;
+    let d2 = cluster.start_decoder("dec-c", &args);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(zombie.wait_exit(Duration::ZERO).is_none(), "the planted zombie exited");
+    let after = owner(&client, id).await;
+    assert_eq!(before.0, "dec-zombie");
+    assert_eq!(
+        after, before,
+        "under the plant the lease stays with the failed decoder, nothing moves"
+    );
+    drop(d2);
+}
+
+/// Issue 11 bug 2: a transient failure to read the committed prefix at takeover (a node that
+/// has not applied the submit yet, a partition) releases the generation instead of failing it:
+/// it finishes normally, equal to an uninterrupted run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transient_prefix_read_error_at_takeover_does_not_fail_the_generation() {
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    cluster.leader().await;
+    let client = cluster.client();
+    let args = ["--fake-step-ms", "20", "--lease-ms", "600", "--capacity", "1"];
+    let mut d1 = cluster.start_decoder("dec-a", &args);
+    let prompt = [2, 7, 1, 8];
+    let id = submit(&client, "prefix-read", &prompt).await;
+    wait_for(&client, id, "progress", |o| o.2 >= 10).await;
+    d1.kill9();
+    let d2 = cluster.start_decoder_env("dec-b", &args, &[("TOKENLOG_FAILPOINTS", "prefix-read-errors=2")]);
+    let (toks, _, terminal) = follow(&client, id).await;
+    assert_eq!(
+        terminal.state,
+        pb::GenerationState::Finished as i32,
+        "a transient read error ended the generation: {terminal:?}\ndec-b log:\n{}",
+        d2.log_text()
+    );
+    assert_eq!(toks, expected(&prompt), "equals an uninterrupted run");
+    assert!(d2.log_text().contains("prefix-read-errors"), "the failpoint fired");
+}
+
+/// Issue 11 bug 5: the leader's wall clock jumps 10 s ahead mid-generation. Log time moves by
+/// at most `STAMP_WALL_LEAD_MS_MAX`, so no lease expires and the owner keeps its generation.
+/// Under the planted bug `unbounded_clock` (the old stamp: the wall clock as it is) every lease
+/// expires at once and the generation is taken over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_wall_clock_jump_expires_no_lease() {
+    let _serial = serial();
+    assert_eq!(
+        clock_jump_takeovers(false).await,
+        0,
+        "a clock jump took a generation from its live owner"
+    );
+    assert!(
+        clock_jump_takeovers(true).await >= 1,
+        "the planted unbounded clock went unnoticed"
+    );
+}
+
+/// Runs one generation through a +10 s jump of every node's wall clock; its takeovers.
+async fn clock_jump_takeovers(plant: bool) -> u64 {
+    let skew = tempfile::NamedTempFile::new().unwrap();
+    let path = skew.path().to_str().unwrap().to_string();
+    let mut env = vec![("TOKENLOG_CLOCK_SKEW_FILE", path.as_str())];
+    if plant {
+        env.push(("TOKENLOG_PLANT_UNBOUNDED_CLOCK", "1"));
+    }
+    let cluster = Cluster::start_with_env(20_000, &env);
+    cluster.leader().await;
+    let client = cluster.client();
+    let args = ["--fake-step-ms", "20", "--lease-ms", "600", "--capacity", "1"];
+    let d = cluster.start_decoder("dec-a", &args);
+    let prompt = [3, 3, 3, plant as u32];
+    let id = submit(&client, "clock", &prompt).await;
+    wait_for(&client, id, "progress", |o| o.2 >= 10).await;
+    std::fs::write(&path, "10000").unwrap();
+    let (toks, epochs, terminal) = follow(&client, id).await;
+    assert_eq!(toks, expected(&prompt), "equals an uninterrupted run");
+    eprintln!("plant {plant}: epochs {epochs:?}");
+    drop(d);
+    terminal.takeovers
+}

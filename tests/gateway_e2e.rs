@@ -237,7 +237,11 @@ async fn tenants_cannot_see_each_others_requests() {
     let _g = serial();
     let (cluster, _d, _log) = cluster_with_decoder(&[]).await;
     let keys = cluster.dir.path().join("keys");
-    std::fs::write(&keys, "# test keys\nkey-alice alice\nkey-bob bob\n").unwrap();
+    let lines = [
+        tokenlog_gateway::tenants::keys_file_line("key-alice", "alice"),
+        tokenlog_gateway::tenants::keys_file_line("key-bob", "bob"),
+    ];
+    std::fs::write(&keys, format!("# test keys\n{}\n{}\n", lines[0], lines[1])).unwrap();
     let g = cluster.start_gateway("g1", &["--keys", keys.to_str().unwrap()]);
 
     let alice = GatewayClient::new(vec![g.grpc.clone()], Some("key-alice".into())).unwrap();
@@ -407,5 +411,74 @@ async fn stop_strings_end_the_generation_and_are_not_shown() {
         let cut = full.find(stop).expect("the committed text contains the stop string");
         assert_eq!(text, full[..cut], "{rid}: shown text ends before the stop string");
         assert!(records.len() < 200, "{rid}: stopped early");
+    }
+}
+
+/// Issue 11 bug 4: each tenant holds at most `--tenant-streams-max` streams on a gateway (more
+/// get RESOURCE_EXHAUSTED / HTTP 429 naming the limit, while other tenants are served), and a
+/// client that leaves a stalled generation gives its stream slot back at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenant_stream_limits_hold_and_a_client_leaving_a_stalled_stream_frees_its_slot() {
+    let _g = serial();
+    // One slow decoder that takes one generation: every stream below stalls.
+    let (cluster, _d, _log) = cluster_with_decoder(&["--fake-step-ms", "60000", "--capacity", "1"]).await;
+    let keys = cluster.dir.path().join("keys");
+    let lines = [
+        tokenlog_gateway::tenants::keys_file_line("key-alice", "alice"),
+        tokenlog_gateway::tenants::keys_file_line("key-bob", "bob"),
+    ];
+    std::fs::write(&keys, format!("{}\n{}\n", lines[0], lines[1])).unwrap();
+    let g = cluster.start_gateway("g1", &["--keys", keys.to_str().unwrap(), "--tenant-streams-max", "2"]);
+    let open = |key: &'static str, rid: String| {
+        let addr = format!("http://{}", g.grpc);
+        async move {
+            let mut c = GenerationClient::connect(addr).await.unwrap();
+            let mut req = tonic::Request::new(request(&rid, 50));
+            req.metadata_mut()
+                .insert("authorization", format!("Bearer {key}").parse().unwrap());
+            c.generate(req).await.map(|r| r.into_inner())
+        }
+    };
+    let s1 = open("key-alice", "a1".into()).await.expect("first stream");
+    let _s2 = open("key-alice", "a2".into()).await.expect("second stream");
+    let refused = open("key-alice", "a3".into())
+        .await
+        .expect_err("a third stream of alice");
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    assert!(
+        refused.message().contains("\"alice\" has 2 streams open"),
+        "{}",
+        refused.message()
+    );
+    let (code_http, body) = common::http(
+        &g.http,
+        "POST",
+        "/v1/chat/completions",
+        &[
+            ("authorization", "Bearer key-alice"),
+            ("content-type", "application/json"),
+        ],
+        r#"{"stream": true, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}"#,
+    );
+    assert_eq!(code_http, 429, "{body}");
+    assert!(body.contains("streams open"), "{body}");
+    let _b1 = open("key-bob", "b1".into()).await.expect("another tenant is served");
+    // Alice leaves a stalled stream: its slot comes back without the generation moving.
+    drop(s1);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let mut n = 4;
+    loop {
+        match open("key-alice", format!("a{n}")).await {
+            Ok(_s) => break,
+            Err(e) => {
+                assert_eq!(e.code(), Code::ResourceExhausted);
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the slot of a closed stream never came back"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                n += 1;
+            }
+        }
     }
 }

@@ -10,9 +10,17 @@
 //!   every lease and decoding, holds that append for `MS` milliseconds (a message stuck in the
 //!   network), then sends it, records the answer, and exits: the late message of an incarnation
 //!   that is gone (failure point 10).
+//! - `model-error=SEQ`: the model step that samples `SEQ` fails; the worker ends with that
+//!   error, the process exits non-zero and its leases lapse (issue 11 bug 1).
+//! - `model-panic=SEQ`: the same step panics instead.
+//! - `prefix-read-errors=N`: the first `N` reads of a taken generation's committed prefix fail
+//!   as an unreachable log would: a transient error, after which the generation is released,
+//!   never failed (issue 11 bug 2).
 //!
 //! Each fired failpoint writes an `"op": "failpoint"` line to the decoder's history first.
 
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::worker::{Fired, Halt, StepHooks, StepView};
@@ -21,7 +29,23 @@ use crate::worker::{Fired, Halt, StepHooks, StepView};
 pub struct Failpoints {
     pub exit_after_sample: Option<u32>,
     pub delay_append: Option<(u32, Duration)>,
+    pub model_error: Option<u32>,
+    pub model_panic: Option<u32>,
+    pub prefix_read_errors: u32,
+    /// Prefix reads failed so far (shared by the clones of one process's failpoints).
+    prefix_reads_failed: Fires,
 }
+
+/// A count that takes no part in comparing failpoints.
+#[derive(Clone, Debug, Default)]
+struct Fires(Arc<AtomicU32>);
+
+impl PartialEq for Fires {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+impl Eq for Fires {}
 
 /// A failpoint item that does not parse.
 #[derive(Debug, thiserror::Error)]
@@ -43,6 +67,9 @@ impl Failpoints {
             let num = |x: &str| x.parse::<u64>().map_err(|_| bad(format!("{x:?} is not a number")));
             match name {
                 "exit-after-sample" => fp.exit_after_sample = Some(num(arg)? as u32),
+                "model-error" => fp.model_error = Some(num(arg)? as u32),
+                "model-panic" => fp.model_panic = Some(num(arg)? as u32),
+                "prefix-read-errors" => fp.prefix_read_errors = num(arg)? as u32,
                 "delay-append" => {
                     let (seq, ms) = arg
                         .split_once(':')
@@ -51,7 +78,8 @@ impl Failpoints {
                 }
                 _ => {
                     return Err(bad(format!(
-                        "unknown failpoint {name:?} (known: exit-after-sample, delay-append)"
+                        "unknown failpoint {name:?} (known: exit-after-sample, delay-append, model-error, \
+                         model-panic, prefix-read-errors)"
                     )))
                 }
             }
@@ -66,15 +94,31 @@ impl Failpoints {
 
 impl StepHooks for Failpoints {
     fn after_sample(&self, gens: &[StepView]) -> Option<Fired> {
-        let seq = self.exit_after_sample?;
-        // Sampled seq, not yet acknowledged: it is about to be sent.
-        let g = gens.iter().find(|g| g.sampled == seq + 1 && g.sent <= seq)?;
-        Some(Fired {
-            name: "exit-after-sample",
-            generation: g.generation,
-            seq,
-            halt: Halt::Now,
+        let armed = [
+            (self.exit_after_sample, "exit-after-sample", Halt::Now),
+            (self.model_error, "model-error", Halt::ModelError),
+            (self.model_panic, "model-panic", Halt::Panic),
+        ];
+        armed.into_iter().find_map(|(seq, name, halt)| {
+            let seq = seq?;
+            // Sampled seq, not yet sent: it is about to be.
+            let g = gens.iter().find(|g| g.sampled == seq + 1 && g.sent <= seq)?;
+            Some(Fired {
+                name,
+                generation: g.generation,
+                seq,
+                halt,
+            })
         })
+    }
+
+    fn prefix_read_fails(&self, _generation: u64) -> bool {
+        let fired = &self.prefix_reads_failed.0;
+        fired
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.prefix_read_errors).then_some(n + 1)
+            })
+            .is_ok()
     }
 
     fn before_send(&self, gens: &[StepView]) -> Option<Fired> {
@@ -101,6 +145,12 @@ mod tests {
         assert_eq!(fp.exit_after_sample, Some(20));
         assert_eq!(fp.delay_append, Some((7, Duration::from_millis(3000))));
         assert!(fp.any());
+        let fp = Failpoints::parse("model-error=3,model-panic=4,prefix-read-errors=2").unwrap();
+        assert_eq!(
+            (fp.model_error, fp.model_panic, fp.prefix_read_errors),
+            (Some(3), Some(4), 2)
+        );
+        assert!(fp.prefix_read_fails(1) && fp.prefix_read_fails(1) && !fp.prefix_read_fails(1));
         assert!(Failpoints::parse("exit-after-sample").is_err());
         assert!(Failpoints::parse("exit-after-sample=x").is_err());
         assert!(Failpoints::parse("delay-append=3").is_err());

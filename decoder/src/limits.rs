@@ -4,6 +4,8 @@ use std::time::Duration;
 
 /// How long a new owner waits to read the committed prefix it was told about at acquire.
 pub const PREFIX_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// Pause before reading the prefix again after a node could not answer.
+pub const PREFIX_READ_RETRY_PAUSE: Duration = Duration::from_millis(50);
 /// The renewer renews every held lease each `lease / RENEWS_PER_LEASE` (at least every
 /// `RENEW_PERIOD_MIN`), so one or two lost renewals still leave the lease alive.
 pub const RENEWS_PER_LEASE: u64 = 3;

@@ -55,6 +55,10 @@ pub struct WorkerConfig {
     pub lease_ms: u64,
     /// How often to look for work while below capacity.
     pub poll_ms: u64,
+    /// Planted bug (fault builds only; issue 11 bug 1): a worker that fails keeps its renewer
+    /// running, so its leases never lapse. The fault suite must catch it.
+    #[cfg(feature = "faults")]
+    pub plant_zombie: bool,
 }
 
 impl WorkerConfig {
@@ -66,7 +70,17 @@ impl WorkerConfig {
             capacity: 4,
             lease_ms: tokenlog_raftlog::limits::LEASE_MS_DEFAULT,
             poll_ms: 100,
+            #[cfg(feature = "faults")]
+            plant_zombie: false,
         }
+    }
+
+    /// Whether the planted bug `zombie` is on.
+    pub fn zombie(&self) -> bool {
+        #[cfg(feature = "faults")]
+        return self.plant_zombie;
+        #[cfg(not(feature = "faults"))]
+        false
     }
 }
 
@@ -79,6 +93,8 @@ pub struct WorkerStats {
     pub fence_rejections: u64,
     pub finished: u64,
     pub failed: u64,
+    /// Generations taken and released again because the log could not be read for now.
+    pub released: u64,
 }
 
 /// One generation this worker owns.
@@ -169,6 +185,10 @@ pub enum WorkerError {
     Model(#[from] crate::Error),
     #[error("{0}")]
     Other(String),
+    /// This decoder cannot serve the generation, wherever the log is (contract §5): the
+    /// generation is failed explicitly rather than released to fail again elsewhere.
+    #[error("{0}")]
+    Incompatible(String),
     /// A [`StepHooks`] stopped the worker (a test failpoint): nothing was released, as after a
     /// kill.
     #[error("halted by failpoint {0}")]
@@ -191,6 +211,15 @@ pub struct Worker {
     stats: Arc<Mutex<WorkerStats>>,
     history: Option<Arc<crate::history::History>>,
     hooks: Option<Arc<dyn StepHooks>>,
+}
+
+impl WorkerError {
+    /// Whether a failure to take a generation says it cannot be served (a model error, a bad
+    /// binding, a panic while re-prefilling: ended FAILED) rather than that the log could not
+    /// be reached or read for now (released, for this or another decoder to take again).
+    pub fn is_incompatibility(&self) -> bool {
+        matches!(self, WorkerError::Model(_) | WorkerError::Incompatible(_))
+    }
 }
 
 impl Worker {
@@ -251,7 +280,12 @@ impl Worker {
             self.drop_lost();
             let sampling = self.active.values().any(Active::can_sample);
             if sampling {
-                self.step().await?;
+                if let Err(e) = self.step().await {
+                    if self.cfg.zombie() {
+                        std::mem::forget(renewer);
+                    }
+                    return Err(e);
+                }
                 // A step may be slow: a renewal rejected meanwhile stops the generation before
                 // anything more is sent for it.
                 self.drop_lost();
@@ -298,6 +332,10 @@ impl Worker {
     /// Stops as a fired hook says; always ends in [`WorkerError::Halted`].
     async fn halt(&mut self, fired: Fired, renewer: AbortOnDrop) -> Result<(), WorkerError> {
         self.fired(&fired);
+        if self.cfg.zombie() && matches!(fired.halt, Halt::ModelError | Halt::Panic) {
+            std::mem::forget(renewer);
+            return Self::halt_as(fired).await;
+        }
         if let Halt::AfterLateAppend(delay) = fired.halt {
             // Gone silent: no renewal, no decoding; only the held message arrives late. It
             // carries every unacknowledged token, as a re-send after a lost stream would.
@@ -310,7 +348,28 @@ impl Worker {
                 self.record_answers(&items, resp.as_ref().ok());
             }
         }
-        Err(WorkerError::Halted(fired.name))
+        Self::halt_as(fired).await
+    }
+
+    /// The error a fired hook ends the worker with.
+    async fn halt_as(fired: Fired) -> Result<(), WorkerError> {
+        match fired.halt {
+            // The failures a real model step has, through the worker's ordinary error path.
+            Halt::ModelError => Err(WorkerError::Model(crate::Error::Invalid(format!(
+                "failpoint {}: the model step failed",
+                fired.name
+            )))),
+            Halt::Panic => {
+                let name = fired.name;
+                let joined =
+                    tokio::task::spawn_blocking(move || -> () { panic!("failpoint {name}: the model step panicked") })
+                        .await;
+                Err(WorkerError::Other(
+                    joined.err().map_or_else(String::new, |e| e.to_string()),
+                ))
+            }
+            Halt::Now | Halt::AfterLateAppend(_) => Err(WorkerError::Halted(fired.name)),
+        }
     }
 
     /// Records a fired hook (before it acts).
@@ -381,6 +440,7 @@ impl Worker {
             held: self.held.clone(),
             stats: self.stats.clone(),
             history: self.history.clone(),
+            hooks: self.hooks.clone(),
         };
         let taker = &taker;
         let taken: Vec<_> = futures::stream::iter(ids)
@@ -659,6 +719,7 @@ struct Taker {
     held: Held,
     stats: Arc<Mutex<WorkerStats>>,
     history: Option<Arc<crate::history::History>>,
+    hooks: Option<Arc<dyn StepHooks>>,
 }
 
 impl Taker {
@@ -717,6 +778,21 @@ impl Taker {
                 }
                 Ok(Some(active))
             }
+            Err(e) if !e.is_incompatibility() => {
+                // The log could not be reached or read for now (a follower that has not applied
+                // the submit yet, a partition, a leader change): not the generation's fault.
+                // Release it, for this or another decoder to take again.
+                self.held.lock().expect("lock").remove(&id);
+                let _ = self
+                    .client
+                    .release(pb::ReleaseRequest {
+                        generation_id: id,
+                        epoch,
+                    })
+                    .await;
+                self.stats.lock().expect("lock").released += 1;
+                Err(e)
+            }
             Err(e) => {
                 self.held.lock().expect("lock").remove(&id);
                 // The binding cannot be served here (prompt too long, bad prompt...): end it
@@ -742,7 +818,7 @@ impl Taker {
         let binding: Binding = info
             .binding
             .clone()
-            .ok_or_else(|| WorkerError::Other("generation has no binding".into()))?
+            .ok_or_else(|| WorkerError::Incompatible("generation has no binding".into()))?
             .into();
         let mut prompt = binding.prompt_token_ids.clone();
         if prompt.is_empty() {
@@ -756,8 +832,28 @@ impl Taker {
                 })
                 .await?;
             if !r.ok {
-                return Err(WorkerError::Other(format!("prompt binding refused: {:?}", r.rejection)));
+                let reason = r.rejection.as_ref().map(|j| j.reason());
+                let lost = matches!(
+                    reason,
+                    Some(
+                        pb::RejectReason::StaleEpoch
+                            | pb::RejectReason::LeaseExpired
+                            | pb::RejectReason::Terminal
+                            | pb::RejectReason::NotFound
+                    )
+                );
+                let msg = format!("prompt binding refused: {:?}", r.rejection);
+                return Err(if lost {
+                    WorkerError::Other(msg)
+                } else {
+                    WorkerError::Incompatible(msg)
+                });
             }
+        }
+        if self.hooks.as_ref().is_some_and(|h| h.prefix_read_fails(id)) {
+            return Err(WorkerError::Other(format!(
+                "failpoint prefix-read-errors: committed prefix of generation {id} not readable"
+            )));
         }
         let committed = read_prefix(&self.client, id, info.frontier).await?;
         let (params, stop, mode) = (binding.sampling, binding.stop, binding.mode);
@@ -766,7 +862,7 @@ impl Taker {
         let state =
             tokio::task::spawn_blocking(move || DecodeState::resume(model.as_ref(), &prompt, &c, params, stop, mode))
                 .await
-                .map_err(|e| WorkerError::Other(e.to_string()))??;
+                .map_err(|e| WorkerError::Incompatible(format!("re-prefill panicked: {e}")))??;
         let finish = state.finished().cloned();
         Ok(Active {
             id,

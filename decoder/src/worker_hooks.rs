@@ -28,6 +28,11 @@ pub enum Halt {
     /// Go silent (no renewal, no decoding), hold this step's append for the duration (a message
     /// stuck in the network), send it and record the answer, then stop.
     AfterLateAppend(Duration),
+    /// The model step fails: the worker ends with a model error, as a real one would (the
+    /// process exits non-zero, its leases lapse).
+    ModelError,
+    /// The model step panics, on the blocking thread the step runs on.
+    Panic,
 }
 
 /// A hook that fired: which, at which token, and how the worker stops.
@@ -51,5 +56,11 @@ pub trait StepHooks: Send + Sync {
     /// After the answers that arrived are absorbed, before this step's append is sent.
     fn before_send(&self, _gens: &[StepView]) -> Option<Fired> {
         None
+    }
+
+    /// Before a taken generation's committed prefix is read: `true` makes this read fail as an
+    /// unreachable log would (a transient error).
+    fn prefix_read_fails(&self, _generation: u64) -> bool {
+        false
     }
 }

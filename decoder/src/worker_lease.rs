@@ -10,7 +10,7 @@ use tokenlog_raftlog::client::LogClient;
 
 use crate::worker::{WorkerConfig, WorkerError};
 
-use crate::limits::{PREFIX_READ_TIMEOUT, RENEWS_PER_LEASE, RENEW_PERIOD_MIN};
+use crate::limits::{PREFIX_READ_RETRY_PAUSE, PREFIX_READ_TIMEOUT, RENEWS_PER_LEASE, RENEW_PERIOD_MIN};
 
 /// Shared with the renewer: what we hold, and when the log last confirmed it.
 pub(crate) type Held = Arc<Mutex<HashMap<u64, (u64, Instant)>>>;
@@ -35,7 +35,18 @@ pub(crate) async fn read_prefix(client: &LogClient, id: u64, frontier: u32) -> R
     let mut out = Vec::with_capacity(frontier as usize);
     let deadline = Instant::now() + PREFIX_READ_TIMEOUT;
     while (out.len() as u32) < frontier {
-        let mut stream = client.watch(id, out.len() as u32).await?;
+        // A node that has not applied the submit yet answers NOT_FOUND; a lagging or
+        // unreachable one fails: try again (the client moves on to another node) until the
+        // deadline. The caller releases the generation if it never becomes readable.
+        let mut stream = match client.watch(id, out.len() as u32).await {
+            Ok(s) => s,
+            Err(e) if Instant::now() < deadline => {
+                tracing::debug!(generation = id, error = %e, "prefix read failed; retrying");
+                tokio::time::sleep(PREFIX_READ_RETRY_PAUSE).await;
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
         while (out.len() as u32) < frontier {
             let remaining = deadline.saturating_duration_since(Instant::now());
             match tokio::time::timeout(remaining, stream.next()).await {

@@ -15,6 +15,11 @@ pub const MAX_TOKENS_DEFAULT: u32 = 256;
 pub const MESSAGES_MAX: usize = 1_024;
 /// Streams one gateway serves at once; more are refused with RESOURCE_EXHAUSTED ("overloaded").
 pub const STREAMS_MAX: usize = 4_096;
+/// Per tenant, per gateway (defaults of `--tenant-streams-max` / `--tenant-submits-max`): streams
+/// open at once, and submits waiting for the log at once. More are refused with
+/// RESOURCE_EXHAUSTED / HTTP 429, naming the limit, so one tenant cannot take every stream slot.
+pub const TENANT_STREAMS_MAX_DEFAULT: usize = 512;
+pub const TENANT_SUBMITS_MAX_DEFAULT: usize = 64;
 /// Largest HTTP request body (bytes): a full-size prompt plus JSON overhead.
 pub const HTTP_BODY_BYTES_MAX: usize = 2 * PROMPT_TEXT_BYTES_MAX;
 /// How long the list of registered models is reused before asking the log again.

@@ -1,12 +1,15 @@
 //! API keys and tenants. A key maps to a tenant; every request id lives inside its tenant, so one
 //! tenant can neither read, resume, nor cancel another's request (CONTRACT §1).
 //!
-//! The keys file has one `<api-key> <tenant>` pair per line; `#` starts a comment. Without a keys
-//! file the gateway is open and every caller is the tenant [`OPEN_TENANT`] (the `tokenlog dev`
-//! default, on localhost).
+//! The keys file has one `sha256:<hex of the key's SHA-256> <tenant>` pair per line; `#` starts a
+//! comment. It holds hashes, never keys (`tokenlog keys new --tenant T` makes a key and its line):
+//! a copy of the file lets nobody in. A presented key is hashed and compared with every listed
+//! hash in constant time. Without a keys file the gateway is open and every caller is the tenant
+//! [`OPEN_TENANT`] (the `tokenlog dev` default, on localhost).
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 
 use crate::error::{GatewayError, Result};
 
@@ -37,7 +40,37 @@ pub enum KeysFileError {
 #[derive(Clone, Debug)]
 pub enum Tenants {
     Open,
-    Keys(HashMap<String, String>),
+    /// `(SHA-256 of a key, its tenant)`.
+    Keys(Vec<([u8; 32], String)>),
+}
+
+/// The SHA-256 of an API key.
+pub fn key_hash(key: &str) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(key.as_bytes()).into()
+}
+
+/// The keys-file line of `key` for `tenant`.
+pub fn keys_file_line(key: &str, tenant: &str) -> String {
+    let hex: String = key_hash(key).iter().map(|b| format!("{b:02x}")).collect();
+    format!("sha256:{hex} {tenant}")
+}
+
+/// Equal without an early exit: the time taken does not depend on where two hashes differ.
+fn same_hash(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn parse_hash(s: &str) -> Option<[u8; 32]> {
+    let hex = s.strip_prefix("sha256:")?;
+    if hex.len() != 64 || !hex.bytes().all(|c| c.is_ascii_hexdigit()) {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, b) in out.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(out)
 }
 
 impl Tenants {
@@ -54,22 +87,30 @@ impl Tenants {
 
     pub fn parse(text: &str) -> Result<Tenants, KeysFileError> {
         let bad = |n: usize, problem| KeysFileError::Line { line: n + 1, problem };
-        let mut keys = HashMap::new();
+        let mut keys: Vec<([u8; 32], String)> = Vec::new();
         for (n, line) in text.lines().enumerate() {
             let line = line.split('#').next().unwrap_or("").trim();
             if line.is_empty() {
                 continue;
             }
             let mut parts = line.split_whitespace();
-            let (Some(key), Some(tenant), None) = (parts.next(), parts.next(), parts.next()) else {
-                return Err(bad(n, "expected `<api-key> <tenant>`"));
+            let (Some(hash), Some(tenant), None) = (parts.next(), parts.next(), parts.next()) else {
+                return Err(bad(n, "expected `sha256:<hex> <tenant>`"));
+            };
+            let Some(hash) = parse_hash(hash) else {
+                return Err(bad(
+                    n,
+                    "expected `sha256:<64 hex digits> <tenant>`: the file holds key hashes, not keys \
+                     (`tokenlog keys new --tenant NAME` makes a key and its line)",
+                ));
             };
             if tenant.len() > tokenlog_raftlog::limits::TENANT_BYTES_MAX {
                 return Err(bad(n, "tenant name longer than the limit"));
             }
-            if keys.insert(key.to_string(), tenant.to_string()).is_some() {
+            if keys.iter().any(|(h, _)| *h == hash) {
                 return Err(bad(n, "key listed twice"));
             }
+            keys.push((hash, tenant.to_string()));
         }
         if keys.is_empty() {
             return Err(KeysFileError::Empty);
@@ -85,9 +126,101 @@ impl Tenants {
                 let key = key.ok_or_else(|| {
                     GatewayError::Unauthenticated("missing API key: send `authorization: Bearer <key>`".into())
                 })?;
-                keys.get(key)
+                let presented = key_hash(key);
+                // Every listed hash is compared, in constant time, whichever matches.
+                let mut found = None;
+                for (hash, tenant) in keys {
+                    if same_hash(hash, &presented) {
+                        found = Some(tenant);
+                    }
+                }
+                found
                     .cloned()
                     .ok_or_else(|| GatewayError::Unauthenticated("unknown API key".into()))
+            }
+        }
+    }
+}
+
+/// What one tenant may hold at once in one gateway.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TenantLimits {
+    /// Streams open (gRPC Generate/Resume, SSE, and the waits of non-streaming HTTP calls).
+    pub streams: usize,
+    /// Submits waiting for the log's answer.
+    pub submits: usize,
+}
+
+impl Default for TenantLimits {
+    fn default() -> Self {
+        TenantLimits {
+            streams: crate::limits::TENANT_STREAMS_MAX_DEFAULT,
+            submits: crate::limits::TENANT_SUBMITS_MAX_DEFAULT,
+        }
+    }
+}
+
+/// What a tenant holds: see [`TenantLimits`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Held {
+    Stream,
+    Submit,
+}
+
+/// Streams and submits each tenant holds now. A slot is a [`TenantSlot`], given back when it
+/// drops, so every exit path (client gone, error, end) returns it.
+#[derive(Clone, Debug, Default)]
+pub struct TenantUse {
+    held: Arc<Mutex<HashMap<String, [usize; 2]>>>,
+}
+
+impl TenantUse {
+    /// Takes a `what` slot for `tenant`, or refuses (`Overloaded`) at `max`.
+    pub fn take(&self, tenant: &str, what: Held, max: usize) -> Result<TenantSlot> {
+        let mut held = self.held.lock().expect("lock");
+        let n = held.entry(tenant.to_string()).or_default();
+        if n[what as usize] >= max {
+            let noun = match what {
+                Held::Stream => "streams open",
+                Held::Submit => "submits in progress",
+            };
+            if n.iter().all(|&c| c == 0) {
+                held.remove(tenant);
+            }
+            return Err(GatewayError::Overloaded(format!(
+                "tenant {tenant:?} has {max} {noun} on this gateway (its limit); retry when one ends"
+            )));
+        }
+        n[what as usize] += 1;
+        Ok(TenantSlot {
+            held: self.held.clone(),
+            tenant: tenant.to_string(),
+            what,
+        })
+    }
+
+    /// What `tenant` holds now (streams, submits).
+    pub fn of(&self, tenant: &str) -> (usize, usize) {
+        let held = self.held.lock().expect("lock");
+        held.get(tenant).map_or((0, 0), |n| (n[0], n[1]))
+    }
+}
+
+/// One stream or submit of a tenant; dropping it gives the slot back.
+#[derive(Debug)]
+pub struct TenantSlot {
+    held: Arc<Mutex<HashMap<String, [usize; 2]>>>,
+    tenant: String,
+    what: Held,
+}
+
+impl Drop for TenantSlot {
+    fn drop(&mut self) {
+        let mut held = self.held.lock().expect("lock");
+        if let Some(n) = held.get_mut(&self.tenant) {
+            n[self.what as usize] -= 1;
+            if n.iter().all(|&c| c == 0) {
+                held.remove(&self.tenant);
             }
         }
     }
@@ -108,7 +241,12 @@ mod tests {
 
     #[test]
     fn keys_map_to_tenants_and_unknown_keys_are_refused() {
-        let t = Tenants::parse("# keys\nk-a alice\nk-b bob # second\n\n").unwrap();
+        let text = format!(
+            "# keys\n{}\n{} # second\n\n",
+            keys_file_line("k-a", "alice"),
+            keys_file_line("k-b", "bob")
+        );
+        let t = Tenants::parse(&text).unwrap();
         assert_eq!(t.tenant(Some("k-a")).unwrap(), "alice");
         assert_eq!(t.tenant(Some("k-b")).unwrap(), "bob");
         assert!(matches!(t.tenant(Some("nope")), Err(GatewayError::Unauthenticated(_))));
@@ -120,8 +258,36 @@ mod tests {
     fn malformed_keys_files_are_rejected() {
         assert!(Tenants::parse("justakey\n").is_err());
         assert!(Tenants::parse("a b c\n").is_err());
-        assert!(Tenants::parse("k x\nk y\n").is_err());
+        let k = keys_file_line("k", "x");
+        assert!(Tenants::parse(&format!("{k}\n{k}\n")).is_err(), "a key twice");
         assert!(Tenants::parse("# nothing\n").is_err());
+        // A plain key where a hash belongs is refused, saying how to make the line.
+        let e = Tenants::parse("key-alice alice\n").unwrap_err().to_string();
+        assert!(e.contains("tokenlog keys new"), "{e}");
+        assert!(Tenants::parse(&format!("sha256:{} a\n", "0".repeat(63))).is_err());
+        assert!(Tenants::parse(&format!("sha256:{} a\n", "g".repeat(64))).is_err());
+    }
+
+    #[test]
+    fn tenant_slots_are_bounded_per_tenant_and_given_back_on_drop() {
+        let u = TenantUse::default();
+        let a1 = u.take("a", Held::Stream, 2).unwrap();
+        let _a2 = u.take("a", Held::Stream, 2).unwrap();
+        let refused = u.take("a", Held::Stream, 2).unwrap_err();
+        assert!(matches!(refused, GatewayError::Overloaded(ref m) if m.contains("\"a\" has 2 streams open")));
+        let _b = u.take("b", Held::Stream, 2).unwrap();
+        let _s = u.take("a", Held::Submit, 1).unwrap();
+        assert!(u.take("a", Held::Submit, 1).is_err());
+        assert_eq!(u.of("a"), (2, 1));
+        drop(a1);
+        assert_eq!(u.of("a"), (1, 1));
+        let _a3 = u.take("a", Held::Stream, 2).unwrap();
+        drop((_a2, _a3, _s));
+        assert_eq!(u.of("a"), (0, 0));
+        assert!(
+            u.held.lock().unwrap().get("a").is_none(),
+            "no entry left for an idle tenant"
+        );
     }
 
     #[test]

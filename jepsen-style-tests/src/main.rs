@@ -46,7 +46,7 @@ enum Command {
     /// Run the fault suite: a real tokenlog cluster (3 log nodes, 2 gateways, 2 fake-model
     /// decoders, all processes of the built `tokenlog` binary on loopback), a client workload,
     /// seeded nemeses, then the checkers (exactly-once, durability, fencing, linearizability of
-    /// ownership, status, liveness, convergence). Writes history.jsonl, verdicts.json and
+    /// ownership, status, liveness, convergence, processes, lease-time). Writes history.jsonl, verdicts.json and
     /// timeline.html per seed under --out. Exit status: 0 all checks passed, 1 a violation.
     Run {
         /// Faults to inject, comma-separated, or `all` / `none`.
@@ -81,6 +81,11 @@ enum Command {
         /// the fake one; slower, so use fewer clients and shorter generations.
         #[arg(long)]
         real_model: bool,
+        /// Keep the default node and decoder configuration instead of a stress configuration
+        /// drawn from each seed (snapshots every 20-500 entries, retention 2-5 s, leases of
+        /// 300-2,000 ms).
+        #[arg(long)]
+        no_stress: bool,
     },
     /// Run the deterministic scenarios: one scripted fault per failure point of CONTRACT §8
     /// (7-12) on a real cluster, each checked by every checker plus the point's own
@@ -148,7 +153,15 @@ fn run(cli: Cli) -> Result<ExitCode> {
             out,
             netns,
             real_model,
-        } => return fault_runs(&nemesis, time, seed, seeds, clients, plant, bin, out, netns, real_model),
+            no_stress,
+        } => {
+            let opts = RunOpts {
+                netns,
+                real_model,
+                stress: !no_stress,
+            };
+            return fault_runs(&nemesis, time, seed, seeds, clients, plant, bin, out, opts);
+        }
         Command::Scenario {
             names,
             bin,
@@ -231,6 +244,13 @@ fn scenarios(
     Ok(ExitCode::from(if all_ok { 0 } else { 1 }))
 }
 
+/// How the processes of a seeded run are set up.
+struct RunOpts {
+    netns: bool,
+    real_model: bool,
+    stress: bool,
+}
+
 #[allow(clippy::too_many_arguments)]
 fn fault_runs(
     nemesis: &str,
@@ -241,8 +261,7 @@ fn fault_runs(
     plant: Option<jepsen_style_tests::harness::Plant>,
     bin: Option<PathBuf>,
     out: PathBuf,
-    netns: bool,
-    real_model: bool,
+    opts: RunOpts,
 ) -> Result<ExitCode> {
     use jepsen_style_tests::harness::{self, RunConfig};
     let faults = harness::parse_faults(nemesis)?;
@@ -255,10 +274,13 @@ fn fault_runs(
         cfg.faults = faults.clone();
         cfg.clients = clients;
         cfg.plant = plant;
-        cfg.netns = netns;
-        cfg.real_model = real_model;
-        if real_model {
+        cfg.netns = opts.netns;
+        cfg.real_model = opts.real_model;
+        if opts.real_model {
             cfg.max_tokens = (8, 24);
+        }
+        if opts.stress {
+            println!("seed {s}: stress configuration: {}", cfg.stress());
         }
         let sum = rt.block_on(harness::run(&cfg))?;
         println!("{}", harness::summary_line(&sum));

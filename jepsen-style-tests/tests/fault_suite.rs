@@ -1,6 +1,8 @@
 //! The short fault suite that CI runs: seeded runs of a real cluster under every nemesis must
-//! show no violation (and must have bitten: takeovers, resumes, faults), and a planted bug (no
-//! epoch fence) must be caught by the fencing and linearizability checkers.
+//! show no violation (and must have bitten: takeovers, resumes, faults), and each planted bug
+//! must be caught by the checker made for it (no epoch fence: fencing and linearizability;
+//! ack before fsync: durability; early visibility: exactly-once; an unbounded leader clock:
+//! lease-time; a decoder outliving its failed model: processes).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -30,9 +32,10 @@ async fn seeded_runs_with_every_nemesis_show_no_violation() {
     for seed in [11, 12] {
         let mut cfg = config(seed);
         if seed == 12 {
-            // Snapshots every 50 entries: kills, restarts and wipes meet snapshot builds,
-            // installs and restarts from a snapshot all through the run.
-            cfg.snapshot_every = 50;
+            // A stress configuration drawn from the seed: frequent snapshots (kills, restarts
+            // and wipes meet snapshot builds, installs and restarts from a snapshot all through
+            // the run), a short retention (pruning while clients read) and another lease.
+            eprintln!("seed {seed}: {}", cfg.stress());
         }
         let s = harness::run(&cfg).await.unwrap();
         eprintln!("{}", harness::summary_line(&s));
@@ -158,4 +161,47 @@ async fn planted_visibility_before_commit_is_caught_by_exactly_once() {
     }
     let s = caught.expect("tokens shown before commit were never flagged in 3 seeds");
     assert!(!s.verdicts["exactly-once"].ok);
+}
+
+/// Issue 11 bug 5, planted: the leader stamps log time with its wall clock as it is. The `clock`
+/// nemesis jumps a node's wall clock by seconds; a live owner's lease is cut short, which the
+/// lease-time checker must flag.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn planted_unbounded_leader_clock_is_caught_by_lease_time() {
+    let mut caught = None;
+    for seed in [61, 62, 63] {
+        let mut cfg = config(seed);
+        cfg.faults = vec![Fault::Clock];
+        cfg.plant = Some(Plant::UnboundedClock);
+        let s = harness::run(&cfg).await.unwrap();
+        eprintln!("{}", harness::summary_line(&s));
+        if !s.verdicts["lease-time"].ok {
+            caught = Some(s);
+            break;
+        }
+    }
+    let s = caught.expect("leases cut short by a leader clock jump were never flagged in 3 seeds");
+    assert!(!s.verdicts["lease-time"].ok);
+}
+
+/// Issue 11 bug 1, planted: a decoder whose model step fails keeps running and renewing its
+/// leases. The `model-error` nemesis makes a decoder's model fail; the processes checker must
+/// flag the decoder that did not exit (and liveness the generations it holds).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn planted_zombie_decoder_is_caught_by_processes() {
+    let mut caught = None;
+    for seed in [71, 72, 73] {
+        let mut cfg = config(seed);
+        cfg.time = Duration::from_secs(10);
+        cfg.faults = vec![Fault::ModelError];
+        cfg.plant = Some(Plant::Zombie);
+        let s = harness::run(&cfg).await.unwrap();
+        eprintln!("{}", harness::summary_line(&s));
+        if !s.verdicts["processes"].ok {
+            caught = Some(s);
+            break;
+        }
+    }
+    let s = caught.expect("a decoder outliving its failed model step was never flagged in 3 seeds");
+    assert!(!s.verdicts["processes"].ok);
 }

@@ -55,6 +55,7 @@ impl From<pb::Binding> for Binding {
                 _ => ResumeMode::Exact,
             },
             deadline_ms: b.deadline_ms,
+            unowned_ms: b.unowned_ms,
         }
     }
 }
@@ -86,6 +87,7 @@ impl From<Binding> for pb::Binding {
                 ResumeMode::Fast => pb::ResumeMode::Fast,
             } as i32,
             deadline_ms: b.deadline_ms,
+            unowned_ms: b.unowned_ms,
         }
     }
 }
@@ -155,6 +157,8 @@ impl From<GenerationView> for pb::GenerationInfo {
             finish_detail: g.finish_detail,
             chain_head: g.chain_head.to_vec(),
             submitted_log_ms: g.submitted_log_ms,
+            deadline_log_ms: g.deadline_log_ms,
+            unowned_ms: g.unowned_ms,
             takeovers: g.takeovers,
         }
     }

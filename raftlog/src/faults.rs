@@ -9,7 +9,9 @@
 //!   without effect (fencing, linearizability);
 //! - `ack_before_fsync`: appends are acknowledged before the WAL fsync, and written WAL data is
 //!   kept in the process, so kill -9 acts as a power cut (durability);
-//! - `early_visibility`: Watch shows records of proposed, uncommitted appends (exactly-once).
+//! - `early_visibility`: Watch shows records of proposed, uncommitted appends (exactly-once);
+//! - `unbounded_clock`: the leader stamps log time with its wall clock as it is (issue 11 bug 5:
+//!   a clock that jumps ahead expires every lease; the `clock` nemesis).
 
 /// Which planted bugs are on. `Faults::default()` is none.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -20,6 +22,8 @@ pub struct Faults {
     pub ack_before_fsync: bool,
     #[cfg(feature = "faults")]
     pub early_visibility: bool,
+    #[cfg(feature = "faults")]
+    pub unbounded_clock: bool,
 }
 
 impl Faults {
@@ -50,12 +54,21 @@ impl Faults {
         false
     }
 
+    #[inline]
+    pub fn unbounded_clock(self) -> bool {
+        #[cfg(feature = "faults")]
+        return self.unbounded_clock;
+        #[cfg(not(feature = "faults"))]
+        false
+    }
+
     /// The names of the planted bugs that are on (for the start-up warning).
     pub fn names(self) -> Vec<&'static str> {
         [
             (self.no_fence(), "no-fence"),
             (self.ack_before_fsync(), "ack-before-fsync"),
             (self.early_visibility(), "early-visibility"),
+            (self.unbounded_clock(), "unbounded-clock"),
         ]
         .into_iter()
         .filter_map(|(on, name)| on.then_some(name))

@@ -14,6 +14,7 @@
 //! - [`client`]: the Rust client that finds the leader and retries idempotent commands.
 pub mod chain;
 pub mod client;
+pub mod clock;
 pub mod convert;
 pub mod data_dir;
 pub mod db;

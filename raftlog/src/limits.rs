@@ -40,8 +40,18 @@ pub const LEASE_MS_MAX: u64 = 600_000;
 /// Deadline for a first record when the submit names none, and the largest one accepted.
 pub const DEADLINE_MS_DEFAULT: u64 = 120_000;
 pub const DEADLINE_MS_MAX: u64 = 24 * 3_600_000;
+/// A generation with records and no owner for this long after its last lease ended fails
+/// (`Binding::unowned_ms`): its clients do not wait forever when no compatible decoder is left.
+pub const UNOWNED_MS_DEFAULT: u64 = 120_000;
+pub const UNOWNED_MS_MAX: u64 = 24 * 3_600_000;
 /// How long finished generations are kept before `Tick` prunes them.
 pub const RETENTION_MS_DEFAULT: u64 = 24 * 3_600_000;
+/// Grants (epoch, owner, log time, frontier) a generation keeps for audits: the newest ones.
+pub const GRANTS_KEPT_MAX: usize = 16;
+/// The shortest retention a node accepts (`--retention-ms`): a client that reconnects right
+/// after its generation finished must still find it. Short enough for the fault suite's stress
+/// configurations, which prune while a run goes on.
+pub const RETENTION_MS_MIN: u64 = 500;
 /// Longest finish detail kept (bytes); longer ones are rejected.
 pub const FINISH_DETAIL_BYTES_MAX: usize = 1_024;
 /// Records per Watch event.
@@ -70,6 +80,10 @@ pub const APPEND_STREAM_IN_FLIGHT_MAX: usize = 64;
 /// at most this many, and this many encoded bytes (the newest entry stays even if larger).
 pub const LOG_CACHE_ENTRIES_MAX: usize = 4_096;
 pub const LOG_CACHE_BYTES_MAX: usize = 32 << 20;
+/// How far a leader's wall clock may pull log time ahead of its monotonic clock
+/// (`clock.rs`): the most a wall clock that jumps, or runs ahead, moves log time. Below half the
+/// shortest lease.
+pub const STAMP_WALL_LEAD_MS_MAX: u64 = 25;
 /// How often the leader considers proposing a `Tick`.
 pub const TICK_INTERVAL: Duration = Duration::from_millis(500);
 /// Connecting to a peer or a node (Raft transport and `LogClient`).

@@ -14,11 +14,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicI64;
 use std::sync::Arc;
 #[cfg(feature = "faults")]
 use std::sync::Mutex;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use openraft::async_runtime::WatchReceiver;
 use openraft::error::{ClientWriteError, RaftError};
@@ -28,11 +27,12 @@ use tokenlog_proto::raftlog::log_server::LogServer;
 use tokenlog_proto::raftlog::{ClusterStatusResponse, MemberStatus};
 use tokio::sync::watch;
 
+use crate::clock::Clock;
 use crate::error::LogError;
 use crate::faults::Faults;
 use crate::limits::{
     GRPC_MESSAGE_BYTES_MAX, PROPOSALS_IN_FLIGHT_MAX, PROPOSAL_COMMANDS_MAX, PROPOSAL_TOKENS_MAX, PROPOSER_QUEUE_MAX,
-    RETENTION_MS_DEFAULT, TICK_INTERVAL,
+    RETENTION_MS_DEFAULT, RETENTION_MS_MIN, TICK_INTERVAL,
 };
 use crate::raft_types::{Node as RaftNode, NodeId, Raft};
 use crate::service::LogService;
@@ -60,6 +60,9 @@ pub struct NodeConfig {
     pub retention_ms: u64,
     /// Planted bugs (fault suite builds only; none by default).
     pub faults: Faults,
+    /// Added to this node's wall clock (the fault suite's `clock` nemesis moves it; `None`
+    /// outside the suite).
+    pub wall_skew_ms: Option<Arc<AtomicI64>>,
 }
 
 impl NodeConfig {
@@ -76,28 +79,8 @@ impl NodeConfig {
             keep_after_snapshot: 1_000,
             retention_ms: RETENTION_MS_DEFAULT,
             faults: Faults::default(),
+            wall_skew_ms: None,
         }
-    }
-}
-
-/// The leader's clock for stamping proposals: never below an earlier stamp of this node or the
-/// applied log time. No lock: a compare-and-max on one word.
-pub struct Clock {
-    last_ms: AtomicU64,
-    sm: Arc<SmShared>,
-}
-
-impl Clock {
-    fn new(sm: Arc<SmShared>) -> Self {
-        Clock {
-            last_ms: AtomicU64::new(0),
-            sm,
-        }
-    }
-
-    pub fn stamp(&self) -> u64 {
-        let floor = wall_ms().max(self.sm.log_ms());
-        self.last_ms.fetch_max(floor, Ordering::AcqRel).max(floor)
     }
 }
 
@@ -156,19 +139,18 @@ pub struct NodeCtx {
 #[cfg(feature = "faults")]
 pub type ProposedRecords = (u32, Vec<(u32, u64)>);
 
-pub(crate) fn wall_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
-
 fn raft_err<E: std::fmt::Display>(e: RaftError<crate::raft_types::TypeConfig, E>) -> LogError {
     LogError::Raft(e.to_string())
 }
 
 impl NodeCtx {
     fn stamp(&self) -> u64 {
-        self.clock.stamp()
+        self.clock.stamp(self.sm.log_ms())
+    }
+
+    /// This node's estimate of log time now (a hint: see [`Clock::now`]).
+    pub fn log_time_estimate(&self) -> u64 {
+        self.clock.now(self.sm.log_ms())
     }
 
     /// Proposes `cmd` and waits until it is committed and applied. Returns the answer and the
@@ -337,6 +319,7 @@ fn membership_err(
 async fn proposer(
     raft: Raft,
     clock: Arc<Clock>,
+    applied: Arc<SmShared>,
     proposals: prometheus_client::metrics::counter::Counter,
     mut rx: tokio::sync::mpsc::Receiver<Pending>,
 ) {
@@ -377,7 +360,7 @@ async fn proposer(
             (Command::Batch(cmds), answers)
         };
         let req = Request {
-            log_ms: clock.stamp(),
+            log_ms: clock.stamp(applied.log_ms()),
             cmd,
         };
         proposals.inc();
@@ -469,6 +452,13 @@ impl RunningNode {
 }
 
 fn raft_config(cfg: &NodeConfig) -> Result<Arc<Config>, LogError> {
+    if cfg.retention_ms < RETENTION_MS_MIN {
+        return Err(LogError::Invalid(format!(
+            "retention {} ms is below the minimum {RETENTION_MS_MIN} ms: a client that reconnects \
+             right after its generation finished must still find it",
+            cfg.retention_ms
+        )));
+    }
     let config = Config {
         cluster_name: "tokenlog".into(),
         heartbeat_interval: cfg.heartbeat_ms,
@@ -512,12 +502,14 @@ pub async fn start(cfg: NodeConfig) -> Result<RunningNode, LogError> {
     } else {
         cfg.advertise.clone()
     };
-    let clock = Arc::new(Clock::new(shared.clone()));
+    let source = Arc::new(crate::clock::SystemTimeSource::new(cfg.wall_skew_ms.clone()));
+    let clock = Arc::new(Clock::new(source, cfg.faults.unbounded_clock()));
     let (proposals, proposals_rx) = tokio::sync::mpsc::channel(PROPOSER_QUEUE_MAX);
     let metrics = crate::metrics::NodeMetrics::default();
     tokio::spawn(proposer(
         raft.clone(),
         clock.clone(),
+        shared.clone(),
         metrics.proposals.clone(),
         proposals_rx,
     ));

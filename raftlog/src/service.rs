@@ -295,13 +295,13 @@ impl Log for LogService {
         let r = req.into_inner();
         let model: ModelIdentity = required(r.model, "model")?.into();
         let limit = r.limit.clamp(1, PENDING_WORK_LIMIT_MAX) as usize;
-        let wall = crate::node::wall_ms();
+        let now = self.ctx.log_time_estimate();
         let s = self.ctx.sm.read();
-        // A hint, not a decision: judge leases by this node's clock as well as by the last
-        // applied log time, which on a quiet log only advances with the housekeeping tick. The
+        // A hint, not a decision: judge leases by this node's estimate of log time now (the
+        // applied log time on a quiet log only advances with the housekeeping tick). The
         // Acquire that follows is stamped and fenced by the leader as usual.
         let generations = s
-            .pending_work(&model, s.log_ms.max(wall), limit)
+            .pending_work(&model, now, limit)
             .into_iter()
             .map(pb::GenerationInfo::from)
             .collect();

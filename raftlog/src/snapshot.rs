@@ -5,7 +5,7 @@
 //!
 //! | bytes           | content                                                      |
 //! |-----------------|--------------------------------------------------------------|
-//! | 8               | magic `TLSNAP02` (format version 2)                           |
+//! | 8               | magic `TLSNAP03` (format version 3)                           |
 //! | 4               | length M of the meta (little endian)                          |
 //! | M               | the snapshot's meta: last log id, membership (bincode)       |
 //! | rest - 32       | the body: the state machine at that log id (bincode)         |
@@ -30,7 +30,7 @@ use sha2::{Digest, Sha256};
 
 use crate::raft_types::SnapshotMeta;
 
-const MAGIC: &[u8; 8] = b"TLSNAP02";
+const MAGIC: &[u8; 8] = b"TLSNAP03";
 const HEADER_BYTES: u64 = 12;
 const TRAILER_BYTES: u64 = 32;
 /// Largest meta accepted (membership of a cluster: a few hundred bytes in practice).

@@ -119,7 +119,13 @@ pub struct Binding {
     pub sampling: SamplingConfig,
     pub stop: StopConfig,
     pub mode: ResumeMode,
+    /// No record committed within this many ms of log time after submit: the generation fails.
+    /// 0 = [`crate::limits::DEADLINE_MS_DEFAULT`].
     pub deadline_ms: u64,
+    /// It has records, and no decoder has owned it for this many ms of log time since the last
+    /// lease ended: the generation fails (its records stay readable). 0 =
+    /// [`crate::limits::UNOWNED_MS_DEFAULT`].
+    pub unowned_ms: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -223,6 +229,8 @@ pub struct Generation {
     pub finish_detail: String,
     pub submitted_log_ms: u64,
     pub deadline_log_ms: u64,
+    /// `binding.unowned_ms` with the default applied.
+    pub unowned_ms: u64,
     pub finished_log_ms: u64,
     pub grants: Vec<Grant>,
 }
@@ -232,11 +240,19 @@ impl Generation {
         self.records.len() as Seq
     }
     pub fn takeovers(&self) -> u64 {
-        self.grants.len().saturating_sub(1) as u64
+        // Every grant is a new epoch; `grants` keeps only the newest ones.
+        self.lease.epoch.saturating_sub(1)
     }
     /// Owned by someone whose lease is live at `log_ms`.
     pub fn lease_live(&self, log_ms: u64) -> bool {
         self.lease.epoch > 0 && !self.lease.owner.is_empty() && log_ms < self.lease.expiry_log_ms
+    }
+    /// The log time at which `Tick` fails it for having had no owner too long: non-terminal,
+    /// with records (before the first record `deadline_log_ms` applies), `unowned_ms` after the
+    /// last lease's end.
+    pub fn unowned_deadline_log_ms(&self) -> Option<u64> {
+        (!self.state.is_terminal() && !self.records.is_empty())
+            .then(|| self.lease.expiry_log_ms.saturating_add(self.unowned_ms))
     }
 }
 
@@ -375,6 +391,8 @@ pub struct GenerationView {
     pub finish_detail: String,
     pub chain_head: [u8; 32],
     pub submitted_log_ms: u64,
+    pub deadline_log_ms: u64,
+    pub unowned_ms: u64,
     pub takeovers: u64,
 }
 
@@ -392,6 +410,8 @@ impl From<&Generation> for GenerationView {
             finish_detail: g.finish_detail.clone(),
             chain_head: g.chain_head,
             submitted_log_ms: g.submitted_log_ms,
+            deadline_log_ms: g.deadline_log_ms,
+            unowned_ms: g.unowned_ms,
             takeovers: g.takeovers(),
         }
     }

@@ -117,6 +117,11 @@ pub fn render_stats(stats: &std::sync::Mutex<tokenlog_decoder::worker::WorkerSta
             "Generations this decoder failed explicitly",
             s.failed,
         ),
+        counter_text(
+            "tokenlog_decoder_released_unreadable",
+            "Generations taken and released again because the log could not be read for now",
+            s.released,
+        ),
         "# EOF\n".to_string(),
     ]
     .concat()
@@ -178,6 +183,11 @@ pub async fn run(a: DecoderArgs) -> anyhow::Result<()> {
     let mut cfg = WorkerConfig::new(id, name);
     cfg.capacity = a.capacity;
     cfg.lease_ms = a.lease_ms;
+    let zombie = crate::process::plant_zombie()?;
+    #[cfg(feature = "faults")]
+    {
+        cfg.plant_zombie = zombie;
+    }
     let client = LogClient::new(a.cluster.clone())?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let history = match &a.history {
@@ -208,6 +218,15 @@ pub async fn run(a: DecoderArgs) -> anyhow::Result<()> {
         _ = crate::process::shutdown_signal() => None,
         r = &mut worker => Some(r),
     };
+    let failed = match &ended {
+        Some(Ok(Err(WorkerError::Halted(_)))) | Some(Ok(Ok(()))) | None => false,
+        Some(Ok(Err(_))) | Some(Err(_)) => true,
+    };
+    if zombie && failed {
+        eprintln!("PLANTED BUG: the worker failed; the process stays, renewing its leases");
+        crate::process::shutdown_signal().await;
+        std::process::exit(1);
+    }
     let result = match ended {
         Some(r) => r,
         None => {

@@ -43,7 +43,8 @@ pub struct DevArgs {
     /// Generations decoded at once.
     #[arg(long, default_value_t = 4)]
     pub capacity: usize,
-    /// API keys file (`<api-key> <tenant>` per line); default: open, tenant `default`.
+    /// API keys file (`sha256:<hex> <tenant>` per line, from `tokenlog keys new`); default: open,
+    /// tenant `default`.
     #[arg(long)]
     pub keys: Option<PathBuf>,
 }
@@ -83,14 +84,18 @@ pub async fn run(a: DevArgs) -> anyhow::Result<()> {
     wcfg.capacity = a.capacity;
     wcfg.lease_ms = dargs.lease_ms;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let worker = Worker::new(wcfg, LogClient::new(vec![log_addr.to_string()])?, model.clone());
+    let mut worker = Worker::new(wcfg, LogClient::new(vec![log_addr.to_string()])?, model.clone());
+    if let Some(hooks) = crate::process::failpoint_hooks()? {
+        worker = worker.with_hooks(hooks);
+    }
     let stats = worker.stats();
-    let worker = tokio::spawn(worker.run(stop_rx));
+    let mut worker = tokio::spawn(worker.run(stop_rx));
 
     let gw = Gateway::new(
         LogClient::new(vec![log_addr.to_string()])?,
         tenants,
         vec![tokenlog_decoder::fake::fake_tokenizer()?, model.tokenizer().clone()],
+        Default::default(),
     )?;
     // One /metrics for the whole process: gateway, node and decoder.
     let ctx = node.ctx.clone();
@@ -116,15 +121,28 @@ pub async fn run(a: DevArgs) -> anyhow::Result<()> {
     );
     println!("  tokenlog status --cluster {log_addr}");
     println!("Ctrl-C stops it cleanly.");
-    crate::process::shutdown_signal().await;
-    eprintln!("stopping: gateway, decoder (releasing its generations), log ...");
+    // The process lives as long as its decoder: a worker that ends on its own (a model error, a
+    // panic) stops the whole process with a non-zero status rather than leave a gateway whose
+    // generations no decoder will ever continue.
+    let ended = tokio::select! {
+        _ = crate::process::shutdown_signal() => None,
+        r = &mut worker => Some(r),
+    };
+    if ended.is_none() {
+        eprintln!("stopping: gateway, decoder (releasing its generations), log ...");
+    } else {
+        eprintln!("the decoder stopped on its own: stopping gateway and log ...");
+    }
     serving.shutdown().await;
     let _ = stop_tx.send(true);
-    match worker.await {
-        Ok(Err(e)) => eprintln!("decoder: {e}"),
-        Err(e) => eprintln!("decoder task: {e}"),
-        Ok(Ok(_)) => {}
-    }
+    let result = match ended {
+        Some(r) => r,
+        None => worker.await,
+    };
     node.shutdown().await;
-    Ok(())
+    match result {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(anyhow::Error::new(e).context("the decoder failed")),
+        Err(e) => Err(anyhow::anyhow!("the decoder panicked: {e}")),
+    }
 }

@@ -21,7 +21,8 @@ pub struct GatewayArgs {
     /// HTTP listen address (OpenAI-compatible API, /metrics).
     #[arg(long, default_value = "127.0.0.1:8000")]
     pub http_listen: SocketAddr,
-    /// API keys file: one `<api-key> <tenant>` per line. Without it the gateway is open and
+    /// API keys file: one `sha256:<hex> <tenant>` per line (`tokenlog keys new --tenant T` makes a
+    /// key and its line; the file holds only hashes). Without it the gateway is open and
     /// every caller is the tenant `default`.
     #[arg(long)]
     pub keys: Option<PathBuf>,
@@ -33,6 +34,22 @@ pub struct GatewayArgs {
     /// Only the fake model's tokenizer (for tests; no model file needed).
     #[arg(long, conflicts_with = "model")]
     pub fake: bool,
+    /// Streams one tenant may have open at once on this gateway; more are refused with
+    /// RESOURCE_EXHAUSTED (HTTP 429).
+    #[arg(long, default_value_t = tokenlog_gateway::limits::TENANT_STREAMS_MAX_DEFAULT as u64, value_parser = clap::value_parser!(u64).range(1..))]
+    pub tenant_streams_max: u64,
+    /// Submits one tenant may have waiting for the log at once on this gateway.
+    #[arg(long, default_value_t = tokenlog_gateway::limits::TENANT_SUBMITS_MAX_DEFAULT as u64, value_parser = clap::value_parser!(u64).range(1..))]
+    pub tenant_submits_max: u64,
+}
+
+impl GatewayArgs {
+    pub fn tenant_limits(&self) -> tokenlog_gateway::tenants::TenantLimits {
+        tokenlog_gateway::tenants::TenantLimits {
+            streams: self.tenant_streams_max as usize,
+            submits: self.tenant_submits_max as usize,
+        }
+    }
 }
 
 pub fn tokenizers(models: &[PathBuf], fake_only: bool) -> anyhow::Result<Vec<Tokenizer>> {
@@ -57,7 +74,7 @@ pub async fn run(a: GatewayArgs) -> anyhow::Result<()> {
         None => Tenants::Open,
     };
     let toks = tokenizers(&a.model, a.fake)?;
-    let gw = Gateway::new(LogClient::new(a.cluster.clone())?, tenants, toks)?;
+    let gw = Gateway::new(LogClient::new(a.cluster.clone())?, tenants, toks, a.tenant_limits())?;
     let serving = tokenlog_gateway::server::serve(gw, a.grpc_listen, a.http_listen)
         .await
         .context("binding the gateway's listeners")?;

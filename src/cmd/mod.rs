@@ -8,5 +8,6 @@ pub mod decoder;
 pub mod dev;
 pub mod gateway;
 pub mod generate;
+pub mod keys;
 pub mod node;
 pub mod status;

@@ -38,8 +38,10 @@ pub struct NodeArgs {
     /// Log entries kept behind the latest snapshot; older ones are purged.
     #[arg(long, default_value_t = 1_000)]
     pub keep_after_snapshot: u64,
-    /// How long finished generations are kept before they are pruned (ms).
-    #[arg(long, default_value_t = tokenlog_raftlog::limits::RETENTION_MS_DEFAULT)]
+    /// How long finished generations are kept before they are pruned (ms; at least 500, so a
+    /// client that reconnects right after its generation finished still finds it).
+    #[arg(long, default_value_t = tokenlog_raftlog::limits::RETENTION_MS_DEFAULT,
+          value_parser = clap::value_parser!(u64).range(tokenlog_raftlog::limits::RETENTION_MS_MIN..))]
     pub retention_ms: u64,
     /// Serve Prometheus metrics at http://ADDR/metrics (commit latency, tokens, fence
     /// rejections, generations by state, takeovers, Raft indexes).
@@ -86,6 +88,7 @@ pub async fn run(a: NodeArgs) -> anyhow::Result<()> {
     cfg.keep_after_snapshot = a.keep_after_snapshot;
     cfg.retention_ms = a.retention_ms;
     cfg.faults = crate::process::planted_faults()?;
+    cfg.wall_skew_ms = crate::process::wall_clock_skew()?;
     let node = start(cfg).await?;
     eprintln!("tokenlog node {} serving on {} (Ctrl-C to stop)", a.id, node.local_addr);
     if let Some(m) = a.metrics_listen {

@@ -49,6 +49,8 @@ pub struct Cluster {
     snapshot_every: u64,
     /// More `tokenlog node` arguments for every node.
     extra: Vec<String>,
+    /// Environment of every node (test hooks, planted bugs).
+    pub node_env: Vec<(String, String)>,
 }
 
 impl Cluster {
@@ -56,7 +58,16 @@ impl Cluster {
         Self::start_with(snapshot_every, &[])
     }
 
+    /// Three nodes with `env` set for each (test hooks, planted bugs).
+    pub fn start_with_env(snapshot_every: u64, env: &[(&str, &str)]) -> Cluster {
+        Self::launch(snapshot_every, &[], env)
+    }
+
     pub fn start_with(snapshot_every: u64, extra: &[&str]) -> Cluster {
+        Self::launch(snapshot_every, extra, &[])
+    }
+
+    fn launch(snapshot_every: u64, extra: &[&str], env: &[(&str, &str)]) -> Cluster {
         let addrs: Vec<String> = (0..3).map(|_| format!("127.0.0.1:{}", free_port())).collect();
         let mut c = Cluster {
             dir: tempfile::tempdir().unwrap(),
@@ -64,6 +75,7 @@ impl Cluster {
             procs: vec![None, None, None],
             snapshot_every,
             extra: extra.iter().map(|s| s.to_string()).collect(),
+            node_env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
         };
         for i in 0..3 {
             c.start_node(i);
@@ -102,6 +114,7 @@ impl Cluster {
                 "600",
             ])
             .args(&self.extra)
+            .envs(self.node_env.iter().map(|(k, v)| (k, v)))
             .env("RUST_LOG", "info,openraft=warn")
             .stdout(Stdio::null())
             .stderr(log)
@@ -220,21 +233,27 @@ pub struct Decoder {
 
 impl Cluster {
     pub fn start_decoder(&self, id: &str, extra: &[&str]) -> Decoder {
-        self.start_decoder_of(id, &["--fake"], extra)
+        self.start_decoder_of(id, &["--fake"], extra, &[])
+    }
+
+    /// A fake-model decoder with `env` set (failpoints, planted bugs).
+    pub fn start_decoder_env(&self, id: &str, extra: &[&str], env: &[(&str, &str)]) -> Decoder {
+        self.start_decoder_of(id, &["--fake"], extra, env)
     }
 
     /// A decoder process on a real model (GGUF file or Hugging Face folder), one model thread.
     pub fn start_real_decoder(&self, id: &str, model: &std::path::Path, extra: &[&str]) -> Decoder {
-        self.start_decoder_of(id, &["--model", model.to_str().unwrap(), "--threads", "1"], extra)
+        self.start_decoder_of(id, &["--model", model.to_str().unwrap(), "--threads", "1"], extra, &[])
     }
 
-    fn start_decoder_of(&self, id: &str, model: &[&str], extra: &[&str]) -> Decoder {
+    fn start_decoder_of(&self, id: &str, model: &[&str], extra: &[&str], env: &[(&str, &str)]) -> Decoder {
         let log = self.dir.path().join(format!("{id}.log"));
         let child = Command::new(bin())
             .arg("decoder")
             .args(model)
             .args(["--decoder-id", id, "--cluster", &self.addrs.join(",")])
             .args(extra)
+            .envs(env.iter().copied())
             .env("RUST_LOG", "info,openraft=warn")
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
@@ -268,6 +287,21 @@ impl Decoder {
     }
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+    /// Waits up to `within` for the process to exit on its own; its status, or None if it runs.
+    pub fn wait_exit(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + within;
+        loop {
+            let c = self.child.as_mut()?;
+            if let Some(st) = c.try_wait().unwrap() {
+                self.child = None;
+                return Some(st);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 }
 

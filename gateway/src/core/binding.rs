@@ -63,6 +63,7 @@ impl Gateway {
                 ResumeMode::Exact
             },
             deadline_ms: 0,
+            unowned_ms: 0,
         };
         Ok(binding.into())
     }

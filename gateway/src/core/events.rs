@@ -11,6 +11,7 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use super::{finish_reason_str, prompt_tokens, Event, Finish, Gateway};
 use crate::error::{GatewayError, Result};
 use crate::limits::*;
+use crate::tenants::{Held, TenantSlot};
 
 impl Gateway {
     /// Streams the events of `info`'s generation with seq > `after_seq` (-1 = all), ending with
@@ -23,6 +24,9 @@ impl Gateway {
             .map(|m| m.tokenizer_sha256.clone())
             .unwrap_or_default();
         let tokenizer = self.tokenizer_for(&digest, &info.request_id)?;
+        let slot = self
+            .tenant_use
+            .take(&info.tenant, Held::Stream, self.tenant_limits.streams)?;
         let permit = self
             .streams
             .clone()
@@ -30,7 +34,7 @@ impl Gateway {
             .map_err(|_| GatewayError::Overloaded(format!("gateway overloaded: {STREAMS_MAX} streams open")))?;
         let (tx, rx) = mpsc::channel(STREAM_BUFFER_EVENTS);
         let gw = self.clone();
-        tokio::spawn(async move { gw.pump(info, after_seq, tokenizer, tx, permit).await });
+        tokio::spawn(async move { gw.pump(info, after_seq, tokenizer, tx, (permit, slot)).await });
         Ok(rx)
     }
 
@@ -42,7 +46,8 @@ impl Gateway {
         after_seq: i64,
         tokenizer: Tokenizer,
         tx: mpsc::Sender<Result<Event>>,
-        _permit: OwnedSemaphorePermit,
+        // The gateway-wide and the tenant's stream slot, given back on every exit.
+        _slots: (OwnedSemaphorePermit, TenantSlot),
     ) {
         let _active = self.metrics.stream_guard();
         let mut text = EventText::new(&info, &tokenizer, after_seq);

@@ -23,7 +23,7 @@ use tokio::sync::Semaphore;
 use crate::error::{GatewayError, Result};
 use crate::limits::*;
 use crate::metrics::Metrics;
-use crate::tenants::Tenants;
+use crate::tenants::{Held, TenantLimits, TenantUse, Tenants};
 
 /// What the client wants generated.
 #[derive(Clone, Debug)]
@@ -126,6 +126,8 @@ pub struct Gateway {
     tokenizers: HashMap<String, Tokenizer>,
     models: Mutex<Option<(Instant, Vec<pb::ModelInfo>)>>,
     streams: Arc<Semaphore>,
+    tenant_limits: TenantLimits,
+    tenant_use: TenantUse,
     pub metrics: Arc<Metrics>,
 }
 
@@ -138,7 +140,12 @@ pub use binding::{default_seed, random_request_id};
 pub use models::ResolvedModel;
 
 impl Gateway {
-    pub fn new(log: LogClient, tenants: Tenants, tokenizers: Vec<Tokenizer>) -> Result<Arc<Gateway>> {
+    pub fn new(
+        log: LogClient,
+        tenants: Tenants,
+        tokenizers: Vec<Tokenizer>,
+        tenant_limits: TenantLimits,
+    ) -> Result<Arc<Gateway>> {
         let mut map = HashMap::new();
         for t in tokenizers {
             let digest = tokenizer_sha256(&t).map_err(|e| GatewayError::Internal(e.to_string()))?;
@@ -150,6 +157,8 @@ impl Gateway {
             tokenizers: map,
             models: Mutex::new(None),
             streams: Arc::new(Semaphore::new(STREAMS_MAX)),
+            tenant_limits,
+            tenant_use: TenantUse::default(),
             metrics: Arc::new(Metrics::default()),
         }))
     }
@@ -168,6 +177,14 @@ impl Gateway {
 
     /// Submits (idempotently: the same request id and request give the same generation).
     pub async fn submit(&self, tenant: &str, p: &GenerateParams) -> Result<(pb::GenerationInfo, String)> {
+        let _submitting = self.tenant_use.take(tenant, Held::Submit, self.tenant_limits.submits)?;
+        // Refuse before creating anything when the tenant could not stream it anyway.
+        if self.tenant_use.of(tenant).0 >= self.tenant_limits.streams {
+            return Err(GatewayError::Overloaded(format!(
+                "tenant {tenant:?} has {} streams open on this gateway (its limit); retry when one ends",
+                self.tenant_limits.streams
+            )));
+        }
         let m = self.resolve_model(&p.model).await?;
         let binding = self.binding(tenant, p, &m)?;
         let r = self

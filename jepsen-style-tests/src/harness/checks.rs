@@ -12,7 +12,11 @@
 //! - `liveness`: every request finished (after the healing phase), none failed.
 //! - `convergence`: chain heads are equal on every node, and every node's chains verify.
 //! - `processes`: no process ended on its own (a crash), except decoder 1's first incarnation
-//!   with the failpoint exit code when a scenario armed a failpoint there.
+//!   with the failpoint exit code when a scenario armed a failpoint there, and an incarnation a
+//!   nemesis made fail (`model-error`) with the exit it expected.
+//! - `lease-time`: no lease is cut short: a generation is granted at a newer epoch only after
+//!   every accepted append of the older epoch had its lease's worth of real time (log time may
+//!   not run ahead of real time, whatever a leader's wall clock does: the `clock` nemesis).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
@@ -148,11 +152,21 @@ pub fn status(reqs: &[RequestRecord]) -> Verdict {
     v
 }
 
-pub fn processes(exits: &[super::procs::SelfExit], decoder1_failpoint: bool) -> Verdict {
+pub fn processes(exits: &[super::procs::SelfExit], decoder1_failpoint: bool, nemesis: &[serde_json::Value]) -> Verdict {
     let mut v = Verdict::new();
+    for n in nemesis.iter().filter(|n| n["fault"] == "model-error") {
+        v.checked += 1;
+        let target = n["target"].as_str().unwrap_or("");
+        if target.ends_with(super::nemesis::LINGERED) {
+            v.fail(format!(
+                "a decoder outlived its failed model step (it holds its leases): {target}"
+            ));
+        }
+    }
     for e in exits {
         v.checked += 1;
-        let meant = decoder1_failpoint && e.name == "decoder1" && e.incarnation == 1 && e.code == Some(FAILPOINT_EXIT);
+        let meant = e.meant
+            || (decoder1_failpoint && e.name == "decoder1" && e.incarnation == 1 && e.code == Some(FAILPOINT_EXIT));
         if !meant {
             v.fail(format!(
                 "{} (incarnation {}) ended on its own: {}",
@@ -234,6 +248,52 @@ pub fn fencing(decoder_ops: &[DecoderOp], finals: &HashMap<u64, FinalGen>) -> Ve
     v
 }
 
+/// Real time a grant may come before a lease's end as measured from the harness: each leader
+/// change may move log time ahead by `STAMP_WALL_LEAD_MS_MAX` (25 ms), plus scheduling.
+pub const LEASE_TIME_SLACK_US: u64 = 250_000;
+
+/// `lease-time`: an append accepted at epoch `e` was applied after it was sent (`invoke_us`),
+/// and extended the lease to at least `lease_ms` of log time past its entry. A grant at a newer
+/// epoch that completed before `invoke_us + lease_ms - slack` of real time means log time ran
+/// ahead of real time: a live owner's lease was cut short.
+pub fn lease_time(decoder_ops: &[DecoderOp], lease_ms: u64) -> Verdict {
+    let mut v = Verdict::new();
+    // Per generation: the latest accepted append's send time per epoch.
+    let mut last_append: HashMap<(u64, u64), u64> = HashMap::new();
+    for o in decoder_ops
+        .iter()
+        .filter(|o| o.op() == "append" && o.ok() == Some(true))
+    {
+        let t = last_append.entry((o.gen(), o.epoch())).or_insert(0);
+        *t = (*t).max(o.invoke_us);
+    }
+    for g in decoder_ops
+        .iter()
+        .filter(|o| o.op() == "acquire" && o.ok() == Some(true))
+    {
+        let (gen, epoch) = (g.gen(), g.epoch());
+        let Some(granted_us) = g.complete_us else { continue };
+        if epoch < 2 {
+            continue;
+        }
+        v.checked += 1;
+        if let Some(&sent_us) = last_append.get(&(gen, epoch - 1)) {
+            let lease_end_us = sent_us + lease_ms * 1_000;
+            if granted_us + LEASE_TIME_SLACK_US < lease_end_us {
+                v.fail(format!(
+                    "generation {gen}: epoch {epoch} granted to {} {} ms before the lease of epoch {} \
+                     could end (its last accepted append was sent {} ms before the grant; lease {lease_ms} ms)",
+                    g.decoder,
+                    (lease_end_us - granted_us) / 1_000,
+                    epoch - 1,
+                    granted_us.saturating_sub(sent_us) / 1_000
+                ));
+            }
+        }
+    }
+    v
+}
+
 pub fn linearizability(decoder_ops: &[DecoderOp], budget: Duration) -> (Verdict, usize) {
     let mut v = Verdict::new();
     let mut clients: HashMap<String, u64> = HashMap::new();
@@ -307,6 +367,7 @@ pub fn linearizability(decoder_ops: &[DecoderOp], budget: Duration) -> (Verdict,
 mod tests {
     use super::super::procs::SelfExit;
     use super::*;
+    use tokenlog_decoder::history::{Answer, Call};
 
     fn exit(name: &str, incarnation: u32, code: Option<i32>) -> SelfExit {
         SelfExit {
@@ -314,17 +375,77 @@ mod tests {
             incarnation,
             code,
             status: format!("{code:?}"),
+            meant: false,
         }
+    }
+
+    fn op(decoder: &str, invoke_ms: u64, complete_ms: u64, call: Call, answer: Answer) -> DecoderOp {
+        DecoderOp {
+            decoder: decoder.into(),
+            invoke_us: invoke_ms * 1_000,
+            complete_us: Some(complete_ms * 1_000),
+            kind: super::super::decoder_ops::OpKind::Call {
+                call,
+                answer: Some(answer),
+            },
+        }
+    }
+
+    /// The checker flags a grant at epoch 2 that lands before epoch 1's lease could have ended,
+    /// and accepts one after it.
+    #[test]
+    fn lease_time_flags_a_lease_cut_short() {
+        let append = |ms| {
+            op(
+                "d1",
+                ms,
+                ms + 5,
+                Call::Append {
+                    gen: 7,
+                    epoch: 1,
+                    start_seq: 0,
+                    n: 1,
+                    finish: false,
+                },
+                Answer::Append {
+                    ok: Some(true),
+                    frontier: 1,
+                    current_epoch: 1,
+                    reason: None,
+                },
+            )
+        };
+        let grant = |ms| {
+            op(
+                "d2",
+                ms - 5,
+                ms,
+                Call::Acquire { gen: 7 },
+                Answer::Acquire {
+                    ok: Some(true),
+                    epoch: 2,
+                    frontier: 1,
+                },
+            )
+        };
+        let early = [append(1_000), grant(1_100)];
+        let v = lease_time(&early, 800);
+        assert!(!v.ok && v.problems[0].contains("before the lease of epoch 1"), "{v:?}");
+        assert!(lease_time(&[append(1_000), grant(1_800)], 800).ok, "within the slack");
+        assert!(lease_time(&[append(1_000), grant(2_000)], 800).ok);
     }
 
     #[test]
     fn only_the_armed_failpoint_exit_is_not_a_crash() {
-        assert!(processes(&[], false).ok);
+        assert!(processes(&[], false, &[]).ok);
         let failpoint = [exit("decoder1", 1, Some(FAILPOINT_EXIT))];
-        assert!(processes(&failpoint, true).ok);
-        assert!(!processes(&failpoint, false).ok, "no failpoint armed: a crash");
-        assert!(!processes(&[exit("decoder1", 2, Some(FAILPOINT_EXIT))], true).ok);
-        assert!(!processes(&[exit("node2", 1, Some(101))], true).ok, "a panic");
-        assert!(!processes(&[exit("decoder1", 1, None)], true).ok, "killed by a signal");
+        assert!(processes(&failpoint, true, &[]).ok);
+        assert!(!processes(&failpoint, false, &[]).ok, "no failpoint armed: a crash");
+        assert!(!processes(&[exit("decoder1", 2, Some(FAILPOINT_EXIT))], true, &[]).ok);
+        assert!(!processes(&[exit("node2", 1, Some(101))], true, &[]).ok, "a panic");
+        assert!(
+            !processes(&[exit("decoder1", 1, None)], true, &[]).ok,
+            "killed by a signal"
+        );
     }
 }

@@ -68,6 +68,7 @@ pub async fn start_cluster(cfg: &RunConfig) -> Result<Cluster> {
         node_dirs,
         gateways,
         decoders,
+        dir: dir.clone(),
     }));
 
     // --- leader watcher
@@ -122,6 +123,8 @@ fn node_procs(
             "600".into(),
             "--snapshot-every".into(),
             cfg.snapshot_every.to_string(),
+            "--retention-ms".into(),
+            cfg.retention_ms.to_string(),
         ];
         let mut p = match net {
             // `ip netns exec NS tokenlog ...` execs tokenlog in place: the pid is the node's.
@@ -143,13 +146,25 @@ fn node_procs(
             Some(Plant::NoFence) => p = p.env("TOKENLOG_PLANT_NO_FENCE", "1"),
             Some(Plant::AckBeforeFsync) => p = p.env("TOKENLOG_PLANT_ACK_BEFORE_FSYNC", "1"),
             Some(Plant::EarlyVisibility) => p = p.env("TOKENLOG_PLANT_EARLY_VISIBILITY", "1"),
-            None => {}
+            Some(Plant::UnboundedClock) => p = p.env("TOKENLOG_PLANT_UNBOUNDED_CLOCK", "1"),
+            Some(Plant::Zombie) | None => {}
+        }
+        if cfg.faults.contains(&Fault::Clock) {
+            // The `clock` nemesis writes this node's wall clock skew (ms) here.
+            let skew = skew_file(dir, i);
+            let _ = std::fs::write(&skew, "0");
+            p = p.env("TOKENLOG_CLOCK_SKEW_FILE", &skew.display().to_string());
         }
         p.ready_addr = Some(a.clone());
         nodes.push(p);
         node_dirs.push(d);
     }
     (nodes, node_dirs)
+}
+
+/// The file the `clock` nemesis writes node `i`'s wall clock skew to.
+pub fn skew_file(dir: &Path, i: usize) -> PathBuf {
+    dir.join(format!("node{}.clock-skew", i + 1))
 }
 
 /// The decoders' process slots (decoder 1 with `cfg.decoder1_failpoints` on its first start).
@@ -180,6 +195,9 @@ fn decoder_procs(cfg: &RunConfig, dir: &Path, cluster: &str) -> Vec<Proc> {
         ]
         .concat();
         let mut p = Proc::new(&format!("decoder{}", i + 1), Role::Decoder, bin, args, dir);
+        if cfg.plant == Some(Plant::Zombie) {
+            p = p.env("TOKENLOG_PLANT_ZOMBIE_DECODER", "1");
+        }
         if i == 0 {
             if let Some(fp) = &cfg.decoder1_failpoints {
                 p = p.first_env(FAILPOINTS_ENV, fp);

@@ -46,7 +46,15 @@ pub async fn conclude(
     // Stop the processes before checking (and before the report).
     drop(procs);
 
-    let verdicts = verdicts(cfg, &reqs, &finals, &decoder_ops, convergence, &self_exits);
+    let verdicts = verdicts(
+        cfg,
+        &reqs,
+        &finals,
+        &decoder_ops,
+        convergence,
+        &self_exits,
+        &nemesis_records,
+    );
     let faults = fault_counts(&nemesis_records);
     let leader_changes = leader_changes.lock().expect("lock").clone();
     let summary = summarize(cfg, verdicts, faults, &reqs, &leader_changes, &decoder_ops, started);
@@ -82,6 +90,7 @@ fn verdicts(
     decoder_ops: &[DecoderOp],
     convergence: Verdict,
     self_exits: &[SelfExit],
+    nemesis_records: &[Value],
 ) -> BTreeMap<String, Verdict> {
     let mut verdicts = BTreeMap::new();
     verdicts.insert("exactly-once".to_string(), checks::exactly_once(reqs, finals));
@@ -92,9 +101,10 @@ fn verdicts(
     verdicts.insert("status".to_string(), checks::status(reqs));
     verdicts.insert("liveness".to_string(), checks::liveness(reqs));
     verdicts.insert("convergence".to_string(), convergence);
+    verdicts.insert("lease-time".to_string(), checks::lease_time(decoder_ops, cfg.lease_ms));
     verdicts.insert(
         "processes".to_string(),
-        checks::processes(self_exits, cfg.decoder1_failpoints.is_some()),
+        checks::processes(self_exits, cfg.decoder1_failpoints.is_some(), nemesis_records),
     );
     verdicts
 }

@@ -56,6 +56,12 @@ pub enum Plant {
     /// Log nodes' Watch shows records of proposed, uncommitted appends
     /// (TOKENLOG_PLANT_EARLY_VISIBILITY=1).
     EarlyVisibility,
+    /// The leader stamps log time with its wall clock as it is, unbounded
+    /// (TOKENLOG_PLANT_UNBOUNDED_CLOCK=1; issue 11 bug 5). Caught with the `clock` nemesis.
+    UnboundedClock,
+    /// A decoder whose model step fails keeps renewing its leases and keeps running
+    /// (TOKENLOG_PLANT_ZOMBIE_DECODER=1; issue 11 bug 1). Caught with the `model-error` nemesis.
+    Zombie,
 }
 
 #[derive(Clone, Debug)]
@@ -86,6 +92,8 @@ pub struct RunConfig {
     /// Start only decoder 1 with the cluster; the scenario starts the others (so that decoder 1
     /// owns the first generation).
     pub standby_later: bool,
+    /// How long nodes keep finished generations (`--retention-ms`).
+    pub retention_ms: u64,
 }
 
 impl RunConfig {
@@ -108,7 +116,25 @@ impl RunConfig {
             decoder1_failpoints: None,
             snapshot_every: 500,
             standby_later: false,
+            retention_ms: tokenlog_raftlog::limits::RETENTION_MS_DEFAULT,
         }
+    }
+
+    /// A stress configuration drawn from the seed (issue 11): snapshots every 20-500 entries,
+    /// retention 2-5 s (finished generations pruned while the run goes on), leases of
+    /// 300-2,000 ms, so snapshot build and install, pruning and lease edges happen many times
+    /// per run. Returns what it drew, for the run's summary.
+    pub fn stress(&mut self) -> String {
+        use rand::{Rng, SeedableRng};
+        // A stream of its own, so the nemesis schedule of a seed does not change with it.
+        let mut rng = rand::rngs::StdRng::seed_from_u64(self.seed ^ 0x0057_5245_5353);
+        self.snapshot_every = rng.random_range(20..=500);
+        self.retention_ms = rng.random_range(2_000..=5_000);
+        self.lease_ms = rng.random_range(300..=2_000);
+        format!(
+            "snapshot every {} entries, retention {} ms, lease {} ms",
+            self.snapshot_every, self.retention_ms, self.lease_ms
+        )
     }
 }
 

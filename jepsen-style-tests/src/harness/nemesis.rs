@@ -34,10 +34,16 @@ pub enum Fault {
     /// A network partition between log nodes (leader isolated, a random node cut off from the
     /// other two, or a bridge where two nodes only see the third), then healed. Needs --netns.
     Partition,
+    /// A log node's wall clock (the leader half the time) jumps forward or back by up to 5 s,
+    /// or drifts, for a while, then returns (the node's test clock hook).
+    Clock,
+    /// A decoder's model step fails (an error or a panic, failpoint): the process must exit
+    /// non-zero at once, its leases lapse and another decoder continues. Restarted after.
+    ModelError,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 8] = [
+    pub const ALL: [Fault; 10] = [
         Fault::KillNode,
         Fault::PauseNode,
         Fault::KillDecoder,
@@ -46,6 +52,8 @@ impl Fault {
         Fault::WipeNode,
         Fault::RestartAll,
         Fault::Partition,
+        Fault::Clock,
+        Fault::ModelError,
     ];
 
     pub fn name(self) -> &'static str {
@@ -58,6 +66,8 @@ impl Fault {
             Fault::WipeNode => "wipe-node",
             Fault::RestartAll => "restart-all",
             Fault::Partition => "partition",
+            Fault::Clock => "clock",
+            Fault::ModelError => "model-error",
         }
     }
 }
@@ -67,6 +77,8 @@ pub struct Procs {
     pub node_dirs: Vec<PathBuf>,
     pub gateways: Vec<Proc>,
     pub decoders: Vec<Proc>,
+    /// The run's directory (the `clock` nemesis's skew files).
+    pub dir: PathBuf,
     /// Last, so that it is torn down after the processes are gone.
     pub net: Option<super::net::Netns>,
 }
@@ -151,8 +163,102 @@ async fn inject(
         Fault::WipeNode => wipe_node(procs, rng).await,
         Fault::Partition => partition(procs, leader, rng).await,
         Fault::RestartAll => restart_all(procs, rng).await,
+        Fault::Clock => clock(procs, leader, rng).await,
+        Fault::ModelError => model_error(procs, rng).await,
     }
 }
+
+/// `Clock`: a node's wall clock (the leader half the time) jumps by up to ±5 s, or drifts by up
+/// to ±2 s per second, for 1-3 s; then it is set right again (a jump back).
+async fn clock(procs: &Mutex<Procs>, leader: &Mutex<Option<usize>>, rng: &mut StdRng) -> anyhow::Result<String> {
+    let (n, dir) = {
+        let p = procs.lock().expect("lock");
+        (p.nodes.len(), p.dir.clone())
+    };
+    let i = match *leader.lock().expect("lock") {
+        Some(l) if rng.random_bool(0.5) => l,
+        _ => rng.random_range(0..n),
+    };
+    let file = super::cluster::skew_file(&dir, i);
+    let hold = ms(rng, 1000, 3000);
+    let target = if rng.random_bool(0.5) {
+        let jump: i64 = rng.random_range(1_000..=5_000) * if rng.random_bool(0.5) { 1 } else { -1 };
+        std::fs::write(&file, jump.to_string())?;
+        tokio::time::sleep(hold).await;
+        format!("node{}: jump {jump:+} ms for {} ms", i + 1, hold.as_millis())
+    } else {
+        let per_s: i64 = rng.random_range(200..=2_000) * if rng.random_bool(0.5) { 1 } else { -1 };
+        let started = Instant::now();
+        while started.elapsed() < hold {
+            let skew = per_s * started.elapsed().as_millis() as i64 / 1_000;
+            std::fs::write(&file, skew.to_string())?;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        format!("node{}: drift {per_s:+} ms/s for {} ms", i + 1, hold.as_millis())
+    };
+    std::fs::write(&file, "0")?;
+    Ok(target)
+}
+
+/// `ModelError`: a decoder restarted with a failpoint that makes its model step fail (an error
+/// or a panic) at a token soon; it must exit with status 1 (the exit is expected, not a crash);
+/// then it is started again without the failpoint.
+async fn model_error(procs: &Mutex<Procs>, rng: &mut StdRng) -> anyhow::Result<String> {
+    let n = procs.lock().expect("lock").decoders.len();
+    let i = rng.random_range(0..n);
+    let seq: u32 = rng.random_range(1..8);
+    let failpoint = if rng.random_bool(0.5) {
+        "model-error"
+    } else {
+        "model-panic"
+    };
+    let spec = format!("{failpoint}={seq}");
+    let fired_before = |p: &Proc| p.log_text().matches("failpoint fired").count();
+    let (name, before) = {
+        let mut p = procs.lock().expect("lock");
+        let before = fired_before(&p.decoders[i]);
+        p.decoders[i].start_failing(&[(super::FAILPOINTS_ENV, &spec)], 1)?;
+        (p.decoders[i].name.clone(), before)
+    };
+    // Wait for the failure (a new generation reaches the token soon), then restart.
+    let started = Instant::now();
+    let (mut exited, mut fired) = (false, false);
+    while started.elapsed() < MODEL_ERROR_EXIT_WITHIN {
+        {
+            let mut p = procs.lock().expect("lock");
+            fired = fired_before(&p.decoders[i]) > before;
+            exited = p.decoders[i].exited().is_some();
+        }
+        if exited {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let target = format!(
+        "{name}: {spec}, {}",
+        match (fired, exited) {
+            (_, true) => "exited",
+            (true, false) => "KEPT RUNNING after its model step failed",
+            (false, false) => "did not reach the token",
+        }
+    );
+    let mut p = procs.lock().expect("lock");
+    if fired && !exited {
+        // A process that outlives its failed worker holds its leases forever: a violation the
+        // `processes` checker reports from this record. Killed, so the run can still end.
+        p.decoders[i].kill9();
+        p.decoders[i].start()?;
+        return Ok(format!("{target} {LINGERED}"));
+    }
+    p.decoders[i].start()?;
+    Ok(target)
+}
+
+/// How long a decoder whose model step failed may take to exit.
+const MODEL_ERROR_EXIT_WITHIN: Duration = Duration::from_secs(8);
+
+/// Marks a `model-error` record whose decoder did not exit after its model step failed.
+pub const LINGERED: &str = "[lingered]";
 
 /// `KillNode` or `PauseNode`: a log node (the leader half the time) killed and restarted, or
 /// paused and continued.

@@ -43,6 +43,8 @@ pub struct SelfExit {
     /// The exit code; `None` when a signal ended it.
     pub code: Option<i32>,
     pub status: String,
+    /// A nemesis made this incarnation fail on purpose and expected exactly this exit.
+    pub meant: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -72,6 +74,10 @@ pub struct Proc {
     pub self_exits: Vec<SelfExit>,
     /// The address to wait for after a start (gRPC port).
     pub ready_addr: Option<String>,
+    /// `(incarnation, exit code)` a nemesis made fail on purpose.
+    expected_exits: Vec<(u32, i32)>,
+    /// Environment of the next incarnation only (a nemesis's failpoint).
+    next_env: Vec<(String, String)>,
 }
 
 impl Proc {
@@ -89,7 +95,18 @@ impl Proc {
             incarnation: 0,
             self_exits: vec![],
             ready_addr: None,
+            expected_exits: vec![],
+            next_env: vec![],
         }
+    }
+
+    /// Starts the next incarnation with `env` added, expecting it to exit on its own with
+    /// `code` (a failpoint a nemesis arms).
+    pub fn start_failing(&mut self, env: &[(&str, &str)], code: i32) -> Result<()> {
+        self.kill9();
+        self.next_env = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        self.expected_exits.push((self.incarnation + 1, code));
+        self.start()
     }
 
     pub fn env(mut self, k: &str, v: &str) -> Proc {
@@ -100,6 +117,11 @@ impl Proc {
     pub fn first_env(mut self, k: &str, v: &str) -> Proc {
         self.first_env.push((k.into(), v.into()));
         self
+    }
+
+    /// What the process wrote to its log (stderr) so far, all incarnations.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
     /// The child's process id, while it runs.
@@ -115,11 +137,16 @@ impl Proc {
     /// Records the exit of a child that ended on its own, and forgets the child.
     fn note_exit(&mut self) {
         if let Some(st) = self.exited() {
+            let meant = self
+                .expected_exits
+                .iter()
+                .any(|&(inc, code)| inc == self.incarnation && st.code() == Some(code));
             self.self_exits.push(SelfExit {
                 name: self.name.clone(),
                 incarnation: self.incarnation,
                 code: st.code(),
                 status: st.to_string(),
+                meant,
             });
         }
         self.child = None;
@@ -145,9 +172,16 @@ impl Proc {
             .open(&self.log)
             .with_context(|| format!("{}", self.log.display()))?;
         let first: &[(String, String)] = if self.incarnation == 1 { &self.first_env } else { &[] };
+        let once = std::mem::take(&mut self.next_env);
         let child = Command::new(&self.bin)
             .args(&args)
-            .envs(self.env.iter().chain(first).map(|(k, v)| (k.as_str(), v.as_str())))
+            .envs(
+                self.env
+                    .iter()
+                    .chain(first)
+                    .chain(&once)
+                    .map(|(k, v)| (k.as_str(), v.as_str())),
+            )
             .env("RUST_LOG", "info,openraft=warn")
             .stdout(Stdio::null())
             .stderr(log)

@@ -22,6 +22,9 @@ struct IndexKey {
     state: GenState,
     /// Non-terminal and no record yet: the log time `Tick` fails it at.
     deadline_log_ms: Option<u64>,
+    /// Non-terminal with records: the log time `Tick` fails it at if nobody owns it by then,
+    /// derived from the (possibly lagging, so never later) claimable entry.
+    unowned_log_ms: Option<u64>,
     /// Terminal: when it finished (retention counts from here).
     finished_log_ms: Option<u64>,
     /// Non-terminal: the log time from which it can be acquired (0 = unowned; else the lease's
@@ -41,6 +44,13 @@ impl IndexKey {
                 k.claimable_log_ms = Some(old);
             }
         }
+        k.unowned_log_ms = match k.claimable_log_ms {
+            Some(c) if !g.records.is_empty() => {
+                let lease_end = if c > 0 { c } else { g.lease.expiry_log_ms };
+                Some(lease_end.saturating_add(g.unowned_ms))
+            }
+            _ => None,
+        };
         k
     }
 
@@ -50,6 +60,7 @@ impl IndexKey {
         IndexKey {
             state: g.state,
             deadline_log_ms: (live && g.records.is_empty()).then_some(g.deadline_log_ms),
+            unowned_log_ms: None,
             finished_log_ms: (!live).then_some(g.finished_log_ms),
             claimable_log_ms: live.then_some(if owned { g.lease.expiry_log_ms } else { 0 }),
             epoch: g.lease.epoch,
@@ -66,6 +77,8 @@ pub struct Indexes {
     keys: HashMap<GenerationId, IndexKey>,
     /// Non-terminal generations without a record, by deadline: what `Tick` may fail.
     pub(super) deadlines: BTreeSet<(u64, GenerationId)>,
+    /// Non-terminal generations with records, by the time they fail if nobody owns them.
+    pub(super) unowned: BTreeSet<(u64, GenerationId)>,
     /// Terminal generations by finish time: what retention prunes, oldest first.
     pub(super) finished: BTreeSet<(u64, GenerationId)>,
     /// Non-terminal generations per model, by the log time from which they can be acquired.
@@ -82,6 +95,9 @@ impl Indexes {
     fn unfile(&mut self, id: GenerationId, k: IndexKey, model: &ModelIdentity) {
         if let Some(d) = k.deadline_log_ms {
             self.deadlines.remove(&(d, id));
+        }
+        if let Some(u) = k.unowned_log_ms {
+            self.unowned.remove(&(u, id));
         }
         if let Some(f) = k.finished_log_ms {
             self.finished.remove(&(f, id));
@@ -101,6 +117,9 @@ impl Indexes {
     fn file(&mut self, id: GenerationId, k: IndexKey, model: &ModelIdentity) {
         if let Some(d) = k.deadline_log_ms {
             self.deadlines.insert((d, id));
+        }
+        if let Some(u) = k.unowned_log_ms {
+            self.unowned.insert((u, id));
         }
         if let Some(f) = k.finished_log_ms {
             self.finished.insert((f, id));
@@ -173,13 +192,14 @@ impl LogState {
         let counted: u64 = ix.by_state.iter().sum();
         assert_eq!(counted, self.generations.len() as u64, "state counts");
         let claimable: usize = ix.claimable.values().map(BTreeSet::len).sum();
-        let filed = ix.deadlines.len() + ix.finished.len() + claimable;
+        let filed = ix.deadlines.len() + ix.unowned.len() + ix.finished.len() + claimable;
         let mut expected = 0;
         for g in self.generations.values() {
             let current = ix.keys.get(&g.id).copied();
             let k = IndexKey::next(g, current.as_ref());
             assert_eq!(current, Some(k), "generation {} is filed under a stale key", g.id);
             expected += usize::from(k.deadline_log_ms.is_some())
+                + usize::from(k.unowned_log_ms.is_some())
                 + usize::from(k.finished_log_ms.is_some())
                 + usize::from(k.claimable_log_ms.is_some());
         }

@@ -161,6 +161,15 @@ pub fn validate_binding(b: &Binding) -> Result<(), Rejection> {
             format!("deadline_ms is {}, the limit is {DEADLINE_MS_MAX}", b.deadline_ms),
         ));
     }
+    if b.unowned_ms != 0 && !(LEASE_MS_MIN..=UNOWNED_MS_MAX).contains(&b.unowned_ms) {
+        return Err(reject(
+            RejectReason::Invalid,
+            format!(
+                "unowned_ms is {}, it must be 0 (the default) or in {LEASE_MS_MIN}..={UNOWNED_MS_MAX}",
+                b.unowned_ms
+            ),
+        ));
+    }
     let s = &b.sampling;
     let finite = [
         s.temperature,
@@ -358,6 +367,10 @@ impl LogState {
             finish_detail: String::new(),
             submitted_log_ms: self.log_ms,
             deadline_log_ms: self.log_ms + deadline_ms,
+            unowned_ms: match binding.unowned_ms {
+                0 => UNOWNED_MS_DEFAULT,
+                ms => ms,
+            },
             finished_log_ms: 0,
             grants: Vec::new(),
         };

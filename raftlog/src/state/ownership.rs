@@ -60,6 +60,11 @@ impl LogState {
             expiry_log_ms: now + lease_ms,
         };
         g.state = GenState::Running;
+        // The audit trail keeps the newest grants only: a generation taken over again and again
+        // does not grow without bound (every grant is one epoch, so takeovers = epoch - 1).
+        if g.grants.len() >= GRANTS_KEPT_MAX {
+            g.grants.remove(0);
+        }
         g.grants.push(Grant {
             epoch,
             owner: decoder.to_string(),

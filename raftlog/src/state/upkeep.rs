@@ -69,6 +69,21 @@ impl LogState {
             changes.touch(id);
             failed += 1;
         }
+        for id in self.unowned_due(now) {
+            let g = self.generations.get_mut(&id).expect("indexed generations exist");
+            let detail = format!(
+                "no decoder owned it for {} ms after the lease of epoch {} ended at log time {}; \
+                 its {} committed records stay readable",
+                g.unowned_ms,
+                g.lease.epoch,
+                g.lease.expiry_log_ms,
+                g.records.len()
+            );
+            terminate(g, FinishReason::Error, &detail, now);
+            self.index.refile(g);
+            changes.touch(id);
+            failed += 1;
+        }
         let expired: Vec<GenerationId> = self.retention_due(now, retention_ms).collect();
         let mut gone = Vec::with_capacity(expired.len());
         for id in &expired {
@@ -132,6 +147,20 @@ impl LogState {
             .collect()
     }
 
+    /// Generations with records that nobody has owned for their `unowned_ms` at `now` (the
+    /// index entry may come up early by the claimable lag: the exact deadline decides).
+    fn unowned_due(&self, now: u64) -> Vec<GenerationId> {
+        self.index
+            .unowned
+            .range(..(now + 1, 0))
+            .map(|&(_, id)| id)
+            .filter(|id| {
+                let g = &self.generations[id];
+                !g.lease_live(now) && g.unowned_deadline_log_ms().is_some_and(|d| d <= now)
+            })
+            .collect()
+    }
+
     /// Terminal generations finished at least `retention_ms` before `now`, oldest first.
     fn retention_due(&self, now: u64, retention_ms: u64) -> impl Iterator<Item = GenerationId> + '_ {
         // Retention 0 prunes every terminal generation, even one finished at a log time past
@@ -148,6 +177,7 @@ impl LogState {
     pub fn tick_due(&self, now: u64, retention_ms: u64) -> bool {
         self.index.decoder_expiry.first().is_some_and(|(t, _)| *t <= now)
             || !self.deadline_due(now).is_empty()
+            || !self.unowned_due(now).is_empty()
             || self.retention_due(now, retention_ms).next().is_some()
     }
 

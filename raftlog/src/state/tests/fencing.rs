@@ -421,3 +421,22 @@ fn prompt_text_is_bound_once_before_records() {
         "{r:?}"
     );
 }
+
+/// Issue 11 bug 8: a generation taken over again and again keeps a bounded audit trail (the
+/// newest grants), and its takeover count stays exact.
+#[test]
+fn grants_are_bounded_and_takeovers_stay_exact() {
+    let mut t = T::new();
+    let g = t.submit(0, "churn");
+    let n = GRANTS_KEPT_MAX as u64 + 5;
+    for i in 0..n {
+        let v = t.acquire(i * (LEASE + 1), g, &format!("d{i}")).unwrap();
+        assert_eq!(v.lease.epoch, i + 1);
+    }
+    let gen = t.gen(g);
+    assert_eq!(gen.grants.len(), GRANTS_KEPT_MAX);
+    assert_eq!(gen.takeovers(), n - 1);
+    assert_eq!(gen.grants.last().unwrap().epoch, n, "the newest grant is kept");
+    assert_eq!(gen.grants[0].epoch, n - GRANTS_KEPT_MAX as u64 + 1);
+    assert_eq!(t.s.index.takeovers(), n - 1);
+}

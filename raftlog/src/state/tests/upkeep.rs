@@ -247,3 +247,78 @@ fn a_new_leader_keeps_every_live_lease_the_time_it_had_left() {
         RejectReason::LeaseExpired
     );
 }
+
+/// Issue 11 bug 3: a generation with records whose owner is gone, and that no decoder takes,
+/// ends FAILED once its unowned deadline passes (bound at submit); its prefix stays readable.
+#[test]
+fn a_generation_with_records_and_no_live_owner_fails_after_its_unowned_deadline() {
+    let mut t = T::new();
+    let g = t.submit(0, "orphan");
+    t.acquire(0, g, "d").unwrap();
+    t.append(10, g, "d", 1, 0, &[7, 8, 9]).unwrap();
+    let expiry = t.gen(g).lease.expiry_log_ms;
+    // Long after the owner's lease lapsed and every submit deadline passed: nobody took it.
+    let late = expiry + 2 * DEADLINE_MS_MAX;
+    assert!(t.s.tick_due(late, RETENTION_MS_DEFAULT), "the orphan must be due");
+    assert_eq!(
+        t.at(
+            late,
+            Command::Tick {
+                retention_ms: RETENTION_MS_DEFAULT
+            }
+        ),
+        Response::Ticked { failed: 1, pruned: 0 }
+    );
+    let gen = t.gen(g);
+    assert_eq!(gen.state, GenState::Failed);
+    assert_eq!(gen.finish_reason, Some(FinishReason::Error));
+    assert!(gen.finish_detail.contains("no decoder"), "{}", gen.finish_detail);
+    assert_eq!(gen.frontier(), 3, "the committed prefix stays");
+}
+/// The unowned deadline counts from the end of the last lease, not from submit: a generation
+/// owned and written for longer than its unowned time stays, and a renewed one is never due.
+#[test]
+fn the_unowned_deadline_counts_from_the_last_lease_end() {
+    let mut t = T::new();
+    let mut b = binding();
+    b.unowned_ms = 5_000;
+    let Response::Submitted { generation, .. } = t.at(
+        0,
+        Command::Submit {
+            tenant: "a".into(),
+            request_id: "long".into(),
+            binding: b,
+        },
+    ) else {
+        panic!()
+    };
+    let g = generation.id;
+    assert_eq!(t.gen(g).binding.unowned_ms, 5_000);
+    t.acquire(0, g, "d").unwrap();
+    // Written for 7.5 s (longer than its unowned time), each append renewing the lease.
+    for (i, at) in (0..15u32).zip((500..).step_by(500)) {
+        t.append(at, g, "d", 1, i, &[i]).unwrap();
+    }
+    let expiry = t.gen(g).lease.expiry_log_ms;
+    assert!(!t.s.tick_due(expiry + 4_999, RETENTION_MS_DEFAULT));
+    // Another decoder takes it over in time: the deadline moves with its lease.
+    t.acquire(expiry + 4_000, g, "e").unwrap();
+    let expiry = t.gen(g).lease.expiry_log_ms;
+    assert!(!t.s.tick_due(expiry + 4_999, RETENTION_MS_DEFAULT));
+    assert!(t.s.tick_due(expiry + 5_000, RETENTION_MS_DEFAULT));
+    // A submit that asks for an unowned time shorter than a lease is refused.
+    let mut bad = binding();
+    bad.unowned_ms = LEASE_MS_MIN - 1;
+    let r = t.at(
+        1,
+        Command::Submit {
+            tenant: "a".into(),
+            request_id: "bad".into(),
+            binding: bad,
+        },
+    );
+    assert!(
+        matches!(r, Response::Ownership(Err(ref j)) if j.reason == RejectReason::Invalid),
+        "{r:?}"
+    );
+}
