@@ -53,6 +53,9 @@ impl Verdict {
     }
 }
 
+/// Generations read right after their request's last event, by id (shared by the clients).
+pub type AtFinish = std::sync::Arc<std::sync::Mutex<HashMap<u64, FinalGen>>>;
+
 /// A generation's final committed records: (token, epoch) per seq, and whether it is terminal.
 #[derive(Clone, Debug, Default)]
 pub struct FinalGen {

@@ -84,6 +84,7 @@ pub async fn start_cluster(cfg: &RunConfig) -> Result<Cluster> {
         leader,
         faults,
         leader_changes,
+        at_finish: Default::default(),
         stop_watcher: stop_tx,
         watcher,
         started,

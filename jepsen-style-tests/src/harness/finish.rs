@@ -30,6 +30,7 @@ pub async fn conclude(
         node_addrs,
         log,
         leader_changes,
+        at_finish,
         stop_watcher,
         watcher,
         started,
@@ -39,7 +40,7 @@ pub async fn conclude(
     let _ = stop_watcher.send(true);
     let _ = watcher.await;
     // --- final state
-    let finals = final_gens(&log, &reqs).await?;
+    let (finals, pruned) = final_gens(&log, &reqs, &at_finish).await?;
     let convergence = convergence(&node_addrs).await;
     let decoder_ops = decoder_ops::read(&dir, cfg.decoders);
     let self_exits = procs.lock().expect("lock").stop_all();
@@ -57,29 +58,41 @@ pub async fn conclude(
     );
     let faults = fault_counts(&nemesis_records);
     let leader_changes = leader_changes.lock().expect("lock").clone();
-    let summary = summarize(cfg, verdicts, faults, &reqs, &leader_changes, &decoder_ops, started);
+    let mut summary = summarize(cfg, verdicts, faults, &reqs, &leader_changes, &decoder_ops, started);
+    summary.pruned = pruned;
 
     // --- report
     write_report(&dir, &summary, &reqs, &nemesis_records, &leader_changes, &decoder_ops)?;
     Ok((summary, decoder_ops))
 }
 
-/// The final state of every generation a client saw (one gone from the log is left out).
-async fn final_gens(log: &LogClient, reqs: &[RequestRecord]) -> Result<HashMap<u64, FinalGen>> {
+/// The final state of every generation a client saw. One that retention pruned is taken as read
+/// right after its last event (`at_finish`; counted in the second value); one gone from the log
+/// without such a read is left out, and the checkers report it.
+async fn final_gens(
+    log: &LogClient,
+    reqs: &[RequestRecord],
+    at_finish: &checks::AtFinish,
+) -> Result<(HashMap<u64, FinalGen>, u64)> {
     let mut finals = HashMap::new();
+    let mut pruned = 0;
     for r in reqs {
         if r.generation != 0 && !finals.contains_key(&r.generation) {
             match final_gen(log, r.generation).await {
                 Ok(f) => {
                     finals.insert(r.generation, f);
                 }
-                // A generation a client saw is gone from the log: the checkers report it.
-                Err(e) if is_not_found(&e) => {}
+                Err(e) if is_not_found(&e) => {
+                    if let Some(f) = at_finish.lock().expect("lock").get(&r.generation) {
+                        finals.insert(r.generation, f.clone());
+                        pruned += 1;
+                    }
+                }
                 Err(e) => return Err(e),
             }
         }
     }
-    Ok(finals)
+    Ok((finals, pruned))
 }
 
 /// Runs every checker; `convergence` was judged while the nodes ran.
@@ -145,6 +158,7 @@ fn summarize(
             .filter(|o| matches!(o.rejection(), Some((_, Some(1) | Some(2)))))
             .count() as u64,
         leader_changes: leader_changes.len().saturating_sub(1) as u64,
+        pruned: 0,
         faults,
         decoder_ops: decoder_ops.len(),
         verdicts,
@@ -192,7 +206,7 @@ fn is_not_found(e: &anyhow::Error) -> bool {
 }
 
 /// The committed records of a generation (up to its frontier now), read linearizably.
-async fn final_gen(log: &LogClient, id: u64) -> Result<FinalGen> {
+pub(super) async fn final_gen(log: &LogClient, id: u64) -> Result<FinalGen> {
     let info = log
         .get(pb::GetRequest {
             generation_id: id,

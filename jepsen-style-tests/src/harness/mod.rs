@@ -149,6 +149,9 @@ pub struct RunSummary {
     pub takeovers: u64,
     pub fence_rejections: u64,
     pub leader_changes: u64,
+    /// Generations retention pruned before the end of the run (checked against the log as read
+    /// right after their last event).
+    pub pruned: u64,
     pub faults: BTreeMap<String, u64>,
     pub decoder_ops: usize,
     pub seconds: f64,
@@ -182,7 +185,7 @@ pub fn summary_line(s: &RunSummary) -> String {
         .collect();
     let faults: Vec<String> = s.faults.iter().map(|(k, n)| format!("{k}x{n}")).collect();
     format!(
-        "seed {}: {} | {} requests, {} tokens seen, {} resumes, {} takeovers, {} fence rejections, {} leader changes, faults [{}], {} decoder ops, {:.0} s",
+        "seed {}: {} | {} requests, {} tokens seen, {} resumes, {} takeovers, {} fence rejections, {} leader changes, {} pruned, faults [{}], {} decoder ops, {:.0} s",
         s.seed,
         verdicts.join(", "),
         s.requests,
@@ -191,6 +194,7 @@ pub fn summary_line(s: &RunSummary) -> String {
         s.takeovers,
         s.fence_rejections,
         s.leader_changes,
+        s.pruned,
         faults.join(" "),
         s.decoder_ops,
         s.seconds
@@ -208,6 +212,9 @@ pub struct Cluster {
     /// The faults the run may use (partition left out without network namespaces).
     pub faults: Vec<Fault>,
     leader_changes: Arc<Mutex<Vec<Value>>>,
+    /// Each finished request's generation as read from the log right after its last event: what
+    /// the checkers use for a generation that retention pruned before the end of the run.
+    pub at_finish: checks::AtFinish,
     stop_watcher: tokio::sync::watch::Sender<bool>,
     watcher: tokio::task::JoinHandle<()>,
     started: Instant,
@@ -227,6 +234,7 @@ pub async fn run(cfg: &RunConfig) -> Result<RunSummary> {
             cfg.max_tokens,
             stop_new_rx.clone(),
             records.clone(),
+            (cluster.log.clone(), cluster.at_finish.clone()),
         )));
     }
     eprintln!(
