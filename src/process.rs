@@ -80,15 +80,17 @@ pub fn planted_faults() -> anyhow::Result<tokenlog_raftlog::faults::Faults> {
         on("TOKENLOG_PLANT_ACK_BEFORE_FSYNC"),
         on("TOKENLOG_PLANT_EARLY_VISIBILITY"),
         on("TOKENLOG_PLANT_UNBOUNDED_CLOCK"),
+        on("TOKENLOG_PLANT_NO_UNOWNED_DEADLINE"),
     ];
     #[cfg(feature = "faults")]
     {
-        let [no_fence, ack_before_fsync, early_visibility, unbounded_clock] = asked;
+        let [no_fence, ack_before_fsync, early_visibility, unbounded_clock, no_unowned_deadline] = asked;
         Ok(tokenlog_raftlog::faults::Faults {
             no_fence,
             ack_before_fsync,
             early_visibility,
             unbounded_clock,
+            no_unowned_deadline,
         })
     }
     #[cfg(not(feature = "faults"))]

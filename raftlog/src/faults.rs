@@ -10,6 +10,8 @@
 //! - `ack_before_fsync`: appends are acknowledged before the WAL fsync, and written WAL data is
 //!   kept in the process, so kill -9 acts as a power cut (durability);
 //! - `early_visibility`: Watch shows records of proposed, uncommitted appends (exactly-once);
+//! - `no_unowned_deadline`: `Tick` never fails a generation with records that nobody owns (issue
+//!   11 bug 3: its clients wait forever once every compatible decoder is gone);
 //! - `unbounded_clock`: the leader stamps log time with its wall clock as it is (issue 11 bug 5:
 //!   a clock that jumps ahead expires every lease; the `clock` nemesis).
 
@@ -24,6 +26,8 @@ pub struct Faults {
     pub early_visibility: bool,
     #[cfg(feature = "faults")]
     pub unbounded_clock: bool,
+    #[cfg(feature = "faults")]
+    pub no_unowned_deadline: bool,
 }
 
 impl Faults {
@@ -62,6 +66,14 @@ impl Faults {
         false
     }
 
+    #[inline]
+    pub fn no_unowned_deadline(self) -> bool {
+        #[cfg(feature = "faults")]
+        return self.no_unowned_deadline;
+        #[cfg(not(feature = "faults"))]
+        false
+    }
+
     /// The names of the planted bugs that are on (for the start-up warning).
     pub fn names(self) -> Vec<&'static str> {
         [
@@ -69,6 +81,7 @@ impl Faults {
             (self.ack_before_fsync(), "ack-before-fsync"),
             (self.early_visibility(), "early-visibility"),
             (self.unbounded_clock(), "unbounded-clock"),
+            (self.no_unowned_deadline(), "no-unowned-deadline"),
         ]
         .into_iter()
         .filter_map(|(on, name)| on.then_some(name))

@@ -126,8 +126,12 @@ impl RunConfig {
     /// per run. Returns what it drew, for the run's summary.
     pub fn stress(&mut self) -> String {
         use rand::{Rng, SeedableRng};
-        // A stream of its own, so the nemesis schedule of a seed does not change with it.
-        let mut rng = rand::rngs::StdRng::seed_from_u64(self.seed ^ 0x0057_5245_5353);
+        // A stream of its own (the seed mixed by splitmix64), so the nemesis schedule of a seed
+        // does not change with it.
+        let mut z = self.seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(z ^ (z >> 31));
         self.snapshot_every = rng.random_range(20..=500);
         self.retention_ms = rng.random_range(2_000..=5_000);
         self.lease_ms = rng.random_range(300..=2_000);

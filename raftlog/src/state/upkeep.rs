@@ -150,6 +150,9 @@ impl LogState {
     /// Generations with records that nobody has owned for their `unowned_ms` at `now` (the
     /// index entry may come up early by the claimable lag: the exact deadline decides).
     fn unowned_due(&self, now: u64) -> Vec<GenerationId> {
+        if self.faults.no_unowned_deadline() {
+            return Vec::new();
+        }
         self.index
             .unowned
             .range(..(now + 1, 0))

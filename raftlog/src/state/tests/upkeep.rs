@@ -322,3 +322,25 @@ fn the_unowned_deadline_counts_from_the_last_lease_end() {
         "{r:?}"
     );
 }
+
+/// The planted `no_unowned_deadline` is the behaviour before the fix (only generations without
+/// a record had a deadline): there the orphan is never due and stays running forever, which is
+/// what the regression test above fails on.
+#[cfg(feature = "faults")]
+#[test]
+fn the_planted_missing_unowned_deadline_leaves_the_orphan_forever() {
+    let mut t = T::new();
+    t.s.faults.no_unowned_deadline = true;
+    let g = t.submit(0, "orphan");
+    t.acquire(0, g, "d").unwrap();
+    t.append(10, g, "d", 1, 0, &[7, 8, 9]).unwrap();
+    let late = t.gen(g).lease.expiry_log_ms + 2 * DEADLINE_MS_MAX;
+    assert!(!t.s.tick_due(late, RETENTION_MS_DEFAULT));
+    t.at(
+        late,
+        Command::Tick {
+            retention_ms: RETENTION_MS_DEFAULT,
+        },
+    );
+    assert!(!t.gen(g).state.is_terminal(), "{:?}", t.gen(g).state);
+}
