@@ -259,13 +259,30 @@ impl Worker {
 
     /// Runs until `stop` turns true; then waits for the appends in flight and releases every
     /// generation it holds.
-    pub async fn run(mut self, mut stop: tokio::sync::watch::Receiver<bool>) -> Result<(), WorkerError> {
+    pub async fn run(mut self, stop: tokio::sync::watch::Receiver<bool>) -> Result<(), WorkerError> {
         let renewer = AbortOnDrop(tokio::spawn(renew_loop(
             self.client.clone(),
             self.cfg.clone(),
             self.held.clone(),
             self.lost.clone(),
         )));
+        let result = self.serve(stop).await;
+        match &result {
+            Ok(()) => {
+                drop(renewer);
+                self.release_all().await;
+            }
+            // Planted bug `zombie`: a worker that failed on its own keeps renewing its leases.
+            Err(e) if self.cfg.zombie() && !matches!(e, WorkerError::Halted(_)) => std::mem::forget(renewer),
+            // Every other exit drops the renewer here: its leases lapse.
+            Err(_) => {}
+        }
+        result
+    }
+
+    /// The step loop of [`Worker::run`], until `stop` turns true (then the appends in flight are
+    /// awaited) or the worker fails.
+    async fn serve(&mut self, mut stop: tokio::sync::watch::Receiver<bool>) -> Result<(), WorkerError> {
         let mut last_poll = Instant::now() - Duration::from_secs(3600);
         let mut last_register = last_poll;
         while !*stop.borrow() {
@@ -280,24 +297,19 @@ impl Worker {
             self.drop_lost();
             let sampling = self.active.values().any(Active::can_sample);
             if sampling {
-                if let Err(e) = self.step().await {
-                    if self.cfg.zombie() {
-                        std::mem::forget(renewer);
-                    }
-                    return Err(e);
-                }
+                self.step().await?;
                 // A step may be slow: a renewal rejected meanwhile stops the generation before
                 // anything more is sent for it.
                 self.drop_lost();
                 if let Some(fired) = self.hooks.as_ref().and_then(|h| h.after_sample(&self.views())) {
-                    return self.halt(fired, renewer).await;
+                    return self.halt(fired).await;
                 }
             }
             // Wait for an answer when the window is full, or when there is nothing to compute.
             let wait = self.in_flight.len() >= APPENDS_IN_FLIGHT_MAX || !sampling;
             self.collect(wait).await;
             if let Some(fired) = self.hooks.as_ref().and_then(|h| h.before_send(&self.views())) {
-                return self.halt(fired, renewer).await;
+                return self.halt(fired).await;
             }
             let sent = self.send().await;
             if !sent && !sampling && self.in_flight.is_empty() {
@@ -311,8 +323,6 @@ impl Worker {
         while !self.in_flight.is_empty() && self.stream.is_some() {
             self.collect(true).await;
         }
-        drop(renewer);
-        self.release_all().await;
         Ok(())
     }
 
@@ -329,17 +339,14 @@ impl Worker {
             .collect()
     }
 
-    /// Stops as a fired hook says; always ends in [`WorkerError::Halted`].
-    async fn halt(&mut self, fired: Fired, renewer: AbortOnDrop) -> Result<(), WorkerError> {
+    /// Stops as a fired hook says: [`WorkerError::Halted`] as after a kill, or the model error
+    /// (or panic) it stands for.
+    async fn halt(&mut self, fired: Fired) -> Result<(), WorkerError> {
         self.fired(&fired);
-        if self.cfg.zombie() && matches!(fired.halt, Halt::ModelError | Halt::Panic) {
-            std::mem::forget(renewer);
-            return Self::halt_as(fired).await;
-        }
         if let Halt::AfterLateAppend(delay) = fired.halt {
-            // Gone silent: no renewal, no decoding; only the held message arrives late. It
-            // carries every unacknowledged token, as a re-send after a lost stream would.
-            drop(renewer);
+            // Gone silent: no renewal (the renewer renews only what is held), no decoding; only
+            // the held message arrives late. It carries every unacknowledged token, as a re-send
+            // after a lost stream would.
             self.held.lock().expect("lock").clear();
             self.close_stream("halted by a failpoint");
             tokio::time::sleep(delay).await;
@@ -778,36 +785,35 @@ impl Taker {
                 }
                 Ok(Some(active))
             }
-            Err(e) if !e.is_incompatibility() => {
-                // The log could not be reached or read for now (a follower that has not applied
-                // the submit yet, a partition, a leader change): not the generation's fault.
-                // Release it, for this or another decoder to take again.
-                self.held.lock().expect("lock").remove(&id);
-                let _ = self
-                    .client
-                    .release(pb::ReleaseRequest {
-                        generation_id: id,
-                        epoch,
-                    })
-                    .await;
-                self.stats.lock().expect("lock").released += 1;
-                Err(e)
-            }
             Err(e) => {
                 self.held.lock().expect("lock").remove(&id);
-                // The binding cannot be served here (prompt too long, bad prompt...): end it
-                // explicitly rather than leave it to time out (CONTRACT §5).
-                let detail = format!("decoder {} cannot continue: {e}", self.cfg.decoder_id);
-                let _ = self
-                    .client
-                    .finish(pb::FinishRequest {
-                        generation_id: id,
-                        epoch,
-                        reason: pb::FinishReason::Error as i32,
-                        detail,
-                    })
-                    .await;
-                self.stats.lock().expect("lock").failed += 1;
+                if e.is_incompatibility() {
+                    // The binding cannot be served here (prompt too long, bad prompt...): end it
+                    // explicitly rather than leave it to time out (CONTRACT §5).
+                    let detail = format!("decoder {} cannot continue: {e}", self.cfg.decoder_id);
+                    let _ = self
+                        .client
+                        .finish(pb::FinishRequest {
+                            generation_id: id,
+                            epoch,
+                            reason: pb::FinishReason::Error as i32,
+                            detail,
+                        })
+                        .await;
+                    self.stats.lock().expect("lock").failed += 1;
+                } else {
+                    // The log could not be reached or read for now (a follower that has not
+                    // applied the submit yet, a partition, a leader change): not the
+                    // generation's fault. Release it, for this or another decoder to take again.
+                    let _ = self
+                        .client
+                        .release(pb::ReleaseRequest {
+                            generation_id: id,
+                            epoch,
+                        })
+                        .await;
+                    self.stats.lock().expect("lock").released += 1;
+                }
                 Err(e)
             }
         }

@@ -178,20 +178,8 @@ impl TenantUse {
     /// Takes a `what` slot for `tenant`, or refuses (`Overloaded`) at `max`.
     pub fn take(&self, tenant: &str, what: Held, max: usize) -> Result<TenantSlot> {
         let mut held = self.held.lock().expect("lock");
-        let n = held.entry(tenant.to_string()).or_default();
-        if n[what as usize] >= max {
-            let noun = match what {
-                Held::Stream => "streams open",
-                Held::Submit => "submits in progress",
-            };
-            if n.iter().all(|&c| c == 0) {
-                held.remove(tenant);
-            }
-            return Err(GatewayError::Overloaded(format!(
-                "tenant {tenant:?} has {max} {noun} on this gateway (its limit); retry when one ends"
-            )));
-        }
-        n[what as usize] += 1;
+        room(&held, tenant, what, max)?;
+        held.entry(tenant.to_string()).or_default()[what as usize] += 1;
         Ok(TenantSlot {
             held: self.held.clone(),
             tenant: tenant.to_string(),
@@ -199,11 +187,31 @@ impl TenantUse {
         })
     }
 
+    /// Refuses as [`TenantUse::take`] would at `max`, without taking a slot.
+    pub fn check(&self, tenant: &str, what: Held, max: usize) -> Result<()> {
+        room(&self.held.lock().expect("lock"), tenant, what, max)
+    }
+
     /// What `tenant` holds now (streams, submits).
-    pub fn of(&self, tenant: &str) -> (usize, usize) {
+    #[cfg(test)]
+    fn of(&self, tenant: &str) -> (usize, usize) {
         let held = self.held.lock().expect("lock");
         held.get(tenant).map_or((0, 0), |n| (n[0], n[1]))
     }
+}
+
+/// `Overloaded` when `tenant` holds `max` of `what`.
+fn room(held: &HashMap<String, [usize; 2]>, tenant: &str, what: Held, max: usize) -> Result<()> {
+    if held.get(tenant).map_or(0, |n| n[what as usize]) < max {
+        return Ok(());
+    }
+    let noun = match what {
+        Held::Stream => "streams open",
+        Held::Submit => "submits in progress",
+    };
+    Err(GatewayError::Overloaded(format!(
+        "tenant {tenant:?} has {max} {noun} on this gateway (its limit); retry when one ends"
+    )))
 }
 
 /// One stream or submit of a tenant; dropping it gives the slot back.

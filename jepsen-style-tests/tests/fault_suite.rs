@@ -27,6 +27,25 @@ fn config(seed: u64) -> RunConfig {
     cfg
 }
 
+/// Runs `seeds` one after another, each configured by `setup`, until `caught` says a checker
+/// flagged the planted bug; that run's summary.
+async fn first_caught(
+    seeds: [u64; 3],
+    setup: impl Fn(&mut RunConfig),
+    caught: impl Fn(&harness::RunSummary) -> bool,
+) -> Option<harness::RunSummary> {
+    for seed in seeds {
+        let mut cfg = config(seed);
+        setup(&mut cfg);
+        let s = harness::run(&cfg).await.unwrap();
+        eprintln!("{}", harness::summary_line(&s));
+        if caught(&s) {
+            return Some(s);
+        }
+    }
+    None
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn seeded_runs_with_every_nemesis_show_no_violation() {
     for seed in [11, 12] {
@@ -60,20 +79,17 @@ async fn seeded_runs_with_every_nemesis_show_no_violation() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn planted_missing_epoch_fence_is_caught() {
-    let mut caught = None;
-    for seed in [21, 22, 23] {
-        let mut cfg = config(seed);
-        cfg.faults = vec![Fault::PauseDecoder];
-        cfg.clients = 8;
-        cfg.plant = Some(Plant::NoFence);
-        let s = harness::run(&cfg).await.unwrap();
-        eprintln!("{}", harness::summary_line(&s));
-        if !s.verdicts["fencing"].ok || !s.verdicts["linearizability"].ok {
-            caught = Some(s);
-            break;
-        }
-    }
-    let s = caught.expect("a paused decoder writing without the fence was never flagged in 3 seeds");
+    let s = first_caught(
+        [21, 22, 23],
+        |cfg| {
+            cfg.faults = vec![Fault::PauseDecoder];
+            cfg.clients = 8;
+            cfg.plant = Some(Plant::NoFence);
+        },
+        |s| !s.verdicts["fencing"].ok || !s.verdicts["linearizability"].ok,
+    )
+    .await
+    .expect("a paused decoder writing without the fence was never flagged in 3 seeds");
     // The bug is in fencing; the checks of what clients saw may still pass (the fake model's
     // stale writer produces the same tokens), which is why the fencing checkers exist.
     assert!(
@@ -126,19 +142,16 @@ async fn partitions_between_nodes_in_network_namespaces_show_no_violation() {
 /// is killed at once) must be caught by the durability checker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn planted_ack_before_fsync_is_caught_by_durability() {
-    let mut caught = None;
-    for seed in [41, 42, 43] {
-        let mut cfg = config(seed);
-        cfg.faults = vec![Fault::RestartAll];
-        cfg.plant = Some(Plant::AckBeforeFsync);
-        let s = harness::run(&cfg).await.unwrap();
-        eprintln!("{}", harness::summary_line(&s));
-        if !s.verdicts["durability"].ok {
-            caught = Some(s);
-            break;
-        }
-    }
-    let s = caught.expect("tokens lost with the unsynced WAL were never flagged in 3 seeds");
+    let s = first_caught(
+        [41, 42, 43],
+        |cfg| {
+            cfg.faults = vec![Fault::RestartAll];
+            cfg.plant = Some(Plant::AckBeforeFsync);
+        },
+        |s| !s.verdicts["durability"].ok,
+    )
+    .await
+    .expect("tokens lost with the unsynced WAL were never flagged in 3 seeds");
     assert!(!s.verdicts["durability"].ok);
 }
 
@@ -146,20 +159,17 @@ async fn planted_ack_before_fsync_is_caught_by_durability() {
 /// exactly-once checker: clients saw records the log never committed as shown.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn planted_visibility_before_commit_is_caught_by_exactly_once() {
-    let mut caught = None;
-    for seed in [51, 52, 53] {
-        let mut cfg = config(seed);
-        cfg.faults = vec![Fault::PauseDecoder, Fault::KillNode];
-        cfg.clients = 8;
-        cfg.plant = Some(Plant::EarlyVisibility);
-        let s = harness::run(&cfg).await.unwrap();
-        eprintln!("{}", harness::summary_line(&s));
-        if !s.verdicts["exactly-once"].ok {
-            caught = Some(s);
-            break;
-        }
-    }
-    let s = caught.expect("tokens shown before commit were never flagged in 3 seeds");
+    let s = first_caught(
+        [51, 52, 53],
+        |cfg| {
+            cfg.faults = vec![Fault::PauseDecoder, Fault::KillNode];
+            cfg.clients = 8;
+            cfg.plant = Some(Plant::EarlyVisibility);
+        },
+        |s| !s.verdicts["exactly-once"].ok,
+    )
+    .await
+    .expect("tokens shown before commit were never flagged in 3 seeds");
     assert!(!s.verdicts["exactly-once"].ok);
 }
 
@@ -168,19 +178,16 @@ async fn planted_visibility_before_commit_is_caught_by_exactly_once() {
 /// lease-time checker must flag.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn planted_unbounded_leader_clock_is_caught_by_lease_time() {
-    let mut caught = None;
-    for seed in [61, 62, 63] {
-        let mut cfg = config(seed);
-        cfg.faults = vec![Fault::Clock];
-        cfg.plant = Some(Plant::UnboundedClock);
-        let s = harness::run(&cfg).await.unwrap();
-        eprintln!("{}", harness::summary_line(&s));
-        if !s.verdicts["lease-time"].ok {
-            caught = Some(s);
-            break;
-        }
-    }
-    let s = caught.expect("leases cut short by a leader clock jump were never flagged in 3 seeds");
+    let s = first_caught(
+        [61, 62, 63],
+        |cfg| {
+            cfg.faults = vec![Fault::Clock];
+            cfg.plant = Some(Plant::UnboundedClock);
+        },
+        |s| !s.verdicts["lease-time"].ok,
+    )
+    .await
+    .expect("leases cut short by a leader clock jump were never flagged in 3 seeds");
     assert!(!s.verdicts["lease-time"].ok);
 }
 
@@ -189,19 +196,16 @@ async fn planted_unbounded_leader_clock_is_caught_by_lease_time() {
 /// flag the decoder that did not exit (and liveness the generations it holds).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn planted_zombie_decoder_is_caught_by_processes() {
-    let mut caught = None;
-    for seed in [71, 72, 73] {
-        let mut cfg = config(seed);
-        cfg.time = Duration::from_secs(10);
-        cfg.faults = vec![Fault::ModelError];
-        cfg.plant = Some(Plant::Zombie);
-        let s = harness::run(&cfg).await.unwrap();
-        eprintln!("{}", harness::summary_line(&s));
-        if !s.verdicts["processes"].ok {
-            caught = Some(s);
-            break;
-        }
-    }
-    let s = caught.expect("a decoder outliving its failed model step was never flagged in 3 seeds");
+    let s = first_caught(
+        [71, 72, 73],
+        |cfg| {
+            cfg.time = Duration::from_secs(10);
+            cfg.faults = vec![Fault::ModelError];
+            cfg.plant = Some(Plant::Zombie);
+        },
+        |s| !s.verdicts["processes"].ok,
+    )
+    .await
+    .expect("a decoder outliving its failed model step was never flagged in 3 seeds");
     assert!(!s.verdicts["processes"].ok);
 }

@@ -125,18 +125,7 @@ impl Cluster {
 
     /// Waits up to `within` for node `i` to exit on its own; its exit status, or None if it runs.
     pub fn wait_exit(&mut self, i: usize, within: Duration) -> Option<std::process::ExitStatus> {
-        let deadline = Instant::now() + within;
-        loop {
-            let c = self.procs[i].as_mut()?;
-            if let Some(st) = c.try_wait().unwrap() {
-                self.procs[i] = None;
-                return Some(st);
-            }
-            if Instant::now() >= deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_child(&mut self.procs[i], within)
     }
 
     /// Sends `sig` (`STOP`, `CONT`, ...) to node `i`.
@@ -290,18 +279,7 @@ impl Decoder {
     }
     /// Waits up to `within` for the process to exit on its own; its status, or None if it runs.
     pub fn wait_exit(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
-        let deadline = Instant::now() + within;
-        loop {
-            let c = self.child.as_mut()?;
-            if let Some(st) = c.try_wait().unwrap() {
-                self.child = None;
-                return Some(st);
-            }
-            if Instant::now() >= deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_child(&mut self.child, within)
     }
 }
 
@@ -431,4 +409,20 @@ pub fn http(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body
         .map(|(_, b)| b.to_string())
         .unwrap_or_default();
     (status, body)
+}
+
+/// Waits up to `within` for `child` to exit on its own; its status (and the slot emptied), or
+/// None if it still runs (or there is none).
+fn wait_child(child: &mut Option<Child>, within: Duration) -> Option<std::process::ExitStatus> {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(st) = child.as_mut()?.try_wait().unwrap() {
+            *child = None;
+            return Some(st);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }

@@ -179,12 +179,8 @@ impl Gateway {
     pub async fn submit(&self, tenant: &str, p: &GenerateParams) -> Result<(pb::GenerationInfo, String)> {
         let _submitting = self.tenant_use.take(tenant, Held::Submit, self.tenant_limits.submits)?;
         // Refuse before creating anything when the tenant could not stream it anyway.
-        if self.tenant_use.of(tenant).0 >= self.tenant_limits.streams {
-            return Err(GatewayError::Overloaded(format!(
-                "tenant {tenant:?} has {} streams open on this gateway (its limit); retry when one ends",
-                self.tenant_limits.streams
-            )));
-        }
+        self.tenant_use
+            .check(tenant, Held::Stream, self.tenant_limits.streams)?;
         let m = self.resolve_model(&p.model).await?;
         let binding = self.binding(tenant, p, &m)?;
         let r = self

@@ -238,7 +238,9 @@ pub async fn run(cfg: &RunConfig) -> Result<RunSummary> {
             cfg.max_tokens,
             stop_new_rx.clone(),
             records.clone(),
-            (cluster.log.clone(), cluster.at_finish.clone()),
+            // Only a retention shorter than the default can prune a generation before the end.
+            (cfg.retention_ms < tokenlog_raftlog::limits::RETENTION_MS_DEFAULT)
+                .then(|| (cluster.log.clone(), cluster.at_finish.clone())),
         )));
     }
     eprintln!(

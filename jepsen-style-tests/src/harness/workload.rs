@@ -69,7 +69,7 @@ pub async fn client_loop(
     max_tokens: (u32, u32),
     stop_new: tokio::sync::watch::Receiver<bool>,
     out: Arc<Mutex<Vec<RequestRecord>>>,
-    (log, at_finish): (tokenlog_raftlog::client::LogClient, super::checks::AtFinish),
+    read_at_finish: Option<(tokenlog_raftlog::client::LogClient, super::checks::AtFinish)>,
 ) {
     let mut rng = StdRng::seed_from_u64(seed ^ (id as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
     let channels: Vec<Channel> = gateways.iter().map(|a| channel(a, None)).collect();
@@ -81,10 +81,10 @@ pub async fn client_loop(
         let req = request(&rid, n, rng.random());
         let mut routing = Routing::Random(StdRng::seed_from_u64(rng.random()));
         let rec = one_request(id, req, &channels, &mut routing, None).await;
-        if rec.finished && rec.generation != 0 {
+        if let (true, Some((log, at_finish))) = (rec.finished && rec.generation != 0, &read_at_finish) {
             // Read now, before retention may prune it (a stress configuration keeps finished
             // generations for seconds only).
-            if let Ok(f) = super::finish::final_gen(&log, rec.generation).await {
+            if let Ok(f) = super::finish::final_gen(log, rec.generation).await {
                 at_finish.lock().expect("lock").insert(rec.generation, f);
             }
         }

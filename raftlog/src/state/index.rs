@@ -44,13 +44,12 @@ impl IndexKey {
                 k.claimable_log_ms = Some(old);
             }
         }
-        k.unowned_log_ms = match k.claimable_log_ms {
-            Some(c) if !g.records.is_empty() => {
-                let lease_end = if c > 0 { c } else { g.lease.expiry_log_ms };
-                Some(lease_end.saturating_add(g.unowned_ms))
-            }
-            _ => None,
-        };
+        // Never later than the exact deadline (the claimable entry is never later than the
+        // lease's end); `Tick` checks the exact one.
+        k.unowned_log_ms = k
+            .claimable_log_ms
+            .filter(|_| !g.records.is_empty())
+            .map(|c| c.saturating_add(g.unowned_ms));
         k
     }
 

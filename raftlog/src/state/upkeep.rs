@@ -157,10 +157,8 @@ impl LogState {
             .unowned
             .range(..(now + 1, 0))
             .map(|&(_, id)| id)
-            .filter(|id| {
-                let g = &self.generations[id];
-                !g.lease_live(now) && g.unowned_deadline_log_ms().is_some_and(|d| d <= now)
-            })
+            // The exact deadline is past the lease's end, so a due one has no live owner.
+            .filter(|id| self.generations[id].unowned_deadline_log_ms().is_some_and(|d| d <= now))
             .collect()
     }
 
