@@ -71,7 +71,9 @@ pub fn counter_text(name: &str, help: &str, value: u64) -> String {
 }
 
 /// The planted bugs the environment asks for (`TOKENLOG_PLANT_NO_FENCE`,
-/// `TOKENLOG_PLANT_ACK_BEFORE_FSYNC`, `TOKENLOG_PLANT_EARLY_VISIBILITY` = 1), read once at start-up.
+/// `TOKENLOG_PLANT_ACK_BEFORE_FSYNC`, `TOKENLOG_PLANT_EARLY_VISIBILITY`,
+/// `TOKENLOG_PLANT_UNBOUNDED_CLOCK`, `TOKENLOG_PLANT_NO_UNOWNED_DEADLINE`,
+/// `TOKENLOG_PLANT_DIVERGE` = 1), read once at start-up.
 /// A build without the `faults` feature refuses them rather than silently running without.
 pub fn planted_faults() -> anyhow::Result<tokenlog_raftlog::faults::Faults> {
     let on = |name: &str| std::env::var(name).is_ok_and(|v| v == "1");
@@ -81,16 +83,18 @@ pub fn planted_faults() -> anyhow::Result<tokenlog_raftlog::faults::Faults> {
         on("TOKENLOG_PLANT_EARLY_VISIBILITY"),
         on("TOKENLOG_PLANT_UNBOUNDED_CLOCK"),
         on("TOKENLOG_PLANT_NO_UNOWNED_DEADLINE"),
+        on("TOKENLOG_PLANT_DIVERGE"),
     ];
     #[cfg(feature = "faults")]
     {
-        let [no_fence, ack_before_fsync, early_visibility, unbounded_clock, no_unowned_deadline] = asked;
+        let [no_fence, ack_before_fsync, early_visibility, unbounded_clock, no_unowned_deadline, diverge] = asked;
         Ok(tokenlog_raftlog::faults::Faults {
             no_fence,
             ack_before_fsync,
             early_visibility,
             unbounded_clock,
             no_unowned_deadline,
+            diverge,
         })
     }
     #[cfg(not(feature = "faults"))]

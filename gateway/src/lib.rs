@@ -23,5 +23,5 @@ pub mod metrics;
 pub mod server;
 pub mod tenants;
 
-pub use crate::core::{Event, Finish, Gateway, GenerateParams, Prompt};
+pub use crate::core::{BindDefaults, Event, Finish, Gateway, GenerateParams, Prompt};
 pub use error::GatewayError;

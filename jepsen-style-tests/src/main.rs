@@ -83,7 +83,7 @@ enum Command {
         real_model: bool,
         /// Keep the default node and decoder configuration instead of a stress configuration
         /// drawn from each seed (snapshots every 20-500 entries, retention 2-5 s, leases of
-        /// 300-2,000 ms).
+        /// 300-2,000 ms, an unowned deadline of 3-6 s).
         #[arg(long)]
         no_stress: bool,
     },

@@ -2,7 +2,8 @@
 //! show no violation (and must have bitten: takeovers, resumes, faults), and each planted bug
 //! must be caught by the checker made for it (no epoch fence: fencing and linearizability;
 //! ack before fsync: durability; early visibility: exactly-once; an unbounded leader clock:
-//! lease-time; a decoder outliving its failed model: processes).
+//! lease-time; a decoder outliving its failed model: processes; a replica whose state differs:
+//! convergence; an ownerless generation that never ends: liveness).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -208,4 +209,117 @@ async fn planted_zombie_decoder_is_caught_by_processes() {
     .await
     .expect("a decoder outliving its failed model step was never flagged in 3 seeds");
     assert!(!s.verdicts["processes"].ok);
+}
+
+/// A planted diverging replica: node 3 applies decoder registrations 1 ms differently from the
+/// other nodes. Every hash chain still agrees (the chain-head comparison alone passes); the
+/// whole-state digest at one applied index must differ, and convergence must say so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn planted_diverging_replica_is_caught_by_convergence() {
+    let s = first_caught(
+        [81, 82, 83],
+        |cfg| {
+            cfg.time = Duration::from_secs(4);
+            cfg.faults = vec![];
+            cfg.plant = Some(Plant::Diverge);
+        },
+        |s| !s.verdicts["convergence"].ok,
+    )
+    .await
+    .expect("a replica whose state differs was never flagged in 3 seeds");
+    let v = &s.verdicts["convergence"];
+    assert!(
+        v.problems.iter().any(|p| p.contains("state digests differ")),
+        "{:?}",
+        v.problems
+    );
+    for (name, v) in &s.verdicts {
+        if name != "convergence" {
+            assert!(v.ok, "only convergence sees the divergence; {name}: {:?}", v.problems);
+        }
+    }
+}
+
+/// Issue 11 bug 3, planted: Tick never fails a generation with records that nobody owns. The
+/// `decoders-down` nemesis keeps every decoder away for longer than lease + unowned deadline;
+/// a generation with records must then end FAILED within its deadline, and liveness flags the
+/// ones that instead waited and continued when the decoders came back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn planted_missing_unowned_deadline_is_caught_by_liveness() {
+    let s = first_caught(
+        [91, 92, 93],
+        |cfg| {
+            cfg.time = Duration::from_secs(12);
+            cfg.faults = vec![Fault::DecodersDown];
+            cfg.lease_ms = 500;
+            cfg.unowned_ms = 1_500;
+            cfg.max_tokens = (150, 300);
+            cfg.plant = Some(Plant::NoUnownedDeadline);
+        },
+        |s| !s.verdicts["liveness"].ok,
+    )
+    .await
+    .expect("generations outliving their unowned deadline were never flagged in 3 seeds");
+    let v = &s.verdicts["liveness"];
+    assert!(
+        v.problems.iter().any(|p| p.contains("outlived its unowned deadline")),
+        "{:?}",
+        v.problems
+    );
+}
+
+/// The same run without the plant: generations with records fail explicitly when every decoder
+/// stays away past their deadline (and only then), the rest continue: no violation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ownerless_generations_end_within_their_deadline() {
+    let mut cfg = config(94);
+    cfg.time = Duration::from_secs(12);
+    cfg.faults = vec![Fault::DecodersDown];
+    cfg.lease_ms = 500;
+    cfg.unowned_ms = 1_500;
+    cfg.max_tokens = (150, 300);
+    let s = harness::run(&cfg).await.unwrap();
+    eprintln!("{}", harness::summary_line(&s));
+    for (name, v) in &s.verdicts {
+        assert!(
+            v.ok,
+            "{name} failed: {:?} (report in {})",
+            v.problems,
+            cfg.out.display()
+        );
+    }
+    let history = std::fs::read_to_string(cfg.out.join("history.jsonl")).unwrap();
+    assert!(
+        history.contains("generations with records must fail"),
+        "seed 94 keeps every decoder away past the deadline at least once"
+    );
+}
+
+/// A node whose disk fills (its data dir on a tmpfs squeezed to what it uses) fails a write,
+/// and its Raft stops. Before the fix its process lived on and served from a state that no
+/// longer advanced: a Watch that never moved, "not found" for generations every other node
+/// held (this seed failed durability, exactly-once, linearizability, liveness and
+/// convergence). Now the node exits with a clear error, is restarted once space is back, and
+/// catches up: no violation. Needs root (mount).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_disk_fills_exits_and_catches_up() {
+    let mut cfg = config(202);
+    cfg.time = Duration::from_secs(20);
+    cfg.faults = vec![Fault::DiskFull];
+    eprintln!("seed 202: {}", cfg.stress());
+    let s = harness::run(&cfg).await.unwrap();
+    eprintln!("{}", harness::summary_line(&s));
+    for (name, v) in &s.verdicts {
+        assert!(
+            v.ok,
+            "{name} failed: {:?} (report in {})",
+            v.problems,
+            cfg.out.display()
+        );
+    }
+    let history = std::fs::read_to_string(cfg.out.join("history.jsonl")).unwrap();
+    assert!(
+        history.contains("Raft stopped on its own"),
+        "a node's disk filled up and it exited (needs root to mount a tmpfs)"
+    );
 }

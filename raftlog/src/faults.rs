@@ -13,7 +13,10 @@
 //! - `no_unowned_deadline`: `Tick` never fails a generation with records that nobody owns (issue
 //!   11 bug 3: its clients wait forever once every compatible decoder is gone);
 //! - `unbounded_clock`: the leader stamps log time with its wall clock as it is (issue 11 bug 5:
-//!   a clock that jumps ahead expires every lease; the `clock` nemesis).
+//!   a clock that jumps ahead expires every lease; the `clock` nemesis);
+//! - `diverge`: this node's apply records a decoder registration's expiry 1 ms later than every
+//!   other replica does (set on one node only): a replica whose state differs from the others'
+//!   while every hash chain agrees, which only the whole-state digest (convergence) sees.
 
 /// Which planted bugs are on. `Faults::default()` is none.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -28,6 +31,8 @@ pub struct Faults {
     pub unbounded_clock: bool,
     #[cfg(feature = "faults")]
     pub no_unowned_deadline: bool,
+    #[cfg(feature = "faults")]
+    pub diverge: bool,
 }
 
 impl Faults {
@@ -74,6 +79,14 @@ impl Faults {
         false
     }
 
+    #[inline]
+    pub fn diverge(self) -> bool {
+        #[cfg(feature = "faults")]
+        return self.diverge;
+        #[cfg(not(feature = "faults"))]
+        false
+    }
+
     /// The names of the planted bugs that are on (for the start-up warning).
     pub fn names(self) -> Vec<&'static str> {
         [
@@ -82,6 +95,7 @@ impl Faults {
             (self.early_visibility(), "early-visibility"),
             (self.unbounded_clock(), "unbounded-clock"),
             (self.no_unowned_deadline(), "no-unowned-deadline"),
+            (self.diverge(), "diverge"),
         ]
         .into_iter()
         .filter_map(|(on, name)| on.then_some(name))

@@ -86,6 +86,8 @@ pub const LOG_CACHE_BYTES_MAX: usize = 32 << 20;
 pub const STAMP_WALL_LEAD_MS_MAX: u64 = 25;
 /// How often the leader considers proposing a `Tick`.
 pub const TICK_INTERVAL: Duration = Duration::from_millis(500);
+/// How long a stopping node waits for open streams (Watches) to end before it closes them.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 /// Connecting to a peer or a node (Raft transport and `LogClient`).
 pub const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
 /// One `LogClient` call; and how long a call keeps retrying through leader changes and

@@ -19,6 +19,7 @@ use std::sync::Arc;
 #[cfg(feature = "faults")]
 use std::sync::Mutex;
 
+use crate::limits::SHUTDOWN_GRACE;
 use openraft::async_runtime::WatchReceiver;
 use openraft::error::{ClientWriteError, RaftError};
 use openraft::{ChangeMembers, Config, ReadPolicy, ServerState, SnapshotPolicy};
@@ -443,10 +444,33 @@ pub struct RunningNode {
 }
 
 impl RunningNode {
+    /// Resolves, with the reason, when Raft stopped on its own: a fatal storage error (a full
+    /// disk, a failed write or fsync). Such a node no longer commits or applies, while its
+    /// services would go on answering reads from a state that no longer advances (a client
+    /// told "not found" for a generation every other node holds: found by the fault suite's
+    /// `disk-full` nemesis). Its process must end instead; a supervisor restarts it, and the
+    /// restart checks the data dir again.
+    pub async fn failed(&self) -> String {
+        let mut m = self.ctx.raft.metrics();
+        loop {
+            let fatal = m.borrow_watched().running_state.as_ref().err().map(|e| e.to_string());
+            if let Some(reason) = fatal {
+                return reason;
+            }
+            if m.changed().await.is_err() {
+                return "the Raft core stopped".into();
+            }
+        }
+    }
+
     /// Stops serving, then stops Raft (which flushes what it has).
-    pub async fn shutdown(self) {
+    /// Open streams (a Watch of a generation that no longer advances) get `SHUTDOWN_GRACE`
+    /// to end; then the server is stopped anyway.
+    pub async fn shutdown(mut self) {
         let _ = self.stop_tx.send(true);
-        let _ = self.server.await;
+        if tokio::time::timeout(SHUTDOWN_GRACE, &mut self.server).await.is_err() {
+            self.server.abort();
+        }
         let _ = self.ctx.raft.shutdown().await;
     }
 }

@@ -365,6 +365,23 @@ impl Log for LogService {
         }))
     }
 
+    async fn state_digest(
+        &self,
+        _req: Request<pb::StateDigestRequest>,
+    ) -> Result<TonicResponse<pb::StateDigestResponse>, Status> {
+        let ctx = self.ctx.clone();
+        let d = tokio::task::spawn_blocking(move || ctx.sm.digest())
+            .await
+            .map_err(|e| LogError::storage("state digest", std::io::Error::other(e)))?
+            .map_err(|e| LogError::storage("state digest", e))?;
+        Ok(TonicResponse::new(pb::StateDigestResponse {
+            applied_index: d.applied_index,
+            digest: d.digest.to_vec(),
+            generations: d.generations,
+            records: d.records,
+        }))
+    }
+
     async fn verify(&self, _req: Request<pb::VerifyRequest>) -> Result<TonicResponse<pb::VerifyResponse>, Status> {
         let report = self.ctx.sm.verify().map_err(|e| LogError::storage("verify", e))?;
         Ok(TonicResponse::new(pb::VerifyResponse {

@@ -73,6 +73,15 @@ pub struct SmStore {
     shared: Arc<SmShared>,
 }
 
+/// A node's applied state as a digest ([`SmShared::digest`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StateDigest {
+    pub applied_index: u64,
+    pub digest: [u8; 32],
+    pub generations: u64,
+    pub records: u64,
+}
+
 /// What loading or verifying found.
 #[derive(Debug, Default)]
 pub struct LoadReport {
@@ -216,6 +225,18 @@ impl SmShared {
             }
         }
         Ok(report)
+    }
+
+    /// The applied state's digest ([`crate::snapshot::digest`] of a copy taken under the read
+    /// lock, so index and digest belong together), with its applied index and sizes.
+    pub fn digest(&self) -> io::Result<StateDigest> {
+        let copy = self.read().clone();
+        Ok(StateDigest {
+            applied_index: copy.applied.map_or(0, |l| l.index),
+            digest: crate::snapshot::digest(&copy)?,
+            generations: copy.generations.len() as u64,
+            records: copy.generations.values().map(|g| g.records.len() as u64).sum(),
+        })
     }
 
     /// A new partial file for a snapshot streamed from the leader.

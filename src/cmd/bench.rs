@@ -37,6 +37,10 @@ pub enum BenchCmd {
     /// Committed tokens/s with many concurrent generations (default 1,000) driven by real
     /// decoder processes with the fake model through a 3-node log.
     Decoders(crate::cmd::bench_decoders::DecodersArgs),
+    /// kill -9 the log's leader repeatedly while a fake-model decoder writes one generation;
+    /// the longest gap between two committed tokens after each kill (p50/p99) against a stretch
+    /// without a kill, and whether any election turned into a takeover.
+    LeaderKill(crate::cmd::bench_leader::LeaderKillArgs),
 }
 
 #[derive(clap::Args, Clone)]
@@ -77,6 +81,7 @@ pub async fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Failover(a) => crate::cmd::bench_decoder::failover(a).await,
         BenchCmd::Restart(a) => crate::cmd::bench_restart::restart(a).await,
         BenchCmd::Decoders(a) => crate::cmd::bench_decoders::decoders(a).await,
+        BenchCmd::LeaderKill(a) => crate::cmd::bench_leader::leader_kill(a).await,
     }
 }
 

@@ -96,6 +96,7 @@ pub async fn run(a: DevArgs) -> anyhow::Result<()> {
         tenants,
         vec![tokenlog_decoder::fake::fake_tokenizer()?, model.tokenizer().clone()],
         Default::default(),
+        Default::default(),
     )?;
     // One /metrics for the whole process: gateway, node and decoder.
     let ctx = node.ctx.clone();
@@ -124,11 +125,18 @@ pub async fn run(a: DevArgs) -> anyhow::Result<()> {
     // The process lives as long as its decoder: a worker that ends on its own (a model error, a
     // panic) stops the whole process with a non-zero status rather than leave a gateway whose
     // generations no decoder will ever continue.
+    let mut log_failed = None;
     let ended = tokio::select! {
         _ = crate::process::shutdown_signal() => None,
         r = &mut worker => Some(r),
+        reason = node.failed() => {
+            log_failed = Some(reason);
+            None
+        }
     };
-    if ended.is_none() {
+    if let Some(reason) = &log_failed {
+        eprintln!("the log stopped on its own ({reason}): stopping gateway and decoder ...");
+    } else if ended.is_none() {
         eprintln!("stopping: gateway, decoder (releasing its generations), log ...");
     } else {
         eprintln!("the decoder stopped on its own: stopping gateway and log ...");
@@ -140,6 +148,9 @@ pub async fn run(a: DevArgs) -> anyhow::Result<()> {
         None => worker.await,
     };
     node.shutdown().await;
+    if let Some(reason) = log_failed {
+        anyhow::bail!("the log stopped on its own: {reason} (a full disk: free space, then start again)");
+    }
     match result {
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) => Err(anyhow::Error::new(e).context("the decoder failed")),

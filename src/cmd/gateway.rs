@@ -41,6 +41,22 @@ pub struct GatewayArgs {
     /// Submits one tenant may have waiting for the log at once on this gateway.
     #[arg(long, default_value_t = tokenlog_gateway::limits::TENANT_SUBMITS_MAX_DEFAULT as u64, value_parser = clap::value_parser!(u64).range(1..))]
     pub tenant_submits_max: u64,
+    /// A generation that has committed tokens but no decoder for this long (ms of log time
+    /// after its last lease ended: every decoder of its model gone) fails explicitly, and its
+    /// clients are told; 0 = the log's default (120 s).
+    #[arg(long, default_value_t = 0, value_parser = parse_unowned_ms)]
+    pub unowned_ms: u64,
+}
+
+fn parse_unowned_ms(s: &str) -> Result<u64, String> {
+    use tokenlog_raftlog::limits::{LEASE_MS_MIN, UNOWNED_MS_MAX};
+    let v: u64 = s.parse().map_err(|e| format!("{s:?}: {e}"))?;
+    if v != 0 && !(LEASE_MS_MIN..=UNOWNED_MS_MAX).contains(&v) {
+        return Err(format!(
+            "{v} ms: must be 0 (the log's default) or {LEASE_MS_MIN}..={UNOWNED_MS_MAX}"
+        ));
+    }
+    Ok(v)
 }
 
 impl GatewayArgs {
@@ -74,7 +90,16 @@ pub async fn run(a: GatewayArgs) -> anyhow::Result<()> {
         None => Tenants::Open,
     };
     let toks = tokenizers(&a.model, a.fake)?;
-    let gw = Gateway::new(LogClient::new(a.cluster.clone())?, tenants, toks, a.tenant_limits())?;
+    let bind = tokenlog_gateway::BindDefaults {
+        unowned_ms: a.unowned_ms,
+    };
+    let gw = Gateway::new(
+        LogClient::new(a.cluster.clone())?,
+        tenants,
+        toks,
+        a.tenant_limits(),
+        bind,
+    )?;
     let serving = tokenlog_gateway::server::serve(gw, a.grpc_listen, a.http_listen)
         .await
         .context("binding the gateway's listeners")?;

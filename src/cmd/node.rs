@@ -98,8 +98,23 @@ pub async fn run(a: NodeArgs) -> anyhow::Result<()> {
             .context("binding --metrics-listen")?;
         eprintln!("metrics on http://{addr}/metrics");
     }
-    crate::process::shutdown_signal().await;
-    eprintln!("shutting down node {}", a.id);
-    node.shutdown().await;
-    Ok(())
+    let failed = tokio::select! {
+        _ = crate::process::shutdown_signal() => None,
+        reason = node.failed() => Some(reason),
+    };
+    match failed {
+        None => {
+            eprintln!("shutting down node {}", a.id);
+            node.shutdown().await;
+            Ok(())
+        }
+        Some(reason) => {
+            // No graceful stop: Raft has stopped already, and every moment more of serving
+            // (a Watch that never advances, a read of a frozen state) is wrong.
+            bail!(
+                "node {}: Raft stopped on its own ({reason}); exiting rather than serving a state that no longer advances. Fix the cause (a full disk: free space) and start it again; the data dir is checked at start",
+                a.id
+            )
+        }
+    }
 }

@@ -90,7 +90,8 @@ pub struct VerifyArgs {
     /// A stopped node's data dir.
     #[arg(long, conflicts_with = "node")]
     pub data_dir: Option<PathBuf>,
-    /// A live node's address.
+    /// A live node's address (also prints its applied state's digest: replicas at the same
+    /// applied index must print the same one).
     #[arg(long)]
     pub node: Option<String>,
 }
@@ -110,7 +111,15 @@ pub async fn verify(a: VerifyArgs) -> anyhow::Result<()> {
         }
         (None, Some(addr)) => {
             let client = LogClient::new(vec![addr.clone()])?;
-            client.node(&addr).verify(pb::VerifyRequest {}).await?.into_inner()
+            let mut node = client.node(&addr);
+            let d = node.state_digest(pb::StateDigestRequest {}).await?.into_inner();
+            // Replicas at the same applied index must print the same digest.
+            println!(
+                "state digest at applied index {}: {}",
+                d.applied_index,
+                d.digest.iter().map(|b| format!("{b:02x}")).collect::<String>()
+            );
+            node.verify(pb::VerifyRequest {}).await?.into_inner()
         }
         _ => bail!("give --data-dir DIR or --node HOST:PORT"),
     };

@@ -63,7 +63,7 @@ impl Gateway {
                 ResumeMode::Exact
             },
             deadline_ms: 0,
-            unowned_ms: 0,
+            unowned_ms: self.bind.unowned_ms,
         };
         Ok(binding.into())
     }

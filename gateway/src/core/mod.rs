@@ -128,7 +128,16 @@ pub struct Gateway {
     streams: Arc<Semaphore>,
     tenant_limits: TenantLimits,
     tenant_use: TenantUse,
+    bind: BindDefaults,
     pub metrics: Arc<Metrics>,
+}
+
+/// What the gateway binds into every generation where a request says nothing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BindDefaults {
+    /// A generation with records that no decoder has owned this long (ms of log time) fails
+    /// explicitly; 0 = the log's default (`UNOWNED_MS_DEFAULT`).
+    pub unowned_ms: u64,
 }
 
 mod binding;
@@ -145,6 +154,7 @@ impl Gateway {
         tenants: Tenants,
         tokenizers: Vec<Tokenizer>,
         tenant_limits: TenantLimits,
+        bind: BindDefaults,
     ) -> Result<Arc<Gateway>> {
         let mut map = HashMap::new();
         for t in tokenizers {
@@ -159,6 +169,7 @@ impl Gateway {
             streams: Arc::new(Semaphore::new(STREAMS_MAX)),
             tenant_limits,
             tenant_use: TenantUse::default(),
+            bind,
             metrics: Arc::new(Metrics::default()),
         }))
     }

@@ -9,11 +9,19 @@
 //! - `linearizability`: the decoders' acquires and appends, per generation, against the
 //!   ownership/frontier model ([`crate::models::Ownership`]).
 //! - `status`: a status read after the last event says terminal, with the same frontier.
-//! - `liveness`: every request finished (after the healing phase), none failed.
-//! - `convergence`: chain heads are equal on every node, and every node's chains verify.
+//! - `liveness`: every request finished (after the healing phase) or was refused at submit while
+//!   every decoder was down; none failed except where
+//!   its unowned deadline ended it (every decoder gone that long: `decoders-down`); and every
+//!   generation ends within its deadlines (one with records when all decoders went down for
+//!   longer than lease + unowned deadline ended FAILED, not later).
+//! - `convergence` (judged in `finish`, with the writers stopped): chain heads are equal on every
+//!   node; every node reports the same whole-state digest at the same applied index (any two
+//!   seen at one index with different digests fail at once); every node's chains verify.
 //! - `processes`: no process ended on its own (a crash), except decoder 1's first incarnation
 //!   with the failpoint exit code when a scenario armed a failpoint there, and an incarnation a
-//!   nemesis made fail (`model-error`) with the exit it expected.
+//!   nemesis made fail (`model-error`, `corrupt`, `disk-full`, `supervised`) with the exit it
+//!   expected; no decoder outlived its failed model step; the supervisor gave up on no process
+//!   (a crash loop).
 //! - `lease-time`: no lease is cut short: a generation is granted at a newer epoch only after
 //!   every accepted append of the older epoch had its lease's worth of real time (log time may
 //!   not run ahead of real time, whatever a leader's wall clock does: the `clock` nemesis).
@@ -38,14 +46,14 @@ pub struct Verdict {
 const PROBLEMS_KEPT: usize = 20;
 
 impl Verdict {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Verdict {
             ok: true,
             checked: 0,
             problems: vec![],
         }
     }
-    fn fail(&mut self, p: String) {
+    pub(crate) fn fail(&mut self, p: String) {
         self.ok = false;
         if self.problems.len() < PROBLEMS_KEPT {
             self.problems.push(p);
@@ -166,6 +174,13 @@ pub fn processes(exits: &[super::procs::SelfExit], decoder1_failpoint: bool, nem
             ));
         }
     }
+    for n in nemesis.iter().filter(|n| n["fault"] == "supervised") {
+        v.checked += 1;
+        let target = n["target"].as_str().unwrap_or("");
+        if target.contains(super::supervisor::CRASH_LOOP) {
+            v.fail(format!("a process crash-looped under the supervisor: {target}"));
+        }
+    }
     for e in exits {
         v.checked += 1;
         let meant = e.meant
@@ -183,10 +198,53 @@ pub fn processes(exits: &[super::procs::SelfExit], decoder1_failpoint: bool, nem
 /// `tokenlog_decoder::worker::HALT_EXIT_CODE`.
 const FAILPOINT_EXIT: i32 = 137;
 
-pub fn liveness(reqs: &[RequestRecord]) -> Verdict {
+/// Slack for the unowned deadline in real time: the `Tick` that fails a generation runs every
+/// 500 ms, and the news reaches a client through a gateway.
+const UNOWNED_SLACK_US: u64 = 2_000_000;
+
+/// How long after every decoder came back a gateway may still refuse a submit for want of one
+/// (a registration, then the gateway's model cache of 2 s).
+const REGISTERED_AGAIN_WITHIN_US: u64 = 5_000_000;
+
+/// A submit refused, explicitly, because no decoder was registered, while every decoder was
+/// down: the contract's explicit failure, not a lost request.
+fn refused_while_decoders_down(r: &RequestRecord, windows: &[(u64, u64, bool)]) -> bool {
+    r.events.is_empty()
+        && r.error
+            .as_deref()
+            .is_some_and(|e| e.contains("no decoder is registered"))
+        && windows
+            .iter()
+            .any(|&(down, up, _)| r.complete_us >= down && r.complete_us <= up + REGISTERED_AGAIN_WITHIN_US)
+}
+
+/// Every request finished, or was refused at submit while every decoder was down ("no decoder
+/// is registered"). It ended "error" only where its generation's unowned deadline
+/// allows it (every decoder was down at least that long before it failed); and a generation
+/// that had records when every decoder went down for longer than lease + unowned deadline
+/// ended explicitly failed, not later (a generation must end within its deadlines).
+pub fn liveness(reqs: &[RequestRecord], nemesis: &[serde_json::Value], lease_ms: u64, unowned_ms: u64) -> Verdict {
     let mut v = Verdict::new();
+    // (decoders down at, back at, long enough that generations with records must fail)
+    let windows: Vec<(u64, u64, bool)> = nemesis
+        .iter()
+        .filter(|n| n["fault"] == "decoders-down")
+        .map(|n| {
+            let t = n["target"].as_str().unwrap_or("");
+            (
+                n["start_us"].as_u64().unwrap_or(0),
+                n["end_us"].as_u64().unwrap_or(0),
+                t.contains("must fail"),
+            )
+        })
+        .collect();
+    let unowned_us = unowned_ms * 1_000;
+    let must_end_within_us = (lease_ms + unowned_ms) * 1_000 + UNOWNED_SLACK_US;
     for r in reqs {
         v.checked += 1;
+        if !r.finished && refused_while_decoders_down(r, &windows) {
+            continue;
+        }
         if !r.finished {
             v.fail(format!(
                 "{}: never finished ({} events, last error {:?})",
@@ -194,8 +252,30 @@ pub fn liveness(reqs: &[RequestRecord]) -> Verdict {
                 r.events.len(),
                 r.error
             ));
-        } else if r.finish_reason == "error" {
-            v.fail(format!("{}: failed explicitly", r.request_id));
+            continue;
+        }
+        let failed = r.finish_reason == "error";
+        if failed {
+            // The unowned deadline may end it: every decoder was gone that long before.
+            let allowed = windows.iter().any(|&(down, up, _)| {
+                r.complete_us + UNOWNED_SLACK_US >= down + unowned_us && r.complete_us <= up + UNOWNED_SLACK_US
+            });
+            if !allowed {
+                v.fail(format!("{}: failed explicitly", r.request_id));
+            }
+            continue;
+        }
+        let had_records_at = |down: u64| r.first_event_us.is_some_and(|t| t + 500_000 < down);
+        if let Some(&(down, up, _)) = windows.iter().find(|&&(down, _, must_fail)| {
+            must_fail && had_records_at(down) && r.complete_us > down + must_end_within_us
+        }) {
+            v.fail(format!(
+                "{}: outlived its unowned deadline: it had records when every decoder went down for {} ms, and ended {:?} {} ms after that, past lease {lease_ms} ms + deadline {unowned_ms} ms",
+                r.request_id,
+                (up - down) / 1_000,
+                r.finish_reason,
+                (r.complete_us - down) / 1_000
+            ));
         }
     }
     v
@@ -450,5 +530,71 @@ mod tests {
             !processes(&[exit("decoder1", 1, None)], true, &[]).ok,
             "killed by a signal"
         );
+    }
+
+    fn req(id: &str, first_event_s: Option<u64>, complete_s: u64, reason: &str) -> RequestRecord {
+        RequestRecord {
+            client: 0,
+            request_id: id.into(),
+            invoke_us: 0,
+            complete_us: complete_s * 1_000_000,
+            generation: 1,
+            first_event_us: first_event_s.map(|s| s * 1_000_000),
+            events: vec![],
+            connections: 1,
+            finished: true,
+            finish_reason: reason.into(),
+            error: None,
+            status_after: None,
+        }
+    }
+
+    /// Every decoder down from 10 s to 20 s (long), with lease 1 s and unowned deadline 3 s:
+    /// a generation with records must have failed by 10 + 1 + 3 (+ slack) s.
+    #[test]
+    fn liveness_holds_generations_to_their_unowned_deadline() {
+        let down = [
+            serde_json::json!({"fault": "decoders-down", "start_us": 10_000_000u64, "end_us": 20_000_000u64,
+            "target": "all decoders down for 10000 ms (past lease + unowned deadline: generations with records must fail)"}),
+        ];
+        let check = |r: RequestRecord| liveness(&[r], &down, 1_000, 3_000);
+        // Failed within its deadline: fine; ended normally before the decoders went: fine.
+        assert!(check(req("failed-in-time", Some(5), 14, "error")).ok);
+        assert!(check(req("done-before", Some(5), 9, "length")).ok);
+        // Submitted with no records yet when the decoders went: it may wait (frontier 0).
+        assert!(check(req("no-records", None, 22, "length")).ok);
+        // Had records, waited, and went on when the decoders came back: past its deadline.
+        let v = check(req("outlived", Some(5), 22, "length"));
+        assert!(
+            !v.ok && v.problems[0].contains("outlived its unowned deadline"),
+            "{v:?}"
+        );
+        // Failed although its decoders were gone for less than the deadline.
+        let v = check(req("failed-early", Some(5), 10, "error"));
+        assert!(!v.ok && v.problems[0].contains("failed explicitly"), "{v:?}");
+        // Refused at submit while every decoder was down: explicit, not lost.
+        let mut refused = req("refused", None, 12, "");
+        refused.finished = false;
+        refused.error = Some("no decoder is registered with the log: start one".into());
+        assert!(check(refused.clone()).ok);
+        refused.complete_us = 40_000_000;
+        assert!(!check(refused).ok, "long after the decoders came back");
+        // A failure with no decoders-down at all.
+        let v = liveness(&[req("failed", Some(5), 14, "error")], &[], 1_000, 3_000);
+        assert!(!v.ok, "{v:?}");
+    }
+    #[test]
+    fn processes_flags_a_crash_loop_under_the_supervisor() {
+        let rec = |t: &str| serde_json::json!({"fault": "supervised", "target": t});
+        let fine = [rec(
+            "decoder1 killed (SIGKILL); supervisor: decoder1 restarted after 100 ms",
+        )];
+        assert!(processes(&[], false, &fine).ok);
+        let looped = [rec(&format!(
+            "node2 killed (SIGKILL); supervisor: {} node2: gave up after 3 exits within 1000 ms of their start: boom",
+            crate::harness::supervisor::CRASH_LOOP
+        ))];
+        let v = processes(&[], false, &looped);
+        assert!(!v.ok && v.problems[0].contains("crash-looped"), "{v:?}");
     }
 }

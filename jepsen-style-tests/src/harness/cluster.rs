@@ -39,6 +39,10 @@ pub async fn start_cluster(cfg: &RunConfig) -> Result<Cluster> {
         eprintln!("partition left out: it needs --netns");
         faults.retain(|f| *f != Fault::Partition);
     }
+    if faults.contains(&Fault::DiskFull) && !super::smallfs::can_mount() {
+        eprintln!("disk-full left out: it mounts a tmpfs, which needs root");
+        faults.retain(|f| *f != Fault::DiskFull);
+    }
     let peers = node_addrs
         .iter()
         .enumerate()
@@ -65,6 +69,9 @@ pub async fn start_cluster(cfg: &RunConfig) -> Result<Cluster> {
     let procs = Arc::new(Mutex::new(nemesis::Procs {
         net,
         nodes,
+        small_fs: node_dirs.iter().map(|_| None).collect(),
+        lease_ms: cfg.lease_ms,
+        unowned_ms: cfg.unowned_ms_in_force(),
         node_dirs,
         gateways,
         decoders,
@@ -106,7 +113,7 @@ fn node_procs(
         let d = dir.join(format!("node{}-data", i + 1));
         // A fresh cluster: data left by an earlier run in the same directory is not ours.
         let _ = std::fs::remove_dir_all(&d);
-        let args = vec![
+        let mut args: Vec<String> = vec![
             "node".into(),
             "--id".into(),
             (i + 1).to_string(),
@@ -127,6 +134,9 @@ fn node_procs(
             "--retention-ms".into(),
             cfg.retention_ms.to_string(),
         ];
+        if let Some(keep) = cfg.keep_after_snapshot {
+            args.extend(["--keep-after-snapshot".into(), keep.to_string()]);
+        }
         let mut p = match net {
             // `ip netns exec NS tokenlog ...` execs tokenlog in place: the pid is the node's.
             Some(n) => {
@@ -148,7 +158,9 @@ fn node_procs(
             Some(Plant::AckBeforeFsync) => p = p.env("TOKENLOG_PLANT_ACK_BEFORE_FSYNC", "1"),
             Some(Plant::EarlyVisibility) => p = p.env("TOKENLOG_PLANT_EARLY_VISIBILITY", "1"),
             Some(Plant::UnboundedClock) => p = p.env("TOKENLOG_PLANT_UNBOUNDED_CLOCK", "1"),
-            Some(Plant::Zombie) | None => {}
+            Some(Plant::NoUnownedDeadline) => p = p.env("TOKENLOG_PLANT_NO_UNOWNED_DEADLINE", "1"),
+            Some(Plant::Diverge) if i == 2 => p = p.env("TOKENLOG_PLANT_DIVERGE", "1"),
+            Some(Plant::Zombie | Plant::Diverge) | None => {}
         }
         if cfg.faults.contains(&Fault::Clock) {
             // The `clock` nemesis writes this node's wall clock skew (ms) here.
@@ -178,6 +190,10 @@ fn decoder_procs(cfg: &RunConfig, dir: &Path, cluster: &str) -> Vec<Proc> {
         } else {
             vec!["--fake".into(), "--fake-step-ms".into(), cfg.step_ms.to_string()]
         };
+        // With a short unowned deadline (stress configurations), each decoder can hold every
+        // client's generation: an owner's death leaves work for the others, never a generation
+        // waiting for a free slot long enough for its deadline to end it.
+        let capacity = if cfg.unowned_ms != 0 { cfg.clients.max(4) } else { 4 };
         let args = [
             vec!["decoder".to_string()],
             model,
@@ -185,7 +201,7 @@ fn decoder_procs(cfg: &RunConfig, dir: &Path, cluster: &str) -> Vec<Proc> {
                 "--lease-ms".into(),
                 cfg.lease_ms.to_string(),
                 "--capacity".into(),
-                "4".into(),
+                capacity.to_string(),
                 "--decoder-id".into(),
                 format!("d{}-{{inc}}", i + 1),
                 "--history".into(),
@@ -229,6 +245,9 @@ fn gateway_procs(cfg: &RunConfig, dir: &Path, cluster: &str) -> (Vec<Proc>, Vec<
             "--http-listen".into(),
             http,
         ]);
+        if cfg.unowned_ms != 0 {
+            args.extend(["--unowned-ms".into(), cfg.unowned_ms.to_string()]);
+        }
         let mut p = Proc::new(&format!("gateway{}", i + 1), Role::Gateway, bin, args, dir);
         p.ready_addr = Some(grpc.clone());
         gateways.push(p);

@@ -41,9 +41,18 @@ pub async fn conclude(
     let _ = watcher.await;
     // --- final state
     let (finals, pruned) = final_gens(&log, &reqs, &at_finish).await?;
+    // The writers stop first, so that the nodes come to rest at one applied index.
+    let mut self_exits = procs.lock().expect("lock").stop_writers();
+    let snapshots_installed = procs
+        .lock()
+        .expect("lock")
+        .nodes
+        .iter()
+        .map(|n| n.log_text().matches("snapshot installed").count() as u64)
+        .sum();
     let convergence = convergence(&node_addrs).await;
     let decoder_ops = decoder_ops::read(&dir, cfg.decoders);
-    let self_exits = procs.lock().expect("lock").stop_all();
+    self_exits.extend(procs.lock().expect("lock").stop_all());
     // Stop the processes before checking (and before the report).
     drop(procs);
 
@@ -60,6 +69,20 @@ pub async fn conclude(
     let leader_changes = leader_changes.lock().expect("lock").clone();
     let mut summary = summarize(cfg, verdicts, faults, &reqs, &leader_changes, &decoder_ops, started);
     summary.pruned = pruned;
+    summary.snapshots_installed = snapshots_installed;
+    summary.corruptions_detected = nemesis_records
+        .iter()
+        .filter(|n| {
+            n["target"]
+                .as_str()
+                .is_some_and(|t| t.contains(super::nemesis::DETECTED))
+        })
+        .count() as u64;
+    summary.supervisor_restarts = nemesis_records
+        .iter()
+        .filter(|n| n["fault"] == "supervised")
+        .map(|n| n["target"].as_str().unwrap_or("").matches(" restarted after ").count() as u64)
+        .sum();
 
     // --- report
     write_report(&dir, &summary, &reqs, &nemesis_records, &leader_changes, &decoder_ops)?;
@@ -112,7 +135,10 @@ fn verdicts(
     let (lin, _) = checks::linearizability(decoder_ops, Duration::from_secs(20));
     verdicts.insert("linearizability".to_string(), lin);
     verdicts.insert("status".to_string(), checks::status(reqs));
-    verdicts.insert("liveness".to_string(), checks::liveness(reqs));
+    verdicts.insert(
+        "liveness".to_string(),
+        checks::liveness(reqs, nemesis_records, cfg.lease_ms, cfg.unowned_ms_in_force()),
+    );
     verdicts.insert("convergence".to_string(), convergence);
     verdicts.insert("lease-time".to_string(), checks::lease_time(decoder_ops, cfg.lease_ms));
     verdicts.insert(
@@ -159,6 +185,9 @@ fn summarize(
             .count() as u64,
         leader_changes: leader_changes.len().saturating_sub(1) as u64,
         pruned: 0,
+        snapshots_installed: 0,
+        corruptions_detected: 0,
+        supervisor_restarts: 0,
         faults,
         decoder_ops: decoder_ops.len(),
         verdicts,
@@ -240,7 +269,12 @@ pub(super) async fn final_gen(log: &LogClient, id: u64) -> Result<FinalGen> {
     Ok(out)
 }
 
-/// Waits (up to 30 s) until every node reports the same applied chain heads; then verifies each.
+/// How long the nodes may take to agree once the writers are stopped.
+const CONVERGE_WITHIN: Duration = Duration::from_secs(30);
+
+/// Convergence: every node reports the same chain heads, then the same whole-state digest at
+/// the same applied index (any two nodes seen at one index with different digests is a
+/// violation at once), then each node's own chain verification.
 async fn convergence(addrs: &[String]) -> Verdict {
     let mut v = Verdict {
         ok: true,
@@ -255,7 +289,7 @@ async fn convergence(addrs: &[String]) -> Verdict {
             return v;
         }
     };
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let deadline = Instant::now() + CONVERGE_WITHIN;
     let mut last = String::new();
     loop {
         let mut heads = Vec::new();
@@ -277,25 +311,68 @@ async fn convergence(addrs: &[String]) -> Verdict {
         }
         if Instant::now() > deadline {
             v.ok = false;
-            v.problems
-                .push(format!("chain heads differ between nodes after 30 s ({last})"));
+            v.problems.push(format!(
+                "chain heads differ between nodes after {CONVERGE_WITHIN:?} ({last})"
+            ));
             return v;
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
+    digests_agree(&log, addrs, deadline, &mut v).await;
     for a in addrs {
         match log.node(a).verify(pb::VerifyRequest {}).await {
             Ok(r) => {
                 for p in r.into_inner().problems {
-                    v.ok = false;
-                    v.problems.push(format!("{a}: {p}"));
+                    v.fail(format!("{a}: {p}"));
                 }
             }
-            Err(e) => {
-                v.ok = false;
-                v.problems.push(format!("{a}: verify failed: {e}"));
-            }
+            Err(e) => v.fail(format!("{a}: verify failed: {e}")),
         }
     }
     v
+}
+
+/// Asks every node for its state digest (all at once, again and again) until all report one
+/// applied index; every pair seen at one index must agree.
+async fn digests_agree(log: &LogClient, addrs: &[String], deadline: Instant, v: &mut Verdict) {
+    // applied index -> (node, digest) first seen there
+    let mut seen: BTreeMap<u64, (String, Vec<u8>)> = BTreeMap::new();
+    let mut flagged = false;
+    loop {
+        let answers = futures::future::join_all(addrs.iter().map(|a| {
+            let mut c = log.node(a);
+            async move { (a.clone(), c.state_digest(pb::StateDigestRequest {}).await) }
+        }))
+        .await;
+        let mut indexes = Vec::new();
+        for (a, r) in answers {
+            let Ok(r) = r else { continue };
+            let d = r.into_inner();
+            indexes.push(d.applied_index);
+            match seen.get(&d.applied_index) {
+                Some((other, digest)) if *digest != d.digest && !flagged => {
+                    flagged = true;
+                    v.fail(format!(
+                        "{a} and {other} applied the same {} entries but hold different states (state digests differ)",
+                        d.applied_index
+                    ));
+                }
+                Some(_) => {}
+                None => {
+                    seen.insert(d.applied_index, (a, d.digest));
+                }
+            }
+        }
+        if indexes.len() == addrs.len() && indexes.windows(2).all(|w| w[0] == w[1]) {
+            v.checked += addrs.len();
+            return;
+        }
+        if Instant::now() > deadline {
+            v.fail(format!(
+                "the nodes never reported one applied index within {CONVERGE_WITHIN:?} (last: {indexes:?}); their states could not be compared"
+            ));
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }

@@ -19,6 +19,8 @@ pub mod net;
 pub mod procs;
 pub mod report;
 pub mod scenario;
+mod smallfs;
+pub mod supervisor;
 pub mod workload;
 
 use std::collections::BTreeMap;
@@ -62,6 +64,15 @@ pub enum Plant {
     /// A decoder whose model step fails keeps renewing its leases and keeps running
     /// (TOKENLOG_PLANT_ZOMBIE_DECODER=1; issue 11 bug 1). Caught with the `model-error` nemesis.
     Zombie,
+    /// Node 3's apply records decoder registrations 1 ms later than the other replicas do
+    /// (TOKENLOG_PLANT_DIVERGE=1 on node 3 only): every hash chain agrees, the states differ.
+    /// Caught by convergence (the whole-state digest).
+    Diverge,
+    /// Tick never fails a generation with records that nobody owns
+    /// (TOKENLOG_PLANT_NO_UNOWNED_DEADLINE=1; issue 11 bug 3): once every decoder is gone its
+    /// clients wait, and it continues when decoders return, past its deadline. Caught by
+    /// liveness with the `decoders-down` nemesis.
+    NoUnownedDeadline,
 }
 
 #[derive(Clone, Debug)]
@@ -94,6 +105,13 @@ pub struct RunConfig {
     pub standby_later: bool,
     /// How long nodes keep finished generations (`--retention-ms`).
     pub retention_ms: u64,
+    /// What gateways bind as a generation's unowned deadline (`--unowned-ms`; 0: the log's
+    /// default).
+    pub unowned_ms: u64,
+    /// Log entries a node keeps behind its snapshot (`--keep-after-snapshot`; `None`: the
+    /// node's default, 1,000): small values make a node that lags or lost its data catch up by
+    /// snapshot install rather than from the log.
+    pub keep_after_snapshot: Option<u64>,
 }
 
 impl RunConfig {
@@ -117,13 +135,26 @@ impl RunConfig {
             snapshot_every: 500,
             standby_later: false,
             retention_ms: tokenlog_raftlog::limits::RETENTION_MS_DEFAULT,
+            unowned_ms: 0,
+            keep_after_snapshot: None,
         }
     }
 
-    /// A stress configuration drawn from the seed (issue 11): snapshots every 20-500 entries,
+    /// The unowned deadline generations of this run carry (ms).
+    pub fn unowned_ms_in_force(&self) -> u64 {
+        if self.unowned_ms == 0 {
+            tokenlog_raftlog::limits::UNOWNED_MS_DEFAULT
+        } else {
+            self.unowned_ms
+        }
+    }
+
+    /// A stress configuration drawn from the seed (issue 11): snapshots every 20-500 entries
+    /// with 0-50 entries kept behind them (a node that lags or lost its data installs one),
     /// retention 2-5 s (finished generations pruned while the run goes on), leases of
-    /// 300-2,000 ms, so snapshot build and install, pruning and lease edges happen many times
-    /// per run. Returns what it drew, for the run's summary.
+    /// 300-2,000 ms, an unowned deadline of 3-6 s, so snapshot build and install, pruning, lease
+    /// edges and ownerless generations ending happen many times per run. Returns what it drew,
+    /// for the run's summary.
     pub fn stress(&mut self) -> String {
         use rand::{Rng, SeedableRng};
         // A stream of its own (the seed mixed by splitmix64), so the nemesis schedule of a seed
@@ -135,9 +166,12 @@ impl RunConfig {
         self.snapshot_every = rng.random_range(20..=500);
         self.retention_ms = rng.random_range(2_000..=5_000);
         self.lease_ms = rng.random_range(300..=2_000);
+        self.unowned_ms = rng.random_range(3_000..=6_000);
+        let keep = rng.random_range(0..=50);
+        self.keep_after_snapshot = Some(keep);
         format!(
-            "snapshot every {} entries, retention {} ms, lease {} ms",
-            self.snapshot_every, self.retention_ms, self.lease_ms
+            "snapshot every {} entries (keeping {keep} behind it), retention {} ms, lease {} ms, unowned deadline {} ms",
+            self.snapshot_every, self.retention_ms, self.lease_ms, self.unowned_ms
         )
     }
 }
@@ -156,6 +190,12 @@ pub struct RunSummary {
     /// Generations retention pruned before the end of the run (checked against the log as read
     /// right after their last event).
     pub pruned: u64,
+    /// Snapshots followers installed from a leader (counted in the nodes' logs).
+    pub snapshots_installed: u64,
+    /// `corrupt` faults after which the node refused to start (the rest hit nothing it reads).
+    pub corruptions_detected: u64,
+    /// Restarts the `supervised` nemesis's supervisor made.
+    pub supervisor_restarts: u64,
     pub faults: BTreeMap<String, u64>,
     pub decoder_ops: usize,
     pub seconds: f64,
@@ -189,7 +229,7 @@ pub fn summary_line(s: &RunSummary) -> String {
         .collect();
     let faults: Vec<String> = s.faults.iter().map(|(k, n)| format!("{k}x{n}")).collect();
     format!(
-        "seed {}: {} | {} requests, {} tokens seen, {} resumes, {} takeovers, {} fence rejections, {} leader changes, {} pruned, faults [{}], {} decoder ops, {:.0} s",
+        "seed {}: {} | {} requests, {} tokens seen, {} resumes, {} takeovers, {} fence rejections, {} leader changes, {} pruned, {} snapshots installed, {} corruptions detected, {} supervisor restarts, faults [{}], {} decoder ops, {:.0} s",
         s.seed,
         verdicts.join(", "),
         s.requests,
@@ -199,6 +239,9 @@ pub fn summary_line(s: &RunSummary) -> String {
         s.fence_rejections,
         s.leader_changes,
         s.pruned,
+        s.snapshots_installed,
+        s.corruptions_detected,
+        s.supervisor_restarts,
         faults.join(" "),
         s.decoder_ops,
         s.seconds

@@ -13,6 +13,7 @@ use serde_json::{json, Value};
 
 use super::now_us;
 use super::procs::Proc;
+use super::supervisor::{self, Act, Supervisor, CRASH_LOOP};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -40,10 +41,27 @@ pub enum Fault {
     /// A decoder's model step fails (an error or a panic, failpoint): the process must exit
     /// non-zero at once, its leases lapse and another decoder continues. Restarted after.
     ModelError,
+    /// A stopped follower's data (its snapshot, a WAL, a table or the manifest of its Raft log)
+    /// gets 1-4 flipped bytes; restarted, it must refuse to serve (then it is wiped and catches
+    /// up from its peers) or come up with a state equal to the others' (convergence).
+    Corrupt,
+    /// A node's data dir (on a tmpfs of its own) is squeezed to what it uses plus 0-64 KiB for
+    /// 2-5 s: its writes fail; it may exit cleanly (status 1; restarted) or wait; when the
+    /// space is back it must catch up, with nothing corrupted (convergence). Needs root.
+    DiskFull,
+    /// A process (node, decoder or gateway) killed from outside, as an OOM killer would, and
+    /// left to a supervisor that restarts whatever ended on its own with a doubling backoff and
+    /// gives up on a crash loop (which the `processes` checker reports).
+    Supervised,
+    /// Every decoder killed at once, and restarted after a short while (the generations wait
+    /// and continue) or, when the run's unowned deadline is short (stress configurations),
+    /// after longer than lease + deadline (the generations with records must fail explicitly;
+    /// liveness checks both).
+    DecodersDown,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 10] = [
+    pub const ALL: [Fault; 14] = [
         Fault::KillNode,
         Fault::PauseNode,
         Fault::KillDecoder,
@@ -54,6 +72,10 @@ impl Fault {
         Fault::Partition,
         Fault::Clock,
         Fault::ModelError,
+        Fault::Corrupt,
+        Fault::DiskFull,
+        Fault::Supervised,
+        Fault::DecodersDown,
     ];
 
     pub fn name(self) -> &'static str {
@@ -68,6 +90,10 @@ impl Fault {
             Fault::Partition => "partition",
             Fault::Clock => "clock",
             Fault::ModelError => "model-error",
+            Fault::Corrupt => "corrupt",
+            Fault::DiskFull => "disk-full",
+            Fault::Supervised => "supervised",
+            Fault::DecodersDown => "decoders-down",
         }
     }
 }
@@ -79,6 +105,12 @@ pub struct Procs {
     pub decoders: Vec<Proc>,
     /// The run's directory (the `clock` nemesis's skew files).
     pub dir: PathBuf,
+    /// Each node's data dir on a tmpfs of its own, once the `disk-full` nemesis moved it there
+    /// (unmounted on drop, after the processes are gone).
+    pub small_fs: Vec<Option<super::smallfs::SmallFs>>,
+    /// The run's decoder lease and unowned deadline (ms), for `decoders-down`.
+    pub lease_ms: u64,
+    pub unowned_ms: u64,
     /// Last, so that it is torn down after the processes are gone.
     pub net: Option<super::net::Netns>,
 }
@@ -102,6 +134,17 @@ impl Procs {
             .iter_mut()
             .chain(self.gateways.iter_mut())
             .chain(self.decoders.iter_mut())
+    }
+
+    /// Stops the decoders and gateways (the log's writers), so that the nodes come to rest;
+    /// returns the exits that had happened on their own, as [`Procs::stop_all`] does.
+    pub fn stop_writers(&mut self) -> Vec<super::procs::SelfExit> {
+        let mut out = Vec::new();
+        for p in self.gateways.iter_mut().chain(self.decoders.iter_mut()) {
+            p.kill9();
+            out.append(&mut p.self_exits);
+        }
+        out
     }
 
     /// Stops every process; returns the exits that had happened on their own (crashes, or an
@@ -165,6 +208,10 @@ async fn inject(
         Fault::RestartAll => restart_all(procs, rng).await,
         Fault::Clock => clock(procs, leader, rng).await,
         Fault::ModelError => model_error(procs, rng).await,
+        Fault::Corrupt => corrupt(procs, leader, rng).await,
+        Fault::DiskFull => disk_full(procs, rng).await,
+        Fault::Supervised => supervised(procs, rng).await,
+        Fault::DecodersDown => decoders_down(procs, rng).await,
     }
 }
 
@@ -259,6 +306,260 @@ const MODEL_ERROR_EXIT_WITHIN: Duration = Duration::from_secs(8);
 
 /// Marks a `model-error` record whose decoder did not exit after its model step failed.
 pub const LINGERED: &str = "[lingered]";
+
+/// `Corrupt`: a follower other than node 1 (node 1 initializes a cluster on an empty data dir)
+/// is killed, 1-4 bytes of one of its data files flipped, and it is started again. Either it
+/// refuses to start (the corruption detected: exit 1, then its data dir is wiped and it catches
+/// up from its peers, as an operator would do), or it starts and serves; the convergence
+/// checker then compares its whole state with the other replicas'.
+async fn corrupt(procs: &Mutex<Procs>, leader: &Mutex<Option<usize>>, rng: &mut StdRng) -> anyhow::Result<String> {
+    let n = procs.lock().expect("lock").nodes.len();
+    let known = *leader.lock().expect("lock");
+    let followers: Vec<usize> = (1..n).filter(|&i| Some(i) != known).collect();
+    let i = followers[rng.random_range(0..followers.len())];
+    let (dir, log_len) = {
+        let mut p = procs.lock().expect("lock");
+        p.nodes[i].kill9();
+        (p.node_dirs[i].clone(), p.nodes[i].log_text().len())
+    };
+    let files = data_files(&dir);
+    let Some(file) = (!files.is_empty()).then(|| files[rng.random_range(0..files.len())].clone()) else {
+        procs.lock().expect("lock").nodes[i].start()?;
+        return Ok(format!("node{}: no data files yet, nothing flipped", i + 1));
+    };
+    let flips = rng.random_range(1..=4);
+    flip_bytes(&file, flips, rng)?;
+    let what = format!(
+        "node{}: {flips} byte(s) flipped in {}",
+        i + 1,
+        file.strip_prefix(&dir).unwrap_or(&file).display()
+    );
+    procs.lock().expect("lock").nodes[i].start_failing(&[], 1)?;
+    // A node checks its whole data dir before it listens: an exit comes within seconds.
+    let started = Instant::now();
+    let mut exited = false;
+    while started.elapsed() < CORRUPT_DETECT_WITHIN {
+        if procs.lock().expect("lock").nodes[i].exited().is_some() {
+            exited = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    if !exited {
+        return Ok(format!("{what}: started (nothing it reads was hit)"));
+    }
+    let said = error_line(&procs.lock().expect("lock").nodes[i], log_len);
+    {
+        let mut p = procs.lock().expect("lock");
+        p.nodes[i].kill9();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    tokio::time::sleep(ms(rng, 200, 800)).await;
+    procs.lock().expect("lock").nodes[i].start()?;
+    Ok(format!("{what}: {DETECTED} ({said}); wiped, rejoined"))
+}
+
+/// How long a node with a corrupted data dir may take to refuse to start.
+const CORRUPT_DETECT_WITHIN: Duration = Duration::from_secs(6);
+
+/// Marks a `corrupt` record whose node refused to start.
+pub const DETECTED: &str = "refused to start";
+
+/// The files of a node's data dir that hold data: snapshots, and the Raft log's WALs, tables
+/// and manifest (not RocksDB's info log or options).
+fn data_files(dir: &std::path::Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for sub in ["snapshots", "log"] {
+        let Ok(rd) = std::fs::read_dir(dir.join(sub)) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            let data = name.ends_with(".snap")
+                || name.ends_with(".log")
+                || name.ends_with(".sst")
+                || name.starts_with("MANIFEST-");
+            if data && e.metadata().is_ok_and(|m| m.len() > 0) {
+                out.push(e.path());
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// XORs `n` bytes at random offsets of `file` with random non-zero values.
+fn flip_bytes(file: &std::path::Path, n: usize, rng: &mut StdRng) -> anyhow::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(file)?;
+    let len = f.metadata()?.len();
+    for _ in 0..n {
+        let at = rng.random_range(0..len);
+        let mut b = [0u8; 1];
+        f.read_exact_at(&mut b, at)?;
+        b[0] ^= rng.random_range(1..=255u8);
+        f.write_all_at(&b, at)?;
+    }
+    f.sync_all()?;
+    Ok(())
+}
+
+/// `DiskFull`: a random node's data dir (moved onto a tmpfs of its own the first time, with a
+/// restart) is squeezed to what it uses plus 0-64 KiB for 2-5 s, then given its room back. The
+/// node may exit cleanly (status 1) while it is full; it is then restarted.
+async fn disk_full(procs: &Mutex<Procs>, rng: &mut StdRng) -> anyhow::Result<String> {
+    let n = procs.lock().expect("lock").nodes.len();
+    let i = rng.random_range(0..n);
+    let moved = procs.lock().expect("lock").small_fs[i].is_none();
+    if moved {
+        let mut p = procs.lock().expect("lock");
+        p.nodes[i].kill9();
+        let fs = super::smallfs::SmallFs::take_over(&p.node_dirs[i].clone())?;
+        p.small_fs[i] = Some(fs);
+        p.nodes[i].start()?;
+    }
+    if moved {
+        tokio::time::sleep(ms(rng, 1000, 2000)).await;
+    }
+    let spare: u64 = rng.random_range(0..DISK_FULL_SPARE_MAX);
+    let hold = ms(rng, 2000, 5000);
+    let (size, log_len) = {
+        let mut p = procs.lock().expect("lock");
+        let size = p.small_fs[i].as_ref().expect("moved").squeeze(spare)?;
+        p.nodes[i].allow_exit(1);
+        (size, p.nodes[i].log_text().len())
+    };
+    tokio::time::sleep(hold).await;
+    procs.lock().expect("lock").small_fs[i]
+        .as_ref()
+        .expect("moved")
+        .release()?;
+    // A node that failed a write at the last moment may be exiting right now.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut p = procs.lock().expect("lock");
+    let outcome = match p.nodes[i].exited() {
+        Some(st) => {
+            let said = error_line(&p.nodes[i], log_len);
+            p.nodes[i].start()?;
+            format!("exited ({st}: {said}); restarted")
+        }
+        None => "kept running".to_string(),
+    };
+    let text = p.nodes[i].log_text();
+    let full_errors = text.get(log_len..).unwrap_or("").matches("No space left").count();
+    Ok(format!(
+        "node{}: full at {} KiB for {} ms{}; {full_errors} 'No space left' errors logged; {outcome}",
+        i + 1,
+        size >> 10,
+        hold.as_millis(),
+        if moved { " (moved onto a tmpfs first)" } else { "" }
+    ))
+}
+
+/// `Supervised`: a random process is killed from outside and left down; a [`Supervisor`]
+/// restarts whatever ended on its own, until every process has been up a while (or it gave up
+/// on one: a crash loop, marked [`CRASH_LOOP`]).
+async fn supervised(procs: &Mutex<Procs>, rng: &mut StdRng) -> anyhow::Result<String> {
+    let victim = {
+        let mut p = procs.lock().expect("lock");
+        let mut all: Vec<&mut Proc> = p.all_mut().collect();
+        let k = rng.random_range(0..all.len());
+        let v = &mut all[k];
+        if !v.crash() {
+            return Ok(format!("{}: not running, nothing crashed", v.name));
+        }
+        v.name.clone()
+    };
+    let mut sup = Supervisor::default();
+    let mut notes = Vec::new();
+    let started = Instant::now();
+    loop {
+        let mut settled = true;
+        {
+            let mut p = procs.lock().expect("lock");
+            for proc in p.all_mut() {
+                match sup.step(proc)? {
+                    Act::Nothing => {}
+                    Act::Restarted { after } => {
+                        notes.push(format!("{} restarted after {} ms", proc.name, after.as_millis()))
+                    }
+                    Act::GaveUp { quick_failures } => notes.push(format!(
+                        "{CRASH_LOOP} {}: gave up after {quick_failures} exits within {} ms of their start: {}",
+                        proc.name,
+                        supervisor::QUICK_FAILURE.as_millis(),
+                        proc.log_text()
+                            .lines()
+                            .rev()
+                            .find(|l| !l.trim().is_empty())
+                            .unwrap_or("")
+                            .trim()
+                    )),
+                }
+                let up = proc.exited().is_none() && proc.uptime().is_some_and(|u| u >= supervisor::QUICK_FAILURE);
+                settled &= up || sup.gave_up(&proc.name);
+            }
+        }
+        if settled || started.elapsed() > SUPERVISED_FOR {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(format!("{victim} killed (SIGKILL); supervisor: {}", notes.join("; ")))
+}
+
+/// How long the `supervised` nemesis watches before it hands back.
+const SUPERVISED_FOR: Duration = Duration::from_secs(15);
+
+/// `DecodersDown`: every decoder killed; restarted after 0.5-2 s, or (half the time, when the
+/// unowned deadline is at most [`UNOWNED_LONG_MAX`]) after lease + deadline + 2.5-4 s.
+async fn decoders_down(procs: &Mutex<Procs>, rng: &mut StdRng) -> anyhow::Result<String> {
+    let (lease, unowned) = {
+        let mut p = procs.lock().expect("lock");
+        for d in p.decoders.iter_mut() {
+            d.kill9();
+        }
+        (p.lease_ms, p.unowned_ms)
+    };
+    let long = unowned <= UNOWNED_LONG_MAX.as_millis() as u64 && rng.random_bool(0.5);
+    let hold = if long {
+        Duration::from_millis(lease + unowned) + ms(rng, 2500, 4000)
+    } else {
+        ms(rng, 500, 2000)
+    };
+    tokio::time::sleep(hold).await;
+    let mut p = procs.lock().expect("lock");
+    for d in p.decoders.iter_mut() {
+        d.start()?;
+    }
+    Ok(format!(
+        "all decoders down for {} ms ({})",
+        hold.as_millis(),
+        if long {
+            "past lease + unowned deadline: generations with records must fail"
+        } else {
+            "shorter than the unowned deadline"
+        }
+    ))
+}
+
+/// The longest unowned deadline for which `decoders-down` outlasts it.
+pub const UNOWNED_LONG_MAX: Duration = Duration::from_secs(10);
+
+/// The most room a `disk-full` squeeze leaves (a few seconds of a node's writes fill it).
+const DISK_FULL_SPARE_MAX: u64 = 64 << 10;
+
+/// The error a process printed since `from` in its log (the `Error:` line of a clean exit),
+/// else its last line.
+fn error_line(p: &Proc, from: usize) -> String {
+    let text = p.log_text();
+    let new = text.get(from..).unwrap_or("");
+    let pick = new
+        .lines()
+        .find(|l| l.starts_with("Error:"))
+        .or_else(|| new.lines().rev().find(|l| !l.trim().is_empty()))
+        .unwrap_or("");
+    pick.trim().chars().take(300).collect()
+}
 
 /// `KillNode` or `PauseNode`: a log node (the leader half the time) killed and restarted, or
 /// paused and continued.

@@ -74,10 +74,12 @@ pub struct Proc {
     pub self_exits: Vec<SelfExit>,
     /// The address to wait for after a start (gRPC port).
     pub ready_addr: Option<String>,
-    /// `(incarnation, exit code)` a nemesis made fail on purpose.
-    expected_exits: Vec<(u32, i32)>,
+    /// `(incarnation, exit code)` a nemesis made fail on purpose (`None`: killed by a signal).
+    expected_exits: Vec<(u32, Option<i32>)>,
     /// Environment of the next incarnation only (a nemesis's failpoint).
     next_env: Vec<(String, String)>,
+    /// When the running incarnation started.
+    started_at: Option<Instant>,
 }
 
 impl Proc {
@@ -97,6 +99,7 @@ impl Proc {
             ready_addr: None,
             expected_exits: vec![],
             next_env: vec![],
+            started_at: None,
         }
     }
 
@@ -105,8 +108,35 @@ impl Proc {
     pub fn start_failing(&mut self, env: &[(&str, &str)], code: i32) -> Result<()> {
         self.kill9();
         self.next_env = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        self.expected_exits.push((self.incarnation + 1, code));
+        self.expected_exits.push((self.incarnation + 1, Some(code)));
         self.start()
+    }
+
+    /// The running incarnation may exit on its own with `code` (a fault a nemesis causes that a
+    /// clean exit is an acceptable answer to, such as a full disk).
+    pub fn allow_exit(&mut self, code: i32) {
+        self.expected_exits.push((self.incarnation, Some(code)));
+    }
+
+    /// Kills the running incarnation with SIGKILL from outside (as an OOM killer would), and
+    /// leaves it down: its end counts as an exit of its own, an expected one. Returns whether
+    /// there was a process to kill.
+    pub fn crash(&mut self) -> bool {
+        if self.child.is_none() || self.exited().is_some() {
+            return false;
+        }
+        self.resume();
+        self.expected_exits.push((self.incarnation, None));
+        if let Some(c) = self.child.as_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        true
+    }
+
+    /// How long the running incarnation has been up (`None` when none runs).
+    pub fn uptime(&self) -> Option<Duration> {
+        self.started_at.filter(|_| self.child.is_some()).map(|t| t.elapsed())
     }
 
     pub fn env(mut self, k: &str, v: &str) -> Proc {
@@ -140,7 +170,7 @@ impl Proc {
             let meant = self
                 .expected_exits
                 .iter()
-                .any(|&(inc, code)| inc == self.incarnation && st.code() == Some(code));
+                .any(|&(inc, code)| inc == self.incarnation && st.code() == code);
             self.self_exits.push(SelfExit {
                 name: self.name.clone(),
                 incarnation: self.incarnation,
@@ -188,6 +218,7 @@ impl Proc {
             .spawn()
             .with_context(|| format!("starting {} ({})", self.name, self.bin.display()))?;
         self.child = Some(child);
+        self.started_at = Some(Instant::now());
         self.paused = false;
         Ok(())
     }

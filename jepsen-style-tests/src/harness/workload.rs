@@ -27,6 +27,9 @@ pub struct RequestRecord {
     pub invoke_us: u64,
     pub complete_us: u64,
     pub generation: u64,
+    /// When the first event arrived.
+    #[serde(default)]
+    pub first_event_us: Option<u64>,
     /// Every event received, in order: (seq, token_id, epoch, last).
     pub events: Vec<(u32, u32, u64, bool)>,
     /// Streams opened (1 + resumes).
@@ -88,7 +91,12 @@ pub async fn client_loop(
                 at_finish.lock().expect("lock").insert(rec.generation, f);
             }
         }
+        let refused = !rec.finished && rec.events.is_empty();
         out.lock().expect("lock").push(rec);
+        if refused {
+            // Refused outright (no decoder registered, say): not again at once.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
     }
 }
 
@@ -161,6 +169,7 @@ pub async fn one_request(
         invoke_us: now_us(),
         complete_us: 0,
         generation: 0,
+        first_event_us: None,
         events: vec![],
         connections: 0,
         finished: false,
@@ -200,6 +209,7 @@ pub async fn one_request(
             match tokio::time::timeout(Duration::from_secs(15), s.message()).await {
                 Ok(Ok(Some(ev))) => {
                     rec.generation = ev.generation;
+                    rec.first_event_us.get_or_insert_with(now_us);
                     rec.events.push((ev.seq, ev.token_id, ev.epoch, ev.last));
                     last = last.max(i64::from(ev.seq));
                     if let Some(p) = progress {

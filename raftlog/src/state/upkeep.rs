@@ -29,7 +29,8 @@ impl LogState {
                 format!("the log holds {DECODERS_MAX} decoder registrations"),
             ));
         }
-        let expiry_log_ms = self.log_ms + ttl_ms;
+        // Planted `diverge` (one node of a fault-suite run): a state no other replica holds.
+        let expiry_log_ms = self.log_ms + ttl_ms + u64::from(self.faults.diverge());
         self.decoders.insert(
             decoder.to_string(),
             DecoderInfo {
