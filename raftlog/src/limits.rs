@@ -95,6 +95,6 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 pub const RETRY_BUDGET_DEFAULT: Duration = Duration::from_secs(15);
 pub const RETRY_PAUSE_MIN: Duration = Duration::from_millis(20);
-pub const RETRY_PAUSE_MAX: Duration = Duration::from_millis(500);
+pub const RETRY_PAUSE_MAX: Duration = Duration::from_millis(100);
 /// Largest gRPC message a node accepts (bytes).
 pub const GRPC_MESSAGE_BYTES_MAX: usize = 64 * 1024 * 1024;

@@ -28,6 +28,10 @@ pub struct LeaderKillArgs {
     /// The fake model's time per token (ms).
     #[arg(long, default_value_t = 20)]
     pub step_ms: u64,
+    /// The decoder's lease (ms). One shorter than an election shows whether the election
+    /// counts against leases (it must not).
+    #[arg(long, default_value_t = tokenlog_raftlog::limits::LEASE_MS_DEFAULT)]
+    pub lease_ms: u64,
     /// Seconds between kills (and the length of each measured stretch).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(2..=60))]
     pub every_s: u64,
@@ -86,6 +90,7 @@ pub async fn leader_kill(a: LeaderKillArgs) -> anyhow::Result<()> {
     wait_for_leader(&client).await?;
     let _decoder = Procs(vec![Command::new(&exe)
         .args(["decoder", "--fake", "--fake-step-ms", &a.step_ms.to_string()])
+        .args(["--lease-ms", &a.lease_ms.to_string()])
         .args(["--cluster", &addrs.join(","), "--decoder-id", "bench-leader-kill"])
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
@@ -107,8 +112,8 @@ pub async fn leader_kill(a: LeaderKillArgs) -> anyhow::Result<()> {
         .context("no generation")?
         .generation_id;
     println!(
-        "bench leader-kill: 3 log nodes, 1 fake-model decoder ({} ms/token), one generation of up to {tokens} tokens; the leader kill -9'd {} times, {} s apart",
-        a.step_ms, a.kills, a.every_s
+        "bench leader-kill: 3 log nodes, 1 fake-model decoder ({} ms/token, lease {} ms), one generation of up to {tokens} tokens; the leader kill -9'd {} times, {} s apart",
+        a.step_ms, a.lease_ms, a.kills, a.every_s
     );
     let arrivals = Arc::new(Mutex::new(Vec::<Instant>::new()));
     let watcher = tokio::spawn(follow(client.clone(), id, arrivals.clone()));
