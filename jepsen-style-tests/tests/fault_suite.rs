@@ -47,6 +47,43 @@ async fn first_caught(
     None
 }
 
+/// Asserts that `checker` failed with a problem that says `what`.
+fn assert_flagged(s: &harness::RunSummary, checker: &str, what: &str) {
+    let v = &s.verdicts[checker];
+    assert!(
+        v.problems.iter().any(|p| p.contains(what)),
+        "{checker}: {:?}",
+        v.problems
+    );
+}
+
+/// Only the `decoders-down` nemesis, with a lease and an unowned deadline short enough that it
+/// keeps every decoder away past both, and generations long enough to be running then.
+fn decoders_down(cfg: &mut RunConfig) {
+    cfg.time = Duration::from_secs(12);
+    cfg.faults = vec![Fault::DecodersDown];
+    cfg.lease_ms = 500;
+    cfg.unowned_ms = 1_500;
+    cfg.max_tokens = (150, 300);
+}
+
+/// Runs `cfg`, asserts that every checker passed, and returns the summary and the run's
+/// history (JSON lines).
+async fn run_clean(cfg: &RunConfig) -> (harness::RunSummary, String) {
+    let s = harness::run(cfg).await.unwrap();
+    eprintln!("{}", harness::summary_line(&s));
+    for (name, v) in &s.verdicts {
+        assert!(
+            v.ok,
+            "seed {}: {name} failed: {:?} (report in {})",
+            cfg.seed,
+            v.problems,
+            cfg.out.display()
+        );
+    }
+    (s, std::fs::read_to_string(cfg.out.join("history.jsonl")).unwrap())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn seeded_runs_with_every_nemesis_show_no_violation() {
     for seed in [11, 12] {
@@ -57,16 +94,7 @@ async fn seeded_runs_with_every_nemesis_show_no_violation() {
             // the run), a short retention (pruning while clients read) and another lease.
             eprintln!("seed {seed}: {}", cfg.stress());
         }
-        let s = harness::run(&cfg).await.unwrap();
-        eprintln!("{}", harness::summary_line(&s));
-        for (name, v) in &s.verdicts {
-            assert!(
-                v.ok,
-                "seed {seed}: {name} failed: {:?} (report in {})",
-                v.problems,
-                cfg.out.display()
-            );
-        }
+        let (s, _) = run_clean(&cfg).await;
         assert!(
             s.faults.values().sum::<u64>() >= 4,
             "seed {seed}: the nemesis ran: {:?}",
@@ -227,12 +255,7 @@ async fn planted_diverging_replica_is_caught_by_convergence() {
     )
     .await
     .expect("a replica whose state differs was never flagged in 3 seeds");
-    let v = &s.verdicts["convergence"];
-    assert!(
-        v.problems.iter().any(|p| p.contains("state digests differ")),
-        "{:?}",
-        v.problems
-    );
+    assert_flagged(&s, "convergence", "state digests differ");
     for (name, v) in &s.verdicts {
         if name != "convergence" {
             assert!(v.ok, "only convergence sees the divergence; {name}: {:?}", v.problems);
@@ -249,23 +272,14 @@ async fn planted_missing_unowned_deadline_is_caught_by_liveness() {
     let s = first_caught(
         [91, 92, 93],
         |cfg| {
-            cfg.time = Duration::from_secs(12);
-            cfg.faults = vec![Fault::DecodersDown];
-            cfg.lease_ms = 500;
-            cfg.unowned_ms = 1_500;
-            cfg.max_tokens = (150, 300);
+            decoders_down(cfg);
             cfg.plant = Some(Plant::NoUnownedDeadline);
         },
         |s| !s.verdicts["liveness"].ok,
     )
     .await
     .expect("generations outliving their unowned deadline were never flagged in 3 seeds");
-    let v = &s.verdicts["liveness"];
-    assert!(
-        v.problems.iter().any(|p| p.contains("outlived its unowned deadline")),
-        "{:?}",
-        v.problems
-    );
+    assert_flagged(&s, "liveness", "outlived its unowned deadline");
 }
 
 /// The same run without the plant: generations with records fail explicitly when every decoder
@@ -273,22 +287,8 @@ async fn planted_missing_unowned_deadline_is_caught_by_liveness() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ownerless_generations_end_within_their_deadline() {
     let mut cfg = config(94);
-    cfg.time = Duration::from_secs(12);
-    cfg.faults = vec![Fault::DecodersDown];
-    cfg.lease_ms = 500;
-    cfg.unowned_ms = 1_500;
-    cfg.max_tokens = (150, 300);
-    let s = harness::run(&cfg).await.unwrap();
-    eprintln!("{}", harness::summary_line(&s));
-    for (name, v) in &s.verdicts {
-        assert!(
-            v.ok,
-            "{name} failed: {:?} (report in {})",
-            v.problems,
-            cfg.out.display()
-        );
-    }
-    let history = std::fs::read_to_string(cfg.out.join("history.jsonl")).unwrap();
+    decoders_down(&mut cfg);
+    let (_, history) = run_clean(&cfg).await;
     assert!(
         history.contains("generations with records must fail"),
         "seed 94 keeps every decoder away past the deadline at least once"
@@ -307,17 +307,7 @@ async fn a_node_whose_disk_fills_exits_and_catches_up() {
     cfg.time = Duration::from_secs(20);
     cfg.faults = vec![Fault::DiskFull];
     eprintln!("seed 202: {}", cfg.stress());
-    let s = harness::run(&cfg).await.unwrap();
-    eprintln!("{}", harness::summary_line(&s));
-    for (name, v) in &s.verdicts {
-        assert!(
-            v.ok,
-            "{name} failed: {:?} (report in {})",
-            v.problems,
-            cfg.out.display()
-        );
-    }
-    let history = std::fs::read_to_string(cfg.out.join("history.jsonl")).unwrap();
+    let (_, history) = run_clean(&cfg).await;
     assert!(
         history.contains("Raft stopped on its own"),
         "a node's disk filled up and it exited (needs root to mount a tmpfs)"

@@ -253,6 +253,20 @@ impl LogClient {
             .await
     }
 
+    /// Generation `id` as the leader holds it now (a linearizable Get by id); NOT_FOUND when
+    /// it does not exist (or retention pruned it).
+    pub async fn generation(&self, id: u64) -> Result<pb::GenerationInfo, ClientError> {
+        let r = self
+            .get(pb::GetRequest {
+                generation_id: id,
+                linearizable: true,
+                ..Default::default()
+            })
+            .await?;
+        r.generation
+            .ok_or_else(|| ClientError::Status(Status::not_found(format!("generation {id}"))))
+    }
+
     pub async fn get(&self, req: pb::GetRequest) -> Result<pb::GetResponse, ClientError> {
         self.call(|mut c| {
             let r = req.clone();

@@ -189,15 +189,7 @@ async fn submit_all(client: &LogClient, binding: &pb::Binding, n: u64) -> anyhow
 /// Every generation FINISHED with exactly `tokens` records (read through the leader).
 async fn check_all(client: &LogClient, ids: &[u64], tokens: u32) -> anyhow::Result<()> {
     for &id in ids {
-        let g = client
-            .get(pb::GetRequest {
-                generation_id: id,
-                linearizable: true,
-                ..Default::default()
-            })
-            .await?
-            .generation
-            .context("generation gone")?;
+        let g = client.generation(id).await?;
         if g.state != pb::GenerationState::Finished as i32 || g.frontier != tokens {
             bail!(
                 "generation {id}: state {:?}, {} records (want FINISHED with {tokens})",

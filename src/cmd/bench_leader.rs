@@ -153,15 +153,7 @@ pub async fn leader_kill(a: LeaderKillArgs) -> anyhow::Result<()> {
         gaps.push(gap);
     }
     watcher.abort();
-    let g = client
-        .get(pb::GetRequest {
-            generation_id: id,
-            linearizable: true,
-            ..Default::default()
-        })
-        .await?
-        .generation
-        .context("generation gone")?;
+    let g = client.generation(id).await?;
     let _ = client
         .cancel(pb::CancelRequest {
             tenant: "bench".into(),

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use serde_json::Value;
 use tokenlog_proto::raftlog as pb;
 use tokenlog_raftlog::client::LogClient;
@@ -236,15 +236,7 @@ fn is_not_found(e: &anyhow::Error) -> bool {
 
 /// The committed records of a generation (up to its frontier now), read linearizably.
 pub(super) async fn final_gen(log: &LogClient, id: u64) -> Result<FinalGen> {
-    let info = log
-        .get(pb::GetRequest {
-            generation_id: id,
-            linearizable: true,
-            ..Default::default()
-        })
-        .await?
-        .generation
-        .context("no generation")?;
+    let info = log.generation(id).await?;
     let mut out = FinalGen {
         terminal: matches!(
             pb::GenerationState::try_from(info.state),
