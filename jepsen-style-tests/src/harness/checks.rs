@@ -1,14 +1,15 @@
 //! The checkers of a run. Each answers a [`Verdict`]: what it checked and the first problems.
 //!
-//! - `exactly-once`: each client's received events for a request are seqs 0, 1, ..., n with no
-//!   duplicate and no gap, the last event last, and every token (and its epoch) equal to the
-//!   final committed record at that seq.
+//! - `exactly-once`: each client's received events for a request name one generation and are
+//!   seqs 0, 1, ..., n with no duplicate and no gap, the last event last, and every token (and
+//!   its epoch) equal to the final committed record at that seq.
 //! - `durability`: every token any client saw is in the final log at its seq.
 //! - `fencing`: one grant per epoch per generation; epochs of the final records never decrease
 //!   along a generation; every final record's epoch was granted to some decoder.
 //! - `linearizability`: the decoders' acquires and appends, per generation, against the
 //!   ownership/frontier model ([`crate::models::Ownership`]).
-//! - `status`: a status read after the last event says terminal, with the same frontier.
+//! - `status`: a status read after the last event says terminal, with the same frontier,
+//!   generation and finish reason.
 //! - `liveness`: every request finished (after the healing phase) or was refused at submit while
 //!   every decoder was down; none failed except where
 //!   its unowned deadline ended it (every decoder gone that long: `decoders-down`); and every
@@ -76,6 +77,14 @@ pub fn exactly_once(reqs: &[RequestRecord], finals: &HashMap<u64, FinalGen>) -> 
     let mut v = Verdict::new();
     for r in reqs {
         v.checked += 1;
+        if r.generations.len() > 1 {
+            v.fail(format!(
+                "{}: its events named {} generations {:?}: one request, one generation",
+                r.request_id,
+                r.generations.len(),
+                r.generations
+            ));
+        }
         let Some(f) = finals.get(&r.generation) else {
             if !r.events.is_empty() {
                 v.fail(format!(
@@ -146,17 +155,22 @@ pub fn durability(reqs: &[RequestRecord], finals: &HashMap<u64, FinalGen>) -> Ve
     v
 }
 
+/// A status read after the last event says terminal, with the stream's frontier, generation
+/// and finish reason.
 pub fn status(reqs: &[RequestRecord]) -> Verdict {
     let mut v = Verdict::new();
     for r in reqs.iter().filter(|r| r.finished) {
         v.checked += 1;
         let n = r.events.last().map_or(0, |e| e.0);
         match &r.status_after {
-            Some((state, frontier))
-                if matches!(state.as_str(), "finished" | "failed" | "cancelled") && *frontier == n => {}
+            Some(st)
+                if matches!(st.state.as_str(), "finished" | "failed" | "cancelled")
+                    && st.frontier == n
+                    && st.generation == r.generation
+                    && st.finish_reason == r.finish_reason => {}
             other => v.fail(format!(
-                "{}: after the last event (seq {n}) status said {other:?}",
-                r.request_id
+                "{}: after the last event (seq {n}, generation {}, {:?}) status said {other:?}",
+                r.request_id, r.generation, r.finish_reason
             )),
         }
     }
@@ -449,6 +463,7 @@ pub fn linearizability(decoder_ops: &[DecoderOp], budget: Duration) -> (Verdict,
 #[cfg(test)]
 mod tests {
     use super::super::procs::SelfExit;
+    use super::super::workload::StatusSeen;
     use super::*;
     use tokenlog_decoder::history::{Answer, Call};
 
@@ -546,6 +561,7 @@ mod tests {
             finish_reason: reason.into(),
             error: None,
             status_after: None,
+            generations: vec![1],
         }
     }
 
@@ -596,5 +612,54 @@ mod tests {
         ))];
         let v = processes(&[], false, &looped);
         assert!(!v.ok && v.problems[0].contains("crash-looped"), "{v:?}");
+    }
+    #[test]
+    fn one_request_sees_one_generation_and_its_status_agrees() {
+        let mut r = req("r", Some(1), 2, "length");
+        r.events = vec![(0, 5, 1, false), (1, 0, 1, true)];
+        let finals: HashMap<u64, FinalGen> = [(
+            1,
+            FinalGen {
+                records: vec![(5, 1)],
+                terminal: true,
+                state: "Finished".into(),
+            },
+        )]
+        .into();
+        assert!(exactly_once(std::slice::from_ref(&r), &finals).ok);
+        let mut two = r.clone();
+        two.generations = vec![1, 2];
+        let v = exactly_once(&[two], &finals);
+        assert!(!v.ok && v.problems[0].contains("one request, one generation"), "{v:?}");
+
+        let seen = StatusSeen {
+            state: "finished".into(),
+            frontier: 1,
+            generation: 1,
+            finish_reason: "length".into(),
+        };
+        r.status_after = Some(seen.clone());
+        assert!(status(std::slice::from_ref(&r)).ok);
+        for bad in [
+            StatusSeen {
+                generation: 2,
+                ..seen.clone()
+            },
+            StatusSeen {
+                finish_reason: "error".into(),
+                ..seen.clone()
+            },
+            StatusSeen {
+                state: "running".into(),
+                ..seen.clone()
+            },
+            StatusSeen {
+                frontier: 0,
+                ..seen.clone()
+            },
+        ] {
+            r.status_after = Some(bad.clone());
+            assert!(!status(std::slice::from_ref(&r)).ok, "{bad:?}");
+        }
     }
 }

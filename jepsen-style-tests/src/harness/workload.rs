@@ -37,8 +37,20 @@ pub struct RequestRecord {
     pub finished: bool,
     pub finish_reason: String,
     pub error: Option<String>,
-    /// Status read right after the last event: (state, frontier).
-    pub status_after: Option<(String, u32)>,
+    /// Status read right after the last event.
+    pub status_after: Option<StatusSeen>,
+    /// Every generation the events named, in order of first sight: one request must see one.
+    #[serde(default)]
+    pub generations: Vec<u64>,
+}
+
+/// What a gateway's Status said of a request.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StatusSeen {
+    pub state: String,
+    pub frontier: u32,
+    pub generation: u64,
+    pub finish_reason: String,
 }
 
 /// A lazily connecting channel to a gateway; `call_timeout` bounds each call (not for streams).
@@ -176,6 +188,7 @@ pub async fn one_request(
         finish_reason: String::new(),
         error: None,
         status_after: None,
+        generations: vec![],
     };
     let started = Instant::now();
     let mut last: i64 = -1;
@@ -209,6 +222,9 @@ pub async fn one_request(
             match tokio::time::timeout(Duration::from_secs(15), s.message()).await {
                 Ok(Ok(Some(ev))) => {
                     rec.generation = ev.generation;
+                    if !rec.generations.contains(&ev.generation) {
+                        rec.generations.push(ev.generation);
+                    }
                     rec.first_event_us.get_or_insert_with(now_us);
                     rec.events.push((ev.seq, ev.token_id, ev.epoch, ev.last));
                     last = last.max(i64::from(ev.seq));
@@ -251,7 +267,12 @@ pub async fn one_request(
                 .await
             {
                 let st = st.into_inner();
-                rec.status_after = Some((st.state, st.frontier));
+                rec.status_after = Some(StatusSeen {
+                    state: st.state,
+                    frontier: st.frontier,
+                    generation: st.generation,
+                    finish_reason: st.finish_reason,
+                });
                 break;
             }
         }
