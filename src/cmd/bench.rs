@@ -181,25 +181,26 @@ async fn bench_log(a: LogArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The command that runs node `i` (0-based) of a 3-node loopback cluster on ports `base..base+3`,
+/// its data in `dir/tokenlog-{i+1}`; stdout discarded, stderr as the caller sets it.
+pub fn node_command(exe: &Path, dir: &Path, base: u16, i: u16) -> Command {
+    let peers: Vec<String> = (0..3).map(|k| format!("{}=127.0.0.1:{}", k + 1, base + k)).collect();
+    let mut c = Command::new(exe);
+    c.args(["node", "--id", &(i + 1).to_string()])
+        .args(["--listen", &format!("127.0.0.1:{}", base + i)])
+        .arg("--data-dir")
+        .arg(dir.join(format!("tokenlog-{}", i + 1)))
+        .args(["--peers", &peers.join(",")])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null());
+    c
+}
+
 pub fn start_tokenlog(dir: &Path, base: u16) -> anyhow::Result<Procs> {
     let exe = std::env::current_exe()?;
-    let peers: Vec<String> = (0..3).map(|i| format!("{}=127.0.0.1:{}", i + 1, base + i)).collect();
     let mut procs = Procs(Vec::new());
     for i in 0..3u16 {
-        let child = Command::new(&exe)
-            .args([
-                "node",
-                "--id",
-                &(i + 1).to_string(),
-                "--listen",
-                &format!("127.0.0.1:{}", base + i),
-            ])
-            .arg("--data-dir")
-            .arg(dir.join(format!("tokenlog-{}", i + 1)))
-            .arg("--peers")
-            .arg(peers.join(","))
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
+        let child = node_command(&exe, dir, base, i)
             .spawn()
             .context("start tokenlog node")?;
         procs.0.push(child);

@@ -16,7 +16,7 @@ use anyhow::{bail, Context};
 use tokenlog_proto::raftlog as pb;
 use tokenlog_raftlog::client::LogClient;
 
-use crate::cmd::bench::{wait_for_leader, Procs};
+use crate::cmd::bench::{node_command, wait_for_leader, Procs};
 use crate::cmd::bench_decoder::{binding, dargs, prompt_ids};
 use crate::cmd::decoder::load_model;
 
@@ -44,15 +44,7 @@ pub struct LeaderKillArgs {
 const GOAL_GAP: Duration = Duration::from_millis(1500);
 
 fn spawn_node(exe: &Path, dir: &Path, base: u16, i: u16) -> anyhow::Result<Child> {
-    let peers: Vec<String> = (0..3).map(|k| format!("{}=127.0.0.1:{}", k + 1, base + k)).collect();
-    Command::new(exe)
-        .args(["node", "--id", &(i + 1).to_string()])
-        .args(["--listen", &format!("127.0.0.1:{}", base + i)])
-        .arg("--data-dir")
-        .arg(dir.join(format!("node-{}", i + 1)))
-        .args(["--peers", &peers.join(",")])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
+    node_command(exe, dir, base, i)
         .stderr(std::fs::File::create(dir.join(format!("node-{}.log", i + 1)))?)
         .spawn()
         .context("start tokenlog node")

@@ -348,7 +348,7 @@ async fn corrupt(procs: &Mutex<Procs>, leader: &Mutex<Option<usize>>, rng: &mut 
     if !exited {
         return Ok(format!("{what}: started (nothing it reads was hit)"));
     }
-    let said = error_line(&procs.lock().expect("lock").nodes[i], log_len);
+    let said = said(&log_since(&procs.lock().expect("lock").nodes[i], log_len));
     {
         let mut p = procs.lock().expect("lock");
         p.nodes[i].kill9();
@@ -412,13 +412,13 @@ async fn disk_full(procs: &Mutex<Procs>, rng: &mut StdRng) -> anyhow::Result<Str
     let i = rng.random_range(0..n);
     let moved = procs.lock().expect("lock").small_fs[i].is_none();
     if moved {
-        let mut p = procs.lock().expect("lock");
-        p.nodes[i].kill9();
-        let fs = super::smallfs::SmallFs::take_over(&p.node_dirs[i].clone())?;
-        p.small_fs[i] = Some(fs);
-        p.nodes[i].start()?;
-    }
-    if moved {
+        {
+            let mut p = procs.lock().expect("lock");
+            p.nodes[i].kill9();
+            let fs = super::smallfs::SmallFs::take_over(&p.node_dirs[i].clone())?;
+            p.small_fs[i] = Some(fs);
+            p.nodes[i].start()?;
+        }
         tokio::time::sleep(ms(rng, 1000, 2000)).await;
     }
     let spare: u64 = rng.random_range(0..DISK_FULL_SPARE_MAX);
@@ -437,16 +437,15 @@ async fn disk_full(procs: &Mutex<Procs>, rng: &mut StdRng) -> anyhow::Result<Str
     // A node that failed a write at the last moment may be exiting right now.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let mut p = procs.lock().expect("lock");
+    let new = log_since(&p.nodes[i], log_len);
+    let full_errors = new.matches("No space left").count();
     let outcome = match p.nodes[i].exited() {
         Some(st) => {
-            let said = error_line(&p.nodes[i], log_len);
             p.nodes[i].start()?;
-            format!("exited ({st}: {said}); restarted")
+            format!("exited ({st}: {}); restarted", said(&new))
         }
         None => "kept running".to_string(),
     };
-    let text = p.nodes[i].log_text();
-    let full_errors = text.get(log_len..).unwrap_or("").matches("No space left").count();
     Ok(format!(
         "node{}: full at {} KiB for {} ms{}; {full_errors} 'No space left' errors logged; {outcome}",
         i + 1,
@@ -487,12 +486,7 @@ async fn supervised(procs: &Mutex<Procs>, rng: &mut StdRng) -> anyhow::Result<St
                         "{CRASH_LOOP} {}: gave up after {quick_failures} exits within {} ms of their start: {}",
                         proc.name,
                         supervisor::QUICK_FAILURE.as_millis(),
-                        proc.log_text()
-                            .lines()
-                            .rev()
-                            .find(|l| !l.trim().is_empty())
-                            .unwrap_or("")
-                            .trim()
+                        said(&proc.log_text())
                     )),
                 }
                 let up = proc.exited().is_none() && proc.uptime().is_some_and(|u| u >= supervisor::QUICK_FAILURE);
@@ -548,15 +542,19 @@ pub const UNOWNED_LONG_MAX: Duration = Duration::from_secs(10);
 /// The most room a `disk-full` squeeze leaves (a few seconds of a node's writes fill it).
 const DISK_FULL_SPARE_MAX: u64 = 64 << 10;
 
-/// The error a process printed since `from` in its log (the `Error:` line of a clean exit),
-/// else its last line.
-fn error_line(p: &Proc, from: usize) -> String {
-    let text = p.log_text();
-    let new = text.get(from..).unwrap_or("");
-    let pick = new
+/// What a process printed since byte `from` of its log.
+fn log_since(p: &Proc, from: usize) -> String {
+    p.log_text().get(from..).unwrap_or("").to_string()
+}
+
+/// The last error in `text` (the `Error:` line of a clean exit), else its last line; at most
+/// 300 characters.
+fn said(text: &str) -> String {
+    let pick = text
         .lines()
+        .rev()
         .find(|l| l.starts_with("Error:"))
-        .or_else(|| new.lines().rev().find(|l| !l.trim().is_empty()))
+        .or_else(|| text.lines().rev().find(|l| !l.trim().is_empty()))
         .unwrap_or("");
     pick.trim().chars().take(300).collect()
 }

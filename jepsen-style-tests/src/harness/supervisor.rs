@@ -44,7 +44,6 @@ pub enum Act {
 #[derive(Default)]
 pub struct Supervisor {
     tracks: HashMap<String, Track>,
-    pub restarts: u64,
 }
 
 impl Supervisor {
@@ -82,7 +81,6 @@ impl Supervisor {
         }
         t.down_since = None;
         p.start()?;
-        self.restarts += 1;
         Ok(Act::Restarted { after })
     }
 
