@@ -31,11 +31,11 @@ fn config(seed: u64) -> RunConfig {
 /// Runs `seeds` one after another, each configured by `setup`, until `caught` says a checker
 /// flagged the planted bug; that run's summary.
 async fn first_caught(
-    seeds: [u64; 3],
+    seeds: &[u64],
     setup: impl Fn(&mut RunConfig),
     caught: impl Fn(&harness::RunSummary) -> bool,
 ) -> Option<harness::RunSummary> {
-    for seed in seeds {
+    for &seed in seeds {
         let mut cfg = config(seed);
         setup(&mut cfg);
         let s = harness::run(&cfg).await.unwrap();
@@ -109,7 +109,7 @@ async fn seeded_runs_with_every_nemesis_show_no_violation() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn planted_missing_epoch_fence_is_caught() {
     let s = first_caught(
-        [21, 22, 23],
+        &[21, 22, 23],
         |cfg| {
             cfg.faults = vec![Fault::PauseDecoder];
             cfg.clients = 8;
@@ -172,7 +172,7 @@ async fn partitions_between_nodes_in_network_namespaces_show_no_violation() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn planted_ack_before_fsync_is_caught_by_durability() {
     let s = first_caught(
-        [41, 42, 43],
+        &[41, 42, 43],
         |cfg| {
             cfg.faults = vec![Fault::RestartAll];
             cfg.plant = Some(Plant::AckBeforeFsync);
@@ -189,7 +189,9 @@ async fn planted_ack_before_fsync_is_caught_by_durability() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn planted_visibility_before_commit_is_caught_by_exactly_once() {
     let s = first_caught(
-        [51, 52, 53],
+        // Caught by chance (records lost with a killed leader, rewritten at a new epoch): in 3
+        // seeds it went uncaught in 1 of 4 clean-clone CI runs, so it gets 6.
+        &[51, 52, 53, 54, 55, 56],
         |cfg| {
             cfg.faults = vec![Fault::PauseDecoder, Fault::KillNode];
             cfg.clients = 8;
@@ -202,7 +204,7 @@ async fn planted_visibility_before_commit_is_caught_by_exactly_once() {
         |s| !s.verdicts["exactly-once"].ok,
     )
     .await
-    .expect("tokens shown before commit were never flagged in 3 seeds");
+    .expect("tokens shown before commit were never flagged in 6 seeds");
     assert!(!s.verdicts["exactly-once"].ok);
 }
 
@@ -212,7 +214,7 @@ async fn planted_visibility_before_commit_is_caught_by_exactly_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn planted_unbounded_leader_clock_is_caught_by_lease_time() {
     let s = first_caught(
-        [61, 62, 63],
+        &[61, 62, 63],
         |cfg| {
             cfg.faults = vec![Fault::Clock];
             cfg.plant = Some(Plant::UnboundedClock);
@@ -230,7 +232,7 @@ async fn planted_unbounded_leader_clock_is_caught_by_lease_time() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn planted_zombie_decoder_is_caught_by_processes() {
     let s = first_caught(
-        [71, 72, 73],
+        &[71, 72, 73],
         |cfg| {
             cfg.time = Duration::from_secs(10);
             cfg.faults = vec![Fault::ModelError];
@@ -249,7 +251,7 @@ async fn planted_zombie_decoder_is_caught_by_processes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn planted_diverging_replica_is_caught_by_convergence() {
     let s = first_caught(
-        [81, 82, 83],
+        &[81, 82, 83],
         |cfg| {
             cfg.time = Duration::from_secs(4);
             cfg.faults = vec![];
@@ -274,7 +276,7 @@ async fn planted_diverging_replica_is_caught_by_convergence() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn planted_missing_unowned_deadline_is_caught_by_liveness() {
     let s = first_caught(
-        [91, 92, 93],
+        &[91, 92, 93],
         |cfg| {
             decoders_down(cfg);
             cfg.plant = Some(Plant::NoUnownedDeadline);
