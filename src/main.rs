@@ -67,9 +67,11 @@ enum Cmd {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    process::abort_on_panic();
     process::init_tracing();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async {
+        process::plant_task_panic()?;
         match cli.cmd {
             Cmd::Dev(a) => dev::run(a).await,
             Cmd::Decoder(a) => decoder::run(a).await,

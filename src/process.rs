@@ -10,6 +10,25 @@ use tokio::task::JoinHandle;
 /// Renders one Prometheus/OpenMetrics text exposition.
 pub type Render = Arc<dyn Fn() -> String + Send + Sync>;
 
+/// A panic anywhere in the process is a bug: print it and abort (SIGABRT), so that the process
+/// ends, and a supervisor restarts it whole, instead of going on with a dead task behind a live
+/// process (a server that no longer answers, a worker that no longer steps while its leases
+/// are renewed). The binaries run with `panic = "unwind"` (tests need it); this hook is the
+/// equivalent of `panic = "abort"`, except for a panic the decoder expects and turns into an
+/// error (`tokenlog_decoder::panics::catch_expected`).
+pub fn abort_on_panic() {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        // An expected panic is the caller's error to report (with the panic's message).
+        if tokenlog_decoder::panics::expected() {
+            return;
+        }
+        report(info);
+        eprintln!("tokenlog: aborting on the panic above: it is a bug, please report it");
+        std::process::abort();
+    }));
+}
+
 /// Logs to stderr; `RUST_LOG` overrides the default filter.
 pub fn init_tracing() {
     tracing_subscriber::fmt()
@@ -119,6 +138,39 @@ pub fn plant_zombie() -> anyhow::Result<bool> {
         eprintln!("PLANTED BUG ON: zombie decoder");
     }
     Ok(on)
+}
+
+/// The planted bug `stalled-worker` (`TOKENLOG_PLANT_STALLED_WORKER=1`, fault builds only;
+/// issue 12): the worker's step loop stops for ever after a few appends while its leases are
+/// renewed.
+pub fn plant_stall() -> anyhow::Result<bool> {
+    let on = std::env::var("TOKENLOG_PLANT_STALLED_WORKER").is_ok_and(|v| v == "1");
+    anyhow::ensure!(
+        !on || cfg!(feature = "faults"),
+        "TOKENLOG_PLANT_STALLED_WORKER is set, but this build has no planted bugs (build with --features faults)"
+    );
+    if on {
+        eprintln!("PLANTED BUG ON: stalled worker");
+    }
+    Ok(on)
+}
+
+/// Test only (fault builds): with `TOKENLOG_PLANT_TASK_PANIC=1`, a background task panics
+/// 300 ms after start, as a bug in a server task would; the process must not go on without it
+/// (see [`abort_on_panic`]).
+pub fn plant_task_panic() -> anyhow::Result<()> {
+    let on = std::env::var("TOKENLOG_PLANT_TASK_PANIC").is_ok_and(|v| v == "1");
+    anyhow::ensure!(
+        !on || cfg!(feature = "faults"),
+        "TOKENLOG_PLANT_TASK_PANIC is set, but this build has no planted bugs (build with --features faults)"
+    );
+    if on {
+        tokio::spawn(async {
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+            panic!("planted: a background task panicked");
+        });
+    }
+    Ok(())
 }
 
 /// The fault suite's `clock` nemesis: with `TOKENLOG_CLOCK_SKEW_FILE` set, the node adds the

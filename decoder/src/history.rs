@@ -60,6 +60,18 @@ pub enum Call {
         n: u32,
         finish: bool,
     },
+    /// A release of a generation held at `epoch` (the worker gives it back).
+    Release {
+        gen: u64,
+        epoch: u64,
+    },
+    /// An explicit finish at `epoch` with `reason` (`raftlog.v1.FinishReason`), outside an
+    /// append (a binding this decoder cannot serve).
+    Finish {
+        gen: u64,
+        epoch: u64,
+        reason: i32,
+    },
 }
 
 /// The answer to a [`Call`]; `ok: None` = no answer (the call failed in transit: indeterminate).
@@ -71,6 +83,10 @@ pub enum Answer {
         /// The granted (or current) epoch and the frontier the answer named.
         epoch: u64,
         frontier: u32,
+        /// The generation was terminal (finished, failed, cancelled, or pruned: not found) as
+        /// the answer saw it.
+        #[serde(default)]
+        terminal: bool,
     },
     Append {
         ok: Option<bool>,
@@ -80,7 +96,68 @@ pub enum Answer {
         current_epoch: u64,
         /// `raftlog.v1.RejectReason` of a rejection.
         reason: Option<i32>,
+        /// A rejection saw the generation terminal.
+        #[serde(default)]
+        terminal: bool,
     },
+    Release {
+        ok: Option<bool>,
+        current_epoch: u64,
+        frontier: u32,
+        #[serde(default)]
+        terminal: bool,
+    },
+    Finish {
+        ok: Option<bool>,
+        current_epoch: u64,
+        frontier: u32,
+        #[serde(default)]
+        terminal: bool,
+    },
+}
+
+impl Answer {
+    /// The answer to an ownership call (`Acquire`, `Release` or `Finish`, as `call` is) from the
+    /// log's response; `None`: the call failed in transit.
+    pub fn of_ownership(call: &Call, resp: Option<&tokenlog_proto::raftlog::OwnershipResponse>) -> Answer {
+        use tokenlog_proto::raftlog as pb;
+        let ok = resp.map(|r| r.ok);
+        let info = resp.and_then(|r| r.generation.as_ref());
+        let rej = resp.and_then(|r| r.rejection.as_ref());
+        let current_epoch = rej.map_or_else(
+            || info.and_then(|g| g.lease.as_ref()).map_or(0, |l| l.epoch),
+            |x| x.current_epoch,
+        );
+        let frontier = rej.map_or_else(|| info.map_or(0, |g| g.frontier), |x| x.frontier);
+        let state = rej.map_or_else(|| info.map_or(0, |g| g.state), |x| x.state);
+        let terminal = terminal_state(state) || rej.is_some_and(|x| x.reason == pb::RejectReason::NotFound as i32);
+        match call {
+            Call::Acquire { .. } | Call::Append { .. } => Answer::Acquire {
+                ok,
+                epoch: current_epoch,
+                frontier,
+                terminal,
+            },
+            Call::Release { .. } => Answer::Release {
+                ok,
+                current_epoch,
+                frontier,
+                terminal,
+            },
+            Call::Finish { .. } => Answer::Finish {
+                ok,
+                current_epoch,
+                frontier,
+                terminal,
+            },
+        }
+    }
+}
+
+/// Whether a `raftlog.v1.GenerationState` is terminal.
+pub fn terminal_state(state: i32) -> bool {
+    use tokenlog_proto::raftlog::GenerationState as S;
+    matches!(S::try_from(state), Ok(S::Finished | S::Failed | S::Cancelled))
 }
 
 /// An instant in a decoder's life.
@@ -206,6 +283,24 @@ mod tests {
                     frontier: 0,
                     current_epoch: 0,
                     reason: None,
+                    terminal: false,
+                },
+            },
+            HistoryLine::Invoke {
+                decoder: "d1".into(),
+                id: 4,
+                invoke_us: 14,
+                call: Call::Release { gen: 7, epoch: 2 },
+            },
+            HistoryLine::Complete {
+                decoder: "d1".into(),
+                id: 4,
+                complete_us: 15,
+                answer: Answer::Release {
+                    ok: Some(false),
+                    current_epoch: 3,
+                    frontier: 5,
+                    terminal: true,
                 },
             },
             HistoryLine::Event {
@@ -229,5 +324,67 @@ mod tests {
             (v["phase"].as_str(), v["op"].as_str(), v["gen"].as_u64()),
             (Some("invoke"), Some("append"), Some(7))
         );
+        // Lines written before `terminal` existed still read.
+        let old = r#"{"phase":"complete","decoder":"d1","id":0,"complete_us":9,"op":"acquire","ok":true,"epoch":1,"frontier":0}"#;
+        assert!(matches!(
+            serde_json::from_str::<HistoryLine>(old).unwrap(),
+            HistoryLine::Complete {
+                answer: Answer::Acquire { terminal: false, .. },
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn an_ownership_answer_names_the_current_epoch_frontier_and_terminal_state() {
+        use tokenlog_proto::raftlog as pb;
+        let granted = pb::OwnershipResponse {
+            ok: true,
+            generation: Some(pb::GenerationInfo {
+                lease: Some(pb::Lease {
+                    epoch: 3,
+                    ..Default::default()
+                }),
+                frontier: 9,
+                state: pb::GenerationState::Running as i32,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        assert_eq!(
+            Answer::of_ownership(&Call::Acquire { gen: 1 }, Some(&granted)),
+            Answer::Acquire {
+                ok: Some(true),
+                epoch: 3,
+                frontier: 9,
+                terminal: false
+            }
+        );
+        let pruned = pb::OwnershipResponse {
+            rejection: Some(pb::Rejection {
+                reason: pb::RejectReason::NotFound as i32,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        assert!(matches!(
+            Answer::of_ownership(&Call::Release { gen: 1, epoch: 2 }, Some(&pruned)),
+            Answer::Release {
+                ok: Some(false),
+                terminal: true,
+                ..
+            }
+        ));
+        assert!(matches!(
+            Answer::of_ownership(
+                &Call::Finish {
+                    gen: 1,
+                    epoch: 2,
+                    reason: 3
+                },
+                None
+            ),
+            Answer::Finish { ok: None, .. }
+        ));
     }
 }

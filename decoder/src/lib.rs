@@ -64,6 +64,7 @@ pub mod identity;
 mod kv;
 pub mod limits;
 pub mod model;
+pub mod panics;
 pub mod resume;
 #[cfg(feature = "model")]
 pub mod safetensors_model;

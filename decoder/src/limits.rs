@@ -16,8 +16,14 @@ pub const REGISTER_PERIOD_MIN: Duration = Duration::from_secs(1);
 pub const REGISTRATION_TTL_LEASES: u64 = 5;
 pub const REGISTRATION_TTL_MIN_MS: u64 = 5_000;
 /// Appends a worker has sent on its `AppendStream` and not yet seen answered; at this many it
-/// waits for the oldest answer before sending again.
+/// sends nothing more until an answer arrives (and keeps sampling meanwhile).
 pub const APPENDS_IN_FLIGHT_MAX: usize = 4;
+/// A worker whose step loop makes no progress this long is stuck (a deadlock, a hung call):
+/// it ends with an error, so its leases lapse and another decoder takes over, and its process
+/// exits for a supervisor to restart. Slow is not dead: well above any step or re-prefill.
+pub const STALL_MS_DEFAULT: u64 = 120_000;
+/// The least stall limit a worker accepts (the watchdog looks a few times per limit).
+pub const STALL_MS_MIN: u64 = 1_000;
 /// A generation stops sampling while this many of its tokens are not yet acknowledged (the log
 /// is slow or unreachable); it resumes as answers arrive.
 pub const UNACKED_TOKENS_MAX: usize = 256;

@@ -141,18 +141,17 @@ impl SafetensorsModel {
         let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, dtype, &dev)? };
         // candle's `Llama::load` unwraps each layer's tensors: a folder whose weights do not
         // match its config.json would panic; report it instead.
-        let weights =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Llama::load(vb, &config))).map_err(|p| {
-                let why = p
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_default();
-                Error::Unsupported(format!(
-                    "{}: the weights do not match config.json: {why}",
-                    dir.display()
-                ))
-            })??;
+        let weights = crate::panics::catch_expected(|| Llama::load(vb, &config)).map_err(|p| {
+            let why = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            Error::Unsupported(format!(
+                "{}: the weights do not match config.json: {why}",
+                dir.display()
+            ))
+        })??;
         let template = Cache::new(true, dtype, &config, &dev)?;
         let identity = ModelIdentity {
             weights_sha256: weights_digest(&files)?,

@@ -12,7 +12,8 @@
 //!    frontier.
 //! 4. Send this step's new tokens of all generations as one `Append` (one Raft entry) on the
 //!    decoder's `AppendStream`, without waiting: up to `APPENDS_IN_FLIGHT_MAX` appends are in
-//!    flight while the next steps compute. Visibility waits for commit; decoding does not. When
+//!    flight while the next steps compute; with the window full, steps go on and their tokens
+//!    leave together in the next append. Visibility waits for commit; decoding does not. When
 //!    the stream fails, the answers still owed are unknown: a new stream re-sends every
 //!    unacknowledged token from the acknowledged frontier, which the log accepts idempotently.
 //!
@@ -55,11 +56,23 @@ pub struct WorkerConfig {
     pub lease_ms: u64,
     /// How often to look for work while below capacity.
     pub poll_ms: u64,
+    /// A step loop that makes no progress this long is stuck: the worker ends with
+    /// [`WorkerError::Stalled`] (its leases lapse).
+    pub stall_ms: u64,
     /// Planted bug (fault builds only; issue 11 bug 1): a worker that fails keeps its renewer
     /// running, so its leases never lapse. The fault suite must catch it.
     #[cfg(feature = "faults")]
     pub plant_zombie: bool,
+    /// Planted bug (fault builds only; issue 12): after `PLANT_STALL_AFTER_APPENDS` appends the
+    /// step loop waits for ever while the renewer keeps its leases. The watchdog (or, without
+    /// it, the fault suite's probes and liveness) must catch it.
+    #[cfg(feature = "faults")]
+    pub plant_stall: bool,
 }
+
+/// Appends a worker with the planted stall sends before its step loop stops.
+#[cfg(feature = "faults")]
+pub const PLANT_STALL_AFTER_APPENDS: u64 = 30;
 
 impl WorkerConfig {
     pub fn new(decoder_id: String, model_name: String) -> Self {
@@ -70,9 +83,20 @@ impl WorkerConfig {
             capacity: 4,
             lease_ms: tokenlog_raftlog::limits::LEASE_MS_DEFAULT,
             poll_ms: 100,
+            stall_ms: crate::limits::STALL_MS_DEFAULT,
             #[cfg(feature = "faults")]
             plant_zombie: false,
+            #[cfg(feature = "faults")]
+            plant_stall: false,
         }
+    }
+
+    /// Whether the planted stall is on.
+    fn stalls(&self) -> bool {
+        #[cfg(feature = "faults")]
+        return self.plant_stall;
+        #[cfg(not(feature = "faults"))]
+        false
     }
 
     /// Whether the planted bug `zombie` is on.
@@ -193,6 +217,9 @@ pub enum WorkerError {
     /// kill.
     #[error("halted by failpoint {0}")]
     Halted(&'static str),
+    /// The step loop made no progress for the stall limit (`WorkerConfig::stall_ms`).
+    #[error("the worker is stuck: {0}")]
+    Stalled(String),
 }
 
 pub struct Worker {
@@ -211,6 +238,10 @@ pub struct Worker {
     stats: Arc<Mutex<WorkerStats>>,
     history: Option<Arc<crate::history::History>>,
     hooks: Option<Arc<dyn StepHooks>>,
+    /// Milliseconds since `origin` when the step loop last went round (the stall watchdog's).
+    beat: Arc<std::sync::atomic::AtomicU64>,
+    origin: Instant,
+    appends_sent: u64,
 }
 
 impl WorkerError {
@@ -250,6 +281,9 @@ impl Worker {
             stats: Default::default(),
             history: None,
             hooks: None,
+            beat: Default::default(),
+            origin: Instant::now(),
+            appends_sent: 0,
         }
     }
 
@@ -266,7 +300,15 @@ impl Worker {
             self.held.clone(),
             self.lost.clone(),
         )));
-        let result = self.serve(stop).await;
+        let stall = Duration::from_millis(self.cfg.stall_ms.max(crate::limits::STALL_MS_MIN));
+        let watchdog = stall_watch(self.beat.clone(), self.origin, stall);
+        let result = tokio::select! {
+            r = self.serve(stop) => r,
+            why = watchdog => {
+                tracing::error!(why, "the worker is stuck: ending it, so that its leases lapse");
+                Err(WorkerError::Stalled(why))
+            }
+        };
         match &result {
             Ok(()) => {
                 drop(renewer);
@@ -286,6 +328,14 @@ impl Worker {
         let mut last_poll = Instant::now() - Duration::from_secs(3600);
         let mut last_register = last_poll;
         while !*stop.borrow() {
+            self.beat.store(
+                self.origin.elapsed().as_millis() as u64,
+                std::sync::atomic::Ordering::Relaxed,
+            );
+            if self.cfg.stalls() && self.appends_sent >= PLANT_STALL_AFTER_APPENDS_ANY {
+                tracing::error!("PLANTED BUG: the step loop stalls for ever (its leases are still renewed)");
+                std::future::pending::<()>().await;
+            }
             if last_register.elapsed() >= Duration::from_millis(self.cfg.lease_ms).max(REGISTER_PERIOD_MIN) {
                 self.register().await;
                 last_register = Instant::now();
@@ -305,13 +355,15 @@ impl Worker {
                     return self.halt(fired).await;
                 }
             }
-            // Wait for an answer when the window is full, or when there is nothing to compute.
-            let wait = self.in_flight.len() >= APPENDS_IN_FLIGHT_MAX || !sampling;
-            self.collect(wait).await;
+            // Wait for an answer only when there is nothing to compute. With the window full,
+            // sampling goes on (up to `UNACKED_TOKENS_MAX` tokens of a generation ahead of the
+            // log) and the tokens sampled meanwhile go out as one append when a slot frees: a
+            // slow log gets fewer, larger appends instead of stalling the model.
+            self.collect(!sampling).await;
             if let Some(fired) = self.hooks.as_ref().and_then(|h| h.before_send(&self.views())) {
                 return self.halt(fired).await;
             }
-            let sent = self.send().await;
+            let sent = self.in_flight.len() < APPENDS_IN_FLIGHT_MAX && self.send().await;
             if !sent && !sampling && self.in_flight.is_empty() {
                 // Idle, or the log is unreachable: do not spin.
                 tokio::select! {
@@ -368,12 +420,8 @@ impl Worker {
             )))),
             Halt::Panic => {
                 let name = fired.name;
-                let joined =
-                    tokio::task::spawn_blocking(move || -> () { panic!("failpoint {name}: the model step panicked") })
-                        .await;
-                Err(WorkerError::Other(
-                    joined.err().map_or_else(String::new, |e| e.to_string()),
-                ))
+                let joined = model_work(move || -> () { panic!("failpoint {name}: the model step panicked") }).await;
+                Err(WorkerError::Other(joined.err().unwrap_or_default()))
             }
             Halt::Now | Halt::AfterLateAppend(_) => Err(WorkerError::Halted(fired.name)),
         }
@@ -475,7 +523,7 @@ impl Worker {
     /// Samples one token for every generation that can take one ([`Active::can_sample`]).
     async fn step(&mut self) -> Result<(), WorkerError> {
         let mut gens: Vec<Active> = std::mem::take(&mut self.active).into_values().collect();
-        let gens = tokio::task::spawn_blocking(move || {
+        let gens = model_work(move || {
             for g in gens.iter_mut().filter(|g| g.can_sample()) {
                 match g.state.next_token()? {
                     Some(step) => {
@@ -488,7 +536,7 @@ impl Worker {
             Ok::<_, crate::Error>(gens)
         })
         .await
-        .map_err(|e| WorkerError::Other(e.to_string()))??;
+        .map_err(WorkerError::Other)??;
         self.active = gens.into_iter().map(|g| (g.id, g)).collect();
         Ok(())
     }
@@ -549,6 +597,7 @@ impl Worker {
             return false;
         }
         self.in_flight.push_back(items);
+        self.appends_sent += 1;
         true
     }
 
@@ -620,6 +669,7 @@ impl Worker {
                     frontier: 0,
                     current_epoch: 0,
                     reason: None,
+                    terminal: false,
                 },
                 |r| {
                     let rej = r.rejection.as_ref();
@@ -628,6 +678,9 @@ impl Worker {
                         frontier: rej.map_or(r.frontier, |x| x.frontier),
                         current_epoch: rej.map_or(r.epoch, |x| x.current_epoch),
                         reason: rej.map(|x| x.reason),
+                        terminal: rej.is_some_and(|x| {
+                            crate::history::terminal_state(x.state) || x.reason == pb::RejectReason::NotFound as i32
+                        }),
                     }
                 },
             );
@@ -706,14 +759,63 @@ impl Worker {
     async fn release_all(&mut self) {
         for (id, g) in std::mem::take(&mut self.active) {
             self.held.lock().expect("lock").remove(&id);
-            let _ = self
-                .client
-                .release(pb::ReleaseRequest {
-                    generation_id: id,
-                    epoch: g.epoch,
-                })
-                .await;
+            release(&self.client, self.history.as_deref(), id, g.epoch).await;
         }
+    }
+}
+
+/// The appends before the planted stall (see `WorkerConfig::plant_stall`).
+#[cfg(feature = "faults")]
+const PLANT_STALL_AFTER_APPENDS_ANY: u64 = PLANT_STALL_AFTER_APPENDS;
+#[cfg(not(feature = "faults"))]
+const PLANT_STALL_AFTER_APPENDS_ANY: u64 = u64::MAX;
+
+/// Resolves once the step loop's heartbeat (`beat`, ms since `origin`) is older than `stall`;
+/// says how old.
+async fn stall_watch(beat: Arc<std::sync::atomic::AtomicU64>, origin: Instant, stall: Duration) -> String {
+    loop {
+        tokio::time::sleep(stall / 4).await;
+        let last = Duration::from_millis(beat.load(std::sync::atomic::Ordering::Relaxed));
+        let quiet = origin.elapsed().saturating_sub(last);
+        if quiet >= stall {
+            return format!(
+                "its step loop made no progress for {} ms (the limit is {} ms)",
+                quiet.as_millis(),
+                stall.as_millis()
+            );
+        }
+    }
+}
+
+/// Runs model work on a blocking thread. A panic in it (candle's kernels panic on some bad
+/// input) is the model's failure, an error here, not a bug of the process: it runs inside
+/// [`crate::panics::catch_expected`], which the binary's abort-on-panic hook lets through.
+async fn model_work<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> Result<R, String> {
+    match tokio::task::spawn_blocking(move || crate::panics::catch_expected(f)).await {
+        Ok(Ok(r)) => Ok(r),
+        Ok(Err(p)) => Err(format!(
+            "the model panicked: {}",
+            p.downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| p.downcast_ref::<&str>().copied())
+                .unwrap_or("(no message)")
+        )),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Gives generation `id` (held at `epoch`) back to the log, recorded in the history.
+async fn release(client: &LogClient, history: Option<&crate::history::History>, id: u64, epoch: u64) {
+    let call = Call::Release { gen: id, epoch };
+    let hid = history.map(|h| h.invoke(call.clone()));
+    let done = client
+        .release(pb::ReleaseRequest {
+            generation_id: id,
+            epoch,
+        })
+        .await;
+    if let (Some(h), Some(hid)) = (history, hid) {
+        h.complete(hid, Answer::of_ownership(&call, done.as_ref().ok()));
     }
 }
 
@@ -744,18 +846,7 @@ impl Taker {
             })
             .await;
         if let (Some(h), Some(hid)) = (&self.history, hid) {
-            let (ok, epoch, frontier) = match &acq {
-                Ok(a) => (
-                    Some(a.ok),
-                    a.generation
-                        .as_ref()
-                        .and_then(|g| g.lease.as_ref())
-                        .map_or(0, |l| l.epoch),
-                    a.generation.as_ref().map_or(0, |g| g.frontier),
-                ),
-                Err(_) => (None, 0, 0),
-            };
-            h.complete(hid, Answer::Acquire { ok, epoch, frontier });
+            h.complete(hid, Answer::of_ownership(&Call::Acquire { gen: id }, acq.as_ref().ok()));
         }
         let acq = acq?;
         let Some(info) = acq.generation.filter(|_| acq.ok) else {
@@ -791,27 +882,27 @@ impl Taker {
                     // The binding cannot be served here (prompt too long, bad prompt...): end it
                     // explicitly rather than leave it to time out (CONTRACT §5).
                     let detail = format!("decoder {} cannot continue: {e}", self.cfg.decoder_id);
-                    let _ = self
+                    let reason = pb::FinishReason::Error as i32;
+                    let call = Call::Finish { gen: id, epoch, reason };
+                    let hid = self.history.as_ref().map(|h| h.invoke(call.clone()));
+                    let done = self
                         .client
                         .finish(pb::FinishRequest {
                             generation_id: id,
                             epoch,
-                            reason: pb::FinishReason::Error as i32,
+                            reason,
                             detail,
                         })
                         .await;
+                    if let (Some(h), Some(hid)) = (&self.history, hid) {
+                        h.complete(hid, Answer::of_ownership(&call, done.as_ref().ok()));
+                    }
                     self.stats.lock().expect("lock").failed += 1;
                 } else {
                     // The log could not be reached or read for now (a follower that has not
                     // applied the submit yet, a partition, a leader change): not the
                     // generation's fault. Release it, for this or another decoder to take again.
-                    let _ = self
-                        .client
-                        .release(pb::ReleaseRequest {
-                            generation_id: id,
-                            epoch,
-                        })
-                        .await;
+                    release(&self.client, self.history.as_deref(), id, epoch).await;
                     self.stats.lock().expect("lock").released += 1;
                 }
                 Err(e)
@@ -865,10 +956,9 @@ impl Taker {
         let (params, stop, mode) = (binding.sampling, binding.stop, binding.mode);
         let model = self.model.clone();
         let c = committed.clone();
-        let state =
-            tokio::task::spawn_blocking(move || DecodeState::resume(model.as_ref(), &prompt, &c, params, stop, mode))
-                .await
-                .map_err(|e| WorkerError::Incompatible(format!("re-prefill panicked: {e}")))??;
+        let state = model_work(move || DecodeState::resume(model.as_ref(), &prompt, &c, params, stop, mode))
+            .await
+            .map_err(|e| WorkerError::Incompatible(format!("re-prefill failed: {e}")))??;
         let finish = state.finished().cloned();
         Ok(Active {
             id,

@@ -46,7 +46,7 @@ enum Command {
     /// Run the fault suite: a real tokenlog cluster (3 log nodes, 2 gateways, 2 fake-model
     /// decoders, all processes of the built `tokenlog` binary on loopback), a client workload,
     /// seeded nemeses, then the checkers (exactly-once, durability, fencing, linearizability of
-    /// ownership, status, liveness, convergence, processes, lease-time). Writes history.jsonl, verdicts.json and
+    /// ownership, status, completion, liveness, convergence, processes, lease-time). Writes history.jsonl, verdicts.json and
     /// timeline.html per seed under --out. Exit status: 0 all checks passed, 1 a violation.
     Run {
         /// Faults to inject, comma-separated, or `all` / `none`.
@@ -83,9 +83,13 @@ enum Command {
         real_model: bool,
         /// Keep the default node and decoder configuration instead of a stress configuration
         /// drawn from each seed (snapshots every 20-500 entries, retention 2-5 s, leases of
-        /// 300-2,000 ms, an unowned deadline of 3-6 s).
+        /// 300-2,000 ms, an unowned deadline of 3-6 s, a model step of 1-10 ms).
         #[arg(long)]
         no_stress: bool,
+        /// The decoders' stall limit (ms): a worker whose step loop makes no progress this long
+        /// ends (see `tokenlog decoder --stall-ms`).
+        #[arg(long, default_value_t = 30_000)]
+        stall_ms: u64,
     },
     /// Run the deterministic scenarios: one scripted fault per failure point of CONTRACT §8
     /// (7-12) on a real cluster, each checked by every checker plus the point's own
@@ -154,11 +158,13 @@ fn run(cli: Cli) -> Result<ExitCode> {
             netns,
             real_model,
             no_stress,
+            stall_ms,
         } => {
             let opts = RunOpts {
                 netns,
                 real_model,
                 stress: !no_stress,
+                stall_ms,
             };
             return fault_runs(&nemesis, time, seed, seeds, clients, plant, bin, out, opts);
         }
@@ -249,6 +255,7 @@ struct RunOpts {
     netns: bool,
     real_model: bool,
     stress: bool,
+    stall_ms: u64,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -276,6 +283,7 @@ fn fault_runs(
         cfg.plant = plant;
         cfg.netns = opts.netns;
         cfg.real_model = opts.real_model;
+        cfg.stall_ms = opts.stall_ms;
         if opts.real_model {
             cfg.max_tokens = (8, 24);
         }

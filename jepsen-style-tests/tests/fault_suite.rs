@@ -86,6 +86,7 @@ async fn run_clean(cfg: &RunConfig) -> (harness::RunSummary, String) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn seeded_runs_with_every_nemesis_show_no_violation() {
+    let mut hard = harness::HardPaths::default();
     for seed in [11, 12] {
         let mut cfg = config(seed);
         if seed == 12 {
@@ -103,7 +104,18 @@ async fn seeded_runs_with_every_nemesis_show_no_violation() {
         assert!(s.resumes > 0, "seed {seed}: clients resumed");
         assert!(s.takeovers > 0, "seed {seed}: decoders took over");
         assert!(s.requests > 0 && s.tokens_seen > 0);
+        for (name, v) in &s.verdicts {
+            assert!(v.checked > 0, "seed {seed}: {name} checked nothing");
+        }
+        let h = &s.hard_paths;
+        hard.indeterminate_ops += h.indeterminate_ops;
+        hard.multi_token_appends += h.multi_token_appends;
+        hard.overlapping_resends += h.overlapping_resends;
+        hard.cancels += h.cancels;
+        hard.eos_endings += h.eos_endings;
     }
+    // The runs reached the hard paths (issue 12 item 6), the two seeds together.
+    assert!(hard.zero().is_empty(), "never reached: {:?} ({hard:?})", hard.zero());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -120,9 +132,11 @@ async fn planted_missing_epoch_fence_is_caught() {
     .await
     .expect("a paused decoder writing without the fence was never flagged in 3 seeds");
     // The bug is in fencing; the checks of what clients saw may still pass (the fake model's
-    // stale writer produces the same tokens), which is why the fencing checkers exist.
+    // stale writer produces the same tokens), which is why the fencing checkers exist. Both
+    // must see it: a stale write accepted past the frontier puts an older epoch after a newer
+    // one (fencing) and is an append the model refuses (linearizability).
     assert!(
-        !s.verdicts["fencing"].ok || !s.verdicts["linearizability"].ok,
+        !s.verdicts["fencing"].ok && !s.verdicts["linearizability"].ok,
         "{:?}",
         s.verdicts
     );
@@ -243,6 +257,28 @@ async fn planted_zombie_decoder_is_caught_by_processes() {
     .await
     .expect("a decoder outliving its failed model step was never flagged in 3 seeds");
     assert!(!s.verdicts["processes"].ok);
+}
+
+/// Issue 12, planted: decoder 1's step loop stops for ever after a few appends while its
+/// renewer keeps its leases (a live process with a dead worker). Its stall watchdog must end
+/// it (its leases lapse, the other decoder continues), and the processes checker flag the exit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn planted_stalled_worker_is_caught_by_processes() {
+    let s = first_caught(
+        &[75, 76, 77],
+        |cfg| {
+            cfg.time = Duration::from_secs(8);
+            cfg.faults = vec![];
+            cfg.stall_ms = 4_000;
+            cfg.plant = Some(Plant::StalledWorker);
+        },
+        |s| !s.verdicts["processes"].ok,
+    )
+    .await
+    .expect("a stalled worker was never flagged in 3 seeds");
+    assert_flagged(&s, "processes", "decoder1 (incarnation 1) ended on its own");
+    // The watchdog ended it, so its generations moved on: every request finished.
+    assert!(s.verdicts["liveness"].ok, "{:?}", s.verdicts["liveness"].problems);
 }
 
 /// A planted diverging replica: node 3 applies decoder registrations 1 ms differently from the

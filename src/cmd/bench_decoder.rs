@@ -78,6 +78,7 @@ pub(crate) fn dargs(fake: bool, model: Option<std::path::PathBuf>, threads: usiz
         decoder_id: None,
         metrics_listen: None,
         history: None,
+        stall_ms: tokenlog_decoder::limits::STALL_MS_DEFAULT,
     }
 }
 

@@ -55,6 +55,12 @@ pub struct DecoderArgs {
     /// the fault suite's checkers.
     #[arg(long)]
     pub history: Option<PathBuf>,
+    /// A worker whose step loop makes no progress this long (ms) is stuck: the decoder exits
+    /// with an error, its leases lapse and another decoder takes over (slow is not dead: keep
+    /// it well above the slowest step or re-prefill).
+    #[arg(long, default_value_t = tokenlog_decoder::limits::STALL_MS_DEFAULT,
+          value_parser = clap::value_parser!(u64).range(tokenlog_decoder::limits::STALL_MS_MIN..))]
+    pub stall_ms: u64,
 }
 
 #[derive(clap::Args, Clone)]
@@ -183,11 +189,16 @@ pub async fn run(a: DecoderArgs) -> anyhow::Result<()> {
     let mut cfg = WorkerConfig::new(id, name);
     cfg.capacity = a.capacity;
     cfg.lease_ms = a.lease_ms;
+    cfg.stall_ms = a.stall_ms;
     let zombie = crate::process::plant_zombie()?;
+    let stall = crate::process::plant_stall()?;
     #[cfg(feature = "faults")]
     {
         cfg.plant_zombie = zombie;
+        cfg.plant_stall = stall;
     }
+    #[cfg(not(feature = "faults"))]
+    let _ = stall;
     let client = LogClient::new(a.cluster.clone())?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let history = match &a.history {

@@ -66,6 +66,7 @@ pub async fn run(a: DevArgs) -> anyhow::Result<()> {
         decoder_id: Some("dev-decoder".into()),
         metrics_listen: None,
         history: None,
+        stall_ms: tokenlog_decoder::limits::STALL_MS_DEFAULT,
     };
     // Model first: the slow part (download on first use, with progress) before anything listens.
     let (model, name) = crate::cmd::decoder::load_model(&dargs)?;

@@ -1,16 +1,23 @@
 //! The checkers of a run. Each answers a [`Verdict`]: what it checked and the first problems.
 //!
-//! - `exactly-once`: each client's received events for a request name one generation and are
+//! - `exactly-once`: every generation of the final log is the one of its request; each
+//!   client's received events for a request name one generation and are
 //!   seqs 0, 1, ..., n with no duplicate and no gap, the last event last, and every token (and
 //!   its epoch) equal to the final committed record at that seq.
-//! - `durability`: every token any client saw is in the final log at its seq, with its epoch.
+//! - `durability`: every token any client saw is in the final log at its seq, with its epoch;
+//!   every append a decoder saw acknowledged is within the final frontier, its records at its
+//!   epoch unless they were there before it.
 //! - `fencing`: one grant per epoch per generation; epochs of the final records never decrease
 //!   along a generation; every final record's epoch was granted to some decoder, or can be
 //!   explained by an acquire whose answer was lost (one epoch per such acquire).
-//! - `linearizability`: the decoders' acquires and appends, per generation, against the
-//!   ownership/frontier model ([`crate::models::Ownership`]).
+//! - `linearizability`: the decoders' acquires, appends, releases and finishes, per generation,
+//!   against the ownership/frontier model ([`crate::models::Ownership`]), each generation's
+//!   history ended by a read of its final state (epoch, frontier, terminal).
 //! - `status`: a status read after the last event says terminal, with the same frontier,
 //!   generation and finish reason.
+//! - `completion`: a finished request ended "length" with exactly `max_tokens` tokens, at EOS
+//!   only where EOS was not ignored, "cancelled" only after its client cancelled; its text deltas
+//!   equal its final tokens detokenized (fake model).
 //! - `liveness`: every request finished (after the healing phase) or was refused at submit while
 //!   every decoder was down; none failed except where
 //!   its unowned deadline ended it (every decoder gone that long: `decoders-down`); and every
@@ -19,7 +26,9 @@
 //! - `convergence` (judged in `finish`, with the writers stopped): chain heads are equal on every
 //!   node; every node reports the same whole-state digest at the same applied index (any two
 //!   seen at one index with different digests fail at once); every node's chains verify.
-//! - `processes`: no process ended on its own (a crash), except decoder 1's first incarnation
+//! - `processes`: after healing every process serves (each node answers and names a leader,
+//!   each decoder is registered, each gateway answers `Status`); no process logged a panic; no
+//!   process ended on its own (a crash), except decoder 1's first incarnation
 //!   with the failpoint exit code when a scenario armed a failpoint there, and an incarnation a
 //!   nemesis made fail (`model-error`, `corrupt`, `disk-full`, `supervised`) with the exit it
 //!   expected; no decoder outlived its failed model step; the supervisor gave up on no process
@@ -36,6 +45,7 @@ use super::decoder_ops::DecoderOp;
 use super::workload::RequestRecord;
 use crate::checker::{check, CheckResult};
 use crate::history::Operation;
+use crate::model::Model;
 use crate::models::ownership::{Ownership, OwnershipInput, OwnershipOp, OwnershipOutput};
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -72,10 +82,33 @@ pub struct FinalGen {
     pub records: Vec<(u32, u64)>,
     pub terminal: bool,
     pub state: String,
+    /// The epoch in force (the latest grant; 0: never granted).
+    pub epoch: u64,
+    /// When the read of the generation's state was sent and answered (us): linearizability
+    /// ends each generation's history with it.
+    pub read_us: (u64, u64),
 }
 
-pub fn exactly_once(reqs: &[RequestRecord], finals: &HashMap<u64, FinalGen>) -> Verdict {
+/// See the module doc; `log_gens` is every generation the final log holds, with its request
+/// id: each must be the one generation its request's events named (or its request saw none).
+pub fn exactly_once(reqs: &[RequestRecord], finals: &HashMap<u64, FinalGen>, log_gens: &[(u64, String)]) -> Verdict {
     let mut v = Verdict::new();
+    let mut by_id: HashMap<&str, Vec<u64>> = HashMap::new();
+    for r in reqs {
+        by_id.entry(r.request_id.as_str()).or_default().push(r.generation);
+    }
+    for (g, rid) in log_gens {
+        v.checked += 1;
+        match by_id.get(rid.as_str()) {
+            Some(seen) if seen.iter().any(|s| s == g || *s == 0) => {}
+            Some(seen) => v.fail(format!(
+                "{rid}: the log holds generation {g} for it besides {seen:?} (one request, one generation)"
+            )),
+            None => v.fail(format!(
+                "generation {g} belongs to request {rid:?}, which no client made"
+            )),
+        }
+    }
     for r in reqs {
         v.checked += 1;
         if r.generations.len() > 1 {
@@ -133,8 +166,12 @@ pub fn exactly_once(reqs: &[RequestRecord], finals: &HashMap<u64, FinalGen>) -> 
     v
 }
 
-pub fn durability(reqs: &[RequestRecord], finals: &HashMap<u64, FinalGen>) -> Verdict {
-    let mut v = Verdict::new();
+/// Every token a client saw is in the final log at its seq with its epoch; every append a
+/// decoder saw acknowledged is too: its frontier within the final log, and its records at its
+/// epoch, unless they were there before it (an older epoch's, or a newer owner's that the
+/// acknowledged append, a re-send, was sent after: [`acknowledged_appends`]).
+pub fn durability(reqs: &[RequestRecord], decoder_ops: &[DecoderOp], finals: &HashMap<u64, FinalGen>) -> Verdict {
+    let mut v = acknowledged_appends(decoder_ops, finals);
     for r in reqs {
         for &(seq, token, epoch, last) in &r.events {
             if last {
@@ -150,6 +187,57 @@ pub fn durability(reqs: &[RequestRecord], finals: &HashMap<u64, FinalGen>) -> Ve
                     "{}: token {token} (epoch {epoch}) at seq {seq} was shown to a client but the final log has {have:?}",
                     r.request_id
                 ));
+            }
+        }
+    }
+    v
+}
+
+/// The part of [`durability`] about the decoders' acknowledged appends.
+fn acknowledged_appends(decoder_ops: &[DecoderOp], finals: &HashMap<u64, FinalGen>) -> Verdict {
+    let mut v = Verdict::new();
+    let appends = || decoder_ops.iter().filter(|o| o.op() == "append");
+    // The appends of each (generation, epoch), to find who wrote a record.
+    let mut by_epoch: HashMap<(u64, u64), Vec<&DecoderOp>> = HashMap::new();
+    for o in appends() {
+        by_epoch.entry((o.gen(), o.epoch())).or_default().push(o);
+    }
+    for o in appends().filter(|o| o.ok() == Some(true)) {
+        let (g, epoch) = (o.gen(), o.epoch());
+        let Some(f) = finals.get(&g) else { continue };
+        v.checked += 1;
+        let have = f.records.len() as u64;
+        if o.frontier() > have {
+            v.fail(format!(
+                "generation {g}: {} saw an append at epoch {epoch} acknowledged with frontier {}, the final log has {have} records",
+                o.decoder,
+                o.frontier()
+            ));
+            continue;
+        }
+        let (start, n) = o.records().unwrap_or_default();
+        let acked_us = o.complete_us.unwrap_or(u64::MAX);
+        for seq in start..(start + n).min(have) {
+            let e = f.records[seq as usize].1;
+            if e <= epoch {
+                // Its own, or an older owner's written before this epoch was granted.
+                continue;
+            }
+            // A newer owner's: only if they were there before this re-send, i.e. an append of
+            // that epoch covering the seq was sent before this one was acknowledged.
+            let there_before = by_epoch.get(&(g, e)).is_some_and(|ws| {
+                ws.iter().any(|w| {
+                    let (s, n) = w.records().unwrap_or_default();
+                    (s..s + n).contains(&seq) && w.invoke_us <= acked_us
+                })
+            });
+            if !there_before {
+                v.fail(format!(
+                    "generation {g}: {} saw records {start}..{} acknowledged at epoch {epoch}; the final log has seq {seq} at epoch {e}, written after the acknowledgement",
+                    o.decoder,
+                    start + n
+                ));
+                break;
             }
         }
     }
@@ -178,8 +266,73 @@ pub fn status(reqs: &[RequestRecord]) -> Verdict {
     v
 }
 
-pub fn processes(exits: &[super::procs::SelfExit], decoder1_failpoint: bool, nemesis: &[serde_json::Value]) -> Verdict {
+/// `completion`: every finished request ended as it asked. "length" with exactly `max_tokens`
+/// tokens; "stop" (EOS) only where EOS was not ignored, before `max_tokens`... or at it;
+/// "cancelled" only after its client sent a cancel; "error" is liveness's to judge. And, given
+/// the tokenizer of the model (the fake one's; the harness has no other), its text deltas,
+/// concatenated as received, equal its final tokens detokenized.
+pub fn completion(
+    reqs: &[RequestRecord],
+    finals: &HashMap<u64, FinalGen>,
+    tokenizer: Option<&tokenlog_decoder::Tokenizer>,
+) -> Verdict {
     let mut v = Verdict::new();
+    for r in reqs.iter().filter(|r| r.finished) {
+        v.checked += 1;
+        let n = r.events.last().map_or(0, |e| e.0);
+        let id = &r.request_id;
+        match r.finish_reason.as_str() {
+            "length" if n != r.max_tokens => v.fail(format!(
+                "{id}: ended \"length\" after {n} tokens; it asked for {}",
+                r.max_tokens
+            )),
+            "stop" if r.ignore_eos => v.fail(format!(
+                "{id}: ended at EOS after {n} tokens, but it asked to ignore EOS"
+            )),
+            "stop" if n > r.max_tokens => v.fail(format!("{id}: {n} tokens, past max_tokens {}", r.max_tokens)),
+            "cancelled" if r.cancel_sent_us.is_none() => {
+                v.fail(format!("{id}: ended \"cancelled\", but its client never cancelled it"))
+            }
+            "length" | "stop" | "cancelled" | "error" => {}
+            other => v.fail(format!("{id}: unknown finish reason {other:?}")),
+        }
+        let (Some(tok), Some(f)) = (tokenizer, finals.get(&r.generation)) else {
+            continue;
+        };
+        let mut detok = tok.detokenizer(true);
+        let mut want: String = f.records.iter().map(|&(t, _)| detok.push(t)).collect();
+        want.push_str(&detok.finish());
+        if r.text != want {
+            let at = r.text.chars().zip(want.chars()).take_while(|(a, b)| a == b).count();
+            v.fail(format!(
+                "{id}: its text deltas differ from its final tokens detokenized at char {at}: got {:?}, want {:?}",
+                r.text.chars().skip(at).take(20).collect::<String>(),
+                want.chars().skip(at).take(20).collect::<String>()
+            ));
+        }
+    }
+    v
+}
+
+/// What probing the processes after healing found (see `finish::probe`), and every panic any
+/// process logged.
+#[derive(Clone, Debug, Default)]
+pub struct Probe {
+    pub checked: usize,
+    pub problems: Vec<String>,
+}
+
+pub fn processes(
+    exits: &[super::procs::SelfExit],
+    decoder1_failpoint: bool,
+    nemesis: &[serde_json::Value],
+    probe: &Probe,
+) -> Verdict {
+    let mut v = Verdict::new();
+    v.checked += probe.checked;
+    for p in &probe.problems {
+        v.fail(p.clone());
+    }
     for n in nemesis.iter().filter(|n| n["fault"] == "model-error") {
         v.checked += 1;
         let target = n["target"].as_str().unwrap_or("");
@@ -396,51 +549,30 @@ pub fn lease_time(decoder_ops: &[DecoderOp], lease_ms: u64) -> Verdict {
     v
 }
 
-pub fn linearizability(decoder_ops: &[DecoderOp], budget: Duration) -> (Verdict, usize) {
+/// The decoders' acquires, appends, releases and finishes, per generation, against the
+/// ownership model, each generation's history ended by the read of its final state (so the
+/// committed state must be where the histories leave it). Returns the verdict and the number of
+/// operations checked.
+pub fn linearizability(
+    decoder_ops: &[DecoderOp],
+    finals: &HashMap<u64, FinalGen>,
+    budget: Duration,
+) -> (Verdict, usize) {
     let mut v = Verdict::new();
-    let mut clients: HashMap<String, u64> = HashMap::new();
-    let mut ops = Vec::new();
-    for o in decoder_ops {
-        let dec = o.decoder.clone();
-        let n = clients.len() as u64;
-        let client = *clients.entry(dec.clone()).or_insert(n);
-        let generation = o.gen();
-        let call = o.invoke_us;
-        let ret = o.complete_us.unwrap_or(call);
-        let (op, out) = match o.op() {
-            "acquire" => (
-                OwnershipOp::Acquire { decoder: dec },
-                match o.ok() {
-                    Some(true) => Some(OwnershipOutput::Acquired { epoch: o.epoch() }),
-                    Some(false) => Some(OwnershipOutput::AcquireRejected),
-                    None => None,
-                },
-            ),
-            "append" => {
-                let (start_seq, n_tokens) = o.records().unwrap_or_default();
-                (
-                    OwnershipOp::Append {
-                        epoch: o.epoch(),
-                        start_seq,
-                        n_tokens,
-                    },
-                    match o.ok() {
-                        Some(true) => Some(OwnershipOutput::Appended { frontier: o.frontier() }),
-                        Some(false) => Some(OwnershipOutput::AppendRejected {
-                            current_epoch: o.rejection().map_or(0, |r| r.0),
-                            frontier: o.frontier(),
-                        }),
-                        None => None,
-                    },
-                )
-            }
-            _ => continue,
+    let mut ops = ownership_ops(decoder_ops);
+    let reader = ops.iter().map(|o| o.client_id).max().map_or(0, |c| c + 1);
+    for (&generation, f) in finals {
+        let out = OwnershipOutput::Read {
+            epoch: f.epoch,
+            frontier: f.records.len() as u64,
+            terminal: f.terminal,
         };
-        let input = OwnershipInput { generation, op };
-        ops.push(match out {
-            Some(out) => Operation::returned(client, input, call, out, ret.max(call)),
-            None => Operation::indeterminate(client, input, call),
-        });
+        let input = OwnershipInput {
+            generation,
+            op: OwnershipOp::Read,
+        };
+        let (call, ret) = f.read_us;
+        ops.push(Operation::returned(reader, input, call, out, ret.max(call)));
     }
     ops.sort_by_key(|o| o.call_time);
     v.checked = ops.len();
@@ -451,7 +583,7 @@ pub fn linearizability(decoder_ops: &[DecoderOp], budget: Duration) -> (Verdict,
             let stuck = x
                 .stuck
                 .as_ref()
-                .map(|o| format!("{:?} -> {:?}", o.input, o.output()))
+                .map(|o| Ownership.describe_op(&o.input, o.output()))
                 .unwrap_or_default();
             v.fail(format!(
                 "generation {} ({} ops) is not linearizable; stuck at {stuck} after {} linearized ops",
@@ -463,6 +595,63 @@ pub fn linearizability(decoder_ops: &[DecoderOp], budget: Duration) -> (Verdict,
     }
     let n = ops.len();
     (v, n)
+}
+
+/// The model's operations of the decoders' calls (one client per decoder incarnation).
+fn ownership_ops(decoder_ops: &[DecoderOp]) -> Vec<Operation<OwnershipInput, OwnershipOutput>> {
+    let mut clients: HashMap<String, u64> = HashMap::new();
+    let mut ops = Vec::new();
+    for o in decoder_ops {
+        let dec = o.decoder.clone();
+        let n = clients.len() as u64;
+        let client = *clients.entry(dec.clone()).or_insert(n);
+        let call = o.invoke_us;
+        let ret = o.complete_us.unwrap_or(call);
+        let refused = || OwnershipOutput::Rejected {
+            current_epoch: o.current_epoch(),
+            frontier: o.frontier(),
+            terminal: o.terminal(),
+        };
+        let (op, ok) = match o.op() {
+            "acquire" => (
+                OwnershipOp::Acquire { decoder: dec },
+                OwnershipOutput::Acquired {
+                    epoch: o.epoch(),
+                    frontier: o.frontier(),
+                },
+            ),
+            "append" => {
+                let (start_seq, n_tokens) = o.records().unwrap_or_default();
+                let op = OwnershipOp::Append {
+                    epoch: o.epoch(),
+                    start_seq,
+                    n_tokens,
+                    finish: o.finishes(),
+                };
+                (op, OwnershipOutput::Appended { frontier: o.frontier() })
+            }
+            "release" => (OwnershipOp::Release { epoch: o.epoch() }, OwnershipOutput::Done),
+            "finish" => (OwnershipOp::Finish { epoch: o.epoch() }, OwnershipOutput::Done),
+            _ => continue,
+        };
+        let out = match (o.ok(), &op) {
+            (None, _) => None,
+            (Some(true), _) => Some(ok),
+            (Some(false), OwnershipOp::Acquire { .. }) => {
+                Some(OwnershipOutput::AcquireRejected { terminal: o.terminal() })
+            }
+            (Some(false), _) => Some(refused()),
+        };
+        let input = OwnershipInput {
+            generation: o.gen(),
+            op,
+        };
+        ops.push(match out {
+            Some(out) => Operation::returned(client, input, call, out, ret.max(call)),
+            None => Operation::indeterminate(client, input, call),
+        });
+    }
+    ops
 }
 
 #[cfg(test)]
@@ -515,6 +704,7 @@ mod tests {
                     frontier: 1,
                     current_epoch: 1,
                     reason: None,
+                    terminal: false,
                 },
             )
         };
@@ -528,6 +718,7 @@ mod tests {
                     ok: Some(true),
                     epoch: 2,
                     frontier: 1,
+                    terminal: false,
                 },
             )
         };
@@ -540,14 +731,28 @@ mod tests {
 
     #[test]
     fn only_the_armed_failpoint_exit_is_not_a_crash() {
-        assert!(processes(&[], false, &[]).ok);
+        assert!(processes(&[], false, &[], &Probe::default()).ok);
         let failpoint = [exit("decoder1", 1, Some(FAILPOINT_EXIT))];
-        assert!(processes(&failpoint, true, &[]).ok);
-        assert!(!processes(&failpoint, false, &[]).ok, "no failpoint armed: a crash");
-        assert!(!processes(&[exit("decoder1", 2, Some(FAILPOINT_EXIT))], true, &[]).ok);
-        assert!(!processes(&[exit("node2", 1, Some(101))], true, &[]).ok, "a panic");
+        assert!(processes(&failpoint, true, &[], &Probe::default()).ok);
         assert!(
-            !processes(&[exit("decoder1", 1, None)], true, &[]).ok,
+            !processes(&failpoint, false, &[], &Probe::default()).ok,
+            "no failpoint armed: a crash"
+        );
+        assert!(
+            !processes(
+                &[exit("decoder1", 2, Some(FAILPOINT_EXIT))],
+                true,
+                &[],
+                &Probe::default()
+            )
+            .ok
+        );
+        assert!(
+            !processes(&[exit("node2", 1, Some(101))], true, &[], &Probe::default()).ok,
+            "a panic"
+        );
+        assert!(
+            !processes(&[exit("decoder1", 1, None)], true, &[], &Probe::default()).ok,
             "killed by a signal"
         );
     }
@@ -567,7 +772,103 @@ mod tests {
             error: None,
             status_after: None,
             generations: vec![1],
+            max_tokens: 3,
+            ignore_eos: true,
+            text: String::new(),
+            cancel_sent_us: None,
         }
+    }
+
+    fn gen1(records: &[(u32, u64)]) -> HashMap<u64, FinalGen> {
+        [(
+            1,
+            FinalGen {
+                records: records.to_vec(),
+                terminal: true,
+                ..Default::default()
+            },
+        )]
+        .into()
+    }
+
+    /// A duplicate, a gap, and a token or epoch that differs from the final log are each flagged.
+    #[test]
+    fn exactly_once_flags_duplicates_gaps_and_mismatches() {
+        let log = gen1(&[(5, 1), (6, 1), (7, 2)]);
+        let with = |events: Vec<(u32, u32, u64, bool)>| {
+            let mut r = req("r", Some(1), 2, "length");
+            r.events = events;
+            exactly_once(&[r], &log, &[])
+        };
+        assert!(
+            with(vec![
+                (0, 5, 1, false),
+                (1, 6, 1, false),
+                (2, 7, 2, false),
+                (3, 0, 2, true)
+            ])
+            .ok
+        );
+        let v = with(vec![(0, 5, 1, false), (0, 5, 1, false)]);
+        assert!(!v.ok && v.problems[0].contains("duplicate"), "{v:?}");
+        let v = with(vec![(0, 5, 1, false), (2, 7, 2, false)]);
+        assert!(!v.ok && v.problems[0].contains("gap"), "{v:?}");
+        let v = with(vec![(0, 5, 1, false), (1, 6, 2, false)]);
+        assert!(
+            !v.ok && v.problems[0].contains("epoch 2, the log has 6 epoch 1"),
+            "{v:?}"
+        );
+        let v = with(vec![(0, 5, 1, false), (1, 9, 1, false)]);
+        assert!(!v.ok && v.problems[0].contains("token 9"), "{v:?}");
+        let v = with(vec![(0, 5, 1, false), (1, 0, 1, true)]);
+        assert!(!v.ok && v.problems[0].contains("the log has 3 records"), "{v:?}");
+        // The final log's generations: each the one of its request.
+        let r = req("r", Some(1), 2, "length");
+        assert!(exactly_once(std::slice::from_ref(&r), &HashMap::new(), &[(1, "r".into())]).ok);
+        let v = exactly_once(
+            std::slice::from_ref(&r),
+            &HashMap::new(),
+            &[(1, "r".into()), (2, "r".into())],
+        );
+        assert!(!v.ok && v.problems[0].contains("one request, one generation"), "{v:?}");
+        let v = exactly_once(std::slice::from_ref(&r), &HashMap::new(), &[(3, "q".into())]);
+        assert!(!v.ok && v.problems[0].contains("no client made"), "{v:?}");
+    }
+
+    /// A request must end as it asked: a short "length", EOS it asked to ignore, a cancel
+    /// nobody sent, text that differs from its tokens detokenized.
+    #[test]
+    fn completion_flags_a_request_that_ended_otherwise_than_it_asked() {
+        let tok = tokenlog_decoder::fake::fake_tokenizer().unwrap();
+        let byte = |c: u8| u32::from(c) + tokenlog_decoder::fake::FAKE_BYTE_OFFSET;
+        let log = gen1(&[(byte(b'h'), 1), (byte(b'i'), 1), (byte(b'!'), 1)]);
+        let done = |n: u32, reason: &str| {
+            let mut r = req("r", Some(1), 2, reason);
+            r.events = (0..n).map(|s| (s, 0, 1, false)).chain([(n, 0, 1, true)]).collect();
+            r.text = "hi!".into();
+            r
+        };
+        let check = |r: RequestRecord| completion(&[r], &log, Some(&tok));
+        assert!(check(done(3, "length")).ok);
+        let v = check(done(2, "length"));
+        assert!(!v.ok && v.problems[0].contains("asked for 3"), "{v:?}");
+        let v = check(done(3, "stop"));
+        assert!(!v.ok && v.problems[0].contains("asked to ignore EOS"), "{v:?}");
+        let mut eos = done(3, "stop");
+        eos.ignore_eos = false;
+        assert!(check(eos).ok);
+        let v = check(done(3, "cancelled"));
+        assert!(!v.ok && v.problems[0].contains("never cancelled"), "{v:?}");
+        let mut cancelled = done(3, "cancelled");
+        cancelled.cancel_sent_us = Some(1);
+        assert!(check(cancelled).ok);
+        let mut garbled = done(3, "length");
+        garbled.text = "hx!".into();
+        let v = check(garbled);
+        assert!(!v.ok && v.problems[0].contains("at char 1"), "{v:?}");
+        let mut doubled = done(3, "length");
+        doubled.text = "hii!".into();
+        assert!(!check(doubled).ok, "a delta shown twice");
     }
 
     /// Every decoder down from 10 s to 20 s (long), with lease 1 s and unowned deadline 3 s:
@@ -605,17 +906,33 @@ mod tests {
         assert!(!v.ok, "{v:?}");
     }
     #[test]
+    fn processes_flags_a_process_that_does_not_serve_or_panicked() {
+        let fine = Probe {
+            checked: 7,
+            problems: vec![],
+        };
+        let v = processes(&[], false, &[], &fine);
+        assert!(v.ok && v.checked == 7, "{v:?}");
+        let dead = Probe {
+            checked: 7,
+            problems: vec!["decoder d1-2 does not serve: not registered with the log".into()],
+        };
+        let v = processes(&[], false, &[], &dead);
+        assert!(!v.ok && v.problems[0].contains("does not serve"), "{v:?}");
+    }
+
+    #[test]
     fn processes_flags_a_crash_loop_under_the_supervisor() {
         let rec = |t: &str| serde_json::json!({"fault": "supervised", "target": t});
         let fine = [rec(
             "decoder1 killed (SIGKILL); supervisor: decoder1 restarted after 100 ms",
         )];
-        assert!(processes(&[], false, &fine).ok);
+        assert!(processes(&[], false, &fine, &Probe::default()).ok);
         let looped = [rec(&format!(
             "node2 killed (SIGKILL); supervisor: {} node2: gave up after 3 exits within 1000 ms of their start: boom",
             crate::harness::supervisor::CRASH_LOOP
         ))];
-        let v = processes(&[], false, &looped);
+        let v = processes(&[], false, &looped, &Probe::default());
         assert!(!v.ok && v.problems[0].contains("crash-looped"), "{v:?}");
     }
     #[test]
@@ -628,13 +945,14 @@ mod tests {
                 records: vec![(5, 1)],
                 terminal: true,
                 state: "Finished".into(),
+                ..Default::default()
             },
         )]
         .into();
-        assert!(exactly_once(std::slice::from_ref(&r), &finals).ok);
+        assert!(exactly_once(std::slice::from_ref(&r), &finals, &[]).ok);
         let mut two = r.clone();
         two.generations = vec![1, 2];
-        let v = exactly_once(&[two], &finals);
+        let v = exactly_once(&[two], &finals, &[]);
         assert!(!v.ok && v.problems[0].contains("one request, one generation"), "{v:?}");
 
         let seen = StatusSeen {
@@ -681,6 +999,7 @@ mod tests {
                     ok: Some(true),
                     epoch,
                     frontier: 0,
+                    terminal: false,
                 },
             )
         };
@@ -700,6 +1019,7 @@ mod tests {
                     records: epochs.iter().map(|&e| (1, e)).collect(),
                     terminal: true,
                     state: "Finished".into(),
+                    ..Default::default()
                 },
             )]
             .into()
@@ -728,11 +1048,133 @@ mod tests {
                     records: vec![(5, epoch)],
                     terminal: true,
                     state: "Finished".into(),
+                    ..Default::default()
                 },
             )]
             .into()
         };
-        assert!(durability(std::slice::from_ref(&r), &at(1)).ok);
-        assert!(!durability(std::slice::from_ref(&r), &at(2)).ok);
+        assert!(durability(std::slice::from_ref(&r), &[], &at(1)).ok);
+        assert!(!durability(std::slice::from_ref(&r), &[], &at(2)).ok);
+    }
+
+    fn append(
+        d: &str,
+        (invoke_ms, complete_ms): (u64, u64),
+        (epoch, start_seq, n): (u64, u32, u32),
+        ok: Option<bool>,
+    ) -> DecoderOp {
+        let mut o = op(
+            d,
+            invoke_ms,
+            complete_ms,
+            Call::Append {
+                gen: 7,
+                epoch,
+                start_seq,
+                n,
+                finish: false,
+            },
+            Answer::Append {
+                ok,
+                frontier: start_seq + n,
+                current_epoch: epoch,
+                reason: None,
+                terminal: false,
+            },
+        );
+        if ok.is_none() {
+            o.complete_us = None;
+        }
+        o
+    }
+
+    fn acquired(d: &str, (invoke_ms, complete_ms): (u64, u64), epoch: u64, frontier: u32) -> DecoderOp {
+        op(
+            d,
+            invoke_ms,
+            complete_ms,
+            Call::Acquire { gen: 7 },
+            Answer::Acquire {
+                ok: Some(true),
+                epoch,
+                frontier,
+                terminal: false,
+            },
+        )
+    }
+
+    fn final7(records: &[(u32, u64)], epoch: u64, terminal: bool) -> HashMap<u64, FinalGen> {
+        [(
+            7,
+            FinalGen {
+                records: records.to_vec(),
+                terminal,
+                state: String::new(),
+                epoch,
+                read_us: (1_000_000, 1_000_100),
+            },
+        )]
+        .into()
+    }
+
+    /// An acknowledged append lost from the final log (its tail, or its records replaced by a
+    /// later owner's) is flagged; a re-send inside records a later owner wrote before it is not.
+    #[test]
+    fn durability_ties_acknowledged_appends_to_the_final_log() {
+        let ops = [
+            acquired("d1", (0, 1), 1, 0),
+            append("d1", (10, 20), (1, 0, 2), Some(true)),
+        ];
+        assert!(durability(&[], &ops, &final7(&[(5, 1), (6, 1)], 1, true)).ok);
+        let v = durability(&[], &ops, &final7(&[(5, 1)], 1, true));
+        assert!(!v.ok && v.problems[0].contains("the final log has 1 records"), "{v:?}");
+        // Seq 1 rewritten at epoch 2 by an owner that began after the acknowledgement.
+        let mut later = ops.to_vec();
+        later.push(acquired("d2", (30, 31), 2, 1));
+        later.push(append("d2", (40, 45), (2, 1, 1), Some(true)));
+        let v = durability(&[], &later, &final7(&[(5, 1), (6, 2)], 2, true));
+        assert!(
+            !v.ok && v.problems[0].contains("written after the acknowledgement"),
+            "{v:?}"
+        );
+        // d1's append was a re-send of records d2 had written already (a deterministic model
+        // writes the same tokens): fine.
+        let resend = [
+            acquired("d1", (0, 1), 1, 0),
+            acquired("d2", (30, 31), 2, 0),
+            append("d2", (40, 45), (2, 0, 2), Some(true)),
+            append("d1", (42, 50), (1, 0, 2), Some(true)),
+        ];
+        assert!(durability(&[], &resend, &final7(&[(5, 2), (6, 2)], 2, true)).ok);
+    }
+
+    /// The final read ends each generation's history: a log that dropped an acknowledged append,
+    /// or a stale owner's write accepted between a grant and the new owner's first write, is
+    /// not linearizable.
+    #[test]
+    fn linearizability_covers_the_final_state_and_stale_writes() {
+        let ops = [
+            acquired("d1", (0, 1), 1, 0),
+            append("d1", (10, 20), (1, 0, 2), Some(true)),
+        ];
+        let check = |ops: &[DecoderOp], f: HashMap<u64, FinalGen>| linearizability(ops, &f, Duration::from_secs(5)).0;
+        assert!(check(&ops, final7(&[(5, 1), (6, 1)], 1, false)).ok);
+        let v = check(&ops, final7(&[(5, 1)], 1, false));
+        assert!(!v.ok && v.problems[0].contains("read()"), "{v:?}");
+        // An append in doubt may or may not have landed.
+        let mut doubt = ops.to_vec();
+        doubt.push(append("d1", (30, 0), (1, 2, 1), None));
+        assert!(check(&doubt, final7(&[(5, 1), (6, 1)], 1, false)).ok);
+        assert!(check(&doubt, final7(&[(5, 1), (6, 1), (7, 1)], 1, false)).ok);
+        // d2 granted epoch 2 at frontier 2; then d1's stale write is accepted.
+        let stale = [
+            acquired("d1", (0, 1), 1, 0),
+            append("d1", (10, 20), (1, 0, 2), Some(true)),
+            acquired("d2", (30, 40), 2, 2),
+            append("d1", (50, 60), (1, 2, 1), Some(true)),
+            append("d2", (70, 80), (2, 3, 1), Some(true)),
+        ];
+        let v = check(&stale, final7(&[(5, 1), (6, 1), (7, 1), (8, 2)], 2, false));
+        assert!(!v.ok, "{v:?}");
     }
 }

@@ -160,7 +160,7 @@ fn node_procs(
             Some(Plant::UnboundedClock) => p = p.env("TOKENLOG_PLANT_UNBOUNDED_CLOCK", "1"),
             Some(Plant::NoUnownedDeadline) => p = p.env("TOKENLOG_PLANT_NO_UNOWNED_DEADLINE", "1"),
             Some(Plant::Diverge) if i == 2 => p = p.env("TOKENLOG_PLANT_DIVERGE", "1"),
-            Some(Plant::Zombie | Plant::Diverge) | None => {}
+            Some(Plant::Zombie | Plant::Diverge | Plant::StalledWorker) | None => {}
         }
         if cfg.faults.contains(&Fault::Clock) {
             // The `clock` nemesis writes this node's wall clock skew (ms) here.
@@ -202,6 +202,8 @@ fn decoder_procs(cfg: &RunConfig, dir: &Path, cluster: &str) -> Vec<Proc> {
                 cfg.lease_ms.to_string(),
                 "--capacity".into(),
                 capacity.to_string(),
+                "--stall-ms".into(),
+                cfg.stall_ms.to_string(),
                 "--decoder-id".into(),
                 format!("d{}-{{inc}}", i + 1),
                 "--history".into(),
@@ -214,6 +216,9 @@ fn decoder_procs(cfg: &RunConfig, dir: &Path, cluster: &str) -> Vec<Proc> {
         let mut p = Proc::new(&format!("decoder{}", i + 1), Role::Decoder, bin, args, dir);
         if cfg.plant == Some(Plant::Zombie) {
             p = p.env("TOKENLOG_PLANT_ZOMBIE_DECODER", "1");
+        }
+        if cfg.plant == Some(Plant::StalledWorker) && i == 0 {
+            p = p.first_env("TOKENLOG_PLANT_STALLED_WORKER", "1");
         }
         if i == 0 {
             if let Some(fp) = &cfg.decoder1_failpoints {

@@ -26,7 +26,7 @@ pub enum OpKind {
 }
 
 impl DecoderOp {
-    /// `acquire`, `append`, `resumed` or `failpoint`.
+    /// `acquire`, `append`, `release`, `finish`, `resumed` or `failpoint`.
     pub fn op(&self) -> &'static str {
         match &self.kind {
             OpKind::Call {
@@ -37,6 +37,14 @@ impl DecoderOp {
                 call: Call::Append { .. },
                 ..
             } => "append",
+            OpKind::Call {
+                call: Call::Release { .. },
+                ..
+            } => "release",
+            OpKind::Call {
+                call: Call::Finish { .. },
+                ..
+            } => "finish",
             OpKind::Event(DecoderEvent::Resumed { .. }) => "resumed",
             OpKind::Event(DecoderEvent::Failpoint { .. }) => "failpoint",
         }
@@ -49,7 +57,7 @@ impl DecoderOp {
                 ..
             }
             | OpKind::Call {
-                call: Call::Append { gen, .. },
+                call: Call::Append { gen, .. } | Call::Release { gen, .. } | Call::Finish { gen, .. },
                 ..
             } => *gen,
             OpKind::Event(DecoderEvent::Resumed { gen, .. }) | OpKind::Event(DecoderEvent::Failpoint { gen, .. }) => {
@@ -63,7 +71,13 @@ impl DecoderOp {
     pub fn ok(&self) -> Option<bool> {
         match &self.kind {
             OpKind::Call {
-                answer: Some(Answer::Acquire { ok, .. } | Answer::Append { ok, .. }),
+                answer:
+                    Some(
+                        Answer::Acquire { ok, .. }
+                        | Answer::Append { ok, .. }
+                        | Answer::Release { ok, .. }
+                        | Answer::Finish { ok, .. },
+                    ),
                 ..
             } => *ok,
             _ => None,
@@ -81,7 +95,7 @@ impl DecoderOp {
                 _ => 0,
             },
             OpKind::Call {
-                call: Call::Append { epoch, .. },
+                call: Call::Append { epoch, .. } | Call::Release { epoch, .. } | Call::Finish { epoch, .. },
                 ..
             } => *epoch,
             OpKind::Event(DecoderEvent::Resumed { epoch, .. })
@@ -93,11 +107,64 @@ impl DecoderOp {
     pub fn frontier(&self) -> u64 {
         match &self.kind {
             OpKind::Call {
-                answer: Some(Answer::Acquire { frontier, .. } | Answer::Append { frontier, .. }),
+                answer:
+                    Some(
+                        Answer::Acquire { frontier, .. }
+                        | Answer::Append { frontier, .. }
+                        | Answer::Release { frontier, .. }
+                        | Answer::Finish { frontier, .. },
+                    ),
                 ..
             } => u64::from(*frontier),
             _ => 0,
         }
+    }
+
+    /// Whether the answer saw the generation terminal.
+    pub fn terminal(&self) -> bool {
+        matches!(
+            &self.kind,
+            OpKind::Call {
+                answer: Some(
+                    Answer::Acquire { terminal: true, .. }
+                        | Answer::Append { terminal: true, .. }
+                        | Answer::Release { terminal: true, .. }
+                        | Answer::Finish { terminal: true, .. }
+                ),
+                ..
+            }
+        )
+    }
+
+    /// The epoch in force an answer named: a rejection's current one, or the grant's.
+    pub fn current_epoch(&self) -> u64 {
+        match &self.kind {
+            OpKind::Call {
+                answer:
+                    Some(
+                        Answer::Append { current_epoch, .. }
+                        | Answer::Release { current_epoch, .. }
+                        | Answer::Finish { current_epoch, .. },
+                    ),
+                ..
+            } => *current_epoch,
+            OpKind::Call {
+                answer: Some(Answer::Acquire { epoch, .. }),
+                ..
+            } => *epoch,
+            _ => 0,
+        }
+    }
+
+    /// Whether an append carried its generation's finish.
+    pub fn finishes(&self) -> bool {
+        matches!(
+            &self.kind,
+            OpKind::Call {
+                call: Call::Append { finish: true, .. },
+                ..
+            }
+        )
     }
 
     /// An append's `(start_seq, n)`.
@@ -251,6 +318,7 @@ mod tests {
                     ok: Some(true),
                     epoch: 1,
                     frontier: 0,
+                    terminal: false,
                 },
             },
         ];

@@ -28,6 +28,7 @@ pub async fn conclude(
     let Cluster {
         procs,
         node_addrs,
+        gateway_addrs,
         log,
         leader_changes,
         at_finish,
@@ -39,6 +40,8 @@ pub async fn conclude(
     let dir = cfg.out.clone();
     let _ = stop_watcher.send(true);
     let _ = watcher.await;
+    // --- every process serving, not only alive
+    let mut probe = probe(&procs, &node_addrs, &gateway_addrs, &reqs).await;
     // --- final state
     let (finals, pruned) = final_gens(&log, &reqs, &at_finish).await?;
     // The writers stop first, so that the nodes come to rest at one applied index.
@@ -51,8 +54,10 @@ pub async fn conclude(
         .map(|n| n.log_text().matches("snapshot installed").count() as u64)
         .sum();
     let convergence = convergence(&node_addrs).await;
+    let log_gens = log_generations(&log, &node_addrs).await;
     let decoder_ops = decoder_ops::read(&dir, cfg.decoders);
     self_exits.extend(procs.lock().expect("lock").stop_all());
+    probe.problems.extend(panics(&procs.lock().expect("lock")));
     // Stop the processes before checking (and before the report).
     drop(procs);
 
@@ -60,10 +65,12 @@ pub async fn conclude(
         cfg,
         &reqs,
         &finals,
+        &log_gens,
         &decoder_ops,
         convergence,
         &self_exits,
         &nemesis_records,
+        &probe,
     );
     let faults = fault_counts(&nemesis_records);
     let leader_changes = leader_changes.lock().expect("lock").clone();
@@ -123,18 +130,28 @@ fn verdicts(
     cfg: &RunConfig,
     reqs: &[RequestRecord],
     finals: &HashMap<u64, FinalGen>,
+    log_gens: &[(u64, String)],
     decoder_ops: &[DecoderOp],
     convergence: Verdict,
     self_exits: &[SelfExit],
     nemesis_records: &[Value],
+    probe: &checks::Probe,
 ) -> BTreeMap<String, Verdict> {
     let mut verdicts = BTreeMap::new();
-    verdicts.insert("exactly-once".to_string(), checks::exactly_once(reqs, finals));
-    verdicts.insert("durability".to_string(), checks::durability(reqs, finals));
+    verdicts.insert("exactly-once".to_string(), checks::exactly_once(reqs, finals, log_gens));
+    verdicts.insert("durability".to_string(), checks::durability(reqs, decoder_ops, finals));
     verdicts.insert("fencing".to_string(), checks::fencing(decoder_ops, finals));
-    let (lin, _) = checks::linearizability(decoder_ops, Duration::from_secs(20));
+    let (lin, _) = checks::linearizability(decoder_ops, finals, Duration::from_secs(20));
     verdicts.insert("linearizability".to_string(), lin);
     verdicts.insert("status".to_string(), checks::status(reqs));
+    // The harness detokenizes with the fake model's tokenizer only.
+    let fake_tokenizer = (!cfg.real_model)
+        .then(|| tokenlog_decoder::fake::fake_tokenizer().ok())
+        .flatten();
+    verdicts.insert(
+        "completion".to_string(),
+        checks::completion(reqs, finals, fake_tokenizer.as_ref()),
+    );
     verdicts.insert(
         "liveness".to_string(),
         checks::liveness(reqs, nemesis_records, cfg.lease_ms, cfg.unowned_ms_in_force()),
@@ -143,7 +160,7 @@ fn verdicts(
     verdicts.insert("lease-time".to_string(), checks::lease_time(decoder_ops, cfg.lease_ms));
     verdicts.insert(
         "processes".to_string(),
-        checks::processes(self_exits, cfg.decoder1_failpoints.is_some(), nemesis_records),
+        checks::processes(self_exits, cfg.decoder1_failpoints.is_some(), nemesis_records, probe),
     );
     verdicts
 }
@@ -190,6 +207,7 @@ fn summarize(
         supervisor_restarts: 0,
         faults,
         decoder_ops: decoder_ops.len(),
+        hard_paths: super::HardPaths::count(reqs, decoder_ops),
         verdicts,
         seconds: started.elapsed().as_secs_f64(),
     }
@@ -236,8 +254,11 @@ fn is_not_found(e: &anyhow::Error) -> bool {
 
 /// The committed records of a generation (up to its frontier now), read linearizably.
 pub(super) async fn final_gen(log: &LogClient, id: u64) -> Result<FinalGen> {
+    let sent = super::now_us();
     let info = log.generation(id).await?;
     let mut out = FinalGen {
+        epoch: info.lease.as_ref().map_or(0, |l| l.epoch),
+        read_us: (sent, super::now_us()),
         terminal: matches!(
             pb::GenerationState::try_from(info.state),
             Ok(pb::GenerationState::Finished | pb::GenerationState::Failed | pb::GenerationState::Cancelled)
@@ -259,6 +280,140 @@ pub(super) async fn final_gen(log: &LogClient, id: u64) -> Result<FinalGen> {
     }
     out.records.truncate(info.frontier as usize);
     Ok(out)
+}
+
+/// Every generation the final log holds (a node's, once they agree), with its request id.
+async fn log_generations(log: &LogClient, addrs: &[String]) -> Vec<(u64, String)> {
+    for a in addrs {
+        let Ok(r) = log.node(a).chain_heads(pb::ChainHeadsRequest {}).await else {
+            continue;
+        };
+        let mut out = Vec::new();
+        for h in r.into_inner().heads {
+            if let Ok(info) = log.generation(h.generation_id).await {
+                out.push((h.generation_id, info.request_id));
+            }
+        }
+        return out;
+    }
+    Vec::new()
+}
+
+/// How long, after healing, a process may take to answer its probe.
+const PROBE_WITHIN: Duration = Duration::from_secs(10);
+
+/// After healing, every process must be serving, not only alive (a process whose server task
+/// died would pass for live): each node answers `ClusterStatus` itself and names a leader; each
+/// decoder's running incarnation is registered with the log; each gateway answers `Status` of a
+/// finished request (found, or pruned by retention: a definite answer either way). Polled for up to [`PROBE_WITHIN`] each.
+async fn probe(
+    procs: &std::sync::Mutex<super::nemesis::Procs>,
+    node_addrs: &[String],
+    gateway_addrs: &[String],
+    reqs: &[RequestRecord],
+) -> checks::Probe {
+    let mut p = checks::Probe::default();
+    for (i, addr) in node_addrs.iter().enumerate() {
+        p.checked += 1;
+        let answered = poll(|| async {
+            let c = LogClient::new(vec![addr.clone()]).map_err(|e| e.to_string())?;
+            let st = c.cluster_status(false).await.map_err(|e| e.to_string())?;
+            if st.leader_id == 0 {
+                return Err(format!("no leader known ({})", st.state));
+            }
+            Ok(())
+        })
+        .await;
+        if let Err(e) = answered {
+            p.problems.push(format!("node{} ({addr}) does not serve: {e}", i + 1));
+        }
+    }
+    let decoder_ids: Vec<String> = procs
+        .lock()
+        .expect("lock")
+        .decoders
+        .iter()
+        .enumerate()
+        .map(|(i, d)| format!("d{}-{}", i + 1, d.incarnation))
+        .collect();
+    for id in &decoder_ids {
+        p.checked += 1;
+        let registered = poll(|| async {
+            let c = LogClient::new(node_addrs.to_vec()).map_err(|e| e.to_string())?;
+            let models = c.list_models().await.map_err(|e| e.to_string())?;
+            if models.models.iter().any(|m| m.decoders.iter().any(|d| d == id)) {
+                Ok(())
+            } else {
+                Err("not registered with the log".to_string())
+            }
+        })
+        .await;
+        if let Err(e) = registered {
+            p.problems.push(format!("decoder {id} does not serve: {e}"));
+        }
+    }
+    if let Some(r) = reqs.iter().find(|r| r.finished) {
+        for (i, addr) in gateway_addrs.iter().enumerate() {
+            p.checked += 1;
+            let answered = poll(|| async {
+                let mut c = tokenlog_proto::tokenlog::generation_client::GenerationClient::new(workload::channel(
+                    addr,
+                    Some(Duration::from_secs(2)),
+                ));
+                // A definite answer from the log through the gateway: the request, or that
+                // retention pruned it.
+                match c
+                    .status(tokenlog_proto::tokenlog::StatusRequest {
+                        request_id: r.request_id.clone(),
+                    })
+                    .await
+                {
+                    Ok(_) => Ok(()),
+                    Err(e) if e.code() == tonic::Code::NotFound => Ok(()),
+                    Err(e) => Err(e.to_string()),
+                }
+            })
+            .await;
+            if let Err(e) = answered {
+                p.problems
+                    .push(format!("gateway{} ({addr}) does not serve: {e}", i + 1));
+            }
+        }
+    }
+    p
+}
+
+/// Runs `f` until it succeeds or [`PROBE_WITHIN`] passes; the last error.
+async fn poll<F, Fut>(f: F) -> Result<(), String>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<(), String>>,
+{
+    let start = Instant::now();
+    loop {
+        match tokio::time::timeout(Duration::from_secs(3), f()).await {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(e)) if start.elapsed() >= PROBE_WITHIN => return Err(e),
+            Err(_) if start.elapsed() >= PROBE_WITHIN => return Err("no answer within 3 s".into()),
+            _ => tokio::time::sleep(Duration::from_millis(250)).await,
+        }
+    }
+}
+
+/// Every panic any process logged (a panicked task may leave its process alive; the binary
+/// aborts on a panic, and this catches one that a hook let through).
+fn panics(procs: &super::nemesis::Procs) -> Vec<String> {
+    let mut out = Vec::new();
+    for p in procs.nodes.iter().chain(&procs.gateways).chain(&procs.decoders) {
+        for line in p.log_text().lines().filter(|l| l.contains("panicked at")) {
+            out.push(format!(
+                "{} panicked: {}",
+                p.name,
+                line.chars().take(300).collect::<String>()
+            ));
+        }
+    }
+    out
 }
 
 /// How long the nodes may take to agree once the writers are stopped.
@@ -324,11 +479,32 @@ async fn convergence(addrs: &[String]) -> Verdict {
     v
 }
 
+/// The state digests nodes reported, by applied index: the first node's at each index, which
+/// every later report at that index must equal.
+#[derive(Default)]
+struct Digests(BTreeMap<u64, (String, Vec<u8>)>);
+
+impl Digests {
+    /// Records `node`'s `digest` at applied `index`; the problem when another node reported a
+    /// different one at the same index.
+    fn observe(&mut self, node: &str, index: u64, digest: Vec<u8>) -> Option<String> {
+        match self.0.get(&index) {
+            Some((other, d)) if *d != digest => Some(format!(
+                "{node} and {other} applied the same {index} entries but hold different states (state digests differ)"
+            )),
+            Some(_) => None,
+            None => {
+                self.0.insert(index, (node.to_string(), digest));
+                None
+            }
+        }
+    }
+}
+
 /// Asks every node for its state digest (all at once, again and again) until all report one
 /// applied index; every pair seen at one index must agree.
 async fn digests_agree(log: &LogClient, addrs: &[String], deadline: Instant, v: &mut Verdict) {
-    // applied index -> (node, digest) first seen there
-    let mut seen: BTreeMap<u64, (String, Vec<u8>)> = BTreeMap::new();
+    let mut seen = Digests::default();
     let mut flagged = false;
     loop {
         let answers = futures::future::join_all(addrs.iter().map(|a| {
@@ -341,17 +517,10 @@ async fn digests_agree(log: &LogClient, addrs: &[String], deadline: Instant, v: 
             let Ok(r) = r else { continue };
             let d = r.into_inner();
             indexes.push(d.applied_index);
-            match seen.get(&d.applied_index) {
-                Some((other, digest)) if *digest != d.digest && !flagged => {
+            if let Some(p) = seen.observe(&a, d.applied_index, d.digest) {
+                if !flagged {
                     flagged = true;
-                    v.fail(format!(
-                        "{a} and {other} applied the same {} entries but hold different states (state digests differ)",
-                        d.applied_index
-                    ));
-                }
-                Some(_) => {}
-                None => {
-                    seen.insert(d.applied_index, (a, d.digest));
+                    v.fail(p);
                 }
             }
         }
@@ -366,5 +535,22 @@ async fn digests_agree(log: &LogClient, addrs: &[String], deadline: Instant, v: 
             return;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Convergence's core: two nodes at one applied index with different digests diverge;
+    /// different indexes are not compared (one is behind).
+    #[test]
+    fn digests_at_one_applied_index_must_agree() {
+        let mut d = Digests::default();
+        assert!(d.observe("n1", 10, vec![1]).is_none());
+        assert!(d.observe("n2", 10, vec![1]).is_none());
+        assert!(d.observe("n3", 9, vec![2]).is_none(), "behind: not compared");
+        let p = d.observe("n3", 10, vec![2]).expect("a diverging node");
+        assert!(p.contains("n3 and n1") && p.contains("state digests differ"), "{p}");
     }
 }

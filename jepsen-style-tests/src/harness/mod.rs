@@ -73,6 +73,11 @@ pub enum Plant {
     /// clients wait, and it continues when decoders return, past its deadline. Caught by
     /// liveness with the `decoders-down` nemesis.
     NoUnownedDeadline,
+    /// Decoder 1's step loop stops for ever after a few appends while its leases are renewed
+    /// (TOKENLOG_PLANT_STALLED_WORKER=1 on decoder 1): a live process with a dead worker. The
+    /// decoder's stall watchdog ends it (`processes`: it ended on its own); without the
+    /// watchdog, the probes (it is no longer registered) and liveness would.
+    StalledWorker,
 }
 
 #[derive(Clone, Debug)]
@@ -112,6 +117,10 @@ pub struct RunConfig {
     /// node's default, 1,000): small values make a node that lags or lost its data catch up by
     /// snapshot install rather than from the log.
     pub keep_after_snapshot: Option<u64>,
+    /// The decoders' stall limit (`--stall-ms`): well above the longest a log call may take
+    /// under the nemeses (a retry budget of 15 s), below the default of 120 s so that a stuck
+    /// worker ends within a run.
+    pub stall_ms: u64,
 }
 
 impl RunConfig {
@@ -137,6 +146,7 @@ impl RunConfig {
             retention_ms: tokenlog_raftlog::limits::RETENTION_MS_DEFAULT,
             unowned_ms: 0,
             keep_after_snapshot: None,
+            stall_ms: 30_000,
         }
     }
 
@@ -152,7 +162,7 @@ impl RunConfig {
     /// A stress configuration drawn from the seed (issue 11): snapshots every 20-500 entries
     /// with 0-50 entries kept behind them (a node that lags or lost its data installs one),
     /// retention 2-5 s (finished generations pruned while the run goes on), leases of
-    /// 300-2,000 ms, an unowned deadline of 3-6 s, so snapshot build and install, pruning, lease
+    /// 300-2,000 ms, an unowned deadline of 3-6 s, a model step of 1-10 ms, so snapshot build and install, pruning, lease
     /// edges and ownerless generations ending happen many times per run. Returns what it drew,
     /// for the run's summary.
     pub fn stress(&mut self) -> String {
@@ -169,9 +179,12 @@ impl RunConfig {
         self.unowned_ms = rng.random_range(3_000..=6_000);
         let keep = rng.random_range(0..=50);
         self.keep_after_snapshot = Some(keep);
+        // A model step from 1 ms (faster than an append's round trip: the decoder's window of
+        // appends fills, and appends carry several tokens) to 10 ms.
+        self.step_ms = [1, 2, 3, 5, 10][rng.random_range(0..5)];
         format!(
-            "snapshot every {} entries (keeping {keep} behind it), retention {} ms, lease {} ms, unowned deadline {} ms",
-            self.snapshot_every, self.retention_ms, self.lease_ms, self.unowned_ms
+            "snapshot every {} entries (keeping {keep} behind it), retention {} ms, lease {} ms, unowned deadline {} ms, step {} ms",
+            self.snapshot_every, self.retention_ms, self.lease_ms, self.unowned_ms, self.step_ms
         )
     }
 }
@@ -198,7 +211,67 @@ pub struct RunSummary {
     pub supervisor_restarts: u64,
     pub faults: BTreeMap<String, u64>,
     pub decoder_ops: usize,
+    /// How often the run reached the paths that are hard to get right.
+    pub hard_paths: HardPaths,
     pub seconds: f64,
+}
+
+/// Counts of the hard paths a run reached (issue 12 item 6): a run where they are zero proves
+/// little about them.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct HardPaths {
+    /// Decoder calls whose answer never came (the decoder killed or cut off with it in flight).
+    pub indeterminate_ops: u64,
+    /// Accepted appends that carried more than one record.
+    pub multi_token_appends: u64,
+    /// Appends that re-sent records an earlier append of the same decoder had sent.
+    pub overlapping_resends: u64,
+    /// Requests their client cancelled that ended "cancelled".
+    pub cancels: u64,
+    /// Requests that ended at EOS ("stop").
+    pub eos_endings: u64,
+}
+
+impl HardPaths {
+    pub fn count(reqs: &[workload::RequestRecord], decoder_ops: &[decoder_ops::DecoderOp]) -> HardPaths {
+        let mut h = HardPaths::default();
+        // Per (decoder incarnation, generation): the end of the records sent so far.
+        let mut sent_to: std::collections::HashMap<(&str, u64), u64> = std::collections::HashMap::new();
+        for o in decoder_ops {
+            if matches!(o.op(), "acquire" | "append" | "release" | "finish") && o.ok().is_none() {
+                h.indeterminate_ops += 1;
+            }
+            let Some((start, n)) = o.records() else { continue };
+            if o.ok() == Some(true) && n > 1 {
+                h.multi_token_appends += 1;
+            }
+            let end = sent_to.entry((o.decoder.as_str(), o.gen())).or_insert(0);
+            if start < *end && n > 0 {
+                h.overlapping_resends += 1;
+            }
+            *end = (*end).max(start + n);
+        }
+        for r in reqs.iter().filter(|r| r.finished) {
+            h.cancels += u64::from(r.finish_reason == "cancelled" && r.cancel_sent_us.is_some());
+            h.eos_endings += u64::from(r.finish_reason == "stop");
+        }
+        h
+    }
+
+    /// The names of the counts that are zero.
+    pub fn zero(&self) -> Vec<&'static str> {
+        [
+            ("indeterminate ops", self.indeterminate_ops),
+            ("multi-token appends", self.multi_token_appends),
+            ("overlapping re-sends", self.overlapping_resends),
+            ("cancels", self.cancels),
+            ("EOS endings", self.eos_endings),
+        ]
+        .into_iter()
+        .filter(|&(_, n)| n == 0)
+        .map(|(k, _)| k)
+        .collect()
+    }
 }
 
 /// Parses `all`, `none`, or a comma-separated list of fault names.
@@ -220,16 +293,16 @@ pub fn parse_faults(s: &str) -> Result<Vec<Fault>> {
     }
 }
 
-/// One line per run: verdicts and how much the faults bit.
+/// One line per run: verdicts (with how many items each checked) and how much the faults bit.
 pub fn summary_line(s: &RunSummary) -> String {
     let verdicts: Vec<String> = s
         .verdicts
         .iter()
-        .map(|(k, v)| format!("{k} {}", if v.ok { "ok" } else { "FAIL" }))
+        .map(|(k, v)| format!("{k} {} ({})", if v.ok { "ok" } else { "FAIL" }, v.checked))
         .collect();
     let faults: Vec<String> = s.faults.iter().map(|(k, n)| format!("{k}x{n}")).collect();
     format!(
-        "seed {}: {} | {} requests, {} tokens seen, {} resumes, {} takeovers, {} fence rejections, {} leader changes, {} pruned, {} snapshots installed, {} corruptions detected, {} supervisor restarts, faults [{}], {} decoder ops, {:.0} s",
+        "seed {}: {} | {} requests, {} tokens seen, {} resumes, {} takeovers, {} fence rejections, {} leader changes, {} pruned, {} snapshots installed, {} corruptions detected, {} supervisor restarts, faults [{}], {} decoder ops ({} indeterminate, {} multi-token appends, {} overlapping re-sends), {} cancels, {} EOS endings, {:.0} s",
         s.seed,
         verdicts.join(", "),
         s.requests,
@@ -244,6 +317,11 @@ pub fn summary_line(s: &RunSummary) -> String {
         s.supervisor_restarts,
         faults.join(" "),
         s.decoder_ops,
+        s.hard_paths.indeterminate_ops,
+        s.hard_paths.multi_token_appends,
+        s.hard_paths.overlapping_resends,
+        s.hard_paths.cancels,
+        s.hard_paths.eos_endings,
         s.seconds
     )
 }
@@ -311,4 +389,54 @@ pub async fn run(cfg: &RunConfig) -> Result<RunSummary> {
     let reqs: Vec<workload::RequestRecord> = records.lock().expect("lock").clone();
     let (summary, _) = conclude(cfg, cluster, reqs, nemesis_records).await?;
     Ok(summary)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::decoder_ops::{DecoderOp, OpKind};
+    use super::*;
+    use tokenlog_decoder::history::{Answer, Call};
+
+    fn append(d: &str, start_seq: u32, n: u32, ok: Option<bool>) -> DecoderOp {
+        DecoderOp {
+            decoder: d.into(),
+            invoke_us: 0,
+            complete_us: ok.map(|_| 1),
+            kind: OpKind::Call {
+                call: Call::Append {
+                    gen: 1,
+                    epoch: 1,
+                    start_seq,
+                    n,
+                    finish: false,
+                },
+                answer: ok.map(|ok| Answer::Append {
+                    ok: Some(ok),
+                    frontier: start_seq + n,
+                    current_epoch: 1,
+                    reason: None,
+                    terminal: false,
+                }),
+            },
+        }
+    }
+
+    #[test]
+    fn hard_paths_are_counted() {
+        let ops = [
+            append("d1", 0, 1, Some(true)),
+            append("d1", 1, 2, None),
+            // The stream broke: re-sent from the acknowledged frontier, overlapping.
+            append("d1", 1, 3, Some(true)),
+            // Another decoder's first append of the generation is no re-send.
+            append("d2", 2, 1, Some(true)),
+        ];
+        let h = HardPaths::count(&[], &ops);
+        assert_eq!(
+            (h.indeterminate_ops, h.multi_token_appends, h.overlapping_resends),
+            (1, 1, 1),
+            "{h:?}"
+        );
+        assert_eq!(h.zero(), vec!["cancels", "EOS endings"]);
+    }
 }

@@ -592,8 +592,19 @@ async fn node_fault(
 async fn decoder_fault(fault: Fault, procs: &Mutex<Procs>, rng: &mut StdRng) -> anyhow::Result<String> {
     let n = procs.lock().expect("lock").decoders.len();
     let i = rng.random_range(0..n);
-    let target = procs.lock().expect("lock").decoders[i].name.clone();
+    let mut target = procs.lock().expect("lock").decoders[i].name.clone();
     if fault == Fault::KillDecoder {
+        // Aim at an append in flight, so that its answer is lost (an indeterminate operation
+        // for the checkers), when one comes within a second.
+        let history = procs.lock().expect("lock").dir.join(format!("decoder{}.jsonl", i + 1));
+        let aim = Instant::now();
+        while aim.elapsed() < Duration::from_secs(1) {
+            if append_in_flight(&history) {
+                target.push_str(" (an append in flight)");
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
         procs.lock().expect("lock").decoders[i].kill9();
         tokio::time::sleep(ms(rng, 200, 1500)).await;
         procs.lock().expect("lock").decoders[i].start()?;
@@ -603,6 +614,32 @@ async fn decoder_fault(fault: Fault, procs: &Mutex<Procs>, rng: &mut StdRng) -> 
         procs.lock().expect("lock").decoders[i].resume();
     }
     Ok(target)
+}
+
+/// Whether the last line of a decoder's history is the invocation of an append (sent, not yet
+/// answered). Reads the file's tail only.
+fn append_in_flight(history: &std::path::Path) -> bool {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut f) = std::fs::File::open(history) else {
+        return false;
+    };
+    let len = f.metadata().map_or(0, |m| m.len());
+    if f.seek(SeekFrom::Start(len.saturating_sub(2_048))).is_err() {
+        return false;
+    }
+    let mut tail = String::new();
+    if f.read_to_string(&mut tail).is_err() {
+        return false;
+    }
+    tail.lines().last().is_some_and(|l| {
+        matches!(
+            serde_json::from_str::<tokenlog_decoder::history::HistoryLine>(l),
+            Ok(tokenlog_decoder::history::HistoryLine::Invoke {
+                call: tokenlog_decoder::history::Call::Append { .. },
+                ..
+            })
+        )
+    })
 }
 
 /// `KillGateway`: a random gateway killed and restarted.

@@ -325,7 +325,7 @@ pub async fn run(bin: PathBuf, out: PathBuf, sc: Scenario, opts: Options) -> Res
     let client = {
         let (channels, req) = (channels.clone(), req.clone());
         tokio::spawn(async move {
-            workload::one_request(0, req, &channels, &mut Routing::RoundRobin, Some(&progress_tx)).await
+            workload::one_request(0, req, &channels, &mut Routing::RoundRobin, Some(&progress_tx), None).await
         })
     };
     // Decoder 1 owns the request; then the warm standby and the retrier start.

@@ -18,6 +18,11 @@ use super::now_us;
 pub const DISCONNECT_CHANCE: f64 = 0.03;
 /// How long one request may take, faults included, before the client gives up on it.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
+/// The share of a client's requests that may end at EOS (`ignore_eos` false; the fake model
+/// favours EOS about once in 64 tokens); the others run to `max_tokens`.
+pub const EOS_SHARE: f64 = 0.25;
+/// The share of a client's requests it cancels after a random number of events.
+pub const CANCEL_SHARE: f64 = 0.1;
 
 /// What one client saw of one request.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
@@ -42,6 +47,17 @@ pub struct RequestRecord {
     /// Every generation the events named, in order of first sight: one request must see one.
     #[serde(default)]
     pub generations: Vec<u64>,
+    /// What the request asked for.
+    #[serde(default)]
+    pub max_tokens: u32,
+    #[serde(default)]
+    pub ignore_eos: bool,
+    /// The events' text deltas, concatenated as received.
+    #[serde(default)]
+    pub text: String,
+    /// When the client sent a cancel (it may have applied even if the call failed).
+    #[serde(default)]
+    pub cancel_sent_us: Option<u64>,
 }
 
 /// What a gateway's Status said of a request.
@@ -93,9 +109,13 @@ pub async fn client_loop(
         let rid = format!("c{id}-{k}");
         k += 1;
         let n = rng.random_range(max_tokens.0..=max_tokens.1);
-        let req = request(&rid, n, rng.random());
+        let mut req = request(&rid, n, rng.random());
+        req.ignore_eos = !rng.random_bool(EOS_SHARE);
+        let cancel_after = rng
+            .random_bool(CANCEL_SHARE)
+            .then(|| rng.random_range(1..=n.max(2) as usize / 2));
         let mut routing = Routing::Random(StdRng::seed_from_u64(rng.random()));
-        let rec = one_request(id, req, &channels, &mut routing, None).await;
+        let rec = one_request(id, req, &channels, &mut routing, None, cancel_after).await;
         if let (true, Some((log, at_finish))) = (rec.finished && rec.generation != 0, &read_at_finish) {
             // Read now, before retention may prune it (a stress configuration keeps finished
             // generations for seconds only).
@@ -166,13 +186,15 @@ pub struct Progress {
 
 /// Runs one request to its end (or [`REQUEST_TIMEOUT`]) through `channels`, resuming after the
 /// last seq received whenever a stream breaks; records every event as received. `progress`, if
-/// given, is told of every event.
+/// given, is told of every event. With `cancel_after`, the client cancels the request once it
+/// has received that many events, and reads on to the last event.
 pub async fn one_request(
     client: usize,
     req: tpb::GenerateRequest,
     channels: &[Channel],
     routing: &mut Routing,
     progress: Option<&tokio::sync::watch::Sender<Progress>>,
+    cancel_after: Option<usize>,
 ) -> RequestRecord {
     let rid = req.request_id.as_str();
     let mut rec = RequestRecord {
@@ -189,6 +211,10 @@ pub async fn one_request(
         error: None,
         status_after: None,
         generations: vec![],
+        max_tokens: req.max_tokens,
+        ignore_eos: req.ignore_eos,
+        text: String::new(),
+        cancel_sent_us: None,
     };
     let started = Instant::now();
     let mut last: i64 = -1;
@@ -227,6 +253,7 @@ pub async fn one_request(
                     }
                     rec.first_event_us.get_or_insert_with(now_us);
                     rec.events.push((ev.seq, ev.token_id, ev.epoch, ev.last));
+                    rec.text.push_str(&ev.text_delta);
                     last = last.max(i64::from(ev.seq));
                     if let Some(p) = progress {
                         p.send_replace(Progress {
@@ -239,6 +266,14 @@ pub async fn one_request(
                         rec.finish_reason = ev.finish_reason.clone();
                         rec.error = None;
                         break 'outer;
+                    }
+                    if !ev.last && cancel_after == Some(rec.events.len()) {
+                        rec.cancel_sent_us = Some(now_us());
+                        let cancel = tpb::CancelRequest {
+                            request_id: rid.to_string(),
+                        };
+                        let mut c = GenerationClient::new(channels[gateway].clone());
+                        let _ = tokio::time::timeout(Duration::from_secs(5), c.cancel(cancel)).await;
                     }
                     if routing.disconnect() {
                         break;

@@ -1,28 +1,41 @@
 //! tokenlog's per-generation ownership and frontier model.
 //!
-//! Per generation: `acquire(decoder) -> ok(epoch) | rejected`,
-//! `append(epoch, start_seq, n_tokens) -> ok(new_frontier) | rejected(current_epoch, frontier)`,
-//! `read -> (epoch, frontier)`. State: (epoch, owner, frontier), initially (0, none, 0).
-//! Generations are independent: the history is partitioned per generation id.
+//! Per generation: `acquire(decoder) -> ok(epoch, frontier) | rejected(terminal?)`,
+//! `append(epoch, start_seq, n_tokens, finish) -> ok(new_frontier) | rejected(current_epoch,
+//! frontier, terminal?)`, `release(epoch)` and `finish(epoch) -> ok | rejected(...)`, and
+//! `read -> (epoch, frontier, terminal)` (the final state read at the end of a run).
+//! State: (epoch, owner, frontier, terminal), initially (0, none, 0, no). Generations are
+//! independent: the history is partitioned per generation id.
 //!
 //! - An acquire grants `epoch + 1` to the decoder (or a higher epoch: the client's own retries
-//!   of a lost acquire may have been granted first, see `acquire`).
-//! - An append is acceptable when its epoch is the current one (and some decoder holds it) and
-//!   `start_seq <= frontier`: the frontier becomes `max(frontier, start_seq + n_tokens)`. A start
-//!   below the frontier is a re-send overlapping committed records (after an append whose answer
-//!   was lost); the log accepts it only when the overlap is identical, which this model cannot
-//!   see (tokens are not modelled) and the exactly-once checker does. A re-send wholly inside
-//!   the committed records (`start_seq + n_tokens <= frontier`) is acknowledged at any epoch: it
-//!   changes nothing, so it cannot break the fence.
-//!   `ok` reports the frontier after the append.
+//!   of a lost acquire may have been granted first, see `acquire`), with the frontier as it is;
+//!   the current owner asking again gets its own epoch back. A terminal generation is never
+//!   granted.
+//! - An append is acceptable when its epoch is the current one (and some decoder holds it), the
+//!   generation is not terminal and `start_seq <= frontier`: the frontier becomes
+//!   `max(frontier, start_seq + n_tokens)`, and an append that carries the finish makes it
+//!   terminal. A start below the frontier is a re-send overlapping committed records (after an
+//!   append whose answer was lost); the log accepts it only when the overlap is identical, which
+//!   this model cannot see (tokens are not modelled) and the exactly-once checker does. A re-send
+//!   wholly inside the committed records (`start_seq + n_tokens <= frontier`, and no finish
+//!   unless the generation is terminal already) is acknowledged at any epoch: it changes
+//!   nothing, so it cannot break the fence. `ok` reports the frontier after the append.
+//! - A release at the current epoch of a generation that is not terminal leaves it unowned (an
+//!   append at that epoch is no longer acceptable); a finish at the current epoch makes it
+//!   terminal.
+//! - Terminal is for ever: no grant, no record, no release after it, and every later answer
+//!   and the final read say terminal.
 //!
-//! Simplification: leases are not modelled. Lease expiry is a timing precondition the checker
-//! cannot see, so as far as this model is concerned an acquire may succeed whenever it is
-//! invoked (taking the generation over from a live owner is not flagged), an acquire may be
-//! rejected whenever some decoder holds the generation, and an otherwise acceptable append may
+//! Not modelled, so allowed at any point: a generation becoming terminal by something outside
+//! the decoders' histories (a client's cancel, a deadline of the log's `Tick`), seen as an
+//! answer or read that says terminal while the model does not yet; and leases (a timing
+//! precondition the checker cannot see): an acquire may succeed whenever it is invoked (taking
+//! the generation over from a live owner is not flagged), an acquire may be rejected whenever
+//! some decoder holds the generation, and an otherwise acceptable append, release or finish may
 //! be rejected (its lease expired), as long as the rejection reports the current epoch and
-//! frontier. What the model does enforce: epochs are granted once each, in order; no append
-//! with a stale epoch or a gap is accepted; frontiers and epochs only move as described.
+//! frontier. What the model does enforce: epochs are granted once each, in order, with the
+//! committed frontier; no append with a stale epoch, a gap, or after the end is accepted;
+//! frontiers and epochs only move as described; the final read is where the histories leave it.
 
 use crate::model::Model;
 
@@ -34,10 +47,12 @@ pub struct Ownership;
 pub struct OwnershipState {
     /// The latest granted epoch (0: never granted).
     pub epoch: u64,
-    /// The decoder holding `epoch`.
+    /// The decoder holding `epoch` (none before the first grant and after a release).
     pub owner: Option<String>,
     /// Number of committed records.
     pub frontier: u64,
+    /// Finished, failed or cancelled.
+    pub terminal: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -48,18 +63,50 @@ pub struct OwnershipInput {
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum OwnershipOp {
-    Acquire { decoder: String },
-    Append { epoch: u64, start_seq: u64, n_tokens: u64 },
+    Acquire {
+        decoder: String,
+    },
+    Append {
+        epoch: u64,
+        start_seq: u64,
+        n_tokens: u64,
+        finish: bool,
+    },
+    Release {
+        epoch: u64,
+    },
+    Finish {
+        epoch: u64,
+    },
     Read,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum OwnershipOutput {
-    Acquired { epoch: u64 },
-    AcquireRejected,
-    Appended { frontier: u64 },
-    AppendRejected { current_epoch: u64, frontier: u64 },
-    Read { epoch: u64, frontier: u64 },
+    Acquired {
+        epoch: u64,
+        frontier: u64,
+    },
+    AcquireRejected {
+        terminal: bool,
+    },
+    Appended {
+        frontier: u64,
+    },
+    /// An append, release or finish refused: the epoch and frontier in force, and whether the
+    /// generation was terminal.
+    Rejected {
+        current_epoch: u64,
+        frontier: u64,
+        terminal: bool,
+    },
+    /// A release or finish done.
+    Done,
+    Read {
+        epoch: u64,
+        frontier: u64,
+        terminal: bool,
+    },
 }
 
 type S = OwnershipState;
@@ -80,12 +127,19 @@ impl Model for Ownership {
                 epoch,
                 start_seq,
                 n_tokens,
-            } => append(s, *epoch, *start_seq, *n_tokens, out),
+                finish,
+            } => append(s, *epoch, *start_seq, *n_tokens, *finish, out),
+            OwnershipOp::Release { epoch } => end_of_hold(s, *epoch, false, out),
+            OwnershipOp::Finish { epoch } => end_of_hold(s, *epoch, true, out),
             OwnershipOp::Read => match out {
                 None => Some(s.clone()),
-                Some(OwnershipOutput::Read { epoch, frontier }) => {
-                    (*epoch == s.epoch && *frontier == s.frontier).then(|| s.clone())
-                }
+                Some(&OwnershipOutput::Read {
+                    epoch,
+                    frontier,
+                    terminal,
+                }) => (epoch == s.epoch && frontier == s.frontier)
+                    .then(|| seen_terminal(s, terminal))
+                    .flatten(),
                 Some(_) => None,
             },
         }
@@ -104,81 +158,146 @@ impl Model for Ownership {
                 epoch,
                 start_seq,
                 n_tokens,
+                finish,
             } => {
-                format!("gen {g}: append(epoch {epoch}, start {start_seq}, n {n_tokens}) -> {out}")
+                let fin = if *finish { ", finish" } else { "" };
+                format!("gen {g}: append(epoch {epoch}, start {start_seq}, n {n_tokens}{fin}) -> {out}")
             }
+            OwnershipOp::Release { epoch } => format!("gen {g}: release(epoch {epoch}) -> {out}"),
+            OwnershipOp::Finish { epoch } => format!("gen {g}: finish(epoch {epoch}) -> {out}"),
             OwnershipOp::Read => format!("gen {g}: read() -> {out}"),
         }
     }
 
     fn describe_state(&self, s: &S) -> String {
         let owner = s.owner.as_deref().unwrap_or("-");
-        format!("(epoch {}, owner {owner}, frontier {})", s.epoch, s.frontier)
+        let end = if s.terminal { ", terminal" } else { "" };
+        format!("(epoch {}, owner {owner}, frontier {}{end})", s.epoch, s.frontier)
     }
 }
 
+/// The state after an answer that says whether the generation is terminal: terminal is for
+/// ever (`None` when the answer says otherwise), and may begin unseen (a cancel, a deadline).
+fn seen_terminal(s: &S, terminal: bool) -> Option<S> {
+    if s.terminal && !terminal {
+        return None;
+    }
+    Some(S {
+        terminal: s.terminal || terminal,
+        ..s.clone()
+    })
+}
+
+/// A rejection names the epoch and frontier in force.
+fn rejected(s: &S, current_epoch: u64, frontier: u64, terminal: bool) -> Option<S> {
+    (current_epoch == s.epoch && frontier == s.frontier)
+        .then(|| seen_terminal(s, terminal))
+        .flatten()
+}
+
 fn acquire(s: &S, decoder: &str, out: Option<&OwnershipOutput>) -> Option<S> {
-    let granted = || S {
-        epoch: s.epoch + 1,
+    let granted = |epoch| S {
+        epoch,
         owner: Some(decoder.to_string()),
-        frontier: s.frontier,
+        ..s.clone()
     };
     match out {
-        None => Some(granted()),
+        None if s.terminal => Some(s.clone()),
+        None => Some(granted(s.epoch + 1)),
         // A client retries an acquire whose answer was lost (`LogClient` does, inside one call),
         // and when the lease granted by the lost try has expired by the time the retry applies,
         // the log grants the next epoch again, to the same decoder. One recorded invocation can
         // therefore return an epoch above `epoch + 1`; the skipped epochs went to the same
-        // decoder and were never used. Granting an epoch twice, or one at or below the current
-        // one, is still a violation.
-        Some(OwnershipOutput::Acquired { epoch }) => (*epoch > s.epoch).then(|| S {
-            epoch: *epoch,
-            owner: Some(decoder.to_string()),
-            frontier: s.frontier,
-        }),
-        Some(OwnershipOutput::AcquireRejected) => s.owner.is_some().then(|| s.clone()),
+        // decoder and were never used. The current owner asking again gets its epoch back.
+        // Granting an epoch twice to two decoders, or one below the current one, is a violation.
+        Some(&OwnershipOutput::Acquired { epoch, frontier }) => {
+            let again = epoch == s.epoch && s.owner.as_deref() == Some(decoder);
+            (!s.terminal && frontier == s.frontier && (epoch > s.epoch || again)).then(|| granted(epoch))
+        }
+        Some(&OwnershipOutput::AcquireRejected { terminal: true }) => seen_terminal(s, true),
+        Some(&OwnershipOutput::AcquireRejected { terminal: false }) => {
+            (s.owner.is_some() && !s.terminal).then(|| s.clone())
+        }
         Some(_) => None,
     }
 }
 
-/// The frontier after an acceptable append, `None` if the append is not acceptable.
-fn accepted_frontier(s: &S, epoch: u64, start: u64, n: u64) -> Option<u64> {
+/// The state after an acceptable append, `None` if the append is not acceptable.
+fn accepted(s: &S, epoch: u64, start: u64, n: u64, finish: bool) -> Option<S> {
     let end = start.checked_add(n)?;
     // A re-send that lies wholly inside the committed records changes nothing and is
     // acknowledged at any epoch (the log checks it is identical); anything else needs the fence.
-    let resend = end <= s.frontier;
-    let acceptable = resend || (s.owner.is_some() && epoch == s.epoch && start <= s.frontier);
-    acceptable.then_some(s.frontier.max(end))
+    if end <= s.frontier && (!finish || s.terminal) {
+        return Some(s.clone());
+    }
+    let fenced = s.owner.is_some() && epoch == s.epoch && !s.terminal && start <= s.frontier;
+    fenced.then(|| S {
+        frontier: s.frontier.max(end),
+        terminal: finish,
+        ..s.clone()
+    })
 }
 
-fn append(s: &S, epoch: u64, start: u64, n: u64, out: Option<&OwnershipOutput>) -> Option<S> {
-    let accepted = accepted_frontier(s, epoch, start, n);
-    let with_frontier = |frontier| S { frontier, ..s.clone() };
+fn append(s: &S, epoch: u64, start: u64, n: u64, finish: bool, out: Option<&OwnershipOutput>) -> Option<S> {
+    let next = accepted(s, epoch, start, n, finish);
     match out {
-        None => Some(accepted.map_or_else(|| s.clone(), with_frontier)),
-        Some(OwnershipOutput::Appended { frontier }) => (accepted == Some(*frontier)).then(|| with_frontier(*frontier)),
-        Some(OwnershipOutput::AppendRejected {
+        None => Some(next.unwrap_or_else(|| s.clone())),
+        Some(&OwnershipOutput::Appended { frontier }) => next.filter(|n| n.frontier == frontier),
+        Some(&OwnershipOutput::Rejected {
             current_epoch,
             frontier,
-        }) => (*current_epoch == s.epoch && *frontier == s.frontier).then(|| s.clone()),
+            terminal,
+        }) => rejected(s, current_epoch, frontier, terminal),
+        Some(_) => None,
+    }
+}
+
+/// A release (`finish` false) or a finish at `epoch`: fenced like an append (the owner is not
+/// checked: the log's fence does not name it), retried ones acknowledged.
+fn end_of_hold(s: &S, epoch: u64, finish: bool, out: Option<&OwnershipOutput>) -> Option<S> {
+    let done = if finish {
+        // A retried finish of a terminal generation at its epoch is acknowledged.
+        (epoch == s.epoch).then(|| S {
+            terminal: true,
+            ..s.clone()
+        })
+    } else {
+        (epoch == s.epoch && !s.terminal).then(|| S {
+            owner: None,
+            ..s.clone()
+        })
+    };
+    match out {
+        None => Some(done.unwrap_or_else(|| s.clone())),
+        Some(OwnershipOutput::Done) => done,
+        Some(&OwnershipOutput::Rejected {
+            current_epoch,
+            frontier,
+            terminal,
+        }) => rejected(s, current_epoch, frontier, terminal),
         Some(_) => None,
     }
 }
 
 fn describe_output(out: &OwnershipOutput) -> String {
+    let end = |t: bool| if t { ", terminal" } else { "" };
     match out {
-        OwnershipOutput::Acquired { epoch } => format!("ok(epoch {epoch})"),
-        OwnershipOutput::AcquireRejected => "rejected".to_string(),
+        OwnershipOutput::Acquired { epoch, frontier } => format!("ok(epoch {epoch}, frontier {frontier})"),
+        OwnershipOutput::AcquireRejected { terminal } => {
+            format!("rejected({})", if *terminal { "terminal" } else { "held" })
+        }
         OwnershipOutput::Appended { frontier } => format!("ok(frontier {frontier})"),
-        OwnershipOutput::AppendRejected {
+        OwnershipOutput::Rejected {
             current_epoch,
             frontier,
-        } => {
-            format!("rejected(epoch {current_epoch}, frontier {frontier})")
-        }
-        OwnershipOutput::Read { epoch, frontier } => {
-            format!("(epoch {epoch}, frontier {frontier})")
-        }
+            terminal,
+        } => format!("rejected(epoch {current_epoch}, frontier {frontier}{})", end(*terminal)),
+        OwnershipOutput::Done => "ok".to_string(),
+        OwnershipOutput::Read {
+            epoch,
+            frontier,
+            terminal,
+        } => format!("(epoch {epoch}, frontier {frontier}{})", end(*terminal)),
     }
 }
 
@@ -208,6 +327,7 @@ mod tests {
                 epoch,
                 start_seq,
                 n_tokens,
+                finish: false,
             },
         };
         finish(client, input, call, out, ret)
@@ -218,7 +338,17 @@ mod tests {
             generation: gen,
             op: OwnershipOp::Read,
         };
-        Operation::returned(client, input, call, O::Read { epoch, frontier }, ret)
+        Operation::returned(
+            client,
+            input,
+            call,
+            O::Read {
+                epoch,
+                frontier,
+                terminal: false,
+            },
+            ret,
+        )
     }
 
     fn finish(client: u64, input: OwnershipInput, call: u64, out: Option<O>, ret: u64) -> Op {
@@ -235,13 +365,13 @@ mod tests {
     #[test]
     fn concurrent_acquires_get_distinct_epochs() {
         let ok = [
-            acq(0, "a", 0, Some(O::Acquired { epoch: 2 }), 3),
-            acq(1, "b", 1, Some(O::Acquired { epoch: 1 }), 2),
+            acq(0, "a", 0, Some(O::Acquired { epoch: 2, frontier: 0 }), 3),
+            acq(1, "b", 1, Some(O::Acquired { epoch: 1, frontier: 0 }), 2),
         ];
         assert_eq!(verdict(&ok), "linearizable");
         let dup = [
-            acq(0, "a", 0, Some(O::Acquired { epoch: 1 }), 3),
-            acq(1, "b", 1, Some(O::Acquired { epoch: 1 }), 2),
+            acq(0, "a", 0, Some(O::Acquired { epoch: 1, frontier: 0 }), 3),
+            acq(1, "b", 1, Some(O::Acquired { epoch: 1, frontier: 0 }), 2),
         ];
         assert_eq!(verdict(&dup), "not-linearizable");
     }
@@ -249,16 +379,17 @@ mod tests {
     #[test]
     fn appends_move_the_frontier_and_resends_are_idempotent() {
         let ops = [
-            acq(0, "a", 0, Some(O::Acquired { epoch: 1 }), 1),
+            acq(0, "a", 0, Some(O::Acquired { epoch: 1, frontier: 0 }), 1),
             app(0, (1, 0, 3), 2, Some(O::Appended { frontier: 3 }), 3),
             app(0, (1, 0, 3), 4, Some(O::Appended { frontier: 3 }), 5),
             app(
                 0,
                 (1, 5, 1),
                 6,
-                Some(O::AppendRejected {
+                Some(O::Rejected {
                     current_epoch: 1,
                     frontier: 3,
+                    terminal: false,
                 }),
                 7,
             ),
@@ -273,11 +404,11 @@ mod tests {
     #[test]
     fn overlapping_resends_extend_and_stale_resends_inside_the_prefix_are_acknowledged() {
         let ops = [
-            acq(0, "a", 0, Some(O::Acquired { epoch: 1 }), 1),
+            acq(0, "a", 0, Some(O::Acquired { epoch: 1, frontier: 0 }), 1),
             app(0, (1, 0, 3), 2, Some(O::Appended { frontier: 3 }), 3),
             // A re-send after a lost answer: 1..3 committed already, 3..5 new.
             app(0, (1, 1, 4), 4, Some(O::Appended { frontier: 5 }), 5),
-            acq(1, "b", 6, Some(O::Acquired { epoch: 2 }), 7),
+            acq(1, "b", 6, Some(O::Acquired { epoch: 2, frontier: 5 }), 7),
             // a's stale re-send lies inside the committed prefix: acknowledged, no effect.
             app(0, (1, 2, 3), 8, Some(O::Appended { frontier: 5 }), 9),
         ];
@@ -294,18 +425,18 @@ mod tests {
     #[test]
     fn a_retried_acquire_may_skip_epochs_but_never_repeat_one() {
         let skipped = [
-            acq(0, "a", 0, Some(O::Acquired { epoch: 1 }), 1),
-            acq(1, "b", 2, Some(O::Acquired { epoch: 3 }), 3),
+            acq(0, "a", 0, Some(O::Acquired { epoch: 1, frontier: 0 }), 1),
+            acq(1, "b", 2, Some(O::Acquired { epoch: 3, frontier: 0 }), 3),
         ];
         assert_eq!(verdict(&skipped), "linearizable");
         let repeated = [
-            acq(0, "a", 0, Some(O::Acquired { epoch: 2 }), 1),
-            acq(1, "b", 2, Some(O::Acquired { epoch: 2 }), 3),
+            acq(0, "a", 0, Some(O::Acquired { epoch: 2, frontier: 0 }), 1),
+            acq(1, "b", 2, Some(O::Acquired { epoch: 2, frontier: 0 }), 3),
         ];
         assert_eq!(verdict(&repeated), "not-linearizable");
         let backwards = [
-            acq(0, "a", 0, Some(O::Acquired { epoch: 2 }), 1),
-            acq(1, "b", 2, Some(O::Acquired { epoch: 1 }), 3),
+            acq(0, "a", 0, Some(O::Acquired { epoch: 2, frontier: 0 }), 1),
+            acq(1, "b", 2, Some(O::Acquired { epoch: 1, frontier: 0 }), 3),
         ];
         assert_eq!(verdict(&backwards), "not-linearizable");
     }
@@ -313,8 +444,8 @@ mod tests {
     #[test]
     fn stale_epoch_append_must_not_be_accepted() {
         let ops = [
-            acq(0, "a", 0, Some(O::Acquired { epoch: 1 }), 1),
-            acq(1, "b", 2, Some(O::Acquired { epoch: 2 }), 3),
+            acq(0, "a", 0, Some(O::Acquired { epoch: 1, frontier: 0 }), 1),
+            acq(1, "b", 2, Some(O::Acquired { epoch: 2, frontier: 0 }), 3),
             app(0, (1, 0, 2), 4, Some(O::Appended { frontier: 2 }), 5),
         ];
         assert_eq!(verdict(&ops), "not-linearizable");
@@ -335,7 +466,7 @@ mod tests {
         // b's acquire times out; a keeps appending with epoch 1 and a later read sees epoch 1:
         // b's acquire cannot have taken effect (before the read).
         let ops = [
-            acq(0, "a", 0, Some(O::Acquired { epoch: 1 }), 1),
+            acq(0, "a", 0, Some(O::Acquired { epoch: 1, frontier: 0 }), 1),
             acq(1, "b", 2, None, 0),
             app(0, (1, 0, 2), 3, Some(O::Appended { frontier: 2 }), 4),
             read(2, 1, 5, (1, 2), 6),
@@ -351,5 +482,136 @@ mod tests {
             crate::checker::CheckResult::NotLinearizable(v) => assert_eq!(v.partition, "2"),
             other => panic!("expected a violation, got {other:?}"),
         }
+    }
+
+    fn op(client: u64, op: OwnershipOp, call: u64, out: Option<O>, ret: u64) -> Op {
+        finish(client, OwnershipInput { generation: 1, op }, call, out, ret)
+    }
+
+    fn final_read(call: u64, epoch: u64, frontier: u64, terminal: bool) -> Op {
+        let out = O::Read {
+            epoch,
+            frontier,
+            terminal,
+        };
+        op(9, OwnershipOp::Read, call, Some(out), call + 1)
+    }
+
+    fn app_fin(client: u64, (epoch, start_seq, n_tokens): (u64, u64, u64), call: u64, out: Option<O>, ret: u64) -> Op {
+        let append = OwnershipOp::Append {
+            epoch,
+            start_seq,
+            n_tokens,
+            finish: true,
+        };
+        op(client, append, call, out, ret)
+    }
+
+    #[test]
+    fn an_acquire_names_the_committed_frontier() {
+        let ops = [
+            acq(0, "a", 0, Some(O::Acquired { epoch: 1, frontier: 0 }), 1),
+            app(0, (1, 0, 3), 2, Some(O::Appended { frontier: 3 }), 3),
+            acq(1, "b", 4, Some(O::Acquired { epoch: 2, frontier: 3 }), 5),
+        ];
+        assert_eq!(verdict(&ops), "linearizable");
+        let mut stale = ops.clone();
+        stale[2] = acq(1, "b", 4, Some(O::Acquired { epoch: 2, frontier: 2 }), 5);
+        assert_eq!(
+            verdict(&stale),
+            "not-linearizable",
+            "acknowledged records missing at the takeover"
+        );
+    }
+
+    #[test]
+    fn a_finished_generation_takes_no_records_and_no_owner() {
+        let ops = [
+            acq(0, "a", 0, Some(O::Acquired { epoch: 1, frontier: 0 }), 1),
+            app_fin(0, (1, 0, 2), 2, Some(O::Appended { frontier: 2 }), 3),
+            // A re-send of the finished append: acknowledged, no effect.
+            app_fin(0, (1, 0, 2), 4, Some(O::Appended { frontier: 2 }), 5),
+            acq(1, "b", 6, Some(O::AcquireRejected { terminal: true }), 7),
+            final_read(8, 1, 2, true),
+        ];
+        assert_eq!(verdict(&ops), "linearizable");
+        let mut extended = ops.clone();
+        extended[2] = app(0, (1, 2, 1), 4, Some(O::Appended { frontier: 3 }), 5);
+        assert_eq!(verdict(&extended), "not-linearizable", "a record after the finish");
+        let mut granted = ops.clone();
+        granted[3] = acq(1, "b", 6, Some(O::Acquired { epoch: 2, frontier: 2 }), 7);
+        assert_eq!(verdict(&granted), "not-linearizable", "a grant after the finish");
+        let mut revived = ops.clone();
+        revived[4] = final_read(8, 1, 2, false);
+        assert_eq!(verdict(&revived), "not-linearizable", "terminal is for ever");
+    }
+
+    #[test]
+    fn a_cancel_outside_the_histories_may_end_a_generation_at_any_point() {
+        let ops = [
+            acq(0, "a", 0, Some(O::Acquired { epoch: 1, frontier: 0 }), 1),
+            app(0, (1, 0, 2), 2, Some(O::Appended { frontier: 2 }), 3),
+            app(
+                0,
+                (1, 2, 1),
+                4,
+                Some(O::Rejected {
+                    current_epoch: 1,
+                    frontier: 2,
+                    terminal: true,
+                }),
+                5,
+            ),
+            final_read(8, 1, 2, true),
+        ];
+        assert_eq!(verdict(&ops), "linearizable");
+        // Cancelled, then an append accepted past the end.
+        let mut after = ops.to_vec();
+        after.push(app(0, (1, 2, 1), 6, Some(O::Appended { frontier: 3 }), 7));
+        after[3] = final_read(8, 1, 3, true);
+        assert_eq!(verdict(&after), "not-linearizable");
+    }
+
+    #[test]
+    fn a_release_ends_the_hold_of_its_epoch() {
+        let ops = [
+            acq(0, "a", 0, Some(O::Acquired { epoch: 1, frontier: 0 }), 1),
+            app(0, (1, 0, 2), 2, Some(O::Appended { frontier: 2 }), 3),
+            op(0, OwnershipOp::Release { epoch: 1 }, 4, Some(O::Done), 5),
+            acq(1, "b", 6, Some(O::Acquired { epoch: 2, frontier: 2 }), 7),
+            final_read(8, 2, 2, false),
+        ];
+        assert_eq!(verdict(&ops), "linearizable");
+        let mut written_after = ops[..3].to_vec();
+        written_after.push(app(0, (1, 2, 1), 6, Some(O::Appended { frontier: 3 }), 7));
+        assert_eq!(
+            verdict(&written_after),
+            "not-linearizable",
+            "an append after its release"
+        );
+        let mut refused = ops[..3].to_vec();
+        refused.push(acq(1, "b", 6, Some(O::AcquireRejected { terminal: false }), 7));
+        assert_eq!(verdict(&refused), "not-linearizable", "held by nobody, yet refused");
+    }
+
+    #[test]
+    fn the_final_read_must_be_where_the_histories_leave_the_generation() {
+        let ops = [
+            acq(0, "a", 0, Some(O::Acquired { epoch: 1, frontier: 0 }), 1),
+            app(0, (1, 0, 3), 2, Some(O::Appended { frontier: 3 }), 3),
+            final_read(8, 1, 3, false),
+        ];
+        assert_eq!(verdict(&ops), "linearizable");
+        for (epoch, frontier) in [(1, 2), (2, 3), (1, 4)] {
+            let mut v = ops.clone();
+            v[2] = final_read(8, epoch, frontier, false);
+            assert_eq!(verdict(&v), "not-linearizable", "read ({epoch}, {frontier})");
+        }
+        // An append in doubt may have landed: both frontiers are explained.
+        let mut doubt = ops.to_vec();
+        doubt.insert(2, app(0, (1, 3, 2), 4, None, 0));
+        assert_eq!(verdict(&doubt), "linearizable");
+        doubt[3] = final_read(8, 1, 5, false);
+        assert_eq!(verdict(&doubt), "linearizable");
     }
 }
