@@ -17,9 +17,12 @@
 //!
 //! - [`harness`]: the fault suite: a real cluster of `tokenlog` processes, a client workload,
 //!   seeded nemeses, the checkers over the recorded history, and a report per run.
+//! - [`sim`]: the deterministic simulation: the real state machine on every replica of a
+//!   simulated replicated log, simulated decoders and clients, seeded faults on simulated time,
+//!   the same checkers; thousands of seeds a minute, each replayable bit for bit.
 //!
 //! The `jepsen-style-tests` binary (`src/main.rs`) checks a recorded history from the command
-//! line (`check-history`) and runs the fault suite (`run`); `tests/public_histories.rs`
+//! line (`check-history`), runs the fault suite (`run`) and the simulation (`sim`); `tests/public_histories.rs`
 //! validates the checker against histories with known verdicts, `tests/fault_suite.rs` runs
 //! short seeded fault runs and a planted bug.
 
@@ -29,6 +32,7 @@ pub mod history;
 pub mod model;
 pub mod models;
 pub mod parse;
+pub mod sim;
 
 pub use checker::{check, CheckResult, Violation};
 pub use history::{Completion, History, Operation};

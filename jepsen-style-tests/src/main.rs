@@ -91,6 +91,28 @@ enum Command {
         #[arg(long, default_value_t = 30_000)]
         stall_ms: u64,
     },
+    /// Run the deterministic simulation (no processes: the real state machine on every replica
+    /// of a simulated replicated log, simulated decoders and clients, seeded faults on
+    /// simulated time; see `jepsen_style_tests::sim`). Prints one line per failing seed (with
+    /// the first violated invariant) and `N seeds, V violations`; `--seeds 1 --seed-start S`
+    /// replays seed S bit for bit (same history hash). Exit status: 0 no violation, 1 some.
+    Sim {
+        /// Number of seeds.
+        #[arg(long, default_value_t = 1_000)]
+        seeds: u64,
+        /// First seed.
+        #[arg(long, default_value_t = 1)]
+        seed_start: u64,
+        /// Simulated milliseconds of faults per seed (the healing phase follows).
+        #[arg(long, default_value_t = 6_000)]
+        time_ms: u64,
+        /// Turn on a planted bug that the checkers must catch.
+        #[arg(long, value_enum)]
+        plant: Option<jepsen_style_tests::sim::SimPlant>,
+        /// Print every seed's line (counts and history hash), not only failing ones.
+        #[arg(long)]
+        verbose: bool,
+    },
     /// Run the deterministic scenarios: one scripted fault per failure point of CONTRACT §8
     /// (7-12) on a real cluster, each checked by every checker plus the point's own
     /// expectations (surviving owner, frontiers, the client's prefix, no stale write, and one
@@ -168,6 +190,13 @@ fn run(cli: Cli) -> Result<ExitCode> {
             };
             return fault_runs(&nemesis, time, seed, seeds, clients, plant, bin, out, opts);
         }
+        Command::Sim {
+            seeds,
+            seed_start,
+            time_ms,
+            plant,
+            verbose,
+        } => return Ok(sim_runs(seeds, seed_start, time_ms, plant, verbose)),
         Command::Scenario {
             names,
             bin,
@@ -248,6 +277,68 @@ fn scenarios(
         all_ok &= r.ok;
     }
     Ok(ExitCode::from(if all_ok { 0 } else { 1 }))
+}
+
+/// `sim`: runs the seeds, prints failing ones and the summary.
+fn sim_runs(
+    seeds: u64,
+    seed_start: u64,
+    time_ms: u64,
+    plant: Option<jepsen_style_tests::sim::SimPlant>,
+    verbose: bool,
+) -> ExitCode {
+    use jepsen_style_tests::sim;
+    let started = std::time::Instant::now();
+    let mut total = sim::SimCounts::default();
+    let (mut violations, mut first) = (0u64, None);
+    sim::run_seeds(seed_start, seeds, time_ms, plant, |o| {
+        total.add(&o.counts);
+        if verbose {
+            let c = &o.counts;
+            println!(
+                "seed {}: {} | {} requests, {} tokens, {} crashes ({} unsynced entries lost), {} partitions, {} leader changes, {} takeovers, {} indeterminate ops | history {}",
+                o.seed,
+                if o.ok() { "ok" } else { "VIOLATION" },
+                c.requests,
+                c.tokens,
+                c.crashes,
+                c.lost_unsynced,
+                c.partitions,
+                c.leader_changes,
+                c.takeovers,
+                c.indeterminate_ops,
+                o.history_hash
+            );
+        }
+        if !o.ok() {
+            violations += 1;
+            first.get_or_insert(o.seed);
+            println!(
+                "seed {}: {} (history {})",
+                o.seed,
+                o.first_violation().unwrap_or_default(),
+                o.history_hash
+            );
+        }
+    });
+    let secs = started.elapsed().as_secs_f64();
+    println!(
+        "{seeds} seeds, {violations} violations{} | drew {} crashes ({} unsynced entries lost), {} partitions, {} leader changes, {} takeovers, {} decoder pauses, {} decoder crashes, {} indeterminate ops; {} requests, {} tokens | {:.1} s, {:.0} seeds/s",
+        first.map(|s| format!(" (first at seed {s})")).unwrap_or_default(),
+        total.crashes,
+        total.lost_unsynced,
+        total.partitions,
+        total.leader_changes,
+        total.takeovers,
+        total.decoder_pauses,
+        total.decoder_crashes,
+        total.indeterminate_ops,
+        total.requests,
+        total.tokens,
+        secs,
+        seeds as f64 / secs.max(1e-9)
+    );
+    ExitCode::from(if violations == 0 { 0 } else { 1 })
 }
 
 /// How the processes of a seeded run are set up.

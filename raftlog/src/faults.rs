@@ -87,6 +87,17 @@ impl Faults {
         false
     }
 
+    /// Only `no_fence` on (the simulation's plant); `None` in a build without the feature.
+    pub fn planted_no_fence() -> Option<Faults> {
+        #[cfg(feature = "faults")]
+        return Some(Faults {
+            no_fence: true,
+            ..Faults::default()
+        });
+        #[cfg(not(feature = "faults"))]
+        None
+    }
+
     /// The names of the planted bugs that are on (for the start-up warning).
     pub fn names(self) -> Vec<&'static str> {
         [
