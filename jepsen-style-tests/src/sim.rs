@@ -8,8 +8,8 @@
 //! What is real and what is simulated:
 //! - Real: `LogState::apply` (fencing, leases, Tick deadlines, cancels, the hash chain), the
 //!   checkers of the real-process suite (exactly-once, durability, fencing, linearizability of
-//!   ownership with each generation's final state, status, completion, liveness) over histories
-//!   in the same types (`DecoderOp`, `RequestRecord`).
+//!   ownership with each generation's final state, status, completion, liveness, lease-time)
+//!   over histories in the same types (`DecoderOp`, `RequestRecord`).
 //! - Simulated: the replicated log. Stage 1 stands in a small Raft of its own for openraft:
 //!   leaders with terms, an election that picks the most up-to-date replica of a reachable
 //!   majority, log matching (a follower's conflicting tail is cut), commit by a quorum of
@@ -18,23 +18,30 @@
 //!   restart from the snapshot plus the committed log. Stage 2 runs the real openraft core
 //!   behind the same workload and checkers (a seeded runtime, `DeterministicRng`, an in-memory
 //!   network and this disk behind openraft's storage traits).
+//! - Also real: the leader's stamping `Clock` (on simulated wall and monotonic clocks per
+//!   replica, new at each restart).
 //! - Faults, from the seed: replica crashes (losing what was not fsynced), partitions that cut
 //!   one replica off or isolate the leader, lossy links (requests and answers lost, so
-//!   decoder operations end in doubt), decoder pauses past their lease (stale writers), decoder
-//!   crashes, client cancels.
+//!   decoder operations end in doubt; a request now and then delivered twice), wall clocks
+//!   jumping by seconds, decoder pauses past their lease (stale writers), decoder crashes,
+//!   client cancels.
 //!
 //! Planted bugs (`--plant`): `no-fence` (apply without the epoch fence), `ack-before-fsync`
 //! (commit counts copies not yet fsynced), `early-visibility` (clients read the leader's log
 //! before commit), `snapshot-lag` (a snapshot claims an index below what its state contains, so
-//! a restarted replica applies entries twice).
+//! a restarted replica applies entries twice), `unbounded-clock` (the leader stamps with its
+//! wall clock as it is: a jump expires live leases, which lease-time sees).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use sha2::{Digest, Sha256};
 use tokenlog_decoder::history::{Answer, Call};
+use tokenlog_raftlog::clock::{Clock, TimeSource};
 use tokenlog_raftlog::state::{Changes, LogState};
 use tokenlog_raftlog::types::*;
 
@@ -49,6 +56,9 @@ pub enum SimPlant {
     AckBeforeFsync,
     EarlyVisibility,
     SnapshotLag,
+    /// The leader stamps log time with its wall clock as it is (the real `Clock` with
+    /// `trust_wall`): a clock jump expires live leases (lease-time).
+    UnboundedClock,
 }
 
 #[derive(Clone, Debug)]
@@ -104,6 +114,10 @@ pub struct SimCounts {
     pub takeovers: u64,
     pub decoder_pauses: u64,
     pub decoder_crashes: u64,
+    /// Replica wall clocks moved by seconds.
+    pub clock_jumps: u64,
+    /// Requests delivered twice to the leader.
+    pub duplicates: u64,
     pub indeterminate_ops: u64,
     pub requests: u64,
     pub tokens: u64,
@@ -118,6 +132,8 @@ impl SimCounts {
         self.takeovers += o.takeovers;
         self.decoder_pauses += o.decoder_pauses;
         self.decoder_crashes += o.decoder_crashes;
+        self.clock_jumps += o.clock_jumps;
+        self.duplicates += o.duplicates;
         self.indeterminate_ops += o.indeterminate_ops;
         self.requests += o.requests;
         self.tokens += o.tokens;
@@ -164,8 +180,10 @@ struct Entry {
     caller: Option<u64>,
 }
 
-#[derive(Clone, Debug)]
 struct Replica {
+    /// The real stamping clock, on this replica's simulated clocks (new at every restart).
+    clock: Arc<Clock>,
+    skew: Arc<AtomicI64>,
     log: Vec<Entry>,
     /// The fsynced prefix of `log`.
     durable: usize,
@@ -180,13 +198,45 @@ struct Replica {
     restart_at: u64,
 }
 
+/// A replica's clocks on simulated time: wall = the simulation's epoch + now + this replica's
+/// skew (the clock nemesis jumps it); monotonic = time since the process started.
+struct SimTime {
+    now: Arc<AtomicU64>,
+    skew: Arc<AtomicI64>,
+    boot: u64,
+}
+
+/// The wall clock at simulated time 0 (a plausible Unix time in ms).
+const WALL_EPOCH_MS: u64 = 1_790_000_000_000;
+
+impl TimeSource for SimTime {
+    fn wall_ms(&self) -> u64 {
+        (WALL_EPOCH_MS + self.now.load(Ordering::Relaxed)).saturating_add_signed(self.skew.load(Ordering::Relaxed))
+    }
+    fn mono_ms(&self) -> u64 {
+        self.now.load(Ordering::Relaxed) - self.boot
+    }
+}
+
+fn clock(now: &Arc<AtomicU64>, skew: &Arc<AtomicI64>, unbounded: bool) -> Arc<Clock> {
+    let source = SimTime {
+        now: now.clone(),
+        skew: skew.clone(),
+        boot: now.load(Ordering::Relaxed),
+    };
+    Arc::new(Clock::new(Arc::new(source), unbounded))
+}
+
 impl Replica {
-    fn new(faults: tokenlog_raftlog::faults::Faults) -> Self {
+    fn new(faults: tokenlog_raftlog::faults::Faults, now: &Arc<AtomicU64>, unbounded: bool) -> Self {
         let state = LogState {
             faults,
             ..Default::default()
         };
+        let skew = Arc::new(AtomicI64::new(0));
         Replica {
+            clock: clock(now, &skew, unbounded),
+            skew,
             log: vec![],
             durable: 0,
             fsync_at: None,
@@ -271,6 +321,8 @@ struct Sim {
     cfg: SimConfig,
     rng: StdRng,
     now: u64,
+    /// `now`, for the replicas' clocks.
+    clock_now: Arc<AtomicU64>,
     term: u64,
     leader: Option<usize>,
     /// When an election may happen (after the leader is lost).
@@ -289,7 +341,6 @@ struct Sim {
     ops: Vec<DecoderOp>,
     faults_log: Vec<String>,
     counts: SimCounts,
-    last_stamp: u64,
     next_tick: u64,
     stop_new: bool,
 }
@@ -309,13 +360,18 @@ impl Sim {
                 .expect("the no-fence plant needs a build with the `faults` feature (tokenlog/faults)");
         }
         let rng = StdRng::seed_from_u64(cfg.seed);
+        let clock_now = Arc::new(AtomicU64::new(0));
+        let unbounded = cfg.plant == Some(SimPlant::UnboundedClock);
         Sim {
             rng,
             now: 0,
             term: 1,
             leader: Some(0),
             election_at: 0,
-            replicas: (0..REPLICAS).map(|_| Replica::new(faults)).collect(),
+            replicas: (0..REPLICAS)
+                .map(|_| Replica::new(faults, &clock_now, unbounded))
+                .collect(),
+            clock_now,
             cut: BTreeSet::new(),
             isolated_from_clients: BTreeSet::new(),
             loss: 0.0,
@@ -350,7 +406,6 @@ impl Sim {
             ops: vec![],
             faults_log: vec![],
             counts: SimCounts::default(),
-            last_stamp: 0,
             next_tick: TICK_EVERY_MS,
             stop_new: false,
             cfg,
@@ -371,7 +426,7 @@ impl Sim {
         let end_faults = self.cfg.time_ms;
         let end = end_faults + HEAL_MS;
         while self.now < end {
-            self.now += 1;
+            self.advance();
             if self.now < end_faults && self.now >= next_fault {
                 self.inject();
                 next_fault = self.now + self.rng.random_range(150..800);
@@ -395,8 +450,13 @@ impl Sim {
 
     // ------------------------------------------------------------ the nemesis
 
+    fn advance(&mut self) {
+        self.now += 1;
+        self.clock_now.store(self.now, Ordering::Relaxed);
+    }
+
     fn inject(&mut self) {
-        let what = self.rng.random_range(0..7);
+        let what = self.rng.random_range(0..8);
         match what {
             0 | 1 => {
                 // Crash a replica (the leader half the time); it restarts later.
@@ -466,6 +526,22 @@ impl Sim {
                 }
                 self.crash_decoder(d);
             }
+            6 => {
+                // A replica's wall clock jumps by seconds, or comes back (the leader half the
+                // time): log time may not follow it past the bounded lead.
+                let i = match self.leader {
+                    Some(l) if self.rng.random_bool(0.5) => l,
+                    _ => self.rng.random_range(0..REPLICAS),
+                };
+                let jump = if self.replicas[i].skew.load(Ordering::Relaxed) != 0 {
+                    0
+                } else {
+                    self.rng.random_range(500..5_000) * if self.rng.random_bool(0.5) { 1 } else { -1 }
+                };
+                self.replicas[i].skew.store(jump, Ordering::Relaxed);
+                self.counts.clock_jumps += 1;
+                self.faults_log.push(format!("{} clock r{i} {jump:+} ms", self.now));
+            }
             _ => {
                 self.isolated_from_clients.clear();
             }
@@ -507,8 +583,14 @@ impl Sim {
         for i in 0..REPLICAS {
             let r = &mut self.replicas[i];
             if !r.up && self.now >= r.restart_at {
-                // Restart: the snapshot, then the committed log after it as the leader says.
+                // Restart: the snapshot, then the committed log after it as the leader says; a
+                // new process, so a new clock.
                 r.up = true;
+                r.clock = clock(
+                    &self.clock_now,
+                    &r.skew,
+                    self.cfg.plant == Some(SimPlant::UnboundedClock),
+                );
                 let (idx, st) = r.snapshot.clone().unwrap_or((0, LogState::default()));
                 let faults = r.state.faults;
                 r.state = st;
@@ -592,8 +674,8 @@ impl Sim {
     /// The leader appends a stamped command to its log; `caller` waits for the answer.
     fn propose(&mut self, cmd: Command, caller: Option<u64>) -> bool {
         let Some(l) = self.leader else { return false };
-        let log_ms = self.last_stamp.max(self.now);
-        self.last_stamp = log_ms;
+        let r = &self.replicas[l];
+        let log_ms = r.clock.stamp(r.state.log_ms);
         let term = self.term;
         self.replicas[l].log.push(Entry {
             term,
@@ -716,6 +798,11 @@ impl Sim {
         let reachable = self.leader.is_some_and(|l| !self.isolated_from_clients.contains(&l));
         let lost = !reachable || self.rng.random_bool(self.loss);
         if !lost {
+            // On a lossy link a request may also arrive twice.
+            if self.loss > 0.0 && self.rng.random_bool(0.1) {
+                self.counts.duplicates += 1;
+                self.propose(cmd.clone(), Some(id));
+            }
             self.propose(cmd, Some(id));
         }
         self.calls.insert(
@@ -784,7 +871,7 @@ impl Sim {
         let Some(l) = self.leader else { return };
         let st = &self.replicas[l].state;
         let want: Vec<u64> = st
-            .pending_work(&model(), st.log_ms.max(self.now), 8)
+            .pending_work(&model(), self.replicas[l].clock.now(st.log_ms), 8)
             .into_iter()
             .map(|g| g.id)
             .filter(|id| !dec.held.contains_key(id) && !dec.acquiring.contains(id))
@@ -1214,6 +1301,7 @@ impl Sim {
         verdicts.insert("status".into(), checks::status(&reqs));
         verdicts.insert("completion".into(), checks::completion(&reqs, &finals, None));
         verdicts.insert("liveness".into(), liveness(&reqs));
+        verdicts.insert("lease-time".into(), checks::lease_time(&self.ops, LEASE_MS));
         verdicts.insert("convergence".into(), self.convergence());
         let history_hash = self.history_hash(&reqs);
         SimOutcome {
@@ -1229,7 +1317,7 @@ impl Sim {
         let mut v = Verdict::new();
         // Let every replica catch up with the leader (no faults now).
         for _ in 0..2_000 {
-            self.now += 1;
+            self.advance();
             self.restarts();
             self.elect();
             self.replicate();

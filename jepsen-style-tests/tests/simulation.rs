@@ -25,6 +25,8 @@ fn a_thousand_seeds_show_no_violation_and_the_faults_bite() {
         ("leader changes", total.leader_changes),
         ("takeovers", total.takeovers),
         ("decoder pauses", total.decoder_pauses),
+        ("clock jumps", total.clock_jumps),
+        ("duplicated requests", total.duplicates),
         ("indeterminate ops", total.indeterminate_ops),
     ] {
         assert!(n > 0, "the faults never drew {what}: {total:?}");
@@ -95,6 +97,12 @@ fn planted_visibility_before_commit_is_caught_by_what_clients_saw() {
         v.starts_with("exactly-once") || v.starts_with("durability"),
         "seed {seed}: {v}"
     );
+}
+
+#[test]
+fn planted_unbounded_leader_clock_is_caught_by_lease_time() {
+    let (seed, v) = first_caught(SimPlant::UnboundedClock, 300);
+    assert!(v.starts_with("lease-time"), "seed {seed}: {v}");
 }
 
 #[test]

@@ -513,14 +513,27 @@ pub const LEASE_TIME_SLACK_US: u64 = 250_000;
 /// ahead of real time: a live owner's lease was cut short.
 pub fn lease_time(decoder_ops: &[DecoderOp], lease_ms: u64) -> Verdict {
     let mut v = Verdict::new();
-    // Per generation: the latest accepted append's send time per epoch.
+    // Per generation and epoch: the send time of the latest accepted append that extended the
+    // lease. Only an append that wrote records does: the log acknowledges a re-send of records
+    // it holds without effect, lease included. One counts when it ends past every append of
+    // that epoch sent before it that was accepted or is in doubt (an append in doubt may have
+    // written the records first; not counting the re-send then can only miss a violation).
     let mut last_append: HashMap<(u64, u64), u64> = HashMap::new();
-    for o in decoder_ops
+    let mut sent_to: HashMap<(u64, u64), u64> = HashMap::new();
+    let mut appends: Vec<&DecoderOp> = decoder_ops
         .iter()
-        .filter(|o| o.op() == "append" && o.ok() == Some(true))
-    {
-        let t = last_append.entry((o.gen(), o.epoch())).or_insert(0);
-        *t = (*t).max(o.invoke_us);
+        .filter(|o| o.op() == "append" && o.ok() != Some(false))
+        .collect();
+    appends.sort_by_key(|o| o.invoke_us);
+    for o in appends {
+        let key = (o.gen(), o.epoch());
+        let (start, n) = o.records().unwrap_or_default();
+        let before = sent_to.get(&key).copied().unwrap_or(0);
+        if o.ok() == Some(true) && start + n > before {
+            let t = last_append.entry(key).or_insert(0);
+            *t = (*t).max(o.invoke_us);
+        }
+        sent_to.insert(key, before.max(start + n));
     }
     for g in decoder_ops
         .iter()
@@ -727,6 +740,10 @@ mod tests {
         assert!(!v.ok && v.problems[0].contains("before the lease of epoch 1"), "{v:?}");
         assert!(lease_time(&[append(1_000), grant(1_800)], 800).ok, "within the slack");
         assert!(lease_time(&[append(1_000), grant(2_000)], 800).ok);
+        // A re-send of records the log holds is acknowledged without extending the lease
+        // (found by the simulation: the checker flagged a correct grant after one).
+        assert!(lease_time(&[append(500), append(1_000), grant(1_400)], 800).ok);
+        assert!(!lease_time(&[append(500), append(1_000), grant(1_000)], 800).ok);
     }
 
     #[test]
