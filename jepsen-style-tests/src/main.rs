@@ -323,7 +323,7 @@ fn sim_runs(
     });
     let secs = started.elapsed().as_secs_f64();
     println!(
-        "{seeds} seeds, {violations} violations{} | drew {} crashes ({} unsynced entries lost), {} partitions, {} leader changes, {} takeovers, {} decoder pauses, {} decoder crashes, {} clock jumps, {} duplicated requests, {} indeterminate ops; {} requests, {} tokens | {:.1} s, {:.0} seeds/s",
+        "{seeds} seeds, {violations} violations{} | drew {} crashes ({} unsynced entries lost), {} partitions, {} leader changes, {} takeovers, {} decoder pauses, {} decoder crashes, {} decoder stops (releases), {} clock jumps, {} duplicated requests, {} indeterminate ops; {} requests, {} tokens, {} pruned | {:.1} s, {:.0} seeds/s",
         first.map(|s| format!(" (first at seed {s})")).unwrap_or_default(),
         total.crashes,
         total.lost_unsynced,
@@ -332,11 +332,13 @@ fn sim_runs(
         total.takeovers,
         total.decoder_pauses,
         total.decoder_crashes,
+        total.decoder_releases,
         total.clock_jumps,
         total.duplicates,
         total.indeterminate_ops,
         total.requests,
         total.tokens,
+        total.pruned,
         secs,
         seeds as f64 / secs.max(1e-9)
     );

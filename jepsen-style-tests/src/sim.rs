@@ -23,8 +23,10 @@
 //! - Faults, from the seed: replica crashes (losing what was not fsynced), partitions that cut
 //!   one replica off or isolate the leader, lossy links (requests and answers lost, so
 //!   decoder operations end in doubt; a request now and then delivered twice), wall clocks
-//!   jumping by seconds, decoder pauses past their lease (stale writers), decoder crashes,
-//!   client cancels.
+//!   jumping by seconds, decoder pauses past their lease (stale writers), decoder crashes and
+//!   graceful stops (releasing what they hold), client cancels. Decoders renew their leases;
+//!   half the seeds keep finished generations for 3-20 s only, so retention prunes while
+//!   clients read (a pruned generation is checked as read right after its last event).
 //!
 //! Planted bugs (`--plant`): `no-fence` (apply without the epoch fence), `ack-before-fsync`
 //! (commit counts copies not yet fsynced), `early-visibility` (clients read the leader's log
@@ -114,6 +116,10 @@ pub struct SimCounts {
     pub takeovers: u64,
     pub decoder_pauses: u64,
     pub decoder_crashes: u64,
+    /// Decoders stopped gracefully (releasing what they held).
+    pub decoder_releases: u64,
+    /// Generations retention pruned during the run.
+    pub pruned: u64,
     /// Replica wall clocks moved by seconds.
     pub clock_jumps: u64,
     /// Requests delivered twice to the leader.
@@ -133,6 +139,8 @@ impl SimCounts {
         self.decoder_pauses += o.decoder_pauses;
         self.decoder_crashes += o.decoder_crashes;
         self.clock_jumps += o.clock_jumps;
+        self.decoder_releases += o.decoder_releases;
+        self.pruned += o.pruned;
         self.duplicates += o.duplicates;
         self.indeterminate_ops += o.indeterminate_ops;
         self.requests += o.requests;
@@ -295,6 +303,9 @@ struct Decoder {
     append_in_flight: Option<u64>,
     next_step: u64,
     next_poll: u64,
+    /// Renewals in flight: call -> (generation, epoch).
+    renews: BTreeMap<u64, (u64, u64)>,
+    next_renew: u64,
 }
 
 impl Decoder {
@@ -330,8 +341,14 @@ struct Sim {
     replicas: Vec<Replica>,
     /// Cut links between replicas (i < j).
     cut: BTreeSet<(usize, usize)>,
-    /// Replicas cut from every decoder and client.
+    /// Replicas cut from every decoder and client, until a time.
     isolated_from_clients: BTreeSet<usize>,
+    isolated_until: u64,
+    /// How long finished generations are kept (drawn per seed: short ones prune during the run).
+    retention_ms: u64,
+    /// Each generation as read right after its client saw the last event: the final state of
+    /// one that retention pruned.
+    at_finish: HashMap<u64, FinalGen>,
     /// Chance that a request or an answer is lost, now.
     loss: f64,
     decoders: Vec<Decoder>,
@@ -359,7 +376,14 @@ impl Sim {
             faults = tokenlog_raftlog::faults::Faults::planted_no_fence()
                 .expect("the no-fence plant needs a build with the `faults` feature (tokenlog/faults)");
         }
-        let rng = StdRng::seed_from_u64(cfg.seed);
+        let mut rng = StdRng::seed_from_u64(cfg.seed);
+        // Half the seeds keep finished generations for seconds only: retention prunes them
+        // while the run goes on.
+        let retention_ms = if rng.random_bool(0.5) {
+            rng.random_range(3_000..20_000)
+        } else {
+            RETENTION_MS
+        };
         let clock_now = Arc::new(AtomicU64::new(0));
         let unbounded = cfg.plant == Some(SimPlant::UnboundedClock);
         Sim {
@@ -374,6 +398,9 @@ impl Sim {
             clock_now,
             cut: BTreeSet::new(),
             isolated_from_clients: BTreeSet::new(),
+            isolated_until: 0,
+            retention_ms,
+            at_finish: HashMap::new(),
             loss: 0.0,
             decoders: (0..DECODERS)
                 .map(|_| Decoder {
@@ -386,6 +413,8 @@ impl Sim {
                     append_in_flight: None,
                     next_step: 0,
                     next_poll: 0,
+                    renews: BTreeMap::new(),
+                    next_renew: 0,
                 })
                 .collect(),
             clients: (0..CLIENTS)
@@ -453,6 +482,9 @@ impl Sim {
     fn advance(&mut self) {
         self.now += 1;
         self.clock_now.store(self.now, Ordering::Relaxed);
+        if self.now >= self.isolated_until {
+            self.isolated_from_clients.clear();
+        }
     }
 
     fn inject(&mut self) {
@@ -499,6 +531,7 @@ impl Sim {
                 }
                 if self.rng.random_bool(0.3) {
                     self.isolated_from_clients.insert(i);
+                    self.isolated_until = self.now + self.rng.random_range(200..1_000);
                 }
                 self.counts.partitions += 1;
                 self.faults_log.push(format!("{} partition r{i}", self.now));
@@ -524,7 +557,11 @@ impl Sim {
                 if !self.decoders[d].up {
                     return;
                 }
-                self.crash_decoder(d);
+                if self.rng.random_bool(0.3) {
+                    self.stop_decoder(d);
+                } else {
+                    self.crash_decoder(d);
+                }
             }
             6 => {
                 // A replica's wall clock jumps by seconds, or comes back (the leader half the
@@ -548,12 +585,43 @@ impl Sim {
         }
     }
 
+    /// A graceful stop (SIGTERM): the decoder releases what it holds, then restarts as a new
+    /// incarnation. The releases' answers are recorded (the ownership model checks them).
+    fn stop_decoder(&mut self, d: usize) {
+        // What it had in flight ends in doubt (it stops waiting); then it releases.
+        let gone: Vec<u64> = self
+            .calls
+            .iter()
+            .filter(|(_, p)| p.who == Caller::Decoder(d))
+            .map(|(&k, _)| k)
+            .collect();
+        for k in gone {
+            self.calls.remove(&k);
+        }
+        let name = self.decoders[d].name(d);
+        let held: Vec<(u64, u64)> = self.decoders[d].held.iter().map(|(&g, h)| (g, h.epoch)).collect();
+        for (g, epoch) in held {
+            let op = self.record(&name, Call::Release { gen: g, epoch });
+            self.call(Caller::Decoder(d), Command::Release { generation: g, epoch }, vec![op]);
+        }
+        let dec = &mut self.decoders[d];
+        dec.up = false;
+        dec.held.clear();
+        dec.acquiring.clear();
+        dec.append_in_flight = None;
+        dec.renews.clear();
+        dec.restart_at = self.now + self.rng.random_range(50..800);
+        self.counts.decoder_releases += 1;
+        self.faults_log.push(format!("{} stop d{} (releases)", self.now, d + 1));
+    }
+
     fn crash_decoder(&mut self, d: usize) {
         let dec = &mut self.decoders[d];
         dec.up = false;
         dec.held.clear();
         dec.acquiring.clear();
         dec.append_in_flight = None;
+        dec.renews.clear();
         dec.restart_at = self.now + self.rng.random_range(50..800);
         self.counts.decoder_crashes += 1;
         // Its calls in flight end in doubt: no answer is recorded.
@@ -690,7 +758,7 @@ impl Sim {
             self.next_tick = self.now + TICK_EVERY_MS;
             self.propose(
                 Command::Tick {
-                    retention_ms: RETENTION_MS,
+                    retention_ms: self.retention_ms,
                 },
                 None,
             );
@@ -854,9 +922,33 @@ impl Sim {
                 self.decoders[d].next_poll = self.now + 50;
                 self.take_work(d);
             }
+            if self.now >= self.decoders[d].next_renew {
+                self.decoders[d].next_renew = self.now + LEASE_MS / 3;
+                self.renew(d);
+            }
             if self.decoders[d].append_in_flight.is_none() && self.now >= self.decoders[d].next_step {
                 self.decoders[d].next_step = self.now + STEP_MS;
                 self.send_append(d);
+            }
+        }
+    }
+
+    /// Renews every held lease (the real worker's renewer does, while a step is slow).
+    fn renew(&mut self, d: usize) {
+        let name = self.decoders[d].name(d);
+        let held: Vec<(u64, u64)> = self.decoders[d].held.iter().map(|(&g, h)| (g, h.epoch)).collect();
+        for (g, epoch) in held {
+            if self.decoders[d].renews.values().any(|&(x, _)| x == g) {
+                continue;
+            }
+            let cmd = Command::Renew {
+                generation: g,
+                epoch,
+                decoder: name.clone(),
+                lease_ms: LEASE_MS,
+            };
+            if let Some(id) = self.call(Caller::Decoder(d), cmd, vec![]) {
+                self.decoders[d].renews.insert(id, (g, epoch));
             }
         }
     }
@@ -971,6 +1063,14 @@ impl Sim {
     }
 
     fn decoder_answer(&mut self, d: usize, call: u64, ops: &[usize], answer: Option<Response>) {
+        if let Some((g, epoch)) = self.decoders[d].renews.remove(&call) {
+            // A renewal: a refused one drops the generation before anything more is sent.
+            let held_at = self.decoders[d].held.get(&g).map(|h| h.epoch);
+            if matches!(answer, Some(Response::Ownership(Err(_)))) && held_at == Some(epoch) {
+                self.decoders[d].held.remove(&g);
+            }
+            return;
+        }
         if self.decoders[d].append_in_flight == Some(call) {
             self.decoders[d].append_in_flight = None;
         }
@@ -997,15 +1097,29 @@ impl Sim {
             }
             Some(Response::Ownership(r)) => {
                 let Some(&o) = ops.first() else { return };
+                let view = r.as_ref().ok();
+                let rej = r.as_ref().err();
+                let terminal = view.is_some_and(|v| v.state.is_terminal())
+                    || rej.is_some_and(|x| {
+                        x.state.is_some_and(|s| s.is_terminal()) || x.reason == RejectReason::NotFound
+                    });
                 let OpKind::Call {
                     call: Call::Acquire { gen },
                     ..
                 } = self.ops[o].kind
                 else {
+                    // A release.
+                    self.complete(
+                        o,
+                        Answer::Release {
+                            ok: Some(view.is_some()),
+                            current_epoch: view.map_or(rej.map_or(0, |x| x.current_epoch), |v| v.lease.epoch),
+                            frontier: view.map_or(rej.map_or(0, |x| x.frontier), |v| v.frontier),
+                            terminal,
+                        },
+                    );
                     return;
                 };
-                let view = r.as_ref().ok();
-                let rej = r.as_ref().err();
                 let terminal =
                     rej.is_some_and(|x| x.state.is_some_and(|s| s.is_terminal()) || x.reason == RejectReason::NotFound);
                 self.complete(
@@ -1227,6 +1341,22 @@ impl Sim {
             cl.next_seq += 1;
         }
         if terminal && cl.next_seq as usize == records.len() {
+            // Read it now, as committed, before retention may prune it.
+            if let Some(g) = self.replicas[l].state.generations.get(&gen) {
+                let at = (now_us, now_us + 1);
+                self.at_finish.insert(
+                    gen,
+                    FinalGen {
+                        records: g.records.iter().map(|r| (r.token_id, r.epoch)).collect(),
+                        terminal: g.state.is_terminal(),
+                        state: g.state.name().to_string(),
+                        epoch: g.lease.epoch,
+                        read_us: at,
+                    },
+                );
+            }
+            let cl = &mut self.clients[c];
+            let rec = cl.rec.as_mut().expect("a request");
             rec.events.push((cl.next_seq, 0, epoch, true));
             rec.generation = gen;
             if !rec.generations.contains(&gen) {
@@ -1292,6 +1422,13 @@ impl Sim {
             })
             .collect();
         let log_gens: Vec<(u64, String)> = st.generations.values().map(|g| (g.id, g.request_id.clone())).collect();
+        let mut finals = finals;
+        for (id, f) in std::mem::take(&mut self.at_finish) {
+            if let std::collections::hash_map::Entry::Vacant(e) = finals.entry(id) {
+                e.insert(f);
+                self.counts.pruned += 1;
+            }
+        }
         let mut verdicts = BTreeMap::new();
         verdicts.insert("exactly-once".into(), checks::exactly_once(&reqs, &finals, &log_gens));
         verdicts.insert("durability".into(), checks::durability(&reqs, &self.ops, &finals));

@@ -508,7 +508,8 @@ pub fn fencing(decoder_ops: &[DecoderOp], finals: &HashMap<u64, FinalGen>) -> Ve
 pub const LEASE_TIME_SLACK_US: u64 = 250_000;
 
 /// `lease-time`: an append accepted at epoch `e` was applied after it was sent (`invoke_us`),
-/// and extended the lease to at least `lease_ms` of log time past its entry. A grant at a newer
+/// and extended the lease to at least `lease_ms` of log time past its entry (unless its owner
+/// released the generation: a release ends the lease at once). A grant at a newer
 /// epoch that completed before `invoke_us + lease_ms - slack` of real time means log time ran
 /// ahead of real time: a live owner's lease was cut short.
 pub fn lease_time(decoder_ops: &[DecoderOp], lease_ms: u64) -> Verdict {
@@ -535,6 +536,16 @@ pub fn lease_time(decoder_ops: &[DecoderOp], lease_ms: u64) -> Verdict {
         }
         sent_to.insert(key, before.max(start + n));
     }
+    // A release ends its epoch's lease at once: (generation, epoch) -> the earliest send of a
+    // release that was accepted or is in doubt.
+    let mut released: HashMap<(u64, u64), u64> = HashMap::new();
+    for o in decoder_ops
+        .iter()
+        .filter(|o| o.op() == "release" && o.ok() != Some(false))
+    {
+        let t = released.entry((o.gen(), o.epoch())).or_insert(u64::MAX);
+        *t = (*t).min(o.invoke_us);
+    }
     for g in decoder_ops
         .iter()
         .filter(|o| o.op() == "acquire" && o.ok() == Some(true))
@@ -545,6 +556,9 @@ pub fn lease_time(decoder_ops: &[DecoderOp], lease_ms: u64) -> Verdict {
             continue;
         }
         v.checked += 1;
+        if released.get(&(gen, epoch - 1)).is_some_and(|&t| t <= granted_us) {
+            continue;
+        }
         if let Some(&sent_us) = last_append.get(&(gen, epoch - 1)) {
             let lease_end_us = sent_us + lease_ms * 1_000;
             if granted_us + LEASE_TIME_SLACK_US < lease_end_us {
@@ -744,6 +758,20 @@ mod tests {
         // (found by the simulation: the checker flagged a correct grant after one).
         assert!(lease_time(&[append(500), append(1_000), grant(1_400)], 800).ok);
         assert!(!lease_time(&[append(500), append(1_000), grant(1_000)], 800).ok);
+        // Released by its owner: the lease ended then (found by the simulation too).
+        let release = op(
+            "d1",
+            1_020,
+            1_030,
+            Call::Release { gen: 7, epoch: 1 },
+            Answer::Release {
+                ok: Some(true),
+                current_epoch: 1,
+                frontier: 1,
+                terminal: false,
+            },
+        );
+        assert!(lease_time(&[append(1_000), release, grant(1_100)], 800).ok);
     }
 
     #[test]
