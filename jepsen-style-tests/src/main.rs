@@ -323,10 +323,11 @@ fn sim_runs(
     });
     let secs = started.elapsed().as_secs_f64();
     println!(
-        "{seeds} seeds, {violations} violations{} | drew {} crashes ({} unsynced entries lost), {} partitions, {} leader changes, {} takeovers, {} decoder pauses, {} decoder crashes, {} decoder stops (releases), {} clock jumps, {} duplicated requests, {} indeterminate ops; {} requests, {} tokens, {} pruned | {:.1} s, {:.0} seeds/s",
+        "{seeds} seeds, {violations} violations{} | drew {} crashes ({} unsynced entries lost, {} disks lost), {} partitions, {} leader changes, {} takeovers, {} decoder pauses, {} decoder crashes, {} decoder stops (releases), {} clock jumps, {} duplicated requests, {} indeterminate ops; {} requests, {} tokens, {} pruned | {:.1} s, {:.0} seeds/s",
         first.map(|s| format!(" (first at seed {s})")).unwrap_or_default(),
         total.crashes,
         total.lost_unsynced,
+        total.disks_lost,
         total.partitions,
         total.leader_changes,
         total.takeovers,

@@ -20,7 +20,8 @@
 //!   network and this disk behind openraft's storage traits).
 //! - Also real: the leader's stamping `Clock` (on simulated wall and monotonic clocks per
 //!   replica, new at each restart).
-//! - Faults, from the seed: replica crashes (losing what was not fsynced), partitions that cut
+//! - Faults, from the seed: replica crashes (losing what was not fsynced; one in five also its
+//!   whole disk, after which it rejoins empty and votes only once caught up), partitions that cut
 //!   one replica off or isolate the leader, lossy links (requests and answers lost, so
 //!   decoder operations end in doubt; a request now and then delivered twice), wall clocks
 //!   jumping by seconds, decoder pauses past their lease (stale writers), decoder crashes and
@@ -116,6 +117,8 @@ pub struct SimCounts {
     pub takeovers: u64,
     pub decoder_pauses: u64,
     pub decoder_crashes: u64,
+    /// Replicas that lost their disk with a crash (and rejoined empty).
+    pub disks_lost: u64,
     /// Decoders stopped gracefully (releasing what they held).
     pub decoder_releases: u64,
     /// Generations retention pruned during the run.
@@ -140,6 +143,7 @@ impl SimCounts {
         self.decoder_crashes += o.decoder_crashes;
         self.clock_jumps += o.clock_jumps;
         self.decoder_releases += o.decoder_releases;
+        self.disks_lost += o.disks_lost;
         self.pruned += o.pruned;
         self.duplicates += o.duplicates;
         self.indeterminate_ops += o.indeterminate_ops;
@@ -204,6 +208,10 @@ struct Replica {
     snapshot: Option<(usize, LogState)>,
     up: bool,
     restart_at: u64,
+    /// A replica that lost its disk takes no part in elections (neither votes nor stands) until
+    /// it has applied this many entries: it no longer knows what it promised (Raft's rule for
+    /// a member that comes back empty).
+    rejoin_at: usize,
 }
 
 /// A replica's clocks on simulated time: wall = the simulation's epoch + now + this replica's
@@ -254,7 +262,13 @@ impl Replica {
             snapshot: None,
             up: true,
             restart_at: 0,
+            rejoin_at: 0,
         }
+    }
+
+    /// Whether it may vote or stand in an election.
+    fn voter(&self) -> bool {
+        self.up && self.applied >= self.rejoin_at
     }
 
     fn last_term(&self) -> u64 {
@@ -502,16 +516,29 @@ impl Sim {
                 let lost = self.replicas[i].log.len() - self.replicas[i].durable;
                 self.counts.crashes += 1;
                 self.counts.lost_unsynced += lost as u64;
+                // One crash in five also loses the disk (not while another replica rejoins).
+                let wipe = self.rng.random_bool(0.2) && self.replicas.iter().all(|r| r.voter());
+                let commit = self.leader.map_or(0, |l| self.replicas[l].commit);
                 let r = &mut self.replicas[i];
                 r.up = false;
                 r.log.truncate(r.durable);
                 r.fsync_at = None;
                 r.restart_at = self.now + self.rng.random_range(50..1_500);
+                if wipe {
+                    r.log.clear();
+                    r.durable = 0;
+                    r.snapshot = None;
+                    r.rejoin_at = commit.max(r.applied);
+                    self.counts.disks_lost += 1;
+                }
                 if self.leader == Some(i) {
                     self.lose_leader();
                 }
-                self.faults_log
-                    .push(format!("{} crash r{i} (lost {lost} unsynced)", self.now));
+                self.faults_log.push(format!(
+                    "{} crash r{i} (lost {lost} unsynced{})",
+                    self.now,
+                    if wipe { ", and its disk" } else { "" }
+                ));
             }
             2 => {
                 // Partition: one replica cut off from the others (maybe the leader).
@@ -714,13 +741,13 @@ impl Sim {
             order.swap(i, j);
         }
         for c in order {
-            if !self.replicas[c].up {
+            if !self.replicas[c].voter() {
                 continue;
             }
             let mine = (self.replicas[c].last_term(), self.replicas[c].log.len());
             let votes = (0..REPLICAS)
                 .filter(|&v| {
-                    self.replicas[v].up
+                    self.replicas[v].voter()
                         && self.linked(c, v)
                         && (self.replicas[v].last_term(), self.replicas[v].log.len()) <= mine
                 })

@@ -213,6 +213,10 @@ async fn planted_visibility_before_commit_is_caught_by_exactly_once() {
             // leader and a takeover rewrites their seqs at a new epoch: a short lease makes
             // that likely (the owner's renewal races the standby after an election).
             cfg.lease_ms = 300;
+            // Long generations, none ending early: each is running through more leader kills.
+            cfg.max_tokens = (100, 200);
+            cfg.eos_share = 0.0;
+            cfg.cancel_share = 0.0;
             cfg.plant = Some(Plant::EarlyVisibility);
         },
         |s| !s.verdicts["exactly-once"].ok,

@@ -21,6 +21,7 @@ fn a_thousand_seeds_show_no_violation_and_the_faults_bite() {
     for (what, n) in [
         ("crashes", total.crashes),
         ("unsynced entries lost", total.lost_unsynced),
+        ("disks lost", total.disks_lost),
         ("partitions", total.partitions),
         ("leader changes", total.leader_changes),
         ("takeovers", total.takeovers),
@@ -37,7 +38,7 @@ fn a_thousand_seeds_show_no_violation_and_the_faults_bite() {
 
 #[test]
 fn a_seed_replays_bit_for_bit_a_failing_one_too() {
-    let (failing, _) = first_caught(SimPlant::NoFence, 50);
+    let (failing, _) = first_caught(SimPlant::NoFence, 50, &["fencing", "linearizability"]);
     for (seed, plant) in [(5, None), (failing, Some(SimPlant::NoFence))] {
         let cfg = SimConfig {
             seed,
@@ -52,32 +53,34 @@ fn a_seed_replays_bit_for_bit_a_failing_one_too() {
     }
 }
 
-/// Runs seeds 1.. with `plant` until one is flagged; that seed and its first violation.
-fn first_caught(plant: SimPlant, within: u64) -> (u64, String) {
+/// Runs seeds 1.. with `plant` until one of `checkers` flags it; that seed and the problem.
+fn first_caught(plant: SimPlant, within: u64, checkers: &[&str]) -> (u64, String) {
     for seed in 1..=within {
         let o = sim::run(&SimConfig {
             seed,
             time_ms: TIME_MS,
             plant: Some(plant),
         });
-        if let Some(v) = o.first_violation() {
-            return (seed, v);
+        if let Some((name, v)) = o.verdicts.iter().find(|(k, v)| !v.ok && checkers.contains(&k.as_str())) {
+            return (
+                seed,
+                format!("{name}: {}", v.problems.first().cloned().unwrap_or_default()),
+            );
         }
     }
-    panic!("{plant:?} was never caught in {within} seeds");
+    panic!("{plant:?} was never caught by {checkers:?} in {within} seeds");
 }
 
-// Seeds needed (measured: `jepsen-style-tests sim --seeds 100 --plant P`): no-fence at seed 2
-// (75 of 100 caught), ack-before-fsync at 31 (3 of 100), early-visibility at 2 (12 of 100),
-// snapshot-lag at 11 (8 of 100), unbounded-clock at 2 (28 of 100). The bounds leave room.
+// Seeds needed (measured: `jepsen-style-tests sim --seeds 100 --plant P`; the seed where the
+// targeted checker first flags it, as these tests find): no-fence 71 of 100 seeds flagged, by
+// fencing first at seed 6; ack-before-fsync 1 of 100 (seed 91); early-visibility 10 of 100
+// (seed 2); snapshot-lag 3 of 100 (seed 41); unbounded-clock 34 of 100 (seed 2). The bounds
+// leave room.
 
 #[test]
 fn planted_missing_fence_is_caught_by_fencing_or_linearizability() {
-    let (seed, v) = first_caught(SimPlant::NoFence, 50);
-    assert!(
-        v.starts_with("fencing") || v.starts_with("linearizability"),
-        "seed {seed}: {v}"
-    );
+    let (seed, v) = first_caught(SimPlant::NoFence, 50, &["fencing", "linearizability"]);
+    eprintln!("seed {seed}: {v}");
 }
 
 #[test]
@@ -85,32 +88,28 @@ fn planted_ack_before_fsync_is_caught() {
     // Acknowledged entries lost with a crash: seen as a lost acknowledged append
     // (durability), an answer the committed history cannot explain (linearizability), an
     // epoch granted twice (fencing) or replicas that differ (convergence).
-    let (seed, v) = first_caught(SimPlant::AckBeforeFsync, 300);
-    assert!(
-        ["durability", "linearizability", "fencing", "convergence"]
-            .iter()
-            .any(|c| v.starts_with(c)),
-        "seed {seed}: {v}"
+    let (seed, v) = first_caught(
+        SimPlant::AckBeforeFsync,
+        300,
+        &["durability", "linearizability", "fencing", "convergence"],
     );
+    eprintln!("seed {seed}: {v}");
 }
 
 #[test]
 fn planted_visibility_before_commit_is_caught_by_what_clients_saw() {
-    let (seed, v) = first_caught(SimPlant::EarlyVisibility, 300);
-    assert!(
-        v.starts_with("exactly-once") || v.starts_with("durability"),
-        "seed {seed}: {v}"
-    );
+    let (seed, v) = first_caught(SimPlant::EarlyVisibility, 300, &["exactly-once", "durability"]);
+    eprintln!("seed {seed}: {v}");
 }
 
 #[test]
 fn planted_unbounded_leader_clock_is_caught_by_lease_time() {
-    let (seed, v) = first_caught(SimPlant::UnboundedClock, 300);
-    assert!(v.starts_with("lease-time"), "seed {seed}: {v}");
+    let (seed, v) = first_caught(SimPlant::UnboundedClock, 300, &["lease-time"]);
+    eprintln!("seed {seed}: {v}");
 }
 
 #[test]
 fn planted_snapshot_index_lag_is_caught_by_convergence() {
-    let (seed, v) = first_caught(SimPlant::SnapshotLag, 300);
-    assert!(v.starts_with("convergence"), "seed {seed}: {v}");
+    let (seed, v) = first_caught(SimPlant::SnapshotLag, 300, &["convergence"]);
+    eprintln!("seed {seed}: {v}");
 }

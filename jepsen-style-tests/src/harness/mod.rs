@@ -121,6 +121,10 @@ pub struct RunConfig {
     /// under the nemeses (a retry budget of 15 s), below the default of 120 s so that a stuck
     /// worker ends within a run.
     pub stall_ms: u64,
+    /// The shares of requests that may end at EOS and that their client cancels
+    /// (`workload::EOS_SHARE`, `workload::CANCEL_SHARE` by default).
+    pub eos_share: f64,
+    pub cancel_share: f64,
 }
 
 impl RunConfig {
@@ -147,6 +151,8 @@ impl RunConfig {
             unowned_ms: 0,
             keep_after_snapshot: None,
             stall_ms: 30_000,
+            eos_share: workload::EOS_SHARE,
+            cancel_share: workload::CANCEL_SHARE,
         }
     }
 
@@ -357,6 +363,7 @@ pub async fn run(cfg: &RunConfig) -> Result<RunSummary> {
             cluster.gateway_addrs.clone(),
             cfg.seed,
             cfg.max_tokens,
+            (cfg.eos_share, cfg.cancel_share),
             stop_new_rx.clone(),
             records.clone(),
             // Only a retention shorter than the default can prune a generation before the end.

@@ -98,6 +98,7 @@ pub async fn client_loop(
     gateways: Vec<String>,
     seed: u64,
     max_tokens: (u32, u32),
+    (eos_share, cancel_share): (f64, f64),
     stop_new: tokio::sync::watch::Receiver<bool>,
     out: Arc<Mutex<Vec<RequestRecord>>>,
     read_at_finish: Option<(tokenlog_raftlog::client::LogClient, super::checks::AtFinish)>,
@@ -110,9 +111,9 @@ pub async fn client_loop(
         k += 1;
         let n = rng.random_range(max_tokens.0..=max_tokens.1);
         let mut req = request(&rid, n, rng.random());
-        req.ignore_eos = !rng.random_bool(EOS_SHARE);
+        req.ignore_eos = !rng.random_bool(eos_share);
         let cancel_after = rng
-            .random_bool(CANCEL_SHARE)
+            .random_bool(cancel_share)
             .then(|| rng.random_range(1..=n.max(2) as usize / 2));
         let mut routing = Routing::Random(StdRng::seed_from_u64(rng.random()));
         let rec = one_request(id, req, &channels, &mut routing, None, cancel_after).await;
