@@ -323,7 +323,7 @@ fn sim_runs(
     });
     let secs = started.elapsed().as_secs_f64();
     println!(
-        "{seeds} seeds, {violations} violations{} | drew {} crashes ({} unsynced entries lost, {} disks lost), {} partitions, {} leader changes, {} takeovers, {} decoder pauses, {} decoder crashes, {} decoder stops (releases), {} clock jumps, {} duplicated requests, {} indeterminate ops; {} requests, {} tokens, {} pruned | {:.1} s, {:.0} seeds/s",
+        "{seeds} seeds, {violations} violations{} | drew {} crashes ({} unsynced entries lost, {} disks lost), {} partitions, {} leader changes, {} takeovers, {} decoder pauses, {} decoder crashes, {} decoder stops (releases), {} clock jumps, {} duplicated requests, {} delayed requests, {} indeterminate ops; {} requests, {} tokens, {} pruned | {:.1} s, {:.0} seeds/s",
         first.map(|s| format!(" (first at seed {s})")).unwrap_or_default(),
         total.crashes,
         total.lost_unsynced,
@@ -336,6 +336,7 @@ fn sim_runs(
         total.decoder_releases,
         total.clock_jumps,
         total.duplicates,
+        total.delayed,
         total.indeterminate_ops,
         total.requests,
         total.tokens,

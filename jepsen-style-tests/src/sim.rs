@@ -23,7 +23,8 @@
 //! - Faults, from the seed: replica crashes (losing what was not fsynced; one in five also its
 //!   whole disk, after which it rejoins empty and votes only once caught up), partitions that cut
 //!   one replica off or isolate the leader, lossy links (requests and answers lost, so
-//!   decoder operations end in doubt; a request now and then delivered twice), wall clocks
+//!   decoder operations end in doubt; a request now and then delivered twice, or held in
+//!   transit for up to 0.6 s and delivered after later ones), wall clocks
 //!   jumping by seconds, decoder pauses past their lease (stale writers), decoder crashes and
 //!   graceful stops (releasing what they hold), client cancels. Decoders renew their leases;
 //!   half the seeds keep finished generations for 3-20 s only, so retention prunes while
@@ -127,6 +128,8 @@ pub struct SimCounts {
     pub clock_jumps: u64,
     /// Requests delivered twice to the leader.
     pub duplicates: u64,
+    /// Requests held in transit and delivered late (after later ones).
+    pub delayed: u64,
     pub indeterminate_ops: u64,
     pub requests: u64,
     pub tokens: u64,
@@ -146,6 +149,7 @@ impl SimCounts {
         self.disks_lost += o.disks_lost;
         self.pruned += o.pruned;
         self.duplicates += o.duplicates;
+        self.delayed += o.delayed;
         self.indeterminate_ops += o.indeterminate_ops;
         self.requests += o.requests;
         self.tokens += o.tokens;
@@ -369,6 +373,8 @@ struct Sim {
     clients: Vec<Client>,
     calls: BTreeMap<u64, Pending>,
     next_call: u64,
+    /// Requests held in transit: (arrival, command, call).
+    in_transit: Vec<(u64, Command, u64)>,
     ops: Vec<DecoderOp>,
     faults_log: Vec<String>,
     counts: SimCounts,
@@ -446,6 +452,7 @@ impl Sim {
                 .collect(),
             calls: BTreeMap::new(),
             next_call: 0,
+            in_transit: Vec::new(),
             ops: vec![],
             faults_log: vec![],
             counts: SimCounts::default(),
@@ -485,7 +492,11 @@ impl Sim {
             self.deliver_answers();
             self.decoders_step();
             self.clients_step();
-            if self.stop_new && self.clients.iter().all(|c| c.rec.is_none()) && self.calls.is_empty() {
+            if self.stop_new
+                && self.clients.iter().all(|c| c.rec.is_none())
+                && self.calls.is_empty()
+                && self.in_transit.is_empty()
+            {
                 break;
             }
         }
@@ -781,6 +792,16 @@ impl Sim {
     }
 
     fn replicate(&mut self) {
+        // Requests held in transit arrive now (in the order they were held: deterministic).
+        if self.in_transit.iter().any(|(at, _, _)| *at <= self.now) {
+            let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.in_transit)
+                .into_iter()
+                .partition(|(at, _, _)| *at <= self.now);
+            self.in_transit = later;
+            for (_, cmd, id) in due {
+                self.propose(cmd, Some(id));
+            }
+        }
         if self.now >= self.next_tick {
             self.next_tick = self.now + TICK_EVERY_MS;
             self.propose(
@@ -860,6 +881,11 @@ impl Sim {
                 let mut changes = Changes::default();
                 let resp = self.replicas[i].state.apply(&entry.req, &mut changes);
                 self.replicas[i].applied += 1;
+                if self.replicas[i].applied >= self.replicas[i].rejoin_at {
+                    // Caught up, with what it holds on disk again: a member like any other
+                    // (a later crash without disk loss keeps it one).
+                    self.replicas[i].rejoin_at = 0;
+                }
                 if Some(i) == self.leader {
                     if let Some(call) = entry.caller {
                         let delay = self.rng.random_range(1..5);
@@ -893,12 +919,20 @@ impl Sim {
         let reachable = self.leader.is_some_and(|l| !self.isolated_from_clients.contains(&l));
         let lost = !reachable || self.rng.random_bool(self.loss);
         if !lost {
-            // On a lossy link a request may also arrive twice.
+            // On a lossy link a request may also arrive twice, or late: held in transit past
+            // later requests (its caller may have given up on it and sent them), then
+            // delivered to whoever leads then.
             if self.loss > 0.0 && self.rng.random_bool(0.1) {
                 self.counts.duplicates += 1;
                 self.propose(cmd.clone(), Some(id));
             }
-            self.propose(cmd, Some(id));
+            if self.loss > 0.0 && self.rng.random_bool(0.05) {
+                self.counts.delayed += 1;
+                let at = self.now + self.rng.random_range(20..600);
+                self.in_transit.push((at, cmd, id));
+            } else {
+                self.propose(cmd, Some(id));
+            }
         }
         self.calls.insert(
             id,

@@ -30,6 +30,7 @@ fn a_thousand_seeds_show_no_violation_and_the_faults_bite() {
         ("decoder stops (releases)", total.decoder_releases),
         ("generations pruned", total.pruned),
         ("duplicated requests", total.duplicates),
+        ("delayed requests", total.delayed),
         ("indeterminate ops", total.indeterminate_ops),
     ] {
         assert!(n > 0, "the faults never drew {what}: {total:?}");
