@@ -126,14 +126,21 @@ pub fn planted_faults() -> anyhow::Result<tokenlog_raftlog::faults::Faults> {
     }
 }
 
+/// Whether the planted-bug variable `var` is `1`; an error when it is, in a build without the
+/// `faults` feature.
+fn planted(var: &str) -> anyhow::Result<bool> {
+    let on = std::env::var(var).is_ok_and(|v| v == "1");
+    anyhow::ensure!(
+        !on || cfg!(feature = "faults"),
+        "{var} is set, but this build has no planted bugs (build with --features faults)"
+    );
+    Ok(on)
+}
+
 /// The planted bug `zombie` (`TOKENLOG_PLANT_ZOMBIE_DECODER=1`, fault builds only; issue 11
 /// bug 1): a decoder whose worker fails keeps renewing its leases and keeps running.
 pub fn plant_zombie() -> anyhow::Result<bool> {
-    let on = std::env::var("TOKENLOG_PLANT_ZOMBIE_DECODER").is_ok_and(|v| v == "1");
-    anyhow::ensure!(
-        !on || cfg!(feature = "faults"),
-        "TOKENLOG_PLANT_ZOMBIE_DECODER is set, but this build has no planted bugs (build with --features faults)"
-    );
+    let on = planted("TOKENLOG_PLANT_ZOMBIE_DECODER")?;
     if on {
         eprintln!("PLANTED BUG ON: zombie decoder");
     }
@@ -144,11 +151,7 @@ pub fn plant_zombie() -> anyhow::Result<bool> {
 /// issue 12): the worker's step loop stops for ever after a few appends while its leases are
 /// renewed.
 pub fn plant_stall() -> anyhow::Result<bool> {
-    let on = std::env::var("TOKENLOG_PLANT_STALLED_WORKER").is_ok_and(|v| v == "1");
-    anyhow::ensure!(
-        !on || cfg!(feature = "faults"),
-        "TOKENLOG_PLANT_STALLED_WORKER is set, but this build has no planted bugs (build with --features faults)"
-    );
+    let on = planted("TOKENLOG_PLANT_STALLED_WORKER")?;
     if on {
         eprintln!("PLANTED BUG ON: stalled worker");
     }
@@ -159,12 +162,7 @@ pub fn plant_stall() -> anyhow::Result<bool> {
 /// 300 ms after start, as a bug in a server task would; the process must not go on without it
 /// (see [`abort_on_panic`]).
 pub fn plant_task_panic() -> anyhow::Result<()> {
-    let on = std::env::var("TOKENLOG_PLANT_TASK_PANIC").is_ok_and(|v| v == "1");
-    anyhow::ensure!(
-        !on || cfg!(feature = "faults"),
-        "TOKENLOG_PLANT_TASK_PANIC is set, but this build has no planted bugs (build with --features faults)"
-    );
-    if on {
+    if planted("TOKENLOG_PLANT_TASK_PANIC")? {
         tokio::spawn(async {
             tokio::time::sleep(std::time::Duration::from_millis(300)).await;
             panic!("planted: a background task panicked");

@@ -71,7 +71,6 @@ pub struct WorkerConfig {
 }
 
 /// Appends a worker with the planted stall sends before its step loop stops.
-#[cfg(feature = "faults")]
 pub const PLANT_STALL_AFTER_APPENDS: u64 = 30;
 
 impl WorkerConfig {
@@ -332,7 +331,7 @@ impl Worker {
                 self.origin.elapsed().as_millis() as u64,
                 std::sync::atomic::Ordering::Relaxed,
             );
-            if self.cfg.stalls() && self.appends_sent >= PLANT_STALL_AFTER_APPENDS_ANY {
+            if self.cfg.stalls() && self.appends_sent >= PLANT_STALL_AFTER_APPENDS {
                 tracing::error!("PLANTED BUG: the step loop stalls for ever (its leases are still renewed)");
                 std::future::pending::<()>().await;
             }
@@ -763,12 +762,6 @@ impl Worker {
         }
     }
 }
-
-/// The appends before the planted stall (see `WorkerConfig::plant_stall`).
-#[cfg(feature = "faults")]
-const PLANT_STALL_AFTER_APPENDS_ANY: u64 = PLANT_STALL_AFTER_APPENDS;
-#[cfg(not(feature = "faults"))]
-const PLANT_STALL_AFTER_APPENDS_ANY: u64 = u64::MAX;
 
 /// Resolves once the step loop's heartbeat (`beat`, ms since `origin`) is older than `stall`;
 /// says how old.

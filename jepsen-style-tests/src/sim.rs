@@ -627,33 +627,28 @@ impl Sim {
     /// incarnation. The releases' answers are recorded (the ownership model checks them).
     fn stop_decoder(&mut self, d: usize) {
         // What it had in flight ends in doubt (it stops waiting); then it releases.
-        let gone: Vec<u64> = self
-            .calls
-            .iter()
-            .filter(|(_, p)| p.who == Caller::Decoder(d))
-            .map(|(&k, _)| k)
-            .collect();
-        for k in gone {
-            self.calls.remove(&k);
-        }
+        self.forget_calls(d);
         let name = self.decoders[d].name(d);
         let held: Vec<(u64, u64)> = self.decoders[d].held.iter().map(|(&g, h)| (g, h.epoch)).collect();
         for (g, epoch) in held {
             let op = self.record(&name, Call::Release { gen: g, epoch });
             self.call(Caller::Decoder(d), Command::Release { generation: g, epoch }, vec![op]);
         }
-        let dec = &mut self.decoders[d];
-        dec.up = false;
-        dec.held.clear();
-        dec.acquiring.clear();
-        dec.append_in_flight = None;
-        dec.renews.clear();
-        dec.restart_at = self.now + self.rng.random_range(50..800);
+        self.take_down(d);
         self.counts.decoder_releases += 1;
         self.faults_log.push(format!("{} stop d{} (releases)", self.now, d + 1));
     }
 
     fn crash_decoder(&mut self, d: usize) {
+        self.take_down(d);
+        self.counts.decoder_crashes += 1;
+        // Its calls in flight end in doubt: no answer is recorded.
+        self.forget_calls(d);
+        self.faults_log.push(format!("{} crash d{}", self.now, d + 1));
+    }
+
+    /// Decoder `d` goes down, holding nothing, until a restart drawn now.
+    fn take_down(&mut self, d: usize) {
         let dec = &mut self.decoders[d];
         dec.up = false;
         dec.held.clear();
@@ -661,18 +656,11 @@ impl Sim {
         dec.append_in_flight = None;
         dec.renews.clear();
         dec.restart_at = self.now + self.rng.random_range(50..800);
-        self.counts.decoder_crashes += 1;
-        // Its calls in flight end in doubt: no answer is recorded.
-        let gone: Vec<u64> = self
-            .calls
-            .iter()
-            .filter(|(_, p)| p.who == Caller::Decoder(d))
-            .map(|(&k, _)| k)
-            .collect();
-        for k in gone {
-            self.calls.remove(&k);
-        }
-        self.faults_log.push(format!("{} crash d{}", self.now, d + 1));
+    }
+
+    /// Decoder `d`'s calls in flight end in doubt: their answers, if any come, go nowhere.
+    fn forget_calls(&mut self, d: usize) {
+        self.calls.retain(|_, p| p.who != Caller::Decoder(d));
     }
 
     fn heal(&mut self) {
@@ -911,9 +899,9 @@ impl Sim {
 
     // ------------------------------------------------------------ calls
 
-    /// Sends `cmd` to the leader for `who`; false when no leader is reachable (the call fails
-    /// at once, known not to have happened).
-    fn call(&mut self, who: Caller, cmd: Command, ops: Vec<usize>) -> Option<u64> {
+    /// Sends `cmd` to the leader for `who` (lost on the way when no leader is reachable: the
+    /// call times out in doubt); the call's id.
+    fn call(&mut self, who: Caller, cmd: Command, ops: Vec<usize>) -> u64 {
         let id = self.next_call;
         self.next_call += 1;
         let reachable = self.leader.is_some_and(|l| !self.isolated_from_clients.contains(&l));
@@ -943,7 +931,7 @@ impl Sim {
                 answer: None,
             },
         );
-        Some(id)
+        id
     }
 
     /// Delivers the answers that arrived (an answer may be lost: the call ends in doubt), and
@@ -1008,9 +996,8 @@ impl Sim {
                 decoder: name.clone(),
                 lease_ms: LEASE_MS,
             };
-            if let Some(id) = self.call(Caller::Decoder(d), cmd, vec![]) {
-                self.decoders[d].renews.insert(id, (g, epoch));
-            }
+            let id = self.call(Caller::Decoder(d), cmd, vec![]);
+            self.decoders[d].renews.insert(id, (g, epoch));
         }
     }
 
@@ -1101,7 +1088,7 @@ impl Sim {
             },
             ops,
         );
-        self.decoders[d].append_in_flight = id;
+        self.decoders[d].append_in_flight = Some(id);
     }
 
     fn record(&mut self, decoder: &str, call: Call) -> usize {
@@ -1160,10 +1147,10 @@ impl Sim {
                 let Some(&o) = ops.first() else { return };
                 let view = r.as_ref().ok();
                 let rej = r.as_ref().err();
-                let terminal = view.is_some_and(|v| v.state.is_terminal())
-                    || rej.is_some_and(|x| {
-                        x.state.is_some_and(|s| s.is_terminal()) || x.reason == RejectReason::NotFound
-                    });
+                // (A granted acquire never sees a terminal generation: one rule for both.)
+                let terminal = view.is_some_and(|v| v.state.is_terminal()) || rej.is_some_and(rejected_terminal);
+                let epoch = view.map_or(rej.map_or(0, |x| x.current_epoch), |v| v.lease.epoch);
+                let frontier = view.map_or(rej.map_or(0, |x| x.frontier), |v| v.frontier);
                 let OpKind::Call {
                     call: Call::Acquire { gen },
                     ..
@@ -1174,21 +1161,19 @@ impl Sim {
                         o,
                         Answer::Release {
                             ok: Some(view.is_some()),
-                            current_epoch: view.map_or(rej.map_or(0, |x| x.current_epoch), |v| v.lease.epoch),
-                            frontier: view.map_or(rej.map_or(0, |x| x.frontier), |v| v.frontier),
+                            current_epoch: epoch,
+                            frontier,
                             terminal,
                         },
                     );
                     return;
                 };
-                let terminal =
-                    rej.is_some_and(|x| x.state.is_some_and(|s| s.is_terminal()) || x.reason == RejectReason::NotFound);
                 self.complete(
                     o,
                     Answer::Acquire {
                         ok: Some(view.is_some()),
-                        epoch: view.map_or(rej.map_or(0, |x| x.current_epoch), |v| v.lease.epoch),
-                        frontier: view.map_or(rej.map_or(0, |x| x.frontier), |v| v.frontier),
+                        epoch,
+                        frontier,
                         terminal,
                     },
                 );
@@ -1215,12 +1200,7 @@ impl Sim {
                     let Some(out) = outcomes.get(k) else { continue };
                     let (ok, current_epoch, reason, terminal) = match &out.result {
                         Ok(l) => (true, l.epoch, None, false),
-                        Err(x) => (
-                            false,
-                            x.current_epoch,
-                            Some(x.reason),
-                            x.state.is_some_and(|s| s.is_terminal()) || x.reason == RejectReason::NotFound,
-                        ),
+                        Err(x) => (false, x.current_epoch, Some(x.reason), rejected_terminal(x)),
                     };
                     let frontier = match &out.result {
                         Err(x) => x.frontier,
@@ -1337,7 +1317,7 @@ impl Sim {
             binding: Self::binding(rec.max_tokens),
         };
         let id = self.call(Caller::Client(c), cmd, vec![]);
-        self.clients[c].submitting = id;
+        self.clients[c].submitting = Some(id);
     }
 
     fn client_answer(&mut self, c: usize, call: u64, answer: Option<Response>) {
@@ -1445,7 +1425,7 @@ impl Sim {
                     request_id: rec.request_id.clone(),
                 };
                 let id = self.call(Caller::Client(c), cmd, vec![]);
-                self.clients[c].cancel_in_flight = id;
+                self.clients[c].cancel_in_flight = Some(id);
             }
         }
     }
@@ -1498,7 +1478,11 @@ impl Sim {
         verdicts.insert("linearizability".into(), lin);
         verdicts.insert("status".into(), checks::status(&reqs));
         verdicts.insert("completion".into(), checks::completion(&reqs, &finals, None));
-        verdicts.insert("liveness".into(), liveness(&reqs));
+        // No decoders-down windows here: every request must finish, none fail.
+        verdicts.insert(
+            "liveness".into(),
+            checks::liveness(&reqs, &[], LEASE_MS, tokenlog_raftlog::limits::UNOWNED_MS_DEFAULT),
+        );
         verdicts.insert("lease-time".into(), checks::lease_time(&self.ops, LEASE_MS));
         verdicts.insert("convergence".into(), self.convergence());
         let history_hash = self.history_hash(&reqs);
@@ -1567,23 +1551,9 @@ impl Sim {
     }
 }
 
-/// Every request finished after healing.
-fn liveness(reqs: &[RequestRecord]) -> Verdict {
-    let mut v = Verdict::new();
-    for r in reqs {
-        v.checked += 1;
-        if !r.finished {
-            v.fail(format!(
-                "{}: never finished ({} events, generation {})",
-                r.request_id,
-                r.events.len(),
-                r.generation
-            ));
-        } else if r.finish_reason == "error" {
-            v.fail(format!("{}: failed explicitly", r.request_id));
-        }
-    }
-    v
+/// A rejection that says the generation is over (terminal, or pruned: not found).
+fn rejected_terminal(x: &Rejection) -> bool {
+    x.state.is_some_and(|s| s.is_terminal()) || x.reason == RejectReason::NotFound
 }
 
 fn hex(b: &[u8]) -> String {
