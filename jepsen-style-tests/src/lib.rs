@@ -33,6 +33,8 @@ pub mod model;
 pub mod models;
 pub mod parse;
 pub mod sim;
+pub mod sim_raft;
+pub mod sim_rt;
 
 pub use checker::{check, CheckResult, Violation};
 pub use history::{Completion, History, Operation};

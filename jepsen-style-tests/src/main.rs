@@ -109,6 +109,10 @@ enum Command {
         /// Turn on a planted bug that the checkers must catch.
         #[arg(long, value_enum)]
         plant: Option<jepsen_style_tests::sim::SimPlant>,
+        /// Which replicated log: the simulation's own stand-in Raft (fast), or the real
+        /// openraft core on the simulated disk and network (slower; production code).
+        #[arg(long, value_enum, default_value_t = jepsen_style_tests::sim::SimCore::StandIn)]
+        core: jepsen_style_tests::sim::SimCore,
         /// Print every seed's line (counts and history hash), not only failing ones.
         #[arg(long)]
         verbose: bool,
@@ -195,8 +199,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
             seed_start,
             time_ms,
             plant,
+            core,
             verbose,
-        } => return Ok(sim_runs(seeds, seed_start, time_ms, plant, verbose)),
+        } => return Ok(sim_runs(seeds, seed_start, time_ms, plant, core, verbose)),
         Command::Scenario {
             names,
             bin,
@@ -285,13 +290,14 @@ fn sim_runs(
     seed_start: u64,
     time_ms: u64,
     plant: Option<jepsen_style_tests::sim::SimPlant>,
+    core: jepsen_style_tests::sim::SimCore,
     verbose: bool,
 ) -> ExitCode {
     use jepsen_style_tests::sim;
     let started = std::time::Instant::now();
     let mut total = sim::SimCounts::default();
     let (mut violations, mut first) = (0u64, None);
-    sim::run_seeds(seed_start, seeds, time_ms, plant, |o| {
+    sim::run_seeds(seed_start, seeds, time_ms, plant, core, |o| {
         total.add(&o.counts);
         if verbose {
             let c = &o.counts;
@@ -323,10 +329,11 @@ fn sim_runs(
     });
     let secs = started.elapsed().as_secs_f64();
     println!(
-        "{seeds} seeds, {violations} violations{} | drew {} crashes ({} unsynced entries lost, {} disks lost), {} partitions, {} leader changes, {} takeovers, {} decoder pauses, {} decoder crashes, {} decoder stops (releases), {} clock jumps, {} duplicated requests, {} delayed requests, {} indeterminate ops; {} requests, {} tokens, {} pruned | {:.1} s, {:.0} seeds/s",
+        "{seeds} seeds, {violations} violations{} | drew {} crashes ({} unsynced entries lost, {} kept torn, {} disks lost), {} partitions, {} leader changes, {} takeovers, {} decoder pauses, {} decoder crashes, {} decoder stops (releases), {} clock jumps, {} duplicated requests, {} delayed requests, {} indeterminate ops; {} requests, {} tokens, {} pruned | {:.1} s, {:.0} seeds/s",
         first.map(|s| format!(" (first at seed {s})")).unwrap_or_default(),
         total.crashes,
         total.lost_unsynced,
+        total.torn_kept,
         total.disks_lost,
         total.partitions,
         total.leader_changes,

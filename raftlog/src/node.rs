@@ -475,7 +475,7 @@ impl RunningNode {
     }
 }
 
-fn raft_config(cfg: &NodeConfig) -> Result<Arc<Config>, LogError> {
+pub fn raft_config(cfg: &NodeConfig) -> Result<Arc<Config>, LogError> {
     if cfg.retention_ms < RETENTION_MS_MIN {
         return Err(LogError::Invalid(format!(
             "retention {} ms is below the minimum {RETENTION_MS_MIN} ms: a client that reconnects \
@@ -496,6 +496,13 @@ fn raft_config(cfg: &NodeConfig) -> Result<Arc<Config>, LogError> {
         // also lost its vote, so the safe way to replace a disk is `tokenlog members replace`
         // with a new id; rejoining under the old id is tolerated, not recommended.
         allow_log_reversion: Some(true),
+        // A leader that restarts must win a new election, never resume its old term: it sends
+        // entries to followers before its own fsync, so a power cut can cost it a tail that
+        // followers hold, and resuming the term it would write different entries under the
+        // same log ids, which Raft never repairs (replicas diverge for ever). openraft's
+        // default restores leadership; the simulation found the divergence
+        // (`jepsen-style-tests sim --core openraft`, seed 51: two entries with log id T1-N0/211).
+        enable_leader_restore: Some(false),
         ..Default::default()
     };
     config

@@ -49,7 +49,29 @@ impl Machine {
         self.applied
     }
 
-    fn meta(&self) -> SnapshotMeta {
+    /// Applies one committed entry in log order: the step every replica takes, the same on all
+    /// of them (the deterministic simulation runs this too). A membership entry becomes the
+    /// stored membership; a normal one goes to [`LogState::apply`].
+    pub fn apply_entry(
+        &mut self,
+        log_id: LogId,
+        payload: EntryPayload<Request, u64, openraft::BasicNode>,
+        changes: &mut Changes,
+    ) -> Response {
+        let response = match payload {
+            EntryPayload::Blank => Response::None,
+            EntryPayload::Membership(mem) => {
+                self.membership = StoredMembership::new(Some(log_id), mem);
+                Response::None
+            }
+            EntryPayload::Normal(req) => self.log.apply(&req, changes),
+        };
+        self.applied = Some(log_id);
+        response
+    }
+
+    /// The snapshot meta of this applied state: the last applied log id and the membership.
+    pub fn meta(&self) -> SnapshotMeta {
         SnapshotMeta {
             last_log_id: self.applied,
             last_membership: self.membership.clone(),
@@ -292,15 +314,7 @@ impl RaftStateMachine<TypeConfig> for SmStore {
         let applied = {
             let mut m = s.state.write().expect("state lock poisoned");
             for (entry, responder) in batch {
-                let response = match entry.payload {
-                    EntryPayload::Blank => Response::None,
-                    EntryPayload::Membership(mem) => {
-                        m.membership = StoredMembership::new(Some(entry.log_id), mem);
-                        Response::None
-                    }
-                    EntryPayload::Normal(req) => m.log.apply(&req, &mut changes),
-                };
-                m.applied = Some(entry.log_id);
+                let response = m.apply_entry(entry.log_id, entry.payload, &mut changes);
                 responders.push((responder, response));
             }
             s.publish(&m);
