@@ -329,12 +329,14 @@ fn sim_runs(
     });
     let secs = started.elapsed().as_secs_f64();
     println!(
-        "{seeds} seeds, {violations} violations{} | drew {} crashes ({} unsynced entries lost, {} kept torn, {} disks lost), {} partitions, {} leader changes, {} takeovers, {} decoder pauses, {} decoder crashes, {} decoder stops (releases), {} clock jumps, {} duplicated requests, {} delayed requests, {} indeterminate ops; {} requests, {} tokens, {} pruned | {:.1} s, {:.0} seeds/s",
+        "{seeds} seeds, {violations} violations{} | drew {} crashes ({} unsynced entries lost, {} kept torn, {} disks lost), {} disk write failures ({} nodes stopped and restarted), {} partitions, {} leader changes, {} takeovers, {} decoder pauses, {} decoder crashes, {} decoder stops (releases), {} clock jumps, {} duplicated requests, {} delayed requests, {} indeterminate ops; {} requests, {} tokens, {} pruned | {:.1} s, {:.0} seeds/s",
         first.map(|s| format!(" (first at seed {s})")).unwrap_or_default(),
         total.crashes,
         total.lost_unsynced,
         total.torn_kept,
         total.disks_lost,
+        total.write_failures,
+        total.storage_exits,
         total.partitions,
         total.leader_changes,
         total.takeovers,

@@ -147,6 +147,10 @@ pub struct SimCounts {
     pub duplicates: u64,
     /// Entries written after the last fsync that a crash kept (a torn tail; openraft only).
     pub torn_kept: u64,
+    /// Disk writes that failed (EIO once, or ENOSPC while a disk was full; openraft only).
+    pub write_failures: u64,
+    /// Log nodes whose Raft stopped on a storage error, and restarted (openraft only).
+    pub storage_exits: u64,
     /// Requests held in transit and delivered late (after later ones).
     pub delayed: u64,
     pub indeterminate_ops: u64,
@@ -169,6 +173,8 @@ impl SimCounts {
         self.pruned += o.pruned;
         self.duplicates += o.duplicates;
         self.torn_kept += o.torn_kept;
+        self.write_failures += o.write_failures;
+        self.storage_exits += o.storage_exits;
         self.delayed += o.delayed;
         self.indeterminate_ops += o.indeterminate_ops;
         self.requests += o.requests;
@@ -403,6 +409,8 @@ struct Sim {
     /// The real openraft cluster, when it is the log (`SimCore::Openraft`); `replicas` then
     /// only keep each node's up/down, restart time and clock skew.
     real: Option<crate::sim_raft::RealLog>,
+    /// Full disks (openraft only): node, when space is freed.
+    disk_full: Vec<(usize, u64)>,
 }
 
 /// Runs one seed.
@@ -449,6 +457,7 @@ impl Sim {
             election_at: 0,
             replicas,
             real,
+            disk_full: Vec::new(),
             clock_now,
             cut: BTreeSet::new(),
             isolated_from_clients: BTreeSet::new(),
@@ -563,6 +572,23 @@ impl Sim {
                     return;
                 }
                 if let Some(real) = self.real.as_mut() {
+                    // One in four: the disk fails instead, once (EIO) or filling up for a
+                    // while (ENOSPC until freed); openraft stops on a storage error and the
+                    // node restarts, as a supervised `tokenlog node` does.
+                    if self.rng.random_bool(0.25) {
+                        let full = self.rng.random_bool(0.5);
+                        real.fail_writes(i, full);
+                        self.counts.write_failures += 1;
+                        if full {
+                            self.disk_full.push((i, self.now + self.rng.random_range(200..2_000)));
+                        }
+                        self.faults_log.push(format!(
+                            "{} disk n{i} {}",
+                            self.now,
+                            if full { "full" } else { "fails a write" }
+                        ));
+                        return;
+                    }
                     // One crash in five is a power cut of every node at once (no disk is lost:
                     // a node that rejoins empty under its old id could vote twice in a term).
                     let all = self.rng.random_bool(0.2);
@@ -721,6 +747,11 @@ impl Sim {
     }
 
     fn heal(&mut self) {
+        if let Some(real) = &self.real {
+            for (i, _) in self.disk_full.drain(..) {
+                real.free(i);
+            }
+        }
         self.cut.clear();
         self.isolated_from_clients.clear();
         self.loss = 0.0;
@@ -979,6 +1010,21 @@ impl Sim {
         self.arrivals();
         let real = self.real.as_mut().expect("openraft core");
         real.advance_to(self.now);
+        let now = self.now;
+        self.disk_full.retain(|&(i, until)| {
+            if now >= until {
+                real.free(i);
+            }
+            now < until
+        });
+        for i in real.reap() {
+            self.counts.storage_exits += 1;
+            let r = &mut self.replicas[i];
+            r.up = false;
+            r.restart_at = self.now + self.rng.random_range(50..500);
+            self.faults_log
+                .push(format!("{} n{i} stopped on a storage error", self.now));
+        }
         let leader = real.leader();
         if leader.is_some() && leader != self.leader {
             self.counts.leader_changes += 1;

@@ -14,7 +14,9 @@
 //!   truncations and purges are synced at once, as the RocksDB store does. A crash keeps the
 //!   synced part and a random prefix of what was written after it (a torn tail: some writes
 //!   reached the platter, the rest did not). Snapshots are written whole (the real store renames
-//!   a finished file into place).
+//!   a finished file into place). A disk can fail one write (EIO) or be full for a while
+//!   (ENOSPC): openraft stops on a storage error, and the node's process exits and restarts
+//!   (what it wrote reaches the disk: a process exit is not a power cut).
 //! - **The network** ([`Net`]): every Raft message (AppendEntries, votes, whole snapshots) goes
 //!   through a delay of 0.2-3 ms each way, cut links fail after a connect timeout, lossy links
 //!   lose requests or answers, and an AppendEntries now and then arrives a second time, late,
@@ -90,6 +92,10 @@ struct Disk {
     vote: Option<Vote>,
     purged: Option<LogId>,
     snapshot: Option<(SnapshotMeta, Machine)>,
+    /// Full: every append fails (ENOSPC) until the simulation frees space.
+    full: bool,
+    /// The next append fails (EIO), once.
+    fail_next: bool,
 }
 
 impl Disk {
@@ -117,6 +123,13 @@ impl Disk {
         self.synced = log;
         self.committed = self.synced_committed;
         ((unsynced.len() - keep) as u64, keep as u64)
+    }
+
+    /// The process exited (its Raft stopped on a storage error): what it wrote is in the page
+    /// cache and reaches the disk; an fsync it still waited for has nothing left to do.
+    fn process_exit(&mut self) {
+        self.incarnation += 1;
+        self.sync();
     }
 
     fn sync(&mut self) {
@@ -223,6 +236,12 @@ impl RaftLogStorage<SimTypeConfig> for SimLogStore {
     {
         {
             let mut disk = self.disk.lock().expect("disk");
+            if disk.full {
+                return Err(io::Error::new(io::ErrorKind::StorageFull, "no space left on device"));
+            }
+            if std::mem::take(&mut disk.fail_next) {
+                return Err(io::Error::other("input/output error"));
+            }
             for e in entries {
                 disk.log.insert(e.log_id.index, e);
             }
@@ -764,6 +783,42 @@ impl RealLog {
             let _ = self.rt.block_on(p.raft.shutdown());
         }
         self.nodes[i].disk.lock().expect("disk").crash(rng)
+    }
+
+    /// Node `i`'s disk fails writes: one (EIO) or, when `full`, every one until `free`.
+    pub fn fail_writes(&self, i: usize, full: bool) {
+        let mut disk = self.nodes[i].disk.lock().expect("disk");
+        if full {
+            disk.full = true;
+        } else {
+            disk.fail_next = true;
+        }
+    }
+
+    /// Node `i`'s disk has space again.
+    pub fn free(&self, i: usize) {
+        self.nodes[i].disk.lock().expect("disk").full = false;
+    }
+
+    /// The nodes whose Raft stopped on its own (a storage error is fatal to openraft): their
+    /// processes exit, as `tokenlog node` does, and are restarted by the simulation.
+    pub fn reap(&mut self) -> Vec<usize> {
+        let mut gone = Vec::new();
+        for i in 0..self.nodes.len() {
+            let failed = self.nodes[i].up.as_ref().is_some_and(|p| {
+                let m = p.raft.metrics();
+                let failed = m.borrow_watched().running_state.is_err();
+                failed
+            });
+            if failed {
+                let p = self.nodes[i].up.take().expect("up");
+                self.net.rafts.lock().expect("rafts")[i] = None;
+                let _ = self.rt.block_on(p.raft.shutdown());
+                self.nodes[i].disk.lock().expect("disk").process_exit();
+                gone.push(i);
+            }
+        }
+        gone
     }
 
     pub fn restart(&mut self, i: usize) {

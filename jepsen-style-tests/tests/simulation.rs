@@ -141,6 +141,8 @@ fn two_hundred_openraft_seeds_show_no_violation_and_the_faults_bite() {
         ("crashes", total.crashes),
         ("unsynced entries lost", total.lost_unsynced),
         ("torn tails kept", total.torn_kept),
+        ("disk write failures", total.write_failures),
+        ("nodes stopped by a storage error", total.storage_exits),
         ("partitions", total.partitions),
         ("leader changes", total.leader_changes),
         ("takeovers", total.takeovers),
@@ -159,12 +161,12 @@ fn two_hundred_openraft_seeds_show_no_violation_and_the_faults_bite() {
 /// openraft restores a restarted leader in its old term by default; after a power cut that
 /// cost the leader a tail its followers held, it wrote different entries under the same log
 /// ids and the replicas diverged for ever. These seeds diverged with
-/// `enable_leader_restore: Some(true)` (measured: 10 of 200 seeds, convergence: "nodes n0 and
-/// n2 applied up to the same index 540 but hold different states"); the production
-/// configuration turns it off.
+/// `enable_leader_restore: Some(true)` (measured: `sim --core openraft --seeds 200` with it on
+/// flags 5 of 200 seeds, each by convergence: "nodes n0 and n2 applied up to the same index 383
+/// but hold different states"); the production configuration turns it off.
 #[test]
 fn a_restarted_leader_never_resumes_its_term() {
-    for seed in [6, 49, 54, 87, 133, 135, 183, 193] {
+    for seed in [2, 44, 49, 133, 187] {
         let o = sim::run(&SimConfig {
             seed,
             time_ms: TIME_MS,
