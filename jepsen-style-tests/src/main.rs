@@ -294,6 +294,10 @@ fn sim_runs(
     verbose: bool,
 ) -> ExitCode {
     use jepsen_style_tests::sim;
+    if plant == Some(sim::SimPlant::LeaderRestore) && core != sim::SimCore::Openraft {
+        eprintln!("error: --plant leader-restore is a Raft configuration: it needs --core openraft");
+        return ExitCode::from(EXIT_ERROR);
+    }
     let started = std::time::Instant::now();
     let mut total = sim::SimCounts::default();
     let (mut violations, mut first) = (0u64, None);
@@ -329,7 +333,7 @@ fn sim_runs(
     });
     let secs = started.elapsed().as_secs_f64();
     println!(
-        "{seeds} seeds, {violations} violations{} | drew {} crashes ({} unsynced entries lost, {} kept torn, {} disks lost), {} disk write failures ({} nodes stopped and restarted), {} partitions, {} leader changes, {} takeovers, {} decoder pauses, {} decoder crashes, {} decoder stops (releases), {} clock jumps, {} duplicated requests, {} delayed requests, {} indeterminate ops; {} requests, {} tokens, {} pruned | {:.1} s, {:.0} seeds/s",
+        "{seeds} seeds, {violations} violations{} | drew {} crashes ({} unsynced entries lost, {} kept torn, {} disks lost), {} disk write failures ({} nodes stopped and restarted), {} openraft panics (node restarted), {} partitions, {} leader changes, {} takeovers, {} decoder pauses, {} decoder crashes, {} decoder stops (releases), {} clock jumps, {} duplicated requests, {} delayed requests, {} watch reconnects, {} indeterminate ops; {} requests, {} tokens, {} pruned | {:.1} s, {:.0} seeds/s",
         first.map(|s| format!(" (first at seed {s})")).unwrap_or_default(),
         total.crashes,
         total.lost_unsynced,
@@ -337,6 +341,7 @@ fn sim_runs(
         total.disks_lost,
         total.write_failures,
         total.storage_exits,
+        total.raft_panics,
         total.partitions,
         total.leader_changes,
         total.takeovers,
@@ -346,6 +351,7 @@ fn sim_runs(
         total.clock_jumps,
         total.duplicates,
         total.delayed,
+        total.reconnects,
         total.indeterminate_ops,
         total.requests,
         total.tokens,

@@ -30,15 +30,18 @@
 //!   decoder operations end in doubt; a request now and then delivered twice, or held in
 //!   transit for up to 0.6 s and delivered after later ones), wall clocks
 //!   jumping by seconds, decoder pauses past their lease (stale writers), decoder crashes and
-//!   graceful stops (releasing what they hold), client cancels. Decoders renew their leases;
+//!   graceful stops (releasing what they hold), client cancels. Clients watch whichever node
+//!   they are connected to (its applied state) and move to another, resuming from the next
+//!   seq, when theirs is down, cut off or stalled. Decoders renew their leases;
 //!   half the seeds keep finished generations for 3-20 s only, so retention prunes while
 //!   clients read (a pruned generation is checked as read right after its last event).
 //!
 //! Planted bugs (`--plant`): `no-fence` (apply without the epoch fence), `ack-before-fsync`
-//! (commit counts copies not yet fsynced), `early-visibility` (clients read the leader's log
+//! (commit counts copies not yet fsynced), `early-visibility` (clients read their node's log
 //! before commit), `snapshot-lag` (a snapshot claims an index below what its state contains, so
 //! a restarted replica applies entries twice), `unbounded-clock` (the leader stamps with its
-//! wall clock as it is: a jump expires live leases, which lease-time sees).
+//! wall clock as it is: a jump expires live leases, which lease-time sees), `leader-restore`
+//! (openraft only: openraft's default leader restore, which convergence sees).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -67,6 +70,10 @@ pub enum SimPlant {
     /// The leader stamps log time with its wall clock as it is (the real `Clock` with
     /// `trust_wall`): a clock jump expires live leases (lease-time).
     UnboundedClock,
+    /// openraft only: the Raft configuration as it was before the simulation found the bug,
+    /// with openraft's default `enable_leader_restore` (a restarted leader resumes its term and
+    /// may write other entries under log ids its followers hold: convergence).
+    LeaderRestore,
 }
 
 /// Which replicated log runs under the workload.
@@ -147,10 +154,14 @@ pub struct SimCounts {
     pub duplicates: u64,
     /// Entries written after the last fsync that a crash kept (a torn tail; openraft only).
     pub torn_kept: u64,
+    /// Client watches moved to another node, resuming from the next seq.
+    pub reconnects: u64,
     /// Disk writes that failed (EIO once, or ENOSPC while a disk was full; openraft only).
     pub write_failures: u64,
     /// Log nodes whose Raft stopped on a storage error, and restarted (openraft only).
     pub storage_exits: u64,
+    /// Log nodes whose openraft core panicked (an assertion in openraft), and restarted.
+    pub raft_panics: u64,
     /// Requests held in transit and delivered late (after later ones).
     pub delayed: u64,
     pub indeterminate_ops: u64,
@@ -173,8 +184,10 @@ impl SimCounts {
         self.pruned += o.pruned;
         self.duplicates += o.duplicates;
         self.torn_kept += o.torn_kept;
+        self.reconnects += o.reconnects;
         self.write_failures += o.write_failures;
         self.storage_exits += o.storage_exits;
+        self.raft_panics += o.raft_panics;
         self.delayed += o.delayed;
         self.indeterminate_ops += o.indeterminate_ops;
         self.requests += o.requests;
@@ -192,6 +205,10 @@ const RETENTION_MS: u64 = 60_000;
 const SNAPSHOT_EVERY: usize = 40;
 /// A call unanswered this long is in doubt; the caller moves on.
 const CALL_TIMEOUT_MS: u64 = 300;
+/// A client whose watch showed nothing new for this long reconnects to another node.
+const WATCH_STALL_MS: u64 = 400;
+/// A client whose node is down or unreachable tries another this often.
+const RECONNECT_MS: u64 = 50;
 /// How long after healing every request must have finished.
 const HEAL_MS: u64 = 20_000;
 const DECODER_CAPACITY: usize = 3;
@@ -370,6 +387,10 @@ struct Client {
     cancel_in_flight: Option<u64>,
     next_try: u64,
     done: Vec<RequestRecord>,
+    /// The node whose Watch the client reads (any node serves one, from its applied state).
+    node: usize,
+    /// When the client connected or last saw something new.
+    progress_at: u64,
 }
 
 struct Sim {
@@ -385,6 +406,8 @@ struct Sim {
     replicas: Vec<Replica>,
     /// Cut links between replicas (i < j).
     cut: BTreeSet<(usize, usize)>,
+    /// Links cut in one direction only (from, to); openraft only.
+    one_way: BTreeSet<(usize, usize)>,
     /// Replicas cut from every decoder and client, until a time.
     isolated_from_clients: BTreeSet<usize>,
     isolated_until: u64,
@@ -446,6 +469,7 @@ impl Sim {
                 ack_before_fsync: cfg.plant == Some(SimPlant::AckBeforeFsync),
                 snapshot_lag: cfg.plant == Some(SimPlant::SnapshotLag),
                 unbounded_clock: unbounded,
+                leader_restore: cfg.plant == Some(SimPlant::LeaderRestore),
             };
             crate::sim_raft::RealLog::new(cfg.seed, faults, &skews, clock_now.clone(), plants)
         });
@@ -460,6 +484,7 @@ impl Sim {
             disk_full: Vec::new(),
             clock_now,
             cut: BTreeSet::new(),
+            one_way: BTreeSet::new(),
             isolated_from_clients: BTreeSet::new(),
             isolated_until: 0,
             retention_ms,
@@ -483,6 +508,8 @@ impl Sim {
             clients: (0..CLIENTS)
                 .map(|_| Client {
                     k: 0,
+                    node: 0,
+                    progress_at: 0,
                     rec: None,
                     submitting: None,
                     generation: 0,
@@ -636,8 +663,9 @@ impl Sim {
             }
             2 => {
                 // Partition: one replica cut off from the others (maybe the leader).
-                if !self.cut.is_empty() {
+                if !self.cut.is_empty() || !self.one_way.is_empty() {
                     self.cut.clear();
+                    self.one_way.clear();
                     self.faults_log.push(format!("{} heal partition", self.now));
                     return;
                 }
@@ -645,10 +673,38 @@ impl Sim {
                     Some(l) if self.rng.random_bool(0.5) => l,
                     _ => self.rng.random_range(0..REPLICAS),
                 };
+                // Under openraft, two more shapes: what `i` sends is lost while it still hears
+                // the others (one way), or only the link from `i` to one other is cut (the
+                // third node bridges them).
+                let shape = if self.real.is_some() {
+                    self.rng.random_range(0..3)
+                } else {
+                    0
+                };
                 for j in 0..REPLICAS {
-                    if j != i {
-                        self.cut.insert((i.min(j), i.max(j)));
+                    if j == i {
+                        continue;
                     }
+                    match shape {
+                        0 => {
+                            self.cut.insert((i.min(j), i.max(j)));
+                        }
+                        1 => {
+                            self.one_way.insert((i, j));
+                        }
+                        _ => {
+                            if j == (i + 1) % REPLICAS {
+                                self.cut.insert((i.min(j), i.max(j)));
+                            }
+                        }
+                    }
+                }
+                if shape != 0 {
+                    self.faults_log.push(format!(
+                        "{} partition shape {}",
+                        self.now,
+                        if shape == 1 { "one-way" } else { "bridge" }
+                    ));
                 }
                 if self.rng.random_bool(0.3) {
                     self.isolated_from_clients.insert(i);
@@ -753,6 +809,7 @@ impl Sim {
             }
         }
         self.cut.clear();
+        self.one_way.clear();
         self.isolated_from_clients.clear();
         self.loss = 0.0;
         for d in &mut self.decoders {
@@ -1006,7 +1063,7 @@ impl Sim {
     /// the answers it gave go to their callers.
     fn real_step(&mut self) {
         let real = self.real.as_mut().expect("openraft core");
-        real.set_links(&self.cut, self.loss);
+        real.set_links(&self.cut, &self.one_way, self.loss);
         self.arrivals();
         let real = self.real.as_mut().expect("openraft core");
         real.advance_to(self.now);
@@ -1017,13 +1074,21 @@ impl Sim {
             }
             now < until
         });
-        for i in real.reap() {
-            self.counts.storage_exits += 1;
+        for (i, how) in real.reap() {
+            let what = match how {
+                crate::sim_raft::Stopped::StorageError => {
+                    self.counts.storage_exits += 1;
+                    "a storage error"
+                }
+                crate::sim_raft::Stopped::Panic => {
+                    self.counts.raft_panics += 1;
+                    "a panic in openraft"
+                }
+            };
             let r = &mut self.replicas[i];
             r.up = false;
             r.restart_at = self.now + self.rng.random_range(50..500);
-            self.faults_log
-                .push(format!("{} n{i} stopped on a storage error", self.now));
+            self.faults_log.push(format!("{} n{i} stopped on {what}", self.now));
         }
         let leader = real.leader();
         if leader.is_some() && leader != self.leader {
@@ -1534,14 +1599,31 @@ impl Sim {
     }
 
     /// The client's stream: committed records of its generation past the last seq it saw, as
-    /// the leader's applied state holds them (or, planted, the leader's whole log).
+    /// the connected node's applied state holds them (or, planted, that node's whole log).
     fn client_read(&mut self, c: usize) {
         let gen = self.clients[c].generation;
         if gen == 0 {
             return;
         }
-        let Some(l) = self.leader else { return };
-        if self.isolated_from_clients.contains(&l) || !self.replicas[l].up {
+        // The watch is served by the node the client is connected to, from that node's applied
+        // state (a follower may lag: a prefix). The client reconnects, resuming from the next
+        // seq it wants, to a node drawn at random when its node is down or cut off from
+        // clients, when nothing new came for `WATCH_STALL_MS`, and now and then.
+        let l = self.clients[c].node;
+        let unusable = !self.replicas[l].up || self.isolated_from_clients.contains(&l);
+        let since = self.now - self.clients[c].progress_at;
+        if unusable && since < RECONNECT_MS {
+            return;
+        }
+        if unusable || since >= WATCH_STALL_MS || self.rng.random_bool(0.001) {
+            let to = self.rng.random_range(0..REPLICAS);
+            let cl = &mut self.clients[c];
+            cl.node = to;
+            cl.progress_at = self.now;
+            if let Some(rec) = cl.rec.as_mut() {
+                rec.connections += 1;
+            }
+            self.counts.reconnects += 1;
             return;
         }
         let seen = |st: &LogState| {
@@ -1567,6 +1649,9 @@ impl Sim {
         let now_us = self.us();
         let cl = &mut self.clients[c];
         let rec = cl.rec.as_mut().expect("a request");
+        if (cl.next_seq as usize) < records.len() {
+            cl.progress_at = self.now;
+        }
         while (cl.next_seq as usize) < records.len() {
             let (t, e) = records[cl.next_seq as usize];
             rec.first_event_us.get_or_insert(now_us);
@@ -1633,6 +1718,9 @@ impl Sim {
         self.counts.requests = reqs.len() as u64;
         self.counts.tokens = reqs.iter().map(|r| r.events.len() as u64).sum();
         self.counts.indeterminate_ops = self.ops.iter().filter(|o| o.ok().is_none()).count() as u64;
+        // The final read waits for every replica to catch up (convergence): a client may have
+        // read a follower whose applied state was ahead of the leader's.
+        let convergence = self.convergence();
         let l = self.leader.unwrap_or(0);
         let read = (self.us(), self.us() + 1);
         let (mut finals, log_gens): (HashMap<u64, FinalGen>, Vec<(u64, String)>) = self
@@ -1663,7 +1751,7 @@ impl Sim {
             checks::liveness(&reqs, &[], LEASE_MS, tokenlog_raftlog::limits::UNOWNED_MS_DEFAULT),
         );
         verdicts.insert("lease-time".into(), checks::lease_time(&self.ops, LEASE_MS));
-        verdicts.insert("convergence".into(), self.convergence());
+        verdicts.insert("convergence".into(), convergence);
         if let Some(real) = &self.real {
             self.counts.duplicates += real.duplicates();
         }

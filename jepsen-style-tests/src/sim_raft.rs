@@ -18,7 +18,8 @@
 //!   (ENOSPC): openraft stops on a storage error, and the node's process exits and restarts
 //!   (what it wrote reaches the disk: a process exit is not a power cut).
 //! - **The network** ([`Net`]): every Raft message (AppendEntries, votes, whole snapshots) goes
-//!   through a delay of 0.2-3 ms each way, cut links fail after a connect timeout, lossy links
+//!   through a delay of 0.2-3 ms each way, cut links (both ways, one way, or one link of three
+//!   with the third node bridging) fail after a connect timeout, lossy links
 //!   lose requests or answers, and an AppendEntries now and then arrives a second time, late,
 //!   after newer ones (reordering and duplication).
 //! - **Proposals**: each node stamps a command with the real `Clock` on its simulated wall and
@@ -387,6 +388,8 @@ impl RaftStateMachine<SimTypeConfig> for SimSm {
 struct Net {
     rafts: Mutex<Vec<Option<SimRaft>>>,
     cut: Mutex<BTreeSet<(usize, usize)>>,
+    /// Links cut in one direction: (from, to).
+    one_way: Mutex<BTreeSet<(usize, usize)>>,
     loss: Mutex<f64>,
     rng: Arc<Mutex<StdRng>>,
     /// AppendEntries delivered a second time, late.
@@ -398,8 +401,11 @@ struct Net {
 struct Msg(&'static str);
 
 impl Net {
+    /// Whether `a` can send to `b`.
     fn linked(&self, a: usize, b: usize) -> bool {
-        a == b || !self.cut.lock().expect("cut").contains(&(a.min(b), a.max(b)))
+        a == b
+            || (!self.cut.lock().expect("cut").contains(&(a.min(b), a.max(b)))
+                && !self.one_way.lock().expect("one way").contains(&(a, b)))
     }
 
     fn draw(&self, range: (u64, u64)) -> u64 {
@@ -544,6 +550,7 @@ pub(crate) struct RealLog {
     faults: Faults,
     plant_ack: bool,
     plant_lag: bool,
+    plant_restore: bool,
     seed: u64,
     boots: u64,
     proposals: u64,
@@ -551,11 +558,20 @@ pub(crate) struct RealLog {
     unbounded_clock: bool,
 }
 
+/// Why a node's Raft stopped without being told to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Stopped {
+    StorageError,
+    Panic,
+}
+
 /// The planted bugs this log knows about.
 pub(crate) struct RealPlants {
     pub ack_before_fsync: bool,
     pub snapshot_lag: bool,
     pub unbounded_clock: bool,
+    /// openraft's default `enable_leader_restore` instead of production's `false`.
+    pub leader_restore: bool,
 }
 
 impl RealLog {
@@ -577,6 +593,7 @@ impl RealLog {
         let net = Arc::new(Net {
             rafts: Mutex::new(vec![None; skews.len()]),
             cut: Mutex::default(),
+            one_way: Mutex::default(),
             loss: Mutex::new(0.0),
             rng: Arc::new(Mutex::new(StdRng::seed_from_u64(seed ^ 0x005e_ed0f_0e41_4af7))),
             duplicates: AtomicU64::new(0),
@@ -597,6 +614,7 @@ impl RealLog {
             faults,
             plant_ack: plants.ack_before_fsync,
             plant_lag: plants.snapshot_lag,
+            plant_restore: plants.leader_restore,
             seed,
             boots: 0,
             proposals: 0,
@@ -636,7 +654,12 @@ impl RealLog {
         );
         cfg.snapshot_every = SNAPSHOT_EVERY;
         cfg.keep_after_snapshot = KEEP_AFTER_SNAPSHOT;
-        let config = tokenlog_raftlog::node::raft_config(&cfg).expect("the production raft config is valid");
+        let mut config = tokenlog_raftlog::node::raft_config(&cfg).expect("the production raft config is valid");
+        if self.plant_restore {
+            let mut c = (*config).clone();
+            c.enable_leader_restore = None;
+            config = Arc::new(c);
+        }
         let sm = SimSm {
             machine: machine.clone(),
             disk: node.disk.clone(),
@@ -673,8 +696,9 @@ impl RealLog {
         self.rt.block_on(async move { tokio::time::sleep_until(at).await });
     }
 
-    pub fn set_links(&self, cut: &BTreeSet<(usize, usize)>, loss: f64) {
+    pub fn set_links(&self, cut: &BTreeSet<(usize, usize)>, one_way: &BTreeSet<(usize, usize)>, loss: f64) {
         *self.net.cut.lock().expect("cut") = cut.clone();
+        *self.net.one_way.lock().expect("one way") = one_way.clone();
         *self.net.loss.lock().expect("loss") = loss;
     }
 
@@ -800,22 +824,28 @@ impl RealLog {
         self.nodes[i].disk.lock().expect("disk").full = false;
     }
 
-    /// The nodes whose Raft stopped on its own (a storage error is fatal to openraft): their
-    /// processes exit, as `tokenlog node` does, and are restarted by the simulation.
-    pub fn reap(&mut self) -> Vec<usize> {
+    /// The nodes whose Raft stopped on its own, and how: a storage error (fatal to openraft)
+    /// or a panic in its core (its metrics channel closed). Their processes exit, as
+    /// `tokenlog node` does (it aborts on a panic), and the simulation restarts them.
+    pub fn reap(&mut self) -> Vec<(usize, Stopped)> {
         let mut gone = Vec::new();
         for i in 0..self.nodes.len() {
-            let failed = self.nodes[i].up.as_ref().is_some_and(|p| {
+            let stopped = self.nodes[i].up.as_ref().and_then(|p| {
                 let m = p.raft.metrics();
-                let failed = m.borrow_watched().running_state.is_err();
-                failed
+                // A fatal error is in the last metrics its core sent; a panic sends none.
+                let fatal = m.borrow_watched().running_state.is_err();
+                if fatal {
+                    Some(Stopped::StorageError)
+                } else {
+                    m.is_closed().then_some(Stopped::Panic)
+                }
             });
-            if failed {
+            if let Some(how) = stopped {
                 let p = self.nodes[i].up.take().expect("up");
                 self.net.rafts.lock().expect("rafts")[i] = None;
                 let _ = self.rt.block_on(p.raft.shutdown());
                 self.nodes[i].disk.lock().expect("disk").process_exit();
-                gone.push(i);
+                gone.push((i, how));
             }
         }
         gone

@@ -180,6 +180,13 @@ impl<T> Drop for DetSender<T> {
     }
 }
 
+impl<T> DetReceiver<T> {
+    /// Every sender is gone (for openraft's metrics: its core task ended, by a panic too).
+    pub fn is_closed(&self) -> bool {
+        self.shared.meta().senders == 0
+    }
+}
+
 impl<T> Clone for DetReceiver<T> {
     fn clone(&self) -> Self {
         self.shared.receivers.fetch_add(1, Ordering::Relaxed);
