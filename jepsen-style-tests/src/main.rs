@@ -95,7 +95,8 @@ enum Command {
     /// of a simulated replicated log, simulated decoders and clients, seeded faults on
     /// simulated time; see `jepsen_style_tests::sim`). Prints one line per failing seed (with
     /// the first violated invariant) and `N seeds, V violations`; `--seeds 1 --seed-start S`
-    /// replays seed S bit for bit (same history hash). Exit status: 0 no violation, 1 some.
+    /// replays seed S bit for bit (same history hash); `TOKENLOG_SIM_DUMP=DIR` writes each seed's
+    /// history to `DIR/seed-S.jsonl`. Exit status: 0 no violation, 1 some.
     Sim {
         /// Number of seeds.
         #[arg(long, default_value_t = 1_000)]
@@ -328,6 +329,12 @@ fn sim_runs(
                 o.seed,
                 o.first_violation().unwrap_or_default(),
                 o.history_hash
+            );
+        } else if o.counts.raft_panics > 0 {
+            // Not a violation (the node restarts), but worth a replay.
+            println!(
+                "seed {}: openraft panicked {} time(s), the node restarted (history {})",
+                o.seed, o.counts.raft_panics, o.history_hash
             );
         }
     });

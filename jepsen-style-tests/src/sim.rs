@@ -56,7 +56,7 @@ use tokenlog_raftlog::clock::{Clock, TimeSource};
 use tokenlog_raftlog::state::{Changes, LogState};
 use tokenlog_raftlog::types::*;
 
-use crate::harness::checks::{self, FinalGen, Verdict};
+use crate::harness::checks::{self, FinalGen, Verdict, DUPLICATE_SUFFIX};
 use crate::harness::decoder_ops::{DecoderOp, OpKind};
 use crate::harness::workload::{RequestRecord, StatusSeen};
 
@@ -1164,6 +1164,24 @@ impl Sim {
             // delivered to whoever leads then.
             if self.loss > 0.0 && self.rng.random_bool(0.1) {
                 self.counts.duplicates += 1;
+                // Two deliveries are two effects. For an acquire they can differ (one refused
+                // while the lease lives, the other, later, granted: a grant its decoder never
+                // hears of), so the second delivery is an operation of its own in the history,
+                // in doubt, by the same decoder as a separate client (`DUPLICATE_SUFFIX`).
+                // Appends, renewals, releases and finishes carry their epoch and are idempotent.
+                let shadows: Vec<(String, Call)> = ops
+                    .iter()
+                    .filter_map(|&o| match &self.ops[o].kind {
+                        OpKind::Call {
+                            call: c @ Call::Acquire { .. },
+                            ..
+                        } => Some((format!("{}{DUPLICATE_SUFFIX}", self.ops[o].decoder), c.clone())),
+                        _ => None,
+                    })
+                    .collect();
+                for (name, c) in shadows {
+                    self.record(&name, c);
+                }
                 self.propose(cmd.clone(), Some(id));
             }
             if self.loss > 0.0 && self.rng.random_bool(0.05) {
@@ -1756,6 +1774,9 @@ impl Sim {
             self.counts.duplicates += real.duplicates();
         }
         let history_hash = self.history_hash(&reqs);
+        if let Ok(dir) = std::env::var("TOKENLOG_SIM_DUMP") {
+            self.dump(std::path::Path::new(&dir), &reqs, &finals);
+        }
         SimOutcome {
             seed: self.cfg.seed,
             verdicts,
@@ -1857,6 +1878,34 @@ impl Sim {
             }
         }
         v
+    }
+
+    /// Writes the seed's history (`TOKENLOG_SIM_DUMP=DIR`): `DIR/seed-S.jsonl`, one JSON object
+    /// a line: decoder operations (as the fault suite's `history.jsonl`), client requests, the
+    /// fault log, and each generation's final state.
+    fn dump(&self, dir: &std::path::Path, reqs: &[RequestRecord], finals: &HashMap<u64, FinalGen>) {
+        let mut out = String::new();
+        for o in &self.ops {
+            out += &format!("{}\n", serde_json::json!({"op": o.to_json()}));
+        }
+        for r in reqs {
+            out += &format!("{}\n", serde_json::json!({"request": r}));
+        }
+        for f in &self.faults_log {
+            out += &format!("{}\n", serde_json::json!({"fault": f}));
+        }
+        let finals: BTreeMap<_, _> = finals.iter().collect();
+        for (g, f) in finals {
+            out += &format!(
+                "{}\n",
+                serde_json::json!({"final": {"generation": g, "epoch": f.epoch, "frontier": f.records.len(),
+                    "terminal": f.terminal, "state": f.state, "records": f.records, "read_us": f.read_us}})
+            );
+        }
+        let path = dir.join(format!("seed-{}.jsonl", self.cfg.seed));
+        if let Err(e) = std::fs::create_dir_all(dir).and_then(|_| std::fs::write(&path, out)) {
+            eprintln!("sim: cannot write {}: {e}", path.display());
+        }
     }
 
     fn history_hash(&self, reqs: &[RequestRecord]) -> String {

@@ -8,36 +8,44 @@ use jepsen_style_tests::sim::{self, SimConfig, SimCore, SimCounts, SimPlant};
 
 const TIME_MS: u64 = 6_000;
 
-#[test]
-fn a_thousand_seeds_show_no_violation_and_the_faults_bite() {
+/// Runs seeds 1..=n on `core`: none may show a violation, and every fault in `bites` (plus
+/// those both cores draw) must have happened at least once.
+fn no_violation_and_the_faults_bite(core: SimCore, n: u64, bites: impl Fn(&SimCounts) -> Vec<(&'static str, u64)>) {
     let mut total = SimCounts::default();
     let mut bad = Vec::new();
-    sim::run_seeds(1, 1_000, TIME_MS, None, SimCore::StandIn, |o| {
+    sim::run_seeds(1, n, TIME_MS, None, core, |o| {
         total.add(&o.counts);
         if !o.ok() {
             bad.push(format!("seed {}: {}", o.seed, o.first_violation().unwrap_or_default()));
         }
     });
     assert!(bad.is_empty(), "{} violations: {bad:?}", bad.len());
-    eprintln!("1000 seeds: {total:?}");
-    for (what, n) in [
-        ("crashes", total.crashes),
-        ("unsynced entries lost", total.lost_unsynced),
-        ("disks lost", total.disks_lost),
-        ("partitions", total.partitions),
-        ("leader changes", total.leader_changes),
-        ("takeovers", total.takeovers),
-        ("decoder pauses", total.decoder_pauses),
-        ("clock jumps", total.clock_jumps),
-        ("decoder stops (releases)", total.decoder_releases),
-        ("generations pruned", total.pruned),
-        ("duplicated requests", total.duplicates),
-        ("delayed requests", total.delayed),
-        ("watch reconnects", total.reconnects),
-        ("indeterminate ops", total.indeterminate_ops),
-    ] {
+    eprintln!("{n} seeds of {core:?}: {total:?}");
+    let t = &total;
+    let mut drawn = vec![
+        ("crashes", t.crashes),
+        ("unsynced entries lost", t.lost_unsynced),
+        ("partitions", t.partitions),
+        ("leader changes", t.leader_changes),
+        ("takeovers", t.takeovers),
+        ("decoder pauses", t.decoder_pauses),
+        ("clock jumps", t.clock_jumps),
+        ("decoder stops (releases)", t.decoder_releases),
+        ("generations pruned", t.pruned),
+        ("duplicated requests or messages", t.duplicates),
+        ("delayed requests", t.delayed),
+        ("watch reconnects", t.reconnects),
+        ("indeterminate ops", t.indeterminate_ops),
+    ];
+    drawn.extend(bites(t));
+    for (what, n) in drawn {
         assert!(n > 0, "the faults never drew {what}: {total:?}");
     }
+}
+
+#[test]
+fn a_thousand_seeds_show_no_violation_and_the_faults_bite() {
+    no_violation_and_the_faults_bite(SimCore::StandIn, 1_000, |t| vec![("disks lost", t.disks_lost)]);
 }
 
 #[test]
@@ -126,36 +134,13 @@ fn planted_snapshot_index_lag_is_caught_by_convergence() {
 
 #[test]
 fn two_hundred_openraft_seeds_show_no_violation_and_the_faults_bite() {
-    let mut total = SimCounts::default();
-    let mut bad = Vec::new();
-    sim::run_seeds(1, 200, TIME_MS, None, SimCore::Openraft, |o| {
-        total.add(&o.counts);
-        if !o.ok() {
-            bad.push(format!("seed {}: {}", o.seed, o.first_violation().unwrap_or_default()));
-        }
+    no_violation_and_the_faults_bite(SimCore::Openraft, 200, |t| {
+        vec![
+            ("torn tails kept", t.torn_kept),
+            ("disk write failures", t.write_failures),
+            ("nodes stopped by a storage error", t.storage_exits),
+        ]
     });
-    assert!(bad.is_empty(), "{} violations: {bad:?}", bad.len());
-    eprintln!("200 openraft seeds: {total:?}");
-    for (what, n) in [
-        ("crashes", total.crashes),
-        ("unsynced entries lost", total.lost_unsynced),
-        ("torn tails kept", total.torn_kept),
-        ("disk write failures", total.write_failures),
-        ("nodes stopped by a storage error", total.storage_exits),
-        ("partitions", total.partitions),
-        ("leader changes", total.leader_changes),
-        ("takeovers", total.takeovers),
-        ("decoder pauses", total.decoder_pauses),
-        ("clock jumps", total.clock_jumps),
-        ("decoder stops (releases)", total.decoder_releases),
-        ("generations pruned", total.pruned),
-        ("duplicated messages", total.duplicates),
-        ("delayed requests", total.delayed),
-        ("watch reconnects", total.reconnects),
-        ("indeterminate ops", total.indeterminate_ops),
-    ] {
-        assert!(n > 0, "the faults never drew {what}: {total:?}");
-    }
 }
 
 /// openraft restores a restarted leader in its old term by default; after a power cut that

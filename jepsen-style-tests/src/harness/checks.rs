@@ -625,6 +625,10 @@ pub fn linearizability(
 }
 
 /// The model's operations of the decoders' calls (one client per decoder incarnation).
+/// A decoder name ending in this is a second delivery of that decoder's request (the
+/// simulation's duplicated messages): its own client in the history, the same decoder as owner.
+pub const DUPLICATE_SUFFIX: &str = "~dup";
+
 fn ownership_ops(decoder_ops: &[DecoderOp]) -> Vec<Operation<OwnershipInput, OwnershipOutput>> {
     let mut clients: HashMap<String, u64> = HashMap::new();
     let mut ops = Vec::new();
@@ -641,7 +645,9 @@ fn ownership_ops(decoder_ops: &[DecoderOp]) -> Vec<Operation<OwnershipInput, Own
         };
         let (op, ok) = match o.op() {
             "acquire" => (
-                OwnershipOp::Acquire { decoder: dec },
+                OwnershipOp::Acquire {
+                    decoder: dec.strip_suffix(DUPLICATE_SUFFIX).unwrap_or(&dec).to_string(),
+                },
                 OwnershipOutput::Acquired {
                     epoch: o.epoch(),
                     frontier: o.frontier(),

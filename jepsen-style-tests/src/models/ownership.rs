@@ -188,9 +188,11 @@ fn seen_terminal(s: &S, terminal: bool) -> Option<S> {
     })
 }
 
-/// A rejection names the epoch and frontier in force.
+/// A rejection names the epoch and frontier in force; one for a generation retention pruned
+/// (NotFound: terminal, epoch 0, frontier 0) names neither, only that it ended.
 fn rejected(s: &S, current_epoch: u64, frontier: u64, terminal: bool) -> Option<S> {
-    (current_epoch == s.epoch && frontier == s.frontier)
+    let pruned = terminal && current_epoch == 0 && frontier == 0;
+    (pruned || (current_epoch == s.epoch && frontier == s.frontier))
         .then(|| seen_terminal(s, terminal))
         .flatten()
 }
@@ -360,6 +362,40 @@ mod tests {
 
     fn verdict(ops: &[Op]) -> &'static str {
         check(&Ownership, ops, BUDGET).verdict()
+    }
+
+    #[test]
+    fn an_append_answered_after_pruning_says_only_that_it_ended() {
+        let pruned = || {
+            Some(O::Rejected {
+                current_epoch: 0,
+                frontier: 0,
+                terminal: true,
+            })
+        };
+        let ok = [
+            acq(0, "a", 0, Some(O::Acquired { epoch: 1, frontier: 0 }), 1),
+            app(0, (1, 0, 2), 2, Some(O::Appended { frontier: 2 }), 3),
+            app(0, (1, 2, 2), 4, pruned(), 5),
+        ];
+        assert_eq!(verdict(&ok), "linearizable");
+        // A live generation's rejection must still name its epoch and frontier.
+        let live = [
+            acq(0, "a", 0, Some(O::Acquired { epoch: 1, frontier: 0 }), 1),
+            app(0, (1, 0, 2), 2, Some(O::Appended { frontier: 2 }), 3),
+            app(
+                0,
+                (2, 2, 2),
+                4,
+                Some(O::Rejected {
+                    current_epoch: 0,
+                    frontier: 0,
+                    terminal: false,
+                }),
+                5,
+            ),
+        ];
+        assert_eq!(verdict(&live), "not-linearizable");
     }
 
     #[test]
