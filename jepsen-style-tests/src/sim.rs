@@ -205,6 +205,9 @@ const RETENTION_MS: u64 = 60_000;
 const SNAPSHOT_EVERY: usize = 40;
 /// A call unanswered this long is in doubt; the caller moves on.
 const CALL_TIMEOUT_MS: u64 = 300;
+/// The linearizability search's budget per seed, and the retry's when it runs out.
+const LIN_BUDGET: Duration = Duration::from_secs(10);
+const LIN_BUDGET_RETRY: Duration = Duration::from_secs(120);
 /// A client whose watch showed nothing new for this long reconnects to another node.
 const WATCH_STALL_MS: u64 = 400;
 /// A client whose node is down or unreachable tries another this often.
@@ -1759,7 +1762,12 @@ impl Sim {
         verdicts.insert("exactly-once".into(), checks::exactly_once(&reqs, &finals, &log_gens));
         verdicts.insert("durability".into(), checks::durability(&reqs, &self.ops, &finals));
         verdicts.insert("fencing".into(), checks::fencing(&self.ops, &finals));
-        let (lin, _) = checks::linearizability(&self.ops, &finals, Duration::from_secs(10));
+        let (mut lin, _) = checks::linearizability(&self.ops, &finals, LIN_BUDGET);
+        if lin.problems.iter().any(|p| p.starts_with("unknown")) {
+            // The search ran out of budget (many operations in doubt in one generation): once
+            // more with a larger one before calling the seed undecided.
+            lin = checks::linearizability(&self.ops, &finals, LIN_BUDGET_RETRY).0;
+        }
         verdicts.insert("linearizability".into(), lin);
         verdicts.insert("status".into(), checks::status(&reqs));
         verdicts.insert("completion".into(), checks::completion(&reqs, &finals, None));
