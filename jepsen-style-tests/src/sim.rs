@@ -1795,11 +1795,38 @@ impl Sim {
 
     /// Every replica, caught up, holds the same state (applied index and whole state).
     fn convergence(&mut self) -> Verdict {
-        let mut v = Verdict::new();
+        self.catch_up();
+        let states: Vec<Option<(u64, LogState)>> = match &self.real {
+            Some(real) => real.applied(),
+            None => self
+                .replicas
+                .iter()
+                .map(|r| Some((r.applied as u64, r.state.clone())))
+                .collect(),
+        };
+        same_states(&states, if self.real.is_some() { 'n' } else { 'r' })
+    }
+
+    /// Runs on without faults until every replica is up and has applied the leader's commit
+    /// index (or a bound passes).
+    fn catch_up(&mut self) {
         if self.real.is_some() {
-            return self.real_convergence();
+            for _ in 0..5_000 {
+                self.advance();
+                self.restarts();
+                self.real_step();
+                let real = self.real.as_ref().expect("openraft core");
+                let Some(commit) = real.committed() else { continue };
+                if real
+                    .applied()
+                    .iter()
+                    .all(|a| a.as_ref().is_some_and(|(i, _)| *i == commit))
+                {
+                    return;
+                }
+            }
+            return;
         }
-        // Let every replica catch up with the leader (no faults now).
         for _ in 0..2_000 {
             self.advance();
             self.restarts();
@@ -1808,84 +1835,9 @@ impl Sim {
             let Some(l) = self.leader else { continue };
             let commit = self.replicas[l].commit;
             if self.replicas.iter().all(|r| r.up && r.applied == commit) {
-                break;
+                return;
             }
         }
-        let digests: Vec<(usize, String)> = self
-            .replicas
-            .iter()
-            .map(|r| {
-                (
-                    r.applied,
-                    hex(&Sha256::digest(serde_json::to_vec(&r.state).unwrap_or_default())),
-                )
-            })
-            .collect();
-        v.checked = digests.len();
-        for (i, d) in digests.iter().enumerate().skip(1) {
-            if d.0 == digests[0].0 && d.1 != digests[0].1 {
-                v.fail(format!(
-                    "replicas r0 and r{i} applied the same {} entries but hold different states",
-                    d.0
-                ));
-            } else if d.0 != digests[0].0 {
-                v.fail(format!(
-                    "replica r{i} applied {} entries, r0 {}: never caught up",
-                    d.0, digests[0].0
-                ));
-            }
-        }
-        v
-    }
-
-    /// The same for the openraft cluster: every node up and applied to the leader's commit
-    /// index, then the same state everywhere.
-    fn real_convergence(&mut self) -> Verdict {
-        let mut v = Verdict::new();
-        for _ in 0..5_000 {
-            self.advance();
-            self.restarts();
-            self.real_step();
-            let real = self.real.as_ref().expect("openraft core");
-            let Some(commit) = real.committed() else { continue };
-            let applied = real.applied();
-            if applied.iter().all(|a| a.as_ref().is_some_and(|(i, _)| *i == commit)) {
-                break;
-            }
-        }
-        let applied = self.real.as_ref().expect("openraft core").applied();
-        v.checked = applied.len();
-        let digests: Vec<Option<(u64, String)>> = applied
-            .iter()
-            .map(|a| {
-                a.as_ref()
-                    .map(|(i, st)| (*i, hex(&Sha256::digest(serde_json::to_vec(st).unwrap_or_default()))))
-            })
-            .collect();
-        let differs = |i: usize| match (&applied[0], &applied[i]) {
-            (Some((_, a)), Some((_, b))) => first_difference(a, b).unwrap_or_default(),
-            _ => String::new(),
-        };
-        let Some(Some(first)) = digests.first().cloned() else {
-            v.fail("node n0 is not up after healing".to_string());
-            return v;
-        };
-        for (i, d) in digests.iter().enumerate().skip(1) {
-            match d {
-                None => v.fail(format!("node n{i} is not up after healing")),
-                Some(d) if d.0 == first.0 && d.1 != first.1 => v.fail(format!(
-                    "nodes n0 and n{i} applied up to the same index {} but hold different states: {}",
-                    d.0,
-                    differs(i)
-                )),
-                Some(d) if d.0 != first.0 => v.fail(format!(
-                    "node n{i} applied up to index {}, n0 {}: never caught up",
-                    d.0, first.0
-                )),
-                Some(_) => {}
-            }
-        }
-        v
     }
 
     /// Writes the seed's history (`TOKENLOG_SIM_DUMP=DIR`): `DIR/seed-S.jsonl`, one JSON object
@@ -1929,6 +1881,46 @@ impl Sim {
         }
         hex(&h.finalize())
     }
+}
+
+/// `convergence` over each replica's (applied index, state), `None` for one that is down:
+/// every replica up, at the same index, with the same state (as a digest; where two differ,
+/// the first difference). Replicas are named `{prefix}0`, `{prefix}1`, ...
+fn same_states(states: &[Option<(u64, LogState)>], prefix: char) -> Verdict {
+    let mut v = Verdict::new();
+    v.checked = states.len();
+    let digests: Vec<Option<(u64, String)>> = states
+        .iter()
+        .map(|a| {
+            a.as_ref()
+                .map(|(i, st)| (*i, hex(&Sha256::digest(serde_json::to_vec(st).unwrap_or_default()))))
+        })
+        .collect();
+    let Some(Some(first)) = digests.first().cloned() else {
+        v.fail(format!("replica {prefix}0 is not up after healing"));
+        return v;
+    };
+    for (i, d) in digests.iter().enumerate().skip(1) {
+        match d {
+            None => v.fail(format!("replica {prefix}{i} is not up after healing")),
+            Some(d) if d.0 == first.0 && d.1 != first.1 => {
+                let differs = match (&states[0], &states[i]) {
+                    (Some((_, a)), Some((_, b))) => first_difference(a, b).unwrap_or_default(),
+                    _ => String::new(),
+                };
+                v.fail(format!(
+                    "replicas {prefix}0 and {prefix}{i} applied up to the same index {} but hold different states: {differs}",
+                    d.0
+                ))
+            }
+            Some(d) if d.0 != first.0 => v.fail(format!(
+                "replica {prefix}{i} applied up to index {}, {prefix}0 {}: never caught up",
+                d.0, first.0
+            )),
+            Some(_) => {}
+        }
+    }
+    v
 }
 
 /// Where two states differ first: a generation (both sides' view of it) or a field.

@@ -284,7 +284,7 @@ struct SimSm {
     /// Planted: a snapshot claims an index `SNAPSHOT_EVERY / 2` entries below what it holds
     /// (the raftlog v2 race): whoever loads it applies those entries again.
     snapshot_lag: bool,
-    /// The log ids applied last (for the planted lag).
+    /// The log ids applied last (kept only for the planted lag).
     recent: Arc<Mutex<std::collections::VecDeque<LogId>>>,
 }
 
@@ -346,7 +346,7 @@ impl RaftStateMachine<SimTypeConfig> for SimSm {
                 .lock()
                 .expect("machine")
                 .apply_entry(log_id, entry.payload, &mut changes);
-            {
+            if self.snapshot_lag {
                 let mut recent = self.recent.lock().expect("recent");
                 recent.push_back(log_id);
                 if recent.len() > SNAPSHOT_EVERY as usize {
@@ -472,6 +472,20 @@ fn raft_failed<E: std::fmt::Display>(_: E) -> RPCError<SimTypeConfig> {
     RPCError::Unreachable(Unreachable::new(&Msg("the target stopped")))
 }
 
+impl Conn {
+    /// One request to the target (`call` on its Raft) and the answer back, through the
+    /// network's delays, cut links and losses.
+    async fn rpc<T, E, F>(&self, call: impl FnOnce(SimRaft) -> F) -> Result<T, RPCError<SimTypeConfig>>
+    where
+        E: std::fmt::Display,
+        F: Future<Output = Result<T, E>>,
+    {
+        let raft = self.net.reach(self.from, self.to).await?;
+        let resp = call(raft).await.map_err(raft_failed)?;
+        self.net.back(self.to, self.from, resp).await
+    }
+}
+
 impl RaftNetworkV2<SimTypeConfig> for Conn {
     type SnapshotData = Machine;
 
@@ -480,19 +494,21 @@ impl RaftNetworkV2<SimTypeConfig> for Conn {
         rpc: AppendEntriesRequest<SimTypeConfig>,
         _option: RPCOption,
     ) -> Result<AppendEntriesResponse<SimTypeConfig>, RPCError<SimTypeConfig>> {
-        let raft = self.net.reach(self.from, self.to).await?;
-        // Now and then the same request arrives again later, after newer ones.
-        if self.net.chance(0.02) {
-            self.net.duplicates.fetch_add(1, Ordering::Relaxed);
-            let (late, again) = (raft.clone(), rpc.clone());
-            let delay = self.net.draw((5, 200));
-            Rt::spawn(async move {
-                tokio::time::sleep(Duration::from_millis(delay)).await;
-                let _ = late.append_entries(again).await;
-            });
-        }
-        let resp = raft.append_entries(rpc).await.map_err(raft_failed)?;
-        self.net.back(self.to, self.from, resp).await
+        let net = self.net.clone();
+        self.rpc(move |raft| {
+            // Now and then the same request arrives again later, after newer ones.
+            if net.chance(0.02) {
+                net.duplicates.fetch_add(1, Ordering::Relaxed);
+                let (late, again) = (raft.clone(), rpc.clone());
+                let delay = net.draw((5, 200));
+                Rt::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(delay)).await;
+                    let _ = late.append_entries(again).await;
+                });
+            }
+            async move { raft.append_entries(rpc).await }
+        })
+        .await
     }
 
     async fn vote(
@@ -500,9 +516,7 @@ impl RaftNetworkV2<SimTypeConfig> for Conn {
         rpc: VoteRequest<SimTypeConfig>,
         _option: RPCOption,
     ) -> Result<VoteResponse<SimTypeConfig>, RPCError<SimTypeConfig>> {
-        let raft = self.net.reach(self.from, self.to).await?;
-        let resp = raft.vote(rpc).await.map_err(raft_failed)?;
-        self.net.back(self.to, self.from, resp).await
+        self.rpc(move |raft| async move { raft.vote(rpc).await }).await
     }
 
     async fn full_snapshot(
@@ -512,12 +526,9 @@ impl RaftNetworkV2<SimTypeConfig> for Conn {
         _cancel: impl Future<Output = ReplicationClosed> + OptionalSend + 'static,
         _option: RPCOption,
     ) -> Result<SnapshotResponse<SimTypeConfig>, StreamingError<SimTypeConfig>> {
-        let raft = self.net.reach(self.from, self.to).await?;
-        let resp = raft
-            .install_full_snapshot(vote, snapshot)
-            .await
-            .map_err(|e| StreamingError::from(raft_failed(e)))?;
-        Ok(self.net.back(self.to, self.from, resp).await?)
+        Ok(self
+            .rpc(move |raft| async move { raft.install_full_snapshot(vote, snapshot).await })
+            .await?)
     }
 }
 
@@ -548,14 +559,11 @@ pub(crate) struct RealLog {
     /// (call, answer) of the proposals answered since the last `take_answers`.
     answers: Arc<Mutex<Vec<(u64, Response)>>>,
     faults: Faults,
-    plant_ack: bool,
-    plant_lag: bool,
-    plant_restore: bool,
+    plants: RealPlants,
     seed: u64,
     boots: u64,
     proposals: u64,
     now_ms: Arc<AtomicU64>,
-    unbounded_clock: bool,
 }
 
 /// Why a node's Raft stopped without being told to.
@@ -612,14 +620,11 @@ impl RealLog {
             net,
             answers: Arc::default(),
             faults,
-            plant_ack: plants.ack_before_fsync,
-            plant_lag: plants.snapshot_lag,
-            plant_restore: plants.leader_restore,
+            plants,
             seed,
             boots: 0,
             proposals: 0,
             now_ms,
-            unbounded_clock: plants.unbounded_clock,
         };
         for i in 0..log.nodes.len() {
             log.boot(i);
@@ -638,15 +643,16 @@ impl RealLog {
     fn boot(&mut self, i: usize) {
         self.boots += 1;
         let node = &self.nodes[i];
-        let machine = {
-            let disk = node.disk.lock().expect("disk");
-            match &disk.snapshot {
-                Some((_, m)) => SimSm::loaded(m.clone(), self.faults),
-                None => SimSm::loaded(Machine::default(), self.faults),
-            }
-        };
+        let snapshot = node
+            .disk
+            .lock()
+            .expect("disk")
+            .snapshot
+            .as_ref()
+            .map(|(_, m)| m.clone());
+        let machine = SimSm::loaded(snapshot.unwrap_or_default(), self.faults);
         let machine = Arc::new(Mutex::new(machine));
-        let clock = crate::sim::clock(&self.now_ms, &node.skew, self.unbounded_clock);
+        let clock = crate::sim::clock(&self.now_ms, &node.skew, self.plants.unbounded_clock);
         let mut cfg = tokenlog_raftlog::node::NodeConfig::new(
             i as u64,
             "127.0.0.1:1".parse().expect("addr"),
@@ -655,7 +661,7 @@ impl RealLog {
         cfg.snapshot_every = SNAPSHOT_EVERY;
         cfg.keep_after_snapshot = KEEP_AFTER_SNAPSHOT;
         let mut config = tokenlog_raftlog::node::raft_config(&cfg).expect("the production raft config is valid");
-        if self.plant_restore {
+        if self.plants.leader_restore {
             let mut c = (*config).clone();
             c.enable_leader_restore = None;
             config = Arc::new(c);
@@ -664,10 +670,10 @@ impl RealLog {
             machine: machine.clone(),
             disk: node.disk.clone(),
             faults: self.faults,
-            snapshot_lag: self.plant_lag,
+            snapshot_lag: self.plants.snapshot_lag,
             recent: Arc::default(),
         };
-        let (disk, rng, ack) = (node.disk.clone(), self.net.rng.clone(), self.plant_ack);
+        let (disk, rng, ack) = (node.disk.clone(), self.net.rng.clone(), self.plants.ack_before_fsync);
         let factory = NetFactory {
             from: i,
             net: self.net.clone(),

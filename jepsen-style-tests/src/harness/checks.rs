@@ -624,11 +624,11 @@ pub fn linearizability(
     (v, n)
 }
 
-/// The model's operations of the decoders' calls (one client per decoder incarnation).
 /// A decoder name ending in this is a second delivery of that decoder's request (the
 /// simulation's duplicated messages): its own client in the history, the same decoder as owner.
 pub const DUPLICATE_SUFFIX: &str = "~dup";
 
+/// The model's operations of the decoders' calls (one client per decoder incarnation).
 fn ownership_ops(decoder_ops: &[DecoderOp]) -> Vec<Operation<OwnershipInput, OwnershipOutput>> {
     let mut clients: HashMap<String, u64> = HashMap::new();
     let mut ops = Vec::new();
