@@ -10,7 +10,7 @@ static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use clap::{Parser, Subcommand};
 
-use cmd::{bench, decoder, dev, gateway, generate, keys, node, status};
+use cmd::{bench, certs, decoder, dev, gateway, generate, keys, node, status};
 
 #[derive(Parser)]
 #[command(
@@ -54,6 +54,9 @@ enum Cmd {
     Verify(status::VerifyArgs),
     /// Change cluster membership: add a node (as learner, then voter) or remove voters.
     Members(status::MembersArgs),
+    /// Make a CA and certificates for nodes, decoders, gateways and operators (mutual TLS with
+    /// roles; for tests, compose and first deployments).
+    Certs(certs::CertsArgs),
     /// API keys for a gateway's keys file (it stores only their hashes).
     #[command(subcommand)]
     Keys(keys::KeysCmd),
@@ -83,6 +86,7 @@ fn main() -> anyhow::Result<()> {
             Cmd::Members(a) => status::members(a).await,
             Cmd::ExportSafetensors(a) => decoder::export(a),
             Cmd::Keys(k) => keys::run(k),
+            Cmd::Certs(a) => certs::run(a),
             Cmd::Bench(b) => bench::run(b).await,
         }
     })

@@ -2,7 +2,11 @@
 //! metrics listener of processes that have no gateway (`tokenlog node`, `tokenlog decoder`).
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
+
+use anyhow::Context;
+use tokenlog_raftlog::tls::{ClientTls, Tls, TlsFiles};
 
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
@@ -230,5 +234,38 @@ pub fn failpoint_hooks() -> anyhow::Result<Option<Arc<dyn tokenlog_decoder::work
         anyhow::bail!(
             "TOKENLOG_FAILPOINTS={spec:?} is set, but this build has no failpoints (build with --features faults)"
         )
+    }
+}
+
+/// How a process reaches log nodes (and, for a node, how it serves): the cluster's CA and this
+/// process's certificate and key, made by `tokenlog certs`. All three or none.
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct TlsArgs {
+    /// The cluster CA's certificate (PEM). With --tls-cert and --tls-key: talk to log nodes
+    /// over mutual TLS; a node then checks every caller's role (node, decoder, gateway, admin)
+    /// from its certificate.
+    #[arg(long, env = "TOKENLOG_TLS_CA", requires_all = ["tls_cert", "tls_key"], help_heading = "TLS")]
+    pub tls_ca: Option<PathBuf>,
+    /// This process's certificate (PEM, signed by the CA; its OU names its role).
+    #[arg(long, env = "TOKENLOG_TLS_CERT", requires = "tls_ca", help_heading = "TLS")]
+    pub tls_cert: Option<PathBuf>,
+    /// This process's private key (PEM).
+    #[arg(long, env = "TOKENLOG_TLS_KEY", requires = "tls_ca", help_heading = "TLS")]
+    pub tls_key: Option<PathBuf>,
+}
+
+impl TlsArgs {
+    /// The TLS material, read and checked; `None` when no TLS option was given (plain text).
+    pub fn load(&self) -> anyhow::Result<ClientTls> {
+        let (Some(ca), Some(cert), Some(key)) = (&self.tls_ca, &self.tls_cert, &self.tls_key) else {
+            return Ok(None);
+        };
+        let files = TlsFiles {
+            ca: ca.clone(),
+            cert: cert.clone(),
+            key: key.clone(),
+        };
+        let tls = Tls::load(&files).context("loading TLS material (--tls-ca, --tls-cert, --tls-key)")?;
+        Ok(Some(Arc::new(tls)))
     }
 }

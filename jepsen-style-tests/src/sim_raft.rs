@@ -59,7 +59,7 @@ openraft::declare_raft_types!(
     pub SimTypeConfig:
         D = Request,
         R = Response,
-        Node = openraft::BasicNode,
+        Node = tokenlog_raftlog::raft_types::Node,
         AsyncRuntime = Rt,
 );
 
@@ -453,7 +453,7 @@ struct NetFactory {
 impl RaftNetworkFactory<SimTypeConfig> for NetFactory {
     type Network = Conn;
 
-    async fn new_client(&mut self, target: u64, _node: &openraft::BasicNode) -> Conn {
+    async fn new_client(&mut self, target: u64, _node: &tokenlog_raftlog::raft_types::Node) -> Conn {
         Conn {
             from: self.from,
             to: target as usize,
@@ -630,8 +630,8 @@ impl RealLog {
             log.boot(i);
         }
         let raft = log.nodes[0].up.as_ref().expect("booted").raft.clone();
-        let members: BTreeMap<u64, openraft::BasicNode> = (0..log.nodes.len() as u64)
-            .map(|i| (i, openraft::BasicNode::new(format!("n{i}"))))
+        let members: BTreeMap<u64, tokenlog_raftlog::raft_types::Node> = (0..log.nodes.len() as u64)
+            .map(|i| (i, format!("n{i}").into()))
             .collect();
         log.rt
             .block_on(raft.initialize(members))

@@ -22,6 +22,17 @@ use crate::limits::{
     APPEND_STREAM_IN_FLIGHT_MAX, CALL_TIMEOUT, CONNECT_TIMEOUT, GRPC_MESSAGE_BYTES_MAX, RETRY_PAUSE_MAX,
     RETRY_PAUSE_MIN,
 };
+use crate::tls::{scheme, ClientTls};
+
+/// The endpoint of node `addr` (`host:port`) under `tls`.
+fn endpoint(addr: &str, tls: &ClientTls) -> Result<Endpoint, ClientError> {
+    let bad = |e: tonic::transport::Error| ClientError::BadAddress(addr.to_string(), e.to_string());
+    let e = Endpoint::from_shared(format!("{}://{addr}", scheme(tls))).map_err(bad)?;
+    match tls {
+        Some(tls) => e.tls_config(tls.client_config()).map_err(bad),
+        None => Ok(e),
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -86,6 +97,8 @@ struct Inner {
     leader: Mutex<Option<String>>,
     channels: Mutex<HashMap<String, Channel>>,
     retry_budget: Duration,
+    /// TLS to the nodes (the cluster's CA, this process's certificate); `None`: plain text.
+    tls: ClientTls,
 }
 
 fn retryable(s: &Status) -> bool {
@@ -102,18 +115,27 @@ impl LogClient {
     }
 
     pub fn with_budget(addrs: Vec<String>, retry_budget: Duration) -> Result<Self, ClientError> {
+        Self::with_options(addrs, retry_budget, None)
+    }
+
+    /// A client that reaches the nodes over `tls` (`None`: plain text).
+    pub fn with_tls(addrs: Vec<String>, tls: ClientTls) -> Result<Self, ClientError> {
+        Self::with_options(addrs, RETRY_BUDGET_DEFAULT, tls)
+    }
+
+    pub fn with_options(addrs: Vec<String>, retry_budget: Duration, tls: ClientTls) -> Result<Self, ClientError> {
         if addrs.is_empty() {
             return Err(ClientError::BadAddress(String::new(), "no addresses given".into()));
         }
         for a in &addrs {
-            Endpoint::from_shared(format!("http://{a}"))
-                .map_err(|e| ClientError::BadAddress(a.clone(), e.to_string()))?;
+            endpoint(a, &tls)?;
         }
         let inner = Inner {
             addrs,
             leader: Mutex::new(None),
             channels: Mutex::new(HashMap::new()),
             retry_budget,
+            tls,
         };
         Ok(LogClient { inner: Arc::new(inner) })
     }
@@ -127,8 +149,11 @@ impl LogClient {
         let ch = map
             .entry(addr.to_string())
             .or_insert_with(|| {
-                Endpoint::from_shared(format!("http://{addr}"))
-                    .expect("validated in new()")
+                endpoint(addr, &self.inner.tls)
+                    // A redirect names an address no constructor saw; one that does not parse
+                    // gets a channel that never connects (its calls fail and are retried
+                    // elsewhere) instead of a panic.
+                    .unwrap_or_else(|_| Endpoint::from_static("http://invalid.invalid:1"))
                     .connect_timeout(CONNECT_TIMEOUT)
                     .timeout(CALL_TIMEOUT)
                     .tcp_nodelay(true)

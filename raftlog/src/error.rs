@@ -41,6 +41,10 @@ pub enum LogError {
         #[source]
         source: std::io::Error,
     },
+    /// TLS material that cannot be used (a file that does not read, a certificate of the wrong
+    /// role).
+    #[error("tls: {0}")]
+    Tls(String),
     /// A `raft.v1` payload that does not decode, or cannot be encoded.
     #[error(transparent)]
     Payload(#[from] PayloadError),
@@ -99,7 +103,9 @@ impl From<LogError> for Status {
             LogError::Rejected(r) => Status::new(rejection_code(r.reason), msg),
             LogError::Invalid(_) => Status::invalid_argument(msg),
             LogError::NotFound(_) => Status::not_found(msg),
-            LogError::Storage { .. } | LogError::Listen { .. } | LogError::Internal(_) => Status::internal(msg),
+            LogError::Storage { .. } | LogError::Listen { .. } | LogError::Tls(_) | LogError::Internal(_) => {
+                Status::internal(msg)
+            }
             LogError::Integrity { .. } => Status::data_loss(msg),
             LogError::Payload(_) => Status::invalid_argument(msg),
         }

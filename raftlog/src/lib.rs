@@ -12,6 +12,8 @@
 //!   one mapping of errors to `tonic::Status`.
 //! - [`node`]: a running node (storage + Raft + services + leader tick).
 //! - [`client`]: the Rust client that finds the leader and retries idempotent commands.
+//! - [`tls`], [`auth`]: TLS material and roles from certificates; who may call which method.
+pub mod auth;
 pub mod chain;
 pub mod client;
 pub mod clock;
@@ -29,5 +31,6 @@ pub mod service;
 pub mod sm_store;
 pub mod snapshot;
 pub mod state;
+pub mod tls;
 pub mod transport;
 pub mod types;

@@ -89,6 +89,9 @@ pub const TICK_INTERVAL: Duration = Duration::from_millis(500);
 /// How long a stopping node waits for open streams (Watches) to end before it closes them.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 /// Connecting to a peer or a node (Raft transport and `LogClient`).
+/// A TLS handshake that takes longer is dropped (a client that connects and says nothing holds
+/// no task for long).
+pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 pub const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
 /// One `LogClient` call; and how long a call keeps retrying through leader changes and
 /// unreachable nodes, with pauses that double from the minimum to the maximum.

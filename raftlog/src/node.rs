@@ -28,6 +28,7 @@ use tokenlog_proto::raftlog::log_server::LogServer;
 use tokenlog_proto::raftlog::{ClusterStatusResponse, MemberStatus};
 use tokio::sync::watch;
 
+use crate::auth::Guarded;
 use crate::clock::Clock;
 use crate::error::LogError;
 use crate::faults::Faults;
@@ -38,20 +39,27 @@ use crate::limits::{
 use crate::raft_types::{Node as RaftNode, NodeId, Raft};
 use crate::service::LogService;
 use crate::sm_store::SmShared;
+use crate::tls::ClientTls;
 use crate::transport::{Network, RaftService};
 use crate::types::{Command, GenState, Request, Response};
 
 #[derive(Clone, Debug)]
 pub struct NodeConfig {
     pub id: NodeId,
-    /// Address to listen on.
+    /// Address to listen on for the client API (and for Raft traffic without `peer_listen`).
     pub listen: SocketAddr,
-    /// Address peers and clients use to reach this node (defaults to `listen`).
+    /// Address clients use to reach this node (defaults to `listen`).
     pub advertise: String,
+    /// A listener of its own for `raft.v1` (node-to-node traffic), so that a firewall can keep
+    /// peers and clients apart; `None`: both on `listen`.
+    pub peer_listen: Option<SocketAddr>,
+    /// Address peers use to reach `peer_listen` (defaults to it).
+    pub peer_advertise: String,
     pub data_dir: PathBuf,
-    /// Initial voters `(id, address)`, this node included. The lowest id initializes the
-    /// cluster if it has never been initialized. Empty: wait to be added (join).
-    pub initial_members: Vec<(NodeId, String)>,
+    /// Initial voters, this node included (its own entry is replaced by its advertised
+    /// addresses). The lowest id initializes the cluster if it has never been initialized.
+    /// Empty: wait to be added (join).
+    pub initial_members: Vec<(NodeId, RaftNode)>,
     pub heartbeat_ms: u64,
     pub election_timeout_ms: (u64, u64),
     /// Build a snapshot (and purge the log before it) every this many applied entries.
@@ -64,6 +72,10 @@ pub struct NodeConfig {
     /// Added to this node's wall clock (the fault suite's `clock` nemesis moves it; `None`
     /// outside the suite).
     pub wall_skew_ms: Option<Arc<AtomicI64>>,
+    /// TLS for the listener and for connections to peers; `None`: plain text, and every caller
+    /// may call everything (`--insecure`). With TLS every call is checked against the caller's
+    /// role ([`crate::auth`]).
+    pub tls: ClientTls,
 }
 
 impl NodeConfig {
@@ -72,6 +84,8 @@ impl NodeConfig {
             id,
             listen,
             advertise: listen.to_string(),
+            peer_listen: None,
+            peer_advertise: String::new(),
             data_dir,
             initial_members: vec![],
             heartbeat_ms: 100,
@@ -81,6 +95,7 @@ impl NodeConfig {
             retention_ms: RETENTION_MS_DEFAULT,
             faults: Faults::default(),
             wall_skew_ms: None,
+            tls: None,
         }
     }
 }
@@ -264,6 +279,7 @@ impl NodeCtx {
                 .map(|(id, n)| MemberStatus {
                     node_id: *id,
                     addr: n.addr.clone(),
+                    peer_addr: n.peer().to_string(),
                     voter: voters.contains(id),
                     matched_index: matched.get(id).cloned().flatten().map_or(0, |l| l.index),
                 })
@@ -274,9 +290,9 @@ impl NodeCtx {
         }
     }
 
-    pub async fn add_learner(&self, id: NodeId, addr: String) -> Result<(), LogError> {
+    pub async fn add_learner(&self, id: NodeId, node: RaftNode) -> Result<(), LogError> {
         self.raft
-            .add_learner(id, RaftNode { addr }, true)
+            .add_learner(id, node, true)
             .await
             .map(|_| ())
             .map_err(membership_err)
@@ -438,7 +454,10 @@ fn answer_all(answers: Vec<tokio::sync::oneshot::Sender<WriteResult>>, outcome: 
 /// A running node. Dropping it does not stop it: call [`RunningNode::shutdown`].
 pub struct RunningNode {
     pub ctx: Arc<NodeCtx>,
+    /// The client API's listener (and Raft's, without a peer listener).
     pub local_addr: SocketAddr,
+    /// The peer listener (`raft.v1`), when it has its own.
+    pub peer_local_addr: Option<SocketAddr>,
     stop_tx: watch::Sender<bool>,
     server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
 }
@@ -518,21 +537,26 @@ pub async fn start(cfg: NodeConfig) -> Result<RunningNode, LogError> {
         tracing::error!(faults = ?cfg.faults.names(), "PLANTED BUGS are on: test use only");
     }
     let (raft, shared) = open_raft(&cfg).await?;
-    let listener = tokio::net::TcpListener::bind(cfg.listen)
-        .await
-        .map_err(|source| LogError::Listen {
-            addr: cfg.listen,
-            source,
-        })?;
-    let local_addr = listener.local_addr().map_err(|source| LogError::Listen {
-        addr: cfg.listen,
-        source,
-    })?;
+    let (listener, local_addr) = bind(cfg.listen).await?;
     let advertise = if cfg.listen.port() == 0 {
         local_addr.to_string()
     } else {
         cfg.advertise.clone()
     };
+    let (peer_listener, peer_advertise) = match cfg.peer_listen {
+        None => (None, String::new()),
+        Some(addr) => {
+            let (l, local) = bind(addr).await?;
+            let adv = if addr.port() == 0 || cfg.peer_advertise.is_empty() {
+                local.to_string()
+            } else {
+                cfg.peer_advertise.clone()
+            };
+            (Some((l, local)), adv)
+        }
+    };
+    let me = RaftNode::new(advertise.clone(), peer_advertise);
+    let peer_local_addr = peer_listener.as_ref().map(|(_, a)| *a);
     let source = Arc::new(crate::clock::SystemTimeSource::new(cfg.wall_skew_ms.clone()));
     let clock = Arc::new(Clock::new(source, cfg.faults.unbounded_clock()));
     let (proposals, proposals_rx) = tokio::sync::mpsc::channel(PROPOSER_QUEUE_MAX);
@@ -557,13 +581,14 @@ pub async fn start(cfg: NodeConfig) -> Result<RunningNode, LogError> {
         proposed: Default::default(),
     });
     let (stop_tx, stop_rx) = watch::channel(false);
-    let server = serve(listener, &ctx, stop_rx.clone());
-    initialize_if_first(&cfg, &raft, &advertise).await?;
+    let server = serve(listener, peer_listener.map(|(l, _)| l), &ctx, &cfg.tls, stop_rx.clone())?;
+    initialize_if_first(&cfg, &raft, &me).await?;
     spawn_ticker(ctx.clone(), cfg.retention_ms, stop_rx);
-    tracing::info!(id = cfg.id, addr = %advertise, "node serving");
+    tracing::info!(id = cfg.id, node = %me, "node serving");
     Ok(RunningNode {
         ctx,
         local_addr,
+        peer_local_addr,
         stop_tx,
         server,
     })
@@ -573,39 +598,75 @@ pub async fn start(cfg: NodeConfig) -> Result<RunningNode, LogError> {
 async fn open_raft(cfg: &NodeConfig) -> Result<(Raft, Arc<SmShared>), LogError> {
     let storage = crate::data_dir::open(&cfg.data_dir, cfg.faults)?;
     let shared = storage.sm.shared();
-    let raft = Raft::new(cfg.id, raft_config(cfg)?, Network::new(cfg.id), storage.log, storage.sm)
+    let network = Network::new(cfg.id, cfg.tls.clone());
+    let raft = Raft::new(cfg.id, raft_config(cfg)?, network, storage.log, storage.sm)
         .await
         .map_err(raft_err_fatal)?;
     Ok((raft, shared))
 }
 
-/// Serves `raftlog.v1` and `raft.v1` on `listener` until `stop` turns true.
+async fn bind(addr: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr), LogError> {
+    let listen_err = |source| LogError::Listen { addr, source };
+    let l = tokio::net::TcpListener::bind(addr).await.map_err(listen_err)?;
+    let local = l.local_addr().map_err(listen_err)?;
+    Ok((l, local))
+}
+
+/// Serves `raftlog.v1` on `listener`, and `raft.v1` on `peer_listener` (or on `listener` too
+/// without one), until `stop` turns true; under TLS, each call only if the caller's role allows
+/// it.
 fn serve(
     listener: tokio::net::TcpListener,
+    peer_listener: Option<tokio::net::TcpListener>,
     ctx: &Arc<NodeCtx>,
-    mut stop: watch::Receiver<bool>,
-) -> tokio::task::JoinHandle<Result<(), tonic::transport::Error>> {
+    tls: &ClientTls,
+    stop: watch::Receiver<bool>,
+) -> Result<tokio::task::JoinHandle<Result<(), tonic::transport::Error>>, LogError> {
     // Accepted connections need TCP_NODELAY too: without it small Raft messages meet delayed
     // ACKs and every commit waits ~40 ms.
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let incoming = |l| tonic::transport::server::TcpIncoming::from(l).with_nodelay(Some(true));
     let log_svc = LogServer::new(LogService::new(ctx.clone()))
         .max_decoding_message_size(GRPC_MESSAGE_BYTES_MAX)
         .max_encoding_message_size(GRPC_MESSAGE_BYTES_MAX);
     let raft_svc = RaftTransportServer::new(RaftService::new(ctx.raft.clone(), ctx.sm.clone()))
         .max_decoding_message_size(GRPC_MESSAGE_BYTES_MAX)
         .max_encoding_message_size(GRPC_MESSAGE_BYTES_MAX);
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(log_svc)
-            .add_service(raft_svc)
-            .serve_with_incoming_shutdown(incoming, async move {
-                let _ = stop.wait_for(|s| *s).await;
-            }),
-    )
+    let builder = || -> Result<tonic::transport::Server, LogError> {
+        let b = tonic::transport::Server::builder();
+        let Some(tls) = tls else { return Ok(b) };
+        let config = tls.server_config().map_err(|e| LogError::Tls(e.to_string()))?;
+        b.tls_config(config).map_err(|e| LogError::Tls(e.to_string()))
+    };
+    let enforce = tls.is_some();
+    let stopped = |mut stop: watch::Receiver<bool>| async move {
+        let _ = stop.wait_for(|s| *s).await;
+    };
+    let log_svc = Guarded::new(log_svc, enforce);
+    let raft_svc = Guarded::new(raft_svc, enforce);
+    Ok(match peer_listener {
+        None => tokio::spawn(
+            builder()?
+                .add_service(log_svc)
+                .add_service(raft_svc)
+                .serve_with_incoming_shutdown(incoming(listener), stopped(stop)),
+        ),
+        Some(peer_listener) => {
+            let clients = builder()?
+                .add_service(log_svc)
+                .serve_with_incoming_shutdown(incoming(listener), stopped(stop.clone()));
+            let peers = builder()?
+                .add_service(raft_svc)
+                .serve_with_incoming_shutdown(incoming(peer_listener), stopped(stop));
+            tokio::spawn(async move {
+                let (c, p) = tokio::join!(clients, peers);
+                c.and(p)
+            })
+        }
+    })
 }
 
 /// The lowest id of the initial members initializes a cluster that never was.
-async fn initialize_if_first(cfg: &NodeConfig, raft: &Raft, advertise: &str) -> Result<(), LogError> {
+async fn initialize_if_first(cfg: &NodeConfig, raft: &Raft, me: &RaftNode) -> Result<(), LogError> {
     let Some(&(lowest, _)) = cfg.initial_members.iter().min_by_key(|(id, _)| *id) else {
         return Ok(());
     };
@@ -615,14 +676,7 @@ async fn initialize_if_first(cfg: &NodeConfig, raft: &Raft, advertise: &str) -> 
     let members: BTreeMap<NodeId, RaftNode> = cfg
         .initial_members
         .iter()
-        .map(|(id, addr)| {
-            let addr = if *id == cfg.id {
-                advertise.to_string()
-            } else {
-                addr.clone()
-            };
-            (*id, RaftNode { addr })
-        })
+        .map(|(id, node)| (*id, if *id == cfg.id { me.clone() } else { node.clone() }))
         .collect();
     raft.initialize(members)
         .await

@@ -18,6 +18,7 @@ use crate::limits::{
     APPEND_STREAM_IN_FLIGHT_MAX, PENDING_WORK_LIMIT_MAX, WATCH_BUFFER_EVENTS, WATCH_RECORDS_PER_EVENT_MAX,
 };
 use crate::node::{NodeCtx, Proposed};
+use crate::raft_types::Node as RaftNode;
 use crate::types::*;
 
 pub struct LogService {
@@ -327,7 +328,21 @@ impl Log for LogService {
     ) -> Result<TonicResponse<pb::ChangeMembershipResponse>, Status> {
         use pb::change_membership_request::Op;
         match req.into_inner().op {
-            Some(Op::AddLearner(m)) => self.ctx.add_learner(m.node_id, m.addr).await?,
+            Some(Op::AddLearner(m)) => {
+                // The addresses go into membership, one string each way (`raft_types::Node`): a
+                // space would split them wrongly, an empty one leaves the node unreachable.
+                let bad = |a: &str| a.is_empty() || a.len() > 253 + 6 || a.contains(char::is_whitespace);
+                if m.node_id == 0 || bad(&m.addr) || (!m.peer_addr.is_empty() && bad(&m.peer_addr)) {
+                    return Err(LogError::Invalid(format!(
+                        "a learner needs a positive id and host:port addresses (got id {}, addr {:?}, peer_addr {:?})",
+                        m.node_id, m.addr, m.peer_addr
+                    ))
+                    .into());
+                }
+                self.ctx
+                    .add_learner(m.node_id, RaftNode::new(m.addr, m.peer_addr))
+                    .await?
+            }
             Some(Op::AddVoters(v)) => {
                 self.ctx
                     .change_voters(v.node_ids.into_iter().collect(), BTreeSet::new())

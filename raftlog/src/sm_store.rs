@@ -55,7 +55,7 @@ impl Machine {
     pub fn apply_entry(
         &mut self,
         log_id: LogId,
-        payload: EntryPayload<Request, u64, openraft::BasicNode>,
+        payload: EntryPayload<Request, u64, crate::raft_types::Node>,
         changes: &mut Changes,
     ) -> Response {
         let response = match payload {

@@ -26,6 +26,7 @@ use crate::error::{LogError, PayloadError};
 use crate::limits::{CONNECT_TIMEOUT, GRPC_MESSAGE_BYTES_MAX, SNAPSHOT_BYTES_MAX, SNAPSHOT_CHUNK_BYTES};
 use crate::raft_types::{Node, NodeId, Raft, Snapshot, SnapshotData, SnapshotMeta, TypeConfig, Vote};
 use crate::sm_store::SmShared;
+use crate::tls::{scheme, ClientTls};
 
 const PAYLOAD_VERSION: u32 = 1;
 
@@ -54,13 +55,16 @@ pub struct Network {
     /// This node's id (named in timeout errors).
     pub self_id: NodeId,
     channels: Arc<Mutex<HashMap<String, Channel>>>,
+    /// TLS to peers (this node's certificate, the cluster's CA); `None`: plain text.
+    tls: ClientTls,
 }
 
 impl Network {
-    pub fn new(self_id: NodeId) -> Self {
+    pub fn new(self_id: NodeId, tls: ClientTls) -> Self {
         Network {
             self_id,
             channels: Default::default(),
+            tls,
         }
     }
 
@@ -69,10 +73,15 @@ impl Network {
         if let Some(c) = map.get(addr) {
             return Ok(c.clone());
         }
-        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+        let mut endpoint = Endpoint::from_shared(format!("{}://{addr}", scheme(&self.tls)))
             .map_err(|e| format!("bad peer address {addr:?}: {e}"))?
             .connect_timeout(CONNECT_TIMEOUT)
             .tcp_nodelay(true);
+        if let Some(tls) = &self.tls {
+            endpoint = endpoint
+                .tls_config(tls.client_config())
+                .map_err(|e| format!("TLS to peer {addr}: {e}"))?;
+        }
         let c = endpoint.connect_lazy();
         map.insert(addr.to_string(), c.clone());
         Ok(c)
@@ -89,7 +98,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
     type Network = Connection;
 
     async fn new_client(&mut self, target: NodeId, node: &Node) -> Connection {
-        let client = self.channel(&node.addr).map(|c| {
+        let client = self.channel(node.peer()).map(|c| {
             RaftTransportClient::new(c)
                 .max_decoding_message_size(GRPC_MESSAGE_BYTES_MAX)
                 .max_encoding_message_size(GRPC_MESSAGE_BYTES_MAX)

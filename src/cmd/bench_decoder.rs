@@ -79,6 +79,7 @@ pub(crate) fn dargs(fake: bool, model: Option<std::path::PathBuf>, threads: usiz
         metrics_listen: None,
         history: None,
         stall_ms: tokenlog_decoder::limits::STALL_MS_DEFAULT,
+        tls: Default::default(),
     }
 }
 

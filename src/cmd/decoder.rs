@@ -16,6 +16,8 @@ pub struct DecoderArgs {
     /// Addresses of log nodes (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "127.0.0.1:7001")]
     pub cluster: Vec<String>,
+    #[command(flatten)]
+    pub tls: crate::process::TlsArgs,
     /// The model: a GGUF file, or a Hugging Face llama model folder (config.json,
     /// *.safetensors, tokenizer.json). Default: the bundled SmolLM2-135M-Instruct (Q4_1),
     /// fetched into ./models on first use.
@@ -199,7 +201,7 @@ pub async fn run(a: DecoderArgs) -> anyhow::Result<()> {
     }
     #[cfg(not(feature = "faults"))]
     let _ = stall;
-    let client = LogClient::new(a.cluster.clone())?;
+    let client = LogClient::with_tls(a.cluster.clone(), a.tls.load()?)?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let history = match &a.history {
         Some(p) => Some(

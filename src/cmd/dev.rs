@@ -67,6 +67,7 @@ pub async fn run(a: DevArgs) -> anyhow::Result<()> {
         metrics_listen: None,
         history: None,
         stall_ms: tokenlog_decoder::limits::STALL_MS_DEFAULT,
+        tls: Default::default(),
     };
     // Model first: the slow part (download on first use, with progress) before anything listens.
     let (model, name) = crate::cmd::decoder::load_model(&dargs)?;
@@ -76,7 +77,7 @@ pub async fn run(a: DevArgs) -> anyhow::Result<()> {
     };
 
     let mut cfg = NodeConfig::new(1, a.listen, a.data_dir.clone());
-    cfg.initial_members = vec![(1, a.listen.to_string())];
+    cfg.initial_members = vec![(1, a.listen.to_string().into())];
     eprintln!("starting a single-node log in {} ...", a.data_dir.display());
     let node = start(cfg).await?;
     let log_addr = node.local_addr;

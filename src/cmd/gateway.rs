@@ -15,6 +15,8 @@ pub struct GatewayArgs {
     /// Addresses of log nodes (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "127.0.0.1:7001")]
     pub cluster: Vec<String>,
+    #[command(flatten)]
+    pub tls: crate::process::TlsArgs,
     /// gRPC listen address (tokenlog.v1 Generation service).
     #[arg(long, default_value = "127.0.0.1:7100")]
     pub grpc_listen: SocketAddr,
@@ -94,7 +96,7 @@ pub async fn run(a: GatewayArgs) -> anyhow::Result<()> {
         unowned_ms: a.unowned_ms,
     };
     let gw = Gateway::new(
-        LogClient::new(a.cluster.clone())?,
+        LogClient::with_tls(a.cluster.clone(), a.tls.load()?)?,
         tenants,
         toks,
         a.tenant_limits(),

@@ -5,6 +5,7 @@ pub mod bench_decoder;
 pub mod bench_decoders;
 pub mod bench_leader;
 pub mod bench_restart;
+pub mod certs;
 pub mod decoder;
 pub mod dev;
 pub mod gateway;

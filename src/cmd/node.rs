@@ -5,23 +5,33 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use tokenlog_raftlog::node::{start, NodeConfig};
+use tokenlog_raftlog::raft_types::Node as RaftNode;
 
 #[derive(clap::Args)]
 pub struct NodeArgs {
     /// This node's id (a positive integer, unique in the cluster).
     #[arg(long)]
     pub id: u64,
-    /// Address to listen on for both the client API and Raft traffic.
+    /// Address to listen on for the client API (raftlog.v1), and for Raft traffic between
+    /// nodes too unless --peer-listen is given.
     #[arg(long, default_value = "127.0.0.1:7001")]
     pub listen: SocketAddr,
-    /// Address others use to reach this node, if not the listen address.
+    /// Address clients use to reach this node, if not the listen address.
     #[arg(long)]
     pub advertise: Option<String>,
+    /// A listener of its own for Raft traffic between nodes (raft.v1), so that a firewall can
+    /// let only nodes reach it. Peers then name both addresses: --peers ID=ADDR/PEER_ADDR.
+    #[arg(long)]
+    pub peer_listen: Option<SocketAddr>,
+    /// Address peers use to reach --peer-listen, if not that address.
+    #[arg(long, requires = "peer_listen")]
+    pub peer_advertise: Option<String>,
     /// Where RocksDB keeps the log and the state machine.
     #[arg(long)]
     pub data_dir: PathBuf,
-    /// Initial voters as `id=host:port,...` (this node included). The lowest id initializes a
-    /// new cluster. Omit to start empty and be added later with `tokenlog members add`.
+    /// Initial voters as `id=host:port,...` (this node included), or `id=host:port/host:peerport`
+    /// for nodes with a peer listener of their own. The lowest id initializes a new cluster.
+    /// Omit to start empty and be added later with `tokenlog members add`.
     #[arg(long, value_delimiter = ',')]
     pub peers: Vec<String>,
     /// Raft heartbeat interval (ms).
@@ -47,26 +57,53 @@ pub struct NodeArgs {
     /// rejections, generations by state, takeovers, Raft indexes).
     #[arg(long)]
     pub metrics_listen: Option<SocketAddr>,
+    #[command(flatten)]
+    pub tls: crate::process::TlsArgs,
+    /// Serve plain text, with no authentication and no roles, on an address other machines can
+    /// reach. Without TLS a node listens on loopback addresses only, unless this is given.
+    #[arg(long, conflicts_with = "tls_ca")]
+    pub insecure: bool,
 }
 
-/// Parses `--peers` (`id=host:port`, ...). Two members with one id or one address are refused:
-/// a node that is its own peer under another id breaks Raft's elections.
-pub fn parse_peers(peers: &[String]) -> anyhow::Result<Vec<(u64, String)>> {
-    let members: Vec<(u64, String)> = peers
+/// A node without TLS serves anyone who reaches it: every call of every role. That is only
+/// acceptable on loopback, or when the operator says so.
+fn check_plain_text(listen: SocketAddr, tls: bool, insecure: bool) -> anyhow::Result<()> {
+    if tls || insecure || listen.ip().is_loopback() {
+        return Ok(());
+    }
+    bail!(
+        "refusing to serve plain text on {listen}: anyone who reaches it could submit, append and change membership. \
+         Give --tls-ca, --tls-cert and --tls-key (make them with `tokenlog certs`), \
+         or --insecure to run without authentication anyway"
+    )
+}
+
+/// Parses `--peers` (`id=host:port` or `id=host:port/host:peerport`, ...). Two members with one
+/// id or one address are refused: a node that is its own peer under another id breaks Raft's
+/// elections.
+pub fn parse_peers(peers: &[String]) -> anyhow::Result<Vec<(u64, RaftNode)>> {
+    let members: Vec<(u64, RaftNode)> = peers
         .iter()
         .map(|p| {
-            let (id, addr) = p
+            let (id, addrs) = p
                 .split_once('=')
                 .with_context(|| format!("peer {p:?} is not id=host:port"))?;
+            let (addr, peer) = addrs.split_once('/').unwrap_or((addrs, ""));
+            if addr.is_empty() || addr.contains(' ') || peer.contains(' ') {
+                bail!("peer {p:?} is not id=host:port or id=host:port/host:peerport");
+            }
             Ok((
                 id.parse().with_context(|| format!("peer id {id:?} is not a number"))?,
-                addr.to_string(),
+                RaftNode::new(addr, peer),
             ))
         })
         .collect::<anyhow::Result<_>>()?;
-    for (i, (id, addr)) in members.iter().enumerate() {
-        if let Some((other, _)) = members[..i].iter().find(|(o, a)| o == id || a == addr) {
-            bail!("--peers names {other} and {id} with the same id or address ({addr}); each member needs its own");
+    for (i, (id, node)) in members.iter().enumerate() {
+        if let Some((other, _)) = members[..i]
+            .iter()
+            .find(|(o, n)| o == id || n.addr == node.addr || n.peer() == node.peer())
+        {
+            bail!("--peers names {other} and {id} with the same id or address ({node}); each member needs its own");
         }
     }
     Ok(members)
@@ -76,8 +113,22 @@ pub async fn run(a: NodeArgs) -> anyhow::Result<()> {
     if a.id == 0 {
         bail!("--id must be positive");
     }
+    let tls = a.tls.load()?;
+    check_plain_text(a.listen, tls.is_some(), a.insecure)?;
+    if let Some(p) = a.peer_listen {
+        check_plain_text(p, tls.is_some(), a.insecure)?;
+    }
+    if a.insecure {
+        eprintln!(
+            "WARNING: --insecure: node {} serves plain text without authentication on {}",
+            a.id, a.listen
+        );
+    }
     let mut cfg = NodeConfig::new(a.id, a.listen, a.data_dir);
+    cfg.tls = tls;
     cfg.advertise = a.advertise.unwrap_or_else(|| a.listen.to_string());
+    cfg.peer_listen = a.peer_listen;
+    cfg.peer_advertise = a.peer_advertise.unwrap_or_default();
     cfg.initial_members = parse_peers(&a.peers)?;
     if !cfg.initial_members.is_empty() && !cfg.initial_members.iter().any(|(id, _)| *id == a.id) {
         bail!("--peers must include this node (id {})", a.id);
@@ -90,7 +141,19 @@ pub async fn run(a: NodeArgs) -> anyhow::Result<()> {
     cfg.faults = crate::process::planted_faults()?;
     cfg.wall_skew_ms = crate::process::wall_clock_skew()?;
     let node = start(cfg).await?;
-    eprintln!("tokenlog node {} serving on {} (Ctrl-C to stop)", a.id, node.local_addr);
+    eprintln!(
+        "tokenlog node {} serving clients on {}{} ({}; Ctrl-C to stop)",
+        a.id,
+        node.local_addr,
+        node.peer_local_addr
+            .map(|p| format!(", peers on {p}"))
+            .unwrap_or_default(),
+        if a.tls.tls_ca.is_some() {
+            "mutual TLS, roles checked"
+        } else {
+            "plain text, no authentication"
+        }
+    );
     if let Some(m) = a.metrics_listen {
         let ctx = node.ctx.clone();
         let (addr, _) = crate::process::serve_metrics(m, std::sync::Arc::new(move || ctx.render_metrics()))

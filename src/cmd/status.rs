@@ -11,13 +11,15 @@ pub struct StatusArgs {
     /// Addresses of any nodes (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "127.0.0.1:7001")]
     pub cluster: Vec<String>,
+    #[command(flatten)]
+    pub tls: crate::process::TlsArgs,
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
 }
 
 pub async fn status(a: StatusArgs) -> anyhow::Result<()> {
-    let client = LogClient::new(a.cluster)?;
+    let client = LogClient::with_tls(a.cluster, a.tls.load()?)?;
     let s = client.cluster_status(true).await.context("no leader answered")?;
     // Ask every member for its own view (lag is seen from each node's applied index).
     let mut views = Vec::new();
@@ -94,6 +96,8 @@ pub struct VerifyArgs {
     /// applied index must print the same one).
     #[arg(long)]
     pub node: Option<String>,
+    #[command(flatten)]
+    pub tls: crate::process::TlsArgs,
 }
 
 pub async fn verify(a: VerifyArgs) -> anyhow::Result<()> {
@@ -110,7 +114,7 @@ pub async fn verify(a: VerifyArgs) -> anyhow::Result<()> {
             }
         }
         (None, Some(addr)) => {
-            let client = LogClient::new(vec![addr.clone()])?;
+            let client = LogClient::with_tls(vec![addr.clone()], a.tls.load()?)?;
             let mut node = client.node(&addr);
             let d = node.state_digest(pb::StateDigestRequest {}).await?.into_inner();
             // Replicas at the same applied index must print the same digest.
@@ -141,11 +145,14 @@ pub struct MembersArgs {
     /// Addresses of any nodes (comma-separated).
     #[arg(long, global = true, value_delimiter = ',', default_value = "127.0.0.1:7001")]
     pub cluster: Vec<String>,
+    #[command(flatten)]
+    pub tls: crate::process::TlsArgs,
 }
 
 #[derive(clap::Subcommand)]
 pub enum MembersOp {
     /// Add a running (empty or lagging) node: it catches up as a learner, then becomes a voter.
+    /// ADDR: `host:port`, or `host:port/host:peerport` for a node with --peer-listen.
     Add { id: u64, addr: String },
     /// Remove voters.
     Remove { ids: Vec<u64> },
@@ -155,16 +162,21 @@ pub enum MembersOp {
 
 pub async fn members(a: MembersArgs) -> anyhow::Result<()> {
     use pb::change_membership_request::Op;
-    let client = LogClient::new(a.cluster)?;
+    let client = LogClient::with_tls(a.cluster, a.tls.load()?)?;
     let change = |op| pb::ChangeMembershipRequest { op: Some(op) };
-    let add = |id, addr: String| {
+    let add = |id, addrs: String| {
         let client = client.clone();
         async move {
-            eprintln!("adding node {id} at {addr} as a learner (waits until it has caught up)");
+            let (addr, peer_addr) = addrs.split_once('/').unwrap_or((&addrs, ""));
+            if addr.is_empty() || addr.contains(' ') || peer_addr.contains(' ') {
+                anyhow::bail!("{addrs:?} is not host:port or host:port/host:peerport");
+            }
+            eprintln!("adding node {id} at {addrs} as a learner (waits until it has caught up)");
             client
                 .change_membership(change(Op::AddLearner(pb::MemberStatus {
                     node_id: id,
-                    addr,
+                    addr: addr.to_string(),
+                    peer_addr: peer_addr.to_string(),
                     voter: false,
                     matched_index: 0,
                 })))
@@ -193,6 +205,7 @@ pub async fn members(a: MembersArgs) -> anyhow::Result<()> {
     }
     status(StatusArgs {
         cluster: client.addrs().to_vec(),
+        tls: a.tls,
         json: false,
     })
     .await

@@ -42,15 +42,59 @@ pub fn free_port() -> u16 {
     }
 }
 
+/// `--tls-ca`, `--tls-cert`, `--tls-key` for holder `name` of the certificates in `dir`.
+pub fn tls_args(dir: &std::path::Path, name: &str) -> Vec<String> {
+    let p = |f: String| dir.join(f).display().to_string();
+    vec![
+        "--tls-ca".into(),
+        p("ca.pem".into()),
+        "--tls-cert".into(),
+        p(format!("{name}.pem")),
+        "--tls-key".into(),
+        p(format!("{name}.key")),
+    ]
+}
+
+/// The TLS material of holder `name` of the certificates in `dir`.
+pub fn tls(dir: &std::path::Path, name: &str) -> std::sync::Arc<tokenlog_raftlog::tls::Tls> {
+    let files = tokenlog_raftlog::tls::TlsFiles {
+        ca: dir.join("ca.pem"),
+        cert: dir.join(format!("{name}.pem")),
+        key: dir.join(format!("{name}.key")),
+    };
+    std::sync::Arc::new(tokenlog_raftlog::tls::Tls::load(&files).unwrap())
+}
+
+/// Runs `tokenlog certs --out dir ARGS...` (the default holders when ARGS is empty).
+pub fn make_certs(dir: &std::path::Path, args: &[&str]) {
+    let out = Command::new(bin())
+        .arg("certs")
+        .arg("--out")
+        .arg(dir)
+        .args(args)
+        .output()
+        .expect("run tokenlog certs");
+    assert!(
+        out.status.success(),
+        "tokenlog certs failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 pub struct Cluster {
     pub dir: tempfile::TempDir,
     pub addrs: Vec<String>,
+    /// Each node's peer listener (`--peer-listen`), when they have their own; else empty.
+    pub peer_addrs: Vec<String>,
     procs: Vec<Option<Child>>,
     snapshot_every: u64,
     /// More `tokenlog node` arguments for every node.
     extra: Vec<String>,
     /// Environment of every node (test hooks, planted bugs).
     pub node_env: Vec<(String, String)>,
+    /// Certificates made by `tokenlog certs` (node-1..node-3, admin): the nodes serve mutual
+    /// TLS, and `client()` is the admin's. `None`: plain text.
+    pub certs: Option<PathBuf>,
 }
 
 impl Cluster {
@@ -67,15 +111,31 @@ impl Cluster {
         Self::launch(snapshot_every, extra, &[])
     }
 
+    /// Three nodes serving mutual TLS with the certificates in `certs` (`tokenlog certs`), each
+    /// with a peer listener of its own.
+    pub fn start_tls(certs: &std::path::Path) -> Cluster {
+        Self::launch_with(1_000, &[], &[], Some(certs.to_path_buf()))
+    }
+
     fn launch(snapshot_every: u64, extra: &[&str], env: &[(&str, &str)]) -> Cluster {
+        Self::launch_with(snapshot_every, extra, env, None)
+    }
+
+    fn launch_with(snapshot_every: u64, extra: &[&str], env: &[(&str, &str)], certs: Option<PathBuf>) -> Cluster {
         let addrs: Vec<String> = (0..3).map(|_| format!("127.0.0.1:{}", free_port())).collect();
+        let peer_addrs: Vec<String> = match certs {
+            Some(_) => (0..3).map(|_| format!("127.0.0.1:{}", free_port())).collect(),
+            None => vec![],
+        };
         let mut c = Cluster {
             dir: tempfile::tempdir().unwrap(),
             addrs,
+            peer_addrs,
             procs: vec![None, None, None],
             snapshot_every,
             extra: extra.iter().map(|s| s.to_string()).collect(),
             node_env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            certs,
         };
         for i in 0..3 {
             c.start_node(i);
@@ -92,7 +152,10 @@ impl Cluster {
             .addrs
             .iter()
             .enumerate()
-            .map(|(j, a)| format!("{}={a}", j + 1))
+            .map(|(j, a)| match self.peer_addrs.get(j) {
+                Some(p) => format!("{}={a}/{p}", j + 1),
+                None => format!("{}={a}", j + 1),
+            })
             .collect();
         let log = std::fs::File::create(self.dir.path().join(format!("node{}.log", i + 1))).unwrap();
         let child = Command::new(bin())
@@ -114,6 +177,13 @@ impl Cluster {
                 "600",
             ])
             .args(&self.extra)
+            .args(self.certs.iter().flat_map(|d| tls_args(d, &format!("node-{}", i + 1))))
+            .args(
+                self.peer_addrs
+                    .get(i)
+                    .iter()
+                    .flat_map(|p| ["--peer-listen", p.as_str()]),
+            )
             .envs(self.node_env.iter().map(|(k, v)| (k, v)))
             .env("RUST_LOG", "info,openraft=warn")
             .stdout(Stdio::null())
@@ -151,7 +221,10 @@ impl Cluster {
     }
 
     pub fn client(&self) -> LogClient {
-        LogClient::new(self.addrs.clone()).unwrap()
+        match &self.certs {
+            Some(d) => LogClient::with_tls(self.addrs.clone(), Some(tls(d, "admin"))).unwrap(),
+            None => LogClient::new(self.addrs.clone()).unwrap(),
+        }
     }
 
     pub async fn leader(&self) -> usize {

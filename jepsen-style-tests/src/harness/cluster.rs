@@ -137,6 +137,11 @@ fn node_procs(
         if let Some(keep) = cfg.keep_after_snapshot {
             args.extend(["--keep-after-snapshot".into(), keep.to_string()]);
         }
+        if net.is_some() {
+            // Nodes in network namespaces listen on their own (non-loopback) addresses; the
+            // suite runs them without TLS, which a node refuses there unless told.
+            args.push("--insecure".into());
+        }
         let mut p = match net {
             // `ip netns exec NS tokenlog ...` execs tokenlog in place: the pid is the node's.
             Some(n) => {

@@ -1,0 +1,162 @@
+//! Who may call what on a log node: one table from gRPC method to the roles allowed to call it,
+//! and [`Guarded`], which checks every call against it before the service sees it.
+//!
+//! The caller's role comes from its client certificate, verified by the TLS handshake against the
+//! cluster's CA ([`crate::tls`]). No certificate: UNAUTHENTICATED. A role the method does not
+//! allow, or a method the table does not know: PERMISSION_DENIED. A node started without TLS
+//! (`--insecure`, loopback only by default) checks nothing.
+
+use std::convert::Infallible;
+
+use tonic::codegen::http;
+use tonic::codegen::{BoxFuture, Context, Poll, Service};
+use tonic::server::NamedService;
+use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
+use tonic::Status;
+
+use crate::tls::{holder_of, Holder, Role};
+
+use Role::{Admin, Decoder, Gateway, Node};
+
+/// The roles allowed to call `path` (`/package.Service/Method`); `None` for a method not in the
+/// table, which nobody may call.
+pub fn allowed(path: &str) -> Option<&'static [Role]> {
+    let (service, method) = path.strip_prefix('/')?.split_once('/')?;
+    let roles: &'static [Role] = match (service, method) {
+        // Node to node only.
+        ("raft.v1.RaftTransport", "AppendEntries" | "AppendStream" | "RequestVote" | "InstallSnapshot") => &[Node],
+        // A decoder's ownership protocol.
+        (
+            "raftlog.v1.Log",
+            "Register" | "PendingWork" | "Acquire" | "Renew" | "BindPrompt" | "Append" | "AppendStream" | "Finish"
+            | "Release",
+        ) => &[Decoder],
+        // What a gateway does for its clients.
+        ("raftlog.v1.Log", "Submit" | "Cancel") => &[Gateway],
+        ("raftlog.v1.Log", "ListModels") => &[Gateway, Admin],
+        // Reads of generations: decoders resume from them, gateways stream them, operators look.
+        ("raftlog.v1.Log", "Get" | "Watch") => &[Decoder, Gateway, Admin],
+        ("raftlog.v1.Log", "ClusterStatus") => &[Decoder, Gateway, Admin],
+        // Operators only: membership, full scans, digests of the state.
+        ("raftlog.v1.Log", "ChangeMembership" | "Verify" | "ChainHeads" | "StateDigest") => &[Admin],
+        _ => return None,
+    };
+    Some(roles)
+}
+
+/// The holder of the verified client certificate of this request's connection.
+fn holder<B>(req: &http::Request<B>) -> Result<Holder, Status> {
+    let certs = req
+        .extensions()
+        .get::<TlsConnectInfo<TcpConnectInfo>>()
+        .and_then(|i| i.peer_certs())
+        .ok_or_else(|| Status::unauthenticated("this node requires a client certificate signed by the cluster's CA"))?;
+    let leaf = certs
+        .first()
+        .ok_or_else(|| Status::unauthenticated("this node requires a client certificate signed by the cluster's CA"))?;
+    holder_of(leaf).map_err(|e| Status::permission_denied(format!("client certificate: {e}")))
+}
+
+/// Checks one request: `Ok` when its certificate's role may call its method.
+pub fn authorize<B>(req: &http::Request<B>) -> Result<Holder, Status> {
+    let path = req.uri().path();
+    let holder = holder(req)?;
+    let roles = allowed(path).ok_or_else(|| Status::permission_denied(format!("{path}: no role may call this")))?;
+    if !roles.contains(&holder.role) {
+        let names: Vec<&str> = roles.iter().map(|r| r.as_str()).collect();
+        return Err(Status::permission_denied(format!(
+            "{path} needs role {}; the certificate of {:?} has role {}",
+            names.join(" or "),
+            holder.name,
+            holder.role
+        )));
+    }
+    Ok(holder)
+}
+
+/// A gRPC service that only sees the calls [`authorize`] lets through (when `enforce`).
+#[derive(Clone)]
+pub struct Guarded<S> {
+    inner: S,
+    enforce: bool,
+}
+
+impl<S> Guarded<S> {
+    pub fn new(inner: S, enforce: bool) -> Self {
+        Guarded { inner, enforce }
+    }
+}
+
+impl<S: NamedService> NamedService for Guarded<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S, B> Service<http::Request<B>> for Guarded<S>
+where
+    S: Service<http::Request<B>, Response = http::Response<tonic::body::Body>, Error = Infallible>,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<Self::Response, Infallible>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        if self.enforce {
+            if let Err(status) = authorize(&req) {
+                tracing::debug!(path = req.uri().path(), %status, "call refused");
+                return Box::pin(async move { Ok(status.into_http()) });
+            }
+        }
+        Box::pin(self.inner.call(req))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_method_of_both_services_has_roles_and_only_nodes_speak_raft() {
+        let log = [
+            "Submit",
+            "Acquire",
+            "Renew",
+            "BindPrompt",
+            "Append",
+            "AppendStream",
+            "Finish",
+            "Release",
+            "Cancel",
+            "Register",
+            "Get",
+            "Watch",
+            "PendingWork",
+            "ListModels",
+            "ClusterStatus",
+            "ChangeMembership",
+            "ChainHeads",
+            "Verify",
+            "StateDigest",
+        ];
+        for m in log {
+            let roles = allowed(&format!("/raftlog.v1.Log/{m}")).unwrap_or_else(|| panic!("{m} has no roles"));
+            assert!(
+                !roles.contains(&Node),
+                "{m}: a node certificate is for Raft traffic only"
+            );
+        }
+        for m in ["AppendEntries", "AppendStream", "RequestVote", "InstallSnapshot"] {
+            assert_eq!(allowed(&format!("/raft.v1.RaftTransport/{m}")), Some(&[Node][..]));
+        }
+        assert_eq!(allowed("/raftlog.v1.Log/Nope"), None);
+        assert_eq!(allowed("/raft.v1.RaftTransport"), None);
+        assert_eq!(allowed("nonsense"), None);
+        assert_eq!(allowed("/raftlog.v1.Log/Append"), Some(&[Decoder][..]));
+        assert_eq!(allowed("/raftlog.v1.Log/Submit"), Some(&[Gateway][..]));
+        assert_eq!(allowed("/raftlog.v1.Log/ChangeMembership"), Some(&[Admin][..]));
+    }
+}

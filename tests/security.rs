@@ -1,0 +1,394 @@
+//! The log's port is closed to strangers: three real `tokenlog node` processes serving mutual TLS
+//! with certificates made by `tokenlog certs`. A plain-text client, a client without a
+//! certificate, a client whose certificate has the wrong role, and one whose certificate another
+//! CA signed are refused on every method of `raftlog.v1` and `raft.v1`, and nothing in the log
+//! changes; the right roles work.
+
+// See log_cluster.rs: the serial guard is held across awaits on purpose.
+#![allow(clippy::await_holding_lock)]
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{bin, free_port, make_certs, serial, tls, Cluster};
+use tokenlog_proto::raft::raft_transport_client::RaftTransportClient;
+use tokenlog_proto::raft::{RaftPayload, SnapshotChunk};
+use tokenlog_proto::raftlog as pb;
+use tokenlog_proto::raftlog::log_client::LogClient as PbClient;
+use tokenlog_raftlog::client::LogClient;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
+use tonic::Code;
+
+/// How a test client connects.
+enum Cred<'a> {
+    /// http:// to a TLS port.
+    PlainText,
+    /// TLS, verifying the node, presenting no certificate.
+    NoCertificate(&'a Path),
+    /// TLS with holder `name`'s certificate from the directory.
+    Holder(&'a Path, &'a str),
+}
+
+fn channel(addr: &str, cred: &Cred) -> Channel {
+    let ep = |scheme: &str| {
+        Endpoint::from_shared(format!("{scheme}://{addr}"))
+            .unwrap()
+            .connect_timeout(Duration::from_secs(2))
+            .timeout(Duration::from_secs(5))
+    };
+    match cred {
+        Cred::PlainText => ep("http").connect_lazy(),
+        Cred::NoCertificate(dir) => {
+            let ca = std::fs::read(dir.join("ca.pem")).unwrap();
+            let cfg = ClientTlsConfig::new()
+                .ca_certificate(Certificate::from_pem(ca))
+                .domain_name(tokenlog_raftlog::tls::NODE_SERVER_NAME);
+            ep("https").tls_config(cfg).unwrap().connect_lazy()
+        }
+        Cred::Holder(dir, name) => ep("https")
+            .tls_config(tls(dir, name).client_config())
+            .unwrap()
+            .connect_lazy(),
+    }
+}
+
+/// Who may call what, written out here independently of the node's own table
+/// (`tokenlog_raftlog::auth::allowed`).
+const ROLES: &[(&str, &[&str])] = &[
+    ("Submit", &["gateway"]),
+    ("Cancel", &["gateway"]),
+    ("ListModels", &["gateway", "admin"]),
+    ("Get", &["decoder", "gateway", "admin"]),
+    ("Watch", &["decoder", "gateway", "admin"]),
+    ("ClusterStatus", &["decoder", "gateway", "admin"]),
+    ("Register", &["decoder"]),
+    ("PendingWork", &["decoder"]),
+    ("Acquire", &["decoder"]),
+    ("Renew", &["decoder"]),
+    ("BindPrompt", &["decoder"]),
+    ("Append", &["decoder"]),
+    ("AppendStream", &["decoder"]),
+    ("Finish", &["decoder"]),
+    ("Release", &["decoder"]),
+    ("ChangeMembership", &["admin"]),
+    ("Verify", &["admin"]),
+    ("ChainHeads", &["admin"]),
+    ("StateDigest", &["admin"]),
+    ("raft.AppendEntries", &["node"]),
+    ("raft.AppendStream", &["node"]),
+    ("raft.RequestVote", &["node"]),
+    ("raft.InstallSnapshot", &["node"]),
+];
+
+/// Calls `method` with an empty request (a stream of one for streaming methods); the outcome's
+/// code (`Ok` when the call was answered).
+async fn call(ch: Channel, method: &str) -> Code {
+    let mut log = PbClient::new(ch.clone());
+    let mut raft = RaftTransportClient::new(ch);
+    macro_rules! code {
+        ($e:expr) => {
+            match $e.await {
+                Ok(_) => Code::Ok,
+                Err(s) => s.code(),
+            }
+        };
+    }
+    let one = |r: pb::AppendRequest| futures::stream::iter([r]);
+    match method {
+        "Submit" => code!(log.submit(pb::SubmitRequest::default())),
+        "Cancel" => code!(log.cancel(pb::CancelRequest::default())),
+        "ListModels" => code!(log.list_models(pb::ListModelsRequest::default())),
+        "Get" => code!(log.get(pb::GetRequest::default())),
+        "Watch" => code!(log.watch(pb::WatchRequest::default())),
+        "ClusterStatus" => code!(log.cluster_status(pb::ClusterStatusRequest::default())),
+        "Register" => code!(log.register(pb::RegisterRequest::default())),
+        "PendingWork" => code!(log.pending_work(pb::PendingWorkRequest::default())),
+        "Acquire" => code!(log.acquire(pb::AcquireRequest::default())),
+        "Renew" => code!(log.renew(pb::RenewRequest::default())),
+        "BindPrompt" => code!(log.bind_prompt(pb::BindPromptRequest::default())),
+        "Append" => code!(log.append(pb::AppendRequest::default())),
+        "AppendStream" => code!(log.append_stream(one(pb::AppendRequest::default()))),
+        "Finish" => code!(log.finish(pb::FinishRequest::default())),
+        "Release" => code!(log.release(pb::ReleaseRequest::default())),
+        "ChangeMembership" => code!(log.change_membership(pb::ChangeMembershipRequest::default())),
+        "Verify" => code!(log.verify(pb::VerifyRequest::default())),
+        "ChainHeads" => code!(log.chain_heads(pb::ChainHeadsRequest::default())),
+        "StateDigest" => code!(log.state_digest(pb::StateDigestRequest::default())),
+        "raft.AppendEntries" => code!(raft.append_entries(RaftPayload::default())),
+        "raft.AppendStream" => code!(raft.append_stream(futures::stream::iter([RaftPayload::default()]))),
+        "raft.RequestVote" => code!(raft.request_vote(RaftPayload::default())),
+        "raft.InstallSnapshot" => code!(raft.install_snapshot(futures::stream::iter([SnapshotChunk::default()]))),
+        m => panic!("no such method {m}"),
+    }
+}
+
+/// What must not change while strangers knock: the term (a vote request that got through would
+/// raise it), the leader, the voters, and that no generation exists.
+async fn fingerprint(c: &Cluster) -> (u64, u64, Vec<u64>, u64) {
+    let s = c.client().cluster_status(true).await.unwrap();
+    let voters = s.members.iter().filter(|m| m.voter).map(|m| m.node_id).collect();
+    let generations: u64 = s.generations_by_state.values().sum();
+    (s.term, s.leader_id, voters, generations)
+}
+
+fn model() -> pb::ModelIdentity {
+    pb::ModelIdentity {
+        weights_sha256: "w".into(),
+        tokenizer_sha256: "t".into(),
+        architecture: "test".into(),
+        dtype_class: "fake".into(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strangers_and_wrong_roles_are_refused_on_every_method_and_change_nothing() {
+    let _g = serial();
+    let certs = tempfile::tempdir().unwrap();
+    make_certs(certs.path(), &[]);
+    // A certificate with a fine role, signed by somebody else's CA.
+    let foreign = tempfile::tempdir().unwrap();
+    make_certs(foreign.path(), &["--admin", "admin", "--node", "node-1"]);
+    let c = Cluster::start_tls(certs.path());
+    let leader = c.leader().await;
+    let before = fingerprint(&c).await;
+    assert_eq!(before.3, 0, "a new cluster has no generations");
+    // Every node, not just the leader: a follower must refuse a vote or an append as well.
+    for (client_addr, peer_addr) in c.addrs.iter().zip(&c.peer_addrs) {
+        for (method, allowed) in ROLES {
+            // Each service on its own listener: raft.v1 for peers, raftlog.v1 for clients.
+            let (addr, other) = if method.starts_with("raft.") {
+                (peer_addr, client_addr)
+            } else {
+                (client_addr, peer_addr)
+            };
+            let holder = match allowed[0] {
+                "node" => "node-2",
+                "decoder" => "decoder-1",
+                "gateway" => "gateway-1",
+                _ => "admin",
+            };
+            let elsewhere = call(channel(other, &Cred::Holder(certs.path(), holder)), method).await;
+            assert_eq!(
+                elsewhere,
+                Code::Unimplemented,
+                "{other} serves {method} on the wrong listener"
+            );
+            let plain = call(channel(addr, &Cred::PlainText), method).await;
+            assert_ne!(plain, Code::Ok, "{addr} {method}: a plain-text call was answered");
+            let none = call(channel(addr, &Cred::NoCertificate(certs.path())), method).await;
+            assert_eq!(none, Code::Unauthenticated, "{addr} {method} without a certificate");
+            for (dir, name) in [(foreign.path(), "admin"), (foreign.path(), "node-1")] {
+                let got = call(channel(addr, &Cred::Holder(dir, name)), method).await;
+                assert!(
+                    !matches!(got, Code::Ok | Code::PermissionDenied | Code::InvalidArgument),
+                    "{addr} {method}: a certificate of another CA got past the handshake ({got:?})"
+                );
+            }
+            for (role, holder) in [
+                ("node", "node-2"),
+                ("decoder", "decoder-1"),
+                ("gateway", "gateway-1"),
+                ("admin", "admin"),
+            ] {
+                if allowed.contains(&role) {
+                    continue;
+                }
+                let got = call(channel(addr, &Cred::Holder(certs.path(), holder)), method).await;
+                assert_eq!(got, Code::PermissionDenied, "{addr} {method} as {role}");
+            }
+        }
+    }
+    assert_eq!(fingerprint(&c).await, before, "the refused calls changed the log");
+    assert_eq!(c.leader().await, leader);
+
+    // The right roles work, through the same listener.
+    let gateway = LogClient::with_tls(c.addrs.clone(), Some(tls(certs.path(), "gateway-1"))).unwrap();
+    let decoder = LogClient::with_tls(c.addrs.clone(), Some(tls(certs.path(), "decoder-1"))).unwrap();
+    let submitted = gateway
+        .submit(pb::SubmitRequest {
+            tenant: "t".into(),
+            request_id: "r1".into(),
+            binding: Some(pb::Binding {
+                model: Some(model()),
+                prompt_token_ids: vec![1, 2, 3],
+                stop: Some(pb::StopConfig {
+                    max_tokens: 10,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap();
+    let id = submitted.generation.unwrap().generation_id;
+    let acquired = decoder
+        .acquire(pb::AcquireRequest {
+            generation_id: id,
+            decoder_id: "decoder-1".into(),
+            lease_ms: 60_000,
+            model: Some(model()),
+            rng_version: 0,
+        })
+        .await
+        .unwrap();
+    assert!(acquired.ok, "{acquired:?}");
+    let epoch = acquired.generation.unwrap().lease.unwrap().epoch;
+    let appended = decoder
+        .append(pb::AppendRequest {
+            decoder_id: "decoder-1".into(),
+            lease_ms: 60_000,
+            items: vec![pb::AppendItem {
+                generation_id: id,
+                epoch,
+                start_seq: 0,
+                token_ids: vec![5, 6, 7],
+                ..Default::default()
+            }],
+        })
+        .await
+        .unwrap();
+    assert!(appended.results[0].accepted, "{appended:?}");
+    let got = gateway
+        .get(pb::GetRequest {
+            generation_id: id,
+            linearizable: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        got.generation.unwrap().frontier,
+        3,
+        "the gateway reads what the decoder wrote"
+    );
+    let verify = c
+        .client()
+        .node(&c.addrs[0])
+        .verify(pb::VerifyRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(verify.problems.is_empty(), "{verify:?}");
+    assert_eq!(
+        c.converged().await.len(),
+        1,
+        "the nodes replicate to each other over mutual TLS"
+    );
+    // A node's certificate passes the guard of raft.v1 (the empty payload is then refused as
+    // malformed, not as unauthorized).
+    let as_node = call(
+        channel(&c.peer_addrs[0], &Cred::Holder(certs.path(), "node-3")),
+        "raft.AppendEntries",
+    )
+    .await;
+    assert!(
+        !matches!(as_node, Code::Ok | Code::PermissionDenied | Code::Unauthenticated),
+        "{as_node:?}"
+    );
+}
+
+/// Runs `cmd` to its end, which must come within `limit` (a node that should have refused to
+/// start but serves instead fails the test rather than hanging it).
+fn exits_within(mut cmd: Command, limit: Duration) -> std::process::Output {
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + limit;
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            child.kill().unwrap();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "still running after {limit:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn a_node_refuses_plain_text_beyond_loopback_unless_insecure() {
+    let _g = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let mut cmd = Command::new(bin());
+    cmd.args(["node", "--id", "1", "--listen", &format!("0.0.0.0:{port}")])
+        .arg("--data-dir")
+        .arg(dir.path().join("d"));
+    let out = exits_within(cmd, Duration::from_secs(20));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("refusing to serve plain text"), "{err}");
+    assert!(!dir.path().join("d").exists(), "nothing was written before refusing");
+
+    let mut child = Command::new(bin())
+        .args([
+            "node",
+            "--id",
+            "1",
+            "--listen",
+            &format!("0.0.0.0:{port}"),
+            "--insecure",
+        ])
+        .arg("--data-dir")
+        .arg(dir.path().join("d"))
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "the --insecure node did not start listening");
+        assert!(child.try_wait().unwrap().is_none(), "the --insecure node exited");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
+
+#[test]
+fn tls_material_is_checked_before_a_node_starts() {
+    let _g = serial();
+    let certs = tempfile::tempdir().unwrap();
+    make_certs(certs.path(), &["--node", "n1", "--decoder", "d1"]);
+    // Running `certs` again keeps the CA and the existing holders, and adds new ones under it.
+    make_certs(certs.path(), &["--node", "n2"]);
+    let other = tempfile::tempdir().unwrap();
+    make_certs(other.path(), &["--node", "n1"]);
+    let node = |cert: &Path, key: &Path, ca: &Path| {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cmd = Command::new(bin());
+        cmd.args(["node", "--id", "1", "--listen", &format!("127.0.0.1:{}", free_port())])
+            .arg("--data-dir")
+            .arg(dir.path().join("d"))
+            .arg("--tls-ca")
+            .arg(ca)
+            .arg("--tls-cert")
+            .arg(cert)
+            .arg("--tls-key")
+            .arg(key);
+        let out = exits_within(cmd, Duration::from_secs(20));
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).to_string()
+    };
+    let p = |d: &Path, f: &str| d.join(f);
+    let c = certs.path();
+    let wrong_role = node(&p(c, "d1.pem"), &p(c, "d1.key"), &p(c, "ca.pem"));
+    assert!(wrong_role.contains("needs a certificate of role node"), "{wrong_role}");
+    let foreign = node(&p(other.path(), "n1.pem"), &p(other.path(), "n1.key"), &p(c, "ca.pem"));
+    assert!(foreign.contains("was not issued by the CA"), "{foreign}");
+    let missing = node(&p(c, "n9.pem"), &p(c, "n1.key"), &p(c, "ca.pem"));
+    assert!(missing.contains("n9.pem"), "{missing}");
+    let garbage = node(&p(c, "ca.key"), &p(c, "n1.key"), &p(c, "ca.pem"));
+    assert!(garbage.contains("ca.key"), "{garbage}");
+    // The second run signed n2 under the first run's CA.
+    let n2 = tls(c, "n2");
+    assert_eq!(n2.holder.name, "n2");
+    assert_eq!(n2.holder.role, tokenlog_raftlog::tls::Role::Node);
+}
