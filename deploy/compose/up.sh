@@ -41,21 +41,20 @@ status() {
     --tls-ca /certs/ca.pem --tls-cert /certs/admin.pem --tls-key /certs/admin.key "$@"
 }
 deadline=$((SECONDS + ${TOKENLOG_UP_TIMEOUT_S:-120}))
+# Fails with the containers' last words once the deadline has passed.
+give_up_after_deadline() {
+  [ $SECONDS -lt $deadline ] && return 0
+  echo "up.sh: $1; logs:" >&2
+  docker-compose -f "$here/docker-compose.yml" logs --tail 20 >&2
+  exit 1
+}
 until status >/dev/null 2>&1; do
-  if [ $SECONDS -ge $deadline ]; then
-    echo "up.sh: no leader after ${TOKENLOG_UP_TIMEOUT_S:-120} s; logs:" >&2
-    docker-compose -f "$here/docker-compose.yml" logs --tail 20 >&2
-    exit 1
-  fi
+  give_up_after_deadline "no leader after ${TOKENLOG_UP_TIMEOUT_S:-120} s"
   sleep 1
 done
 for port in "${TOKENLOG_HTTP_PORT:-8000}" "${TOKENLOG_HTTP_PORT_2:-8001}"; do
   until curl -fsS "http://127.0.0.1:$port/v1/models" 2>/dev/null | grep -q '"id"'; do
-    if [ $SECONDS -ge $deadline ]; then
-      echo "up.sh: the gateway on 127.0.0.1:$port serves no model; logs:" >&2
-      docker-compose -f "$here/docker-compose.yml" logs --tail 20 >&2
-      exit 1
-    fi
+    give_up_after_deadline "the gateway on 127.0.0.1:$port serves no model"
     sleep 1
   done
 done
