@@ -2,7 +2,8 @@
 # Installs what building and testing tokenlog needs beyond cargo, from Debian's packages:
 # libclang (bindgen for RocksDB's C API), a C++ compiler, etcd-server (the baseline of
 # `tokenlog bench log`), iproute2/iptables (network namespaces for the fault suite), python3-venv
-# (the test that drives tokenlog with the `openai` Python package).
+# (the test that drives tokenlog with the `openai` Python package), and from PyPI
+# kubernetes-validate (deploy/k8s/check.sh validates the manifests offline with it).
 # Idempotent and quiet when everything is present.
 set -euo pipefail
 need=()
@@ -19,3 +20,4 @@ if [ ${#need[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
 fi
+command -v kubernetes-validate >/dev/null || python3 -m pip install -q --root-user-action=ignore kubernetes-validate==1.37.0 >&2

@@ -1,11 +1,12 @@
 //! Process plumbing shared by every subcommand: tracing set-up, the shutdown signal, and the
-//! metrics listener of processes that have no gateway (`tokenlog node`, `tokenlog decoder`).
+//! status listener (metrics, liveness, readiness, grpc.health.v1) of every long-running process.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context;
+use tokenlog_raftlog::health::Health;
 use tokenlog_raftlog::tls::{ClientTls, Tls, TlsFiles};
 
 use tokio::net::TcpListener;
@@ -59,12 +60,35 @@ pub async fn shutdown_signal() {
     }
 }
 
-/// Serves `GET /metrics` (and `/healthz`) on `addr` from `render`.
-pub async fn serve_metrics(addr: SocketAddr, render: Render) -> std::io::Result<(SocketAddr, JoinHandle<()>)> {
+/// The status listener of a process (`--metrics-listen`), plain HTTP for probes and scrapers
+/// inside the cluster's network: `GET /metrics` from `render`; `GET /livez` (and `/healthz`):
+/// 200 while the process runs; `GET /readyz`: 200 when `health`'s check passes, else 503 with
+/// the reason; and `grpc.health.v1` (HTTP/2 without TLS, as Kubernetes' gRPC probes speak it).
+pub async fn serve_status(
+    addr: SocketAddr,
+    render: Render,
+    health: Health,
+) -> std::io::Result<(SocketAddr, JoinHandle<()>)> {
+    use axum::http::StatusCode;
     let l = TcpListener::bind(addr).await?;
     let local = l.local_addr()?;
+    let grpc = tonic::service::Routes::new(health.service()).into_axum_router();
+    let live = || async { "ok\n" };
     let app = axum::Router::new()
-        .route("/healthz", axum::routing::get(|| async { "ok\n" }))
+        .route("/livez", axum::routing::get(live))
+        .route("/healthz", axum::routing::get(live))
+        .route(
+            "/readyz",
+            axum::routing::get(move || {
+                let health = health.clone();
+                async move {
+                    match health.check() {
+                        Ok(()) => (StatusCode::OK, "ready\n".to_string()),
+                        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {why}\n")),
+                    }
+                }
+            }),
+        )
         .route(
             "/metrics",
             axum::routing::get(move || {
@@ -79,10 +103,11 @@ pub async fn serve_metrics(addr: SocketAddr, render: Render) -> std::io::Result<
                     )
                 }
             }),
-        );
+        )
+        .merge(grpc);
     let task = tokio::spawn(async move {
         if let Err(e) = axum::serve(l, app).await {
-            tracing::error!("metrics server: {e}");
+            tracing::error!("status server: {e}");
         }
     });
     Ok((local, task))

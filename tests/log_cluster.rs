@@ -11,57 +11,10 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::{serial, Cluster};
+use common::{owned_generations, serial, Cluster};
 
 use tokenlog_proto::raftlog as pb;
 use tokenlog_raftlog::client::LogClient;
-
-fn model() -> pb::ModelIdentity {
-    pb::ModelIdentity {
-        weights_sha256: "w".into(),
-        tokenizer_sha256: "t".into(),
-        architecture: "test".into(),
-        dtype_class: "fake".into(),
-    }
-}
-
-/// Submits and acquires `n` generations for `decoder`.
-async fn owned_generations(client: &LogClient, n: usize, decoder: &str) -> Vec<(u64, u64)> {
-    let mut out = Vec::new();
-    for j in 0..n {
-        let binding = pb::Binding {
-            model: Some(model()),
-            prompt_token_ids: vec![1, 2, 3],
-            stop: Some(pb::StopConfig {
-                max_tokens: 10_000,
-                ..Default::default()
-            }),
-            ..Default::default()
-        };
-        let s = client
-            .submit(pb::SubmitRequest {
-                tenant: "t".into(),
-                request_id: format!("{decoder}-{j}"),
-                binding: Some(binding),
-            })
-            .await
-            .unwrap();
-        let id = s.generation.unwrap().generation_id;
-        let a = client
-            .acquire(pb::AcquireRequest {
-                generation_id: id,
-                decoder_id: decoder.into(),
-                lease_ms: 60_000,
-                model: Some(model()),
-                rng_version: 0,
-            })
-            .await
-            .unwrap();
-        assert!(a.ok, "{a:?}");
-        out.push((id, a.generation.unwrap().lease.unwrap().epoch));
-    }
-    out
-}
 
 /// Appends one token per generation per step until `stop`; retries each step (unchanged) until
 /// acknowledged. Returns the acknowledged frontier.
@@ -291,6 +244,83 @@ async fn restart_all_nodes_at_once_keeps_identical_state_and_wiped_node_catches_
 /// of one generation in one apply batch, or a snapshot) without a crash, and every node agrees.
 /// (The code read behind raftlog v2 found this path crash-looping a follower when `persist`
 /// indexed a pruned generation; there are no per-apply rows any more.)
+/// The README's backup and restore (section "Operating a cluster"): a backup is a copy of a
+/// stopped follower's data dir; a cluster that lost every disk, restored from that copy on every
+/// node, holds the log exactly as it was when the copy was made.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_followers_data_dir_is_a_backup_every_node_can_be_restored_from() {
+    let _serial = serial();
+    let mut cluster = Cluster::start(50);
+    let leader = cluster.leader().await;
+    let client = cluster.client();
+    let gens = owned_generations(&client, 4, "dec").await;
+    // Writes to `gens` (from seq 0, as their owner `dec`) for `ms`.
+    let write_for = |client: LogClient, gens: Vec<(u64, u64)>, dec: &str, ms: u64| {
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let w = tokio::spawn(writer(client, gens, dec.into(), stop_rx));
+        async move {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            stop_tx.send(true).unwrap();
+            w.await.unwrap()
+        }
+    };
+    assert!(write_for(cluster.client(), gens, "dec", 1_000).await > 10);
+    let before = cluster.converged().await;
+
+    // The backup: one follower stopped (SIGTERM), its data dir copied, the follower started again.
+    let f = (leader + 1) % 3;
+    cluster.signal(f, "TERM");
+    assert!(
+        cluster.wait_exit(f, Duration::from_secs(20)).is_some(),
+        "the follower did not stop"
+    );
+    let backup = cluster.dir.path().join("backup");
+    let cp = |from: &Path, to: &Path| {
+        let st = std::process::Command::new("cp")
+            .arg("-a")
+            .arg(from)
+            .arg(to)
+            .status()
+            .unwrap();
+        assert!(st.success(), "cp -a {} {}", from.display(), to.display());
+    };
+    cp(&cluster.data_dir(f), &backup);
+    cluster.start_node(f);
+    let verify = std::process::Command::new(common::bin())
+        .args(["verify", "--data-dir"])
+        .arg(&backup)
+        .output()
+        .unwrap();
+    assert!(
+        verify.status.success(),
+        "verify of the backup: {}",
+        String::from_utf8_lossy(&verify.stderr)
+    );
+
+    // The cluster goes on; then every disk is lost and each node gets the backup.
+    let more = owned_generations(&client, 4, "dec2").await;
+    assert!(write_for(cluster.client(), more, "dec2", 1_000).await > 10);
+    assert_ne!(
+        cluster.converged().await,
+        before,
+        "writes after the backup changed the log"
+    );
+    for i in 0..3 {
+        cluster.kill9(i);
+        std::fs::remove_dir_all(cluster.data_dir(i)).unwrap();
+        cp(&backup, &cluster.data_dir(i));
+    }
+    for i in 0..3 {
+        cluster.start_node(i);
+    }
+    cluster.leader().await;
+    assert_eq!(
+        cluster.converged().await,
+        before,
+        "the restored log is the backed-up one"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn paused_follower_catches_up_through_records_and_pruning_without_crashing() {
     let _serial = serial();

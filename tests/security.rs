@@ -134,15 +134,6 @@ async fn fingerprint(c: &Cluster) -> (u64, u64, Vec<u64>, u64) {
     (s.term, s.leader_id, voters, generations)
 }
 
-fn model() -> pb::ModelIdentity {
-    pb::ModelIdentity {
-        weights_sha256: "w".into(),
-        tokenizer_sha256: "t".into(),
-        architecture: "test".into(),
-        dtype_class: "fake".into(),
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn strangers_and_wrong_roles_are_refused_on_every_method_and_change_nothing() {
     let _g = serial();
@@ -207,35 +198,8 @@ async fn strangers_and_wrong_roles_are_refused_on_every_method_and_change_nothin
     // The right roles work, through the same listener.
     let gateway = LogClient::with_tls(c.addrs.clone(), Some(tls(certs.path(), "gateway-1"))).unwrap();
     let decoder = LogClient::with_tls(c.addrs.clone(), Some(tls(certs.path(), "decoder-1"))).unwrap();
-    let submitted = gateway
-        .submit(pb::SubmitRequest {
-            tenant: "t".into(),
-            request_id: "r1".into(),
-            binding: Some(pb::Binding {
-                model: Some(model()),
-                prompt_token_ids: vec![1, 2, 3],
-                stop: Some(pb::StopConfig {
-                    max_tokens: 10,
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }),
-        })
-        .await
-        .unwrap();
-    let id = submitted.generation.unwrap().generation_id;
-    let acquired = decoder
-        .acquire(pb::AcquireRequest {
-            generation_id: id,
-            decoder_id: "decoder-1".into(),
-            lease_ms: 60_000,
-            model: Some(model()),
-            rng_version: 0,
-        })
-        .await
-        .unwrap();
-    assert!(acquired.ok, "{acquired:?}");
-    let epoch = acquired.generation.unwrap().lease.unwrap().epoch;
+    let id = common::submit(&gateway, "r1").await;
+    let epoch = common::acquire(&decoder, id, "decoder-1").await;
     let appended = decoder
         .append(pb::AppendRequest {
             decoder_id: "decoder-1".into(),
@@ -391,4 +355,111 @@ fn tls_material_is_checked_before_a_node_starts() {
     let n2 = tls(c, "n2");
     assert_eq!(n2.holder.name, "n2");
     assert_eq!(n2.holder.role, tokenlog_raftlog::tls::Role::Node);
+}
+
+/// A gateway serving its clients over TLS (`--listen-tls-cert`), over a log that serves mutual
+/// TLS: a client that trusts the CA streams a generation over gRPC (the library and
+/// `tokenlog generate --gateway-ca`) and lists models over HTTPS; a plain-text client gets
+/// nothing; a key that does not go with the certificate stops the gateway before it serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_serves_its_clients_over_tls() {
+    let _g = serial();
+    let certs = tempfile::tempdir().unwrap();
+    make_certs(certs.path(), &[]);
+    let c = Cluster::start_tls(certs.path());
+    c.leader().await;
+    let d = certs.path();
+    let arg = |f: &str| d.join(f).display().to_string();
+    let mut listen_tls = common::tls_args(d, "gateway-1");
+    listen_tls.extend([
+        "--listen-tls-cert".into(),
+        arg("gateway-1.pem"),
+        "--listen-tls-key".into(),
+        arg("gateway-1.key"),
+    ]);
+    let listen_tls: Vec<&str> = listen_tls.iter().map(String::as_str).collect();
+    let gw = c.start_gateway("gw-tls", &listen_tls);
+    let dec_args = common::tls_args(d, "decoder-1");
+    let _dec = c.start_decoder("d1", &dec_args.iter().map(String::as_str).collect::<Vec<_>>());
+    common::wait_for_model(&c.client()).await;
+
+    // gRPC over TLS, through the client library.
+    let ca = std::fs::read(d.join("ca.pem")).unwrap();
+    let client = tokenlog_gateway::client::GatewayClient::with_ca(vec![gw.grpc.clone()], None, Some(&ca)).unwrap();
+    let req = tokenlog_proto::tokenlog::GenerateRequest {
+        request_id: "tls-1".into(),
+        prompt: "hello".into(),
+        max_tokens: 8,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let mut stream = Box::pin(client.generate(req));
+    let mut seqs = Vec::new();
+    while let Some(ev) = futures::StreamExt::next(&mut stream).await {
+        let ev = ev.unwrap();
+        if ev.last {
+            break;
+        }
+        seqs.push(ev.seq);
+    }
+    assert_eq!(seqs, (0..8).collect::<Vec<_>>());
+    // ... and through the CLI.
+    let out = Command::new(bin())
+        .args(["generate", "--gateway", &gw.grpc, "--max-tokens", "4", "--raw", "hi"])
+        .arg("--gateway-ca")
+        .arg(d.join("ca.pem"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // HTTPS, verified against the CA.
+    let https = Command::new("curl")
+        .args(["-sS", "--fail", "--cacert", &arg("ca.pem")])
+        .arg(format!("https://{}/v1/models", gw.http))
+        .output()
+        .unwrap();
+    assert!(https.status.success(), "{}", String::from_utf8_lossy(&https.stderr));
+    assert!(String::from_utf8_lossy(&https.stdout).contains("\"id\""));
+    // Plain text gets no answer on either port.
+    let plain = Command::new("curl")
+        .args(["-sS", "--max-time", "5"])
+        .arg(format!("http://{}/v1/models", gw.http))
+        .output()
+        .unwrap();
+    assert!(
+        !plain.status.success(),
+        "plain HTTP answered: {}",
+        String::from_utf8_lossy(&plain.stdout)
+    );
+    let plain = tokio::time::timeout(Duration::from_secs(10), async {
+        use tokenlog_proto::tokenlog as tpb;
+        let mut c = tpb::generation_client::GenerationClient::connect(format!("http://{}", gw.grpc))
+            .await
+            .map_err(|e| e.to_string())?;
+        c.status(tpb::StatusRequest {
+            request_id: "tls-1".into(),
+        })
+        .await
+        .map_err(|e| e.to_string())
+    })
+    .await;
+    assert!(!matches!(plain, Ok(Ok(_))), "plain gRPC answered: {plain:?}");
+
+    // A key that is not the certificate's: refused at start, naming both files.
+    let mut cmd = Command::new(bin());
+    cmd.args(["gateway", "--fake", "--cluster", &c.addrs[0]])
+        .args(["--grpc-listen", &format!("127.0.0.1:{}", free_port())])
+        .args(["--http-listen", &format!("127.0.0.1:{}", free_port())])
+        .args([
+            "--listen-tls-cert",
+            &arg("gateway-1.pem"),
+            "--listen-tls-key",
+            &arg("gateway-2.key"),
+        ]);
+    let out = exits_within(cmd, Duration::from_secs(20));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("gateway-2.key") && err.contains("does not go with"),
+        "{err}"
+    );
 }

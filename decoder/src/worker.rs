@@ -118,6 +118,9 @@ pub struct WorkerStats {
     pub failed: u64,
     /// Generations taken and released again because the log could not be read for now.
     pub released: u64,
+    /// The log accepted this decoder's last registration (its readiness: `tokenlog decoder`'s
+    /// /readyz and grpc.health.v1).
+    pub registered: bool,
 }
 
 /// One generation this worker owns.
@@ -454,9 +457,14 @@ impl Worker {
             chat_template: self.cfg.chat_template.clone(),
             context_tokens: self.model.max_context() as u32,
         };
-        if let Err(e) = self.client.register(req).await {
-            tracing::warn!(error = %e, "registration not refreshed");
-        }
+        let registered = match self.client.register(req).await {
+            Ok(_) => true,
+            Err(e) => {
+                tracing::warn!(error = %e, "registration not refreshed");
+                false
+            }
+        };
+        self.stats.lock().expect("lock").registered = registered;
     }
 
     async fn take_work(&mut self) {

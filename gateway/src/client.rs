@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use futures::Stream;
 use tokenlog_proto::tokenlog as tpb;
 use tokenlog_proto::tokenlog::generation_client::GenerationClient;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 use tonic::{Code, Status};
 
 pub use crate::limits::CLIENT_RECONNECT_BUDGET as RECONNECT_BUDGET;
@@ -23,6 +23,8 @@ pub enum ClientError {
     Exhausted(Duration, String),
     #[error("bad gateway address {0:?}")]
     BadAddress(String),
+    #[error("TLS to the gateway: {0}")]
+    Tls(String),
 }
 
 #[derive(Clone)]
@@ -44,15 +46,31 @@ fn retryable(s: &Status) -> bool {
 impl GatewayClient {
     /// `addrs`: `host:port` of gateways (their gRPC address). `api_key`: sent as a bearer token.
     pub fn new(addrs: Vec<String>, api_key: Option<String>) -> Result<Self, ClientError> {
+        Self::with_ca(addrs, api_key, None)
+    }
+
+    /// Over TLS when `ca_pem` is given: the gateways' certificates must chain to it and name the
+    /// host dialled.
+    pub fn with_ca(addrs: Vec<String>, api_key: Option<String>, ca_pem: Option<&[u8]>) -> Result<Self, ClientError> {
         if addrs.is_empty() {
             return Err(ClientError::BadAddress(String::new()));
         }
+        let scheme = if ca_pem.is_some() { "https" } else { "http" };
         let channels = addrs
             .into_iter()
             .map(|a| {
-                let ep =
-                    Endpoint::from_shared(format!("http://{a}")).map_err(|_| ClientError::BadAddress(a.clone()))?;
-                Ok((a, ep.connect_timeout(CONNECT_TIMEOUT).tcp_nodelay(true).connect_lazy()))
+                let mut ep =
+                    Endpoint::from_shared(format!("{scheme}://{a}")).map_err(|_| ClientError::BadAddress(a.clone()))?;
+                if let Some(ca) = ca_pem {
+                    let tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca));
+                    ep = ep.tls_config(tls).map_err(|e| ClientError::Tls(e.to_string()))?;
+                }
+                Ok((
+                    a,
+                    tokenlog_raftlog::client::with_keepalive(ep)
+                        .connect_timeout(CONNECT_TIMEOUT)
+                        .connect_lazy(),
+                ))
             })
             .collect::<Result<_, ClientError>>()?;
         Ok(GatewayClient {

@@ -17,6 +17,7 @@ pub mod client;
 pub mod core;
 pub mod error;
 pub mod grpc;
+pub mod health;
 pub mod http;
 pub mod limits;
 pub mod metrics;

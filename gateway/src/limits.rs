@@ -45,3 +45,8 @@ pub const TEMPERATURE_MAX: f32 = 2.0;
 pub const PENALTY_ABS_MAX: f32 = 2.0;
 /// Largest repetition penalty a request may ask for (Hugging Face convention: 1 = off).
 pub const REPETITION_PENALTY_MAX: f32 = 10.0;
+/// Readiness (`health.rs`): the log is asked for its status this often, each ask given this
+/// long; a gateway whose last answer is older than `LOG_UNREACHABLE_AFTER` is not ready.
+pub const LOG_PROBE_EVERY: Duration = Duration::from_secs(1);
+pub const LOG_PROBE_BUDGET: Duration = Duration::from_secs(2);
+pub const LOG_UNREACHABLE_AFTER: Duration = Duration::from_secs(5);

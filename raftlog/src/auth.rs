@@ -37,6 +37,9 @@ pub fn allowed(path: &str) -> Option<&'static [Role]> {
         // Reads of generations: decoders resume from them, gateways stream them, operators look.
         ("raftlog.v1.Log", "Get" | "Watch") => &[Decoder, Gateway, Admin],
         ("raftlog.v1.Log", "ClusterStatus") => &[Decoder, Gateway, Admin],
+        // Health checks: anyone the cluster's CA vouches for (probes without a certificate use
+        // the plain-HTTP status listener, `--metrics-listen`).
+        ("grpc.health.v1.Health", "Check" | "Watch") => &[Node, Decoder, Gateway, Admin],
         // Operators only: membership, full scans, digests of the state.
         ("raftlog.v1.Log", "ChangeMembership" | "Verify" | "ChainHeads" | "StateDigest") => &[Admin],
         _ => return None,
@@ -158,5 +161,12 @@ mod tests {
         assert_eq!(allowed("/raftlog.v1.Log/Append"), Some(&[Decoder][..]));
         assert_eq!(allowed("/raftlog.v1.Log/Submit"), Some(&[Gateway][..]));
         assert_eq!(allowed("/raftlog.v1.Log/ChangeMembership"), Some(&[Admin][..]));
+        for m in ["Check", "Watch"] {
+            assert_eq!(
+                allowed(&format!("/grpc.health.v1.Health/{m}")).map(|r| r.len()),
+                Some(4),
+                "every role may ask a node's health"
+            );
+        }
     }
 }

@@ -19,10 +19,21 @@ use tonic::{Code, Status};
 use crate::error::leader_hint;
 pub use crate::limits::RETRY_BUDGET_DEFAULT;
 use crate::limits::{
-    APPEND_STREAM_IN_FLIGHT_MAX, CALL_TIMEOUT, CONNECT_TIMEOUT, GRPC_MESSAGE_BYTES_MAX, RETRY_PAUSE_MAX,
-    RETRY_PAUSE_MIN,
+    APPEND_STREAM_IN_FLIGHT_MAX, CALL_TIMEOUT, CONNECT_TIMEOUT, GRPC_MESSAGE_BYTES_MAX, KEEPALIVE_INTERVAL,
+    KEEPALIVE_TIMEOUT, RETRY_PAUSE_MAX, RETRY_PAUSE_MIN,
 };
 use crate::tls::{scheme, ClientTls};
+
+/// `e` with the connection settings every long-lived channel of ours uses: connect timeout,
+/// no Nagle, HTTP/2 keepalive (a dead peer's streams end instead of hanging).
+pub fn with_keepalive(e: Endpoint) -> Endpoint {
+    e.connect_timeout(CONNECT_TIMEOUT)
+        .tcp_nodelay(true)
+        .tcp_keepalive(Some(KEEPALIVE_INTERVAL))
+        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+        .keep_alive_while_idle(true)
+}
 
 /// The endpoint of node `addr` (`host:port`) under `tls`.
 fn endpoint(addr: &str, tls: &ClientTls) -> Result<Endpoint, ClientError> {
@@ -149,15 +160,12 @@ impl LogClient {
         let ch = map
             .entry(addr.to_string())
             .or_insert_with(|| {
-                endpoint(addr, &self.inner.tls)
-                    // A redirect names an address no constructor saw; one that does not parse
-                    // gets a channel that never connects (its calls fail and are retried
-                    // elsewhere) instead of a panic.
-                    .unwrap_or_else(|_| Endpoint::from_static("http://invalid.invalid:1"))
-                    .connect_timeout(CONNECT_TIMEOUT)
-                    .timeout(CALL_TIMEOUT)
-                    .tcp_nodelay(true)
-                    .connect_lazy()
+                // A redirect names an address no constructor saw; one that does not parse gets
+                // a channel that never connects (its calls fail and are retried elsewhere)
+                // instead of a panic.
+                let e = endpoint(addr, &self.inner.tls)
+                    .unwrap_or_else(|_| Endpoint::from_static("http://invalid.invalid:1"));
+                with_keepalive(e).timeout(CALL_TIMEOUT).connect_lazy()
             })
             .clone();
         PbClient::new(ch)

@@ -22,6 +22,7 @@ pub mod data_dir;
 pub mod db;
 pub mod error;
 pub mod faults;
+pub mod health;
 pub mod limits;
 pub mod log_store;
 pub mod metrics;

@@ -88,10 +88,19 @@ pub const STAMP_WALL_LEAD_MS_MAX: u64 = 25;
 pub const TICK_INTERVAL: Duration = Duration::from_millis(500);
 /// How long a stopping node waits for open streams (Watches) to end before it closes them.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
-/// Connecting to a peer or a node (Raft transport and `LogClient`).
 /// A TLS handshake that takes longer is dropped (a client that connects and says nothing holds
 /// no task for long).
 pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often a process's readiness check is re-evaluated for `grpc.health.v1` (`health.rs`).
+pub const HEALTH_POLL: Duration = Duration::from_millis(500);
+/// HTTP/2 keepalive on every gRPC connection, both ends: a PING every `KEEPALIVE_INTERVAL`, and a
+/// connection whose PING is not answered within `KEEPALIVE_TIMEOUT` is closed. A peer that
+/// vanished without closing its connections (a container killed or cut off its network, a
+/// machine powered off: no FIN, no RST) would otherwise leave a Watch, an AppendStream or a
+/// replication stream waiting on it for ever (found by `tests/deploy_docker.rs`).
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(1);
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Connecting to a peer or a node (Raft transport and `LogClient`).
 pub const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
 /// One `LogClient` call; and how long a call keeps retrying through leader changes and
 /// unreachable nodes, with pauses that double from the minimum to the maximum.

@@ -32,9 +32,10 @@ use crate::auth::Guarded;
 use crate::clock::Clock;
 use crate::error::LogError;
 use crate::faults::Faults;
+use crate::health::{Health, Readiness};
 use crate::limits::{
-    GRPC_MESSAGE_BYTES_MAX, PROPOSALS_IN_FLIGHT_MAX, PROPOSAL_COMMANDS_MAX, PROPOSAL_TOKENS_MAX, PROPOSER_QUEUE_MAX,
-    RETENTION_MS_DEFAULT, RETENTION_MS_MIN, TICK_INTERVAL,
+    GRPC_MESSAGE_BYTES_MAX, KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT, PROPOSALS_IN_FLIGHT_MAX, PROPOSAL_COMMANDS_MAX,
+    PROPOSAL_TOKENS_MAX, PROPOSER_QUEUE_MAX, RETENTION_MS_DEFAULT, RETENTION_MS_MIN, TICK_INTERVAL,
 };
 use crate::raft_types::{Node as RaftNode, NodeId, Raft};
 use crate::service::LogService;
@@ -162,6 +163,28 @@ fn raft_err<E: std::fmt::Display>(e: RaftError<crate::raft_types::TypeConfig, E>
 impl NodeCtx {
     fn stamp(&self) -> u64 {
         self.clock.stamp(self.sm.log_ms())
+    }
+
+    /// Ready to serve: Raft runs, a leader is known, and this node has applied everything it
+    /// learned was committed (a node catching up after a restart or a partition is not ready:
+    /// its reads would be stale).
+    pub fn readiness(&self) -> Result<(), String> {
+        let m = self.raft.metrics();
+        let m = m.borrow_watched();
+        if let Err(e) = &m.running_state {
+            return Err(format!("Raft stopped: {e}"));
+        }
+        if m.current_leader.is_none() {
+            return Err(format!("no leader known (term {})", m.current_term));
+        }
+        let committed = m.cluster_committed.map_or(0, |l| l.index);
+        let applied = m.last_applied.map_or(0, |l| l.index);
+        if applied < committed {
+            return Err(format!(
+                "applied {applied} of the {committed} entries it knows are committed"
+            ));
+        }
+        Ok(())
     }
 
     /// This node's estimate of log time now (a hint: see [`Clock::now`]).
@@ -454,6 +477,8 @@ fn answer_all(answers: Vec<tokio::sync::oneshot::Sender<WriteResult>>, outcome: 
 /// A running node. Dropping it does not stop it: call [`RunningNode::shutdown`].
 pub struct RunningNode {
     pub ctx: Arc<NodeCtx>,
+    /// Its readiness, also served as `grpc.health.v1` on the client listener.
+    pub health: Health,
     /// The client API's listener (and Raft's, without a peer listener).
     pub local_addr: SocketAddr,
     /// The peer listener (`raft.v1`), when it has its own.
@@ -581,12 +606,32 @@ pub async fn start(cfg: NodeConfig) -> Result<RunningNode, LogError> {
         proposed: Default::default(),
     });
     let (stop_tx, stop_rx) = watch::channel(false);
-    let server = serve(listener, peer_listener.map(|(l, _)| l), &ctx, &cfg.tls, stop_rx.clone())?;
+    let health = {
+        let ctx = Arc::downgrade(&ctx);
+        let ready: Readiness = Arc::new(move || match ctx.upgrade() {
+            Some(ctx) => ctx.readiness(),
+            None => Err("the node has stopped".into()),
+        });
+        let mut stop = stop_rx.clone();
+        Health::follow(ready, async move {
+            let _ = stop.wait_for(|s| *s).await;
+        })
+        .await
+    };
+    let server = serve(
+        listener,
+        peer_listener.map(|(l, _)| l),
+        &ctx,
+        &health,
+        &cfg.tls,
+        stop_rx.clone(),
+    )?;
     initialize_if_first(&cfg, &raft, &me).await?;
     spawn_ticker(ctx.clone(), cfg.retention_ms, stop_rx);
     tracing::info!(id = cfg.id, node = %me, "node serving");
     Ok(RunningNode {
         ctx,
+        health,
         local_addr,
         peer_local_addr,
         stop_tx,
@@ -619,6 +664,7 @@ fn serve(
     listener: tokio::net::TcpListener,
     peer_listener: Option<tokio::net::TcpListener>,
     ctx: &Arc<NodeCtx>,
+    health: &Health,
     tls: &ClientTls,
     stop: watch::Receiver<bool>,
 ) -> Result<tokio::task::JoinHandle<Result<(), tonic::transport::Error>>, LogError> {
@@ -632,7 +678,10 @@ fn serve(
         .max_decoding_message_size(GRPC_MESSAGE_BYTES_MAX)
         .max_encoding_message_size(GRPC_MESSAGE_BYTES_MAX);
     let builder = || -> Result<tonic::transport::Server, LogError> {
-        let b = tonic::transport::Server::builder();
+        let b = tonic::transport::Server::builder()
+            .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+            .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+            .tcp_keepalive(Some(KEEPALIVE_INTERVAL));
         let Some(tls) = tls else { return Ok(b) };
         let config = tls.server_config().map_err(|e| LogError::Tls(e.to_string()))?;
         b.tls_config(config).map_err(|e| LogError::Tls(e.to_string()))
@@ -643,16 +692,19 @@ fn serve(
     };
     let log_svc = Guarded::new(log_svc, enforce);
     let raft_svc = Guarded::new(raft_svc, enforce);
+    let health_svc = Guarded::new(health.service(), enforce);
     Ok(match peer_listener {
         None => tokio::spawn(
             builder()?
                 .add_service(log_svc)
                 .add_service(raft_svc)
+                .add_service(health_svc)
                 .serve_with_incoming_shutdown(incoming(listener), stopped(stop)),
         ),
         Some(peer_listener) => {
             let clients = builder()?
                 .add_service(log_svc)
+                .add_service(health_svc)
                 .serve_with_incoming_shutdown(incoming(listener), stopped(stop.clone()));
             let peers = builder()?
                 .add_service(raft_svc)

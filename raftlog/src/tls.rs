@@ -241,3 +241,65 @@ pub fn scheme(tls: &ClientTls) -> &'static str {
         "http"
     }
 }
+
+/// A server certificate for a public listener (a gateway's gRPC and HTTP ports): the certificate
+/// chain and key clients of the service see; no client certificates (clients authenticate with
+/// API keys). Any CA will do: a public one, or the cluster's (`tokenlog certs --san HOST`).
+#[derive(Clone)]
+pub struct ServingCert {
+    cert_pem: Vec<u8>,
+    key_pem: Vec<u8>,
+    chain: Vec<CertificateDer<'static>>,
+}
+
+impl std::fmt::Debug for ServingCert {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServingCert").finish_non_exhaustive()
+    }
+}
+
+impl ServingCert {
+    /// Reads and checks the chain and the key; errors name the file.
+    pub fn load(cert: &Path, key: &Path) -> Result<ServingCert, TlsError> {
+        let cert_pem = read(cert)?;
+        let key_pem = read(key)?;
+        let chain = certs_of(cert, &cert_pem)?;
+        PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| TlsError::Bad {
+            path: key.to_path_buf(),
+            what: format!("not a PEM private key: {e}"),
+        })?;
+        let served = ServingCert {
+            cert_pem,
+            key_pem,
+            chain,
+        };
+        // A key that does not belong to the certificate fails here, not at the first client.
+        served.rustls_config().map_err(|e| TlsError::Bad {
+            path: key.to_path_buf(),
+            what: format!("does not go with {}: {e}", cert.display()),
+        })?;
+        Ok(served)
+    }
+
+    /// For a tonic server.
+    pub fn tonic_config(&self) -> ServerTlsConfig {
+        ServerTlsConfig::new()
+            .identity(Identity::from_pem(&self.cert_pem, &self.key_pem))
+            .timeout(TLS_HANDSHAKE_TIMEOUT)
+    }
+
+    /// For any other server (the HTTP API): rustls with the ring provider, ALPN h2 and http/1.1.
+    pub fn rustls_config(&self) -> Result<std::sync::Arc<tokio_rustls::rustls::ServerConfig>, TlsError> {
+        use tokio_rustls::rustls;
+        let key = PrivateKeyDer::from_pem_slice(&self.key_pem).map_err(|e| TlsError::Config(e.to_string()))?;
+        let mut config =
+            rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()
+                .map_err(|e| TlsError::Config(e.to_string()))?
+                .with_no_client_auth()
+                .with_single_cert(self.chain.clone(), key)
+                .map_err(|e| TlsError::Config(e.to_string()))?;
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        Ok(std::sync::Arc::new(config))
+    }
+}

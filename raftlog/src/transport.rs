@@ -23,7 +23,7 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::error::{LogError, PayloadError};
-use crate::limits::{CONNECT_TIMEOUT, GRPC_MESSAGE_BYTES_MAX, SNAPSHOT_BYTES_MAX, SNAPSHOT_CHUNK_BYTES};
+use crate::limits::{GRPC_MESSAGE_BYTES_MAX, SNAPSHOT_BYTES_MAX, SNAPSHOT_CHUNK_BYTES};
 use crate::raft_types::{Node, NodeId, Raft, Snapshot, SnapshotData, SnapshotMeta, TypeConfig, Vote};
 use crate::sm_store::SmShared;
 use crate::tls::{scheme, ClientTls};
@@ -74,9 +74,8 @@ impl Network {
             return Ok(c.clone());
         }
         let mut endpoint = Endpoint::from_shared(format!("{}://{addr}", scheme(&self.tls)))
-            .map_err(|e| format!("bad peer address {addr:?}: {e}"))?
-            .connect_timeout(CONNECT_TIMEOUT)
-            .tcp_nodelay(true);
+            .map_err(|e| format!("bad peer address {addr:?}: {e}"))?;
+        endpoint = crate::client::with_keepalive(endpoint);
         if let Some(tls) = &self.tls {
             endpoint = endpoint
                 .tls_config(tls.client_config())

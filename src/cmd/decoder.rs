@@ -10,6 +10,7 @@ use anyhow::Context;
 use tokenlog_decoder::worker::{Worker, WorkerConfig, WorkerError};
 use tokenlog_decoder::{fetch, threads, DeviceSpec, FakeConfig, FakeModel, Model};
 use tokenlog_raftlog::client::LogClient;
+use tokenlog_raftlog::health::{Health, Readiness};
 
 #[derive(clap::Args, Clone)]
 pub struct DecoderArgs {
@@ -49,8 +50,9 @@ pub struct DecoderArgs {
     /// Unique id of this process (default: host-pid-random).
     #[arg(long)]
     pub decoder_id: Option<String>,
-    /// Serve Prometheus metrics at http://ADDR/metrics (tokens committed, takeovers, fence
-    /// rejections, finished and failed generations).
+    /// Serve plain HTTP on ADDR for probes and scrapers: /metrics (tokens committed, takeovers,
+    /// fence rejections, finished and failed generations), /livez, /readyz (model loaded and
+    /// registered with the log) and grpc.health.v1.
     #[arg(long)]
     pub metrics_listen: Option<std::net::SocketAddr>,
     /// Append a JSON line per acquire and append (times, epochs, answers) to this file, for
@@ -219,10 +221,20 @@ pub async fn run(a: DecoderArgs) -> anyhow::Result<()> {
     }
     if let Some(m) = a.metrics_listen {
         let stats = worker.stats();
-        let (addr, _) = crate::process::serve_metrics(m, Arc::new(move || render_stats(&stats)))
+        let render = {
+            let stats = stats.clone();
+            Arc::new(move || render_stats(&stats))
+        };
+        // The model is loaded by now; ready once the log has accepted the registration.
+        let ready: Readiness = Arc::new(move || match stats.lock().expect("lock").registered {
+            true => Ok(()),
+            false => Err("the log has not accepted this decoder's registration (yet)".into()),
+        });
+        let health = Health::follow(ready, std::future::pending()).await;
+        let (addr, _) = crate::process::serve_status(m, render, health)
             .await
             .context("binding --metrics-listen")?;
-        eprintln!("metrics on http://{addr}/metrics");
+        eprintln!("status on http://{addr}: /metrics /livez /readyz, grpc.health.v1");
     }
     let mut worker = tokio::spawn(worker.run(stop_rx));
     // The process lives as long as its worker: a worker that ends on its own (an error, a panic)

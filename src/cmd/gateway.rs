@@ -6,9 +6,14 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use tokenlog_decoder::{fake::fake_tokenizer, fetch, Tokenizer};
+use tokenlog_gateway::health::log_readiness;
+use tokenlog_gateway::limits::LOG_PROBE_BUDGET;
+use tokenlog_gateway::server::ServeOptions;
 use tokenlog_gateway::tenants::Tenants;
 use tokenlog_gateway::Gateway;
 use tokenlog_raftlog::client::LogClient;
+use tokenlog_raftlog::health::Health;
+use tokenlog_raftlog::tls::ServingCert;
 
 #[derive(clap::Args, Clone)]
 pub struct GatewayArgs {
@@ -23,6 +28,19 @@ pub struct GatewayArgs {
     /// HTTP listen address (OpenAI-compatible API, /metrics).
     #[arg(long, default_value = "127.0.0.1:8000")]
     pub http_listen: SocketAddr,
+    /// Serve both listeners over TLS with this certificate chain (PEM) and --listen-tls-key:
+    /// what clients of the gateway see (a public CA's, or `tokenlog certs --gateway NAME --san
+    /// HOST`). Clients then dial https (`tokenlog generate --gateway-ca`). Plain text without.
+    #[arg(long, requires = "listen_tls_key", help_heading = "TLS")]
+    pub listen_tls_cert: Option<PathBuf>,
+    /// The key of --listen-tls-cert (PEM).
+    #[arg(long, requires = "listen_tls_cert", help_heading = "TLS")]
+    pub listen_tls_key: Option<PathBuf>,
+    /// Serve plain HTTP on ADDR for probes and scrapers: /metrics (also on the HTTP API's
+    /// listener), /livez, /readyz (the log answers with a leader) and grpc.health.v1 (also on
+    /// the gRPC listener).
+    #[arg(long)]
+    pub metrics_listen: Option<SocketAddr>,
     /// API keys file: one `sha256:<hex> <tenant>` per line (`tokenlog keys new --tenant T` makes a
     /// key and its line; the file holds only hashes). Without it the gateway is open and
     /// every caller is the tenant `default`.
@@ -95,18 +113,46 @@ pub async fn run(a: GatewayArgs) -> anyhow::Result<()> {
     let bind = tokenlog_gateway::BindDefaults {
         unowned_ms: a.unowned_ms,
     };
+    let tls = a.tls.load()?;
+    let serving_cert = match (&a.listen_tls_cert, &a.listen_tls_key) {
+        (Some(cert), Some(key)) => Some(
+            ServingCert::load(cert, key)
+                .context("loading the gateway's certificate (--listen-tls-cert, --listen-tls-key)")?,
+        ),
+        _ => None,
+    };
+    let probe = LogClient::with_options(a.cluster.clone(), LOG_PROBE_BUDGET, tls.clone())?;
+    let health = Health::follow(log_readiness(probe), std::future::pending()).await;
     let gw = Gateway::new(
-        LogClient::with_tls(a.cluster.clone(), a.tls.load()?)?,
+        LogClient::with_tls(a.cluster.clone(), tls)?,
         tenants,
         toks,
         a.tenant_limits(),
         bind,
     )?;
-    let serving = tokenlog_gateway::server::serve(gw, a.grpc_listen, a.http_listen)
+    if let Some(m) = a.metrics_listen {
+        let metrics = gw.metrics.clone();
+        let render = std::sync::Arc::new(move || metrics.render());
+        let (addr, _) = crate::process::serve_status(m, render, health.clone())
+            .await
+            .context("binding --metrics-listen")?;
+        eprintln!("status on http://{addr}: /metrics /livez /readyz, grpc.health.v1");
+    }
+    let tls_on = serving_cert.is_some();
+    let opts = ServeOptions {
+        tls: serving_cert,
+        health: Some(health),
+    };
+    let serving = tokenlog_gateway::server::serve_with(gw, a.grpc_listen, a.http_listen, opts)
         .await
         .context("binding the gateway's listeners")?;
+    let (g, h) = if tls_on {
+        ("gRPC+TLS", "HTTPS")
+    } else {
+        ("gRPC", "HTTP")
+    };
     println!(
-        "gateway: gRPC {}  HTTP {}  log {}",
+        "gateway: {g} {}  {h} {}  log {}",
         serving.grpc_addr,
         serving.http_addr,
         a.cluster.join(",")

@@ -16,6 +16,10 @@ pub struct GenerateArgs {
     /// Gateway gRPC addresses (comma-separated); the client fails over between them.
     #[arg(long, value_delimiter = ',', default_value = "127.0.0.1:7100")]
     pub gateway: Vec<String>,
+    /// The CA (PEM) that signed the gateways' certificates: dial them over TLS (gateways
+    /// started with --listen-tls-cert). Plain text without.
+    #[arg(long, env = "TOKENLOG_GATEWAY_CA")]
+    pub gateway_ca: Option<std::path::PathBuf>,
     /// API key (bearer token), when the gateway has a keys file.
     #[arg(long, env = "TOKENLOG_API_KEY")]
     pub api_key: Option<String>,
@@ -51,13 +55,20 @@ pub struct GenerateArgs {
     /// Stop strings (repeatable).
     #[arg(long)]
     pub stop: Vec<String>,
+    /// Generate all --max-tokens: an end-of-sequence token does not end the generation.
+    #[arg(long)]
+    pub ignore_eos: bool,
     /// Print every event as a JSON line instead of the text.
     #[arg(long)]
     pub json: bool,
 }
 
 pub async fn run(a: GenerateArgs) -> anyhow::Result<()> {
-    let client = GatewayClient::new(a.gateway.clone(), a.api_key.clone())?;
+    let ca = match &a.gateway_ca {
+        Some(p) => Some(std::fs::read(p).with_context(|| format!("reading --gateway-ca {}", p.display()))?),
+        None => None,
+    };
+    let client = GatewayClient::with_ca(a.gateway.clone(), a.api_key.clone(), ca.as_deref())?;
     let rid = a
         .request_id
         .clone()
@@ -78,6 +89,7 @@ pub async fn run(a: GenerateArgs) -> anyhow::Result<()> {
             top_p: a.top_p,
             seed: a.seed,
             stop: a.stop.clone(),
+            ignore_eos: a.ignore_eos,
             ..Default::default()
         };
         if a.raw {

@@ -10,8 +10,16 @@ use tokenlog_raftlog::raft_types::Node as RaftNode;
 #[derive(clap::Args)]
 pub struct NodeArgs {
     /// This node's id (a positive integer, unique in the cluster).
-    #[arg(long)]
-    pub id: u64,
+    #[arg(
+        long,
+        required_unless_present = "id_from_ordinal",
+        conflicts_with = "id_from_ordinal"
+    )]
+    pub id: Option<u64>,
+    /// Take the id from a name ending in `-K` (a StatefulSet's pod name, `tokenlog-node-K`):
+    /// id K+1.
+    #[arg(long, value_name = "NAME")]
+    pub id_from_ordinal: Option<String>,
     /// Address to listen on for the client API (raftlog.v1), and for Raft traffic between
     /// nodes too unless --peer-listen is given.
     #[arg(long, default_value = "127.0.0.1:7001")]
@@ -53,8 +61,9 @@ pub struct NodeArgs {
     #[arg(long, default_value_t = tokenlog_raftlog::limits::RETENTION_MS_DEFAULT,
           value_parser = clap::value_parser!(u64).range(tokenlog_raftlog::limits::RETENTION_MS_MIN..))]
     pub retention_ms: u64,
-    /// Serve Prometheus metrics at http://ADDR/metrics (commit latency, tokens, fence
-    /// rejections, generations by state, takeovers, Raft indexes).
+    /// Serve plain HTTP on ADDR for probes and scrapers: /metrics (commit latency, tokens, fence
+    /// rejections, generations by state, takeovers, Raft indexes), /livez, /readyz (a leader
+    /// known and everything known committed applied) and grpc.health.v1.
     #[arg(long)]
     pub metrics_listen: Option<SocketAddr>,
     #[command(flatten)]
@@ -109,10 +118,27 @@ pub fn parse_peers(peers: &[String]) -> anyhow::Result<Vec<(u64, RaftNode)>> {
     Ok(members)
 }
 
+/// The id of the node named `name` by a StatefulSet: `tokenlog-node-K` is node K+1.
+fn id_from_ordinal(name: &str) -> anyhow::Result<u64> {
+    let ordinal = name
+        .rsplit_once('-')
+        .and_then(|(_, k)| k.parse::<u64>().ok())
+        .with_context(|| format!("--id-from-ordinal {name:?}: the name does not end in -NUMBER"))?;
+    ordinal
+        .checked_add(1)
+        .with_context(|| format!("--id-from-ordinal {name:?}: the ordinal is too large"))
+}
+
 pub async fn run(a: NodeArgs) -> anyhow::Result<()> {
-    if a.id == 0 {
+    let id = match (a.id, &a.id_from_ordinal) {
+        (Some(id), _) => id,
+        (None, Some(name)) => id_from_ordinal(name)?,
+        (None, None) => bail!("give --id or --id-from-ordinal"),
+    };
+    if id == 0 {
         bail!("--id must be positive");
     }
+
     let tls = a.tls.load()?;
     check_plain_text(a.listen, tls.is_some(), a.insecure)?;
     if let Some(p) = a.peer_listen {
@@ -121,17 +147,17 @@ pub async fn run(a: NodeArgs) -> anyhow::Result<()> {
     if a.insecure {
         eprintln!(
             "WARNING: --insecure: node {} serves plain text without authentication on {}",
-            a.id, a.listen
+            id, a.listen
         );
     }
-    let mut cfg = NodeConfig::new(a.id, a.listen, a.data_dir);
+    let mut cfg = NodeConfig::new(id, a.listen, a.data_dir);
     cfg.tls = tls;
     cfg.advertise = a.advertise.unwrap_or_else(|| a.listen.to_string());
     cfg.peer_listen = a.peer_listen;
     cfg.peer_advertise = a.peer_advertise.unwrap_or_default();
     cfg.initial_members = parse_peers(&a.peers)?;
-    if !cfg.initial_members.is_empty() && !cfg.initial_members.iter().any(|(id, _)| *id == a.id) {
-        bail!("--peers must include this node (id {})", a.id);
+    if !cfg.initial_members.is_empty() && !cfg.initial_members.iter().any(|(m, _)| *m == id) {
+        bail!("--peers must include this node (id {})", id);
     }
     cfg.heartbeat_ms = a.heartbeat_ms;
     cfg.election_timeout_ms = (a.election_min_ms, a.election_max_ms);
@@ -143,7 +169,7 @@ pub async fn run(a: NodeArgs) -> anyhow::Result<()> {
     let node = start(cfg).await?;
     eprintln!(
         "tokenlog node {} serving clients on {}{} ({}; Ctrl-C to stop)",
-        a.id,
+        id,
         node.local_addr,
         node.peer_local_addr
             .map(|p| format!(", peers on {p}"))
@@ -156,10 +182,11 @@ pub async fn run(a: NodeArgs) -> anyhow::Result<()> {
     );
     if let Some(m) = a.metrics_listen {
         let ctx = node.ctx.clone();
-        let (addr, _) = crate::process::serve_metrics(m, std::sync::Arc::new(move || ctx.render_metrics()))
+        let render = std::sync::Arc::new(move || ctx.render_metrics());
+        let (addr, _) = crate::process::serve_status(m, render, node.health.clone())
             .await
             .context("binding --metrics-listen")?;
-        eprintln!("metrics on http://{addr}/metrics");
+        eprintln!("status on http://{addr}: /metrics /livez /readyz, grpc.health.v1");
     }
     let failed = tokio::select! {
         _ = crate::process::shutdown_signal() => None,
@@ -167,7 +194,7 @@ pub async fn run(a: NodeArgs) -> anyhow::Result<()> {
     };
     match failed {
         None => {
-            eprintln!("shutting down node {}", a.id);
+            eprintln!("shutting down node {}", id);
             node.shutdown().await;
             Ok(())
         }
@@ -176,8 +203,22 @@ pub async fn run(a: NodeArgs) -> anyhow::Result<()> {
             // (a Watch that never advances, a read of a frozen state) is wrong.
             bail!(
                 "node {}: Raft stopped on its own ({reason}); exiting rather than serving a state that no longer advances. Fix the cause (a full disk: free space) and start it again; the data dir is checked at start",
-                a.id
+                id
             )
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::id_from_ordinal;
+
+    #[test]
+    fn a_pod_name_gives_its_ordinal_plus_one() {
+        assert_eq!(id_from_ordinal("tokenlog-node-0").unwrap(), 1);
+        assert_eq!(id_from_ordinal("tokenlog-node-4").unwrap(), 5);
+        assert!(id_from_ordinal("tokenlog-node").is_err());
+        assert!(id_from_ordinal("node3").is_err());
+        assert!(id_from_ordinal(&format!("n-{}", u64::MAX)).is_err());
     }
 }

@@ -86,6 +86,9 @@ pub struct Cluster {
     pub addrs: Vec<String>,
     /// Each node's peer listener (`--peer-listen`), when they have their own; else empty.
     pub peer_addrs: Vec<String>,
+    /// Each node's status listener (`--metrics-listen`: metrics, /livez, /readyz,
+    /// grpc.health.v1).
+    pub status_addrs: Vec<String>,
     procs: Vec<Option<Child>>,
     snapshot_every: u64,
     /// More `tokenlog node` arguments for every node.
@@ -131,6 +134,7 @@ impl Cluster {
             dir: tempfile::tempdir().unwrap(),
             addrs,
             peer_addrs,
+            status_addrs: (0..3).map(|_| format!("127.0.0.1:{}", free_port())).collect(),
             procs: vec![None, None, None],
             snapshot_every,
             extra: extra.iter().map(|s| s.to_string()).collect(),
@@ -160,6 +164,7 @@ impl Cluster {
         let log = std::fs::File::create(self.dir.path().join(format!("node{}.log", i + 1))).unwrap();
         let child = Command::new(bin())
             .args(["node", "--id", &(i + 1).to_string(), "--listen", &self.addrs[i]])
+            .args(["--metrics-listen", &self.status_addrs[i]])
             .arg("--data-dir")
             .arg(self.data_dir(i))
             .args([
@@ -498,4 +503,62 @@ fn wait_child(child: &mut Option<Child>, within: Duration) -> Option<std::proces
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// The model identity the log-level tests submit and acquire with (no decoder behind it).
+pub fn model() -> pb::ModelIdentity {
+    pb::ModelIdentity {
+        weights_sha256: "w".into(),
+        tokenizer_sha256: "t".into(),
+        architecture: "test".into(),
+        dtype_class: "fake".into(),
+    }
+}
+
+/// Submits a generation of [`model`] as request `request_id` of tenant `t`; its id.
+pub async fn submit(client: &LogClient, request_id: &str) -> u64 {
+    let binding = pb::Binding {
+        model: Some(model()),
+        prompt_token_ids: vec![1, 2, 3],
+        stop: Some(pb::StopConfig {
+            max_tokens: 10_000,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let s = client
+        .submit(pb::SubmitRequest {
+            tenant: "t".into(),
+            request_id: request_id.into(),
+            binding: Some(binding),
+        })
+        .await
+        .unwrap();
+    s.generation.unwrap().generation_id
+}
+
+/// Acquires generation `id` for `decoder` (a 60 s lease); its epoch.
+pub async fn acquire(client: &LogClient, id: u64, decoder: &str) -> u64 {
+    let a = client
+        .acquire(pb::AcquireRequest {
+            generation_id: id,
+            decoder_id: decoder.into(),
+            lease_ms: 60_000,
+            model: Some(model()),
+            rng_version: 0,
+        })
+        .await
+        .unwrap();
+    assert!(a.ok, "{a:?}");
+    a.generation.unwrap().lease.unwrap().epoch
+}
+
+/// Submits and acquires `n` generations for `decoder`: (id, epoch) of each.
+pub async fn owned_generations(client: &LogClient, n: usize, decoder: &str) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    for j in 0..n {
+        let id = submit(client, &format!("{decoder}-{j}")).await;
+        out.push((id, acquire(client, id, decoder).await));
+    }
+    out
 }
