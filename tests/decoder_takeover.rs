@@ -216,6 +216,50 @@ async fn killed_owner_is_replaced_and_uncommitted_tokens_are_resampled() {
     drop(d2);
 }
 
+/// Instant crash detection (issue 15, item 4): a decoder holds a session with the leader, and when
+/// its process dies the leader ends its leases at once. With a 20 s lease, a killed owner's
+/// generation is taken over in a fraction of the lease (before sessions it waited the whole
+/// lease), and the output still equals an uninterrupted run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_owner_is_replaced_without_waiting_for_its_lease() {
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    cluster.leader().await;
+    let client = cluster.client();
+    let args = ["--fake-step-ms", "20", "--lease-ms", "20000", "--capacity", "2"];
+    let mut d1 = cluster.start_decoder("dec-a", &args);
+    let prompt = vec![9, 8, 7];
+    let id = submit(&client, "instant", &prompt).await;
+    wait_for(&client, id, "progress", |o| o.2 >= 10).await;
+    let d2 = cluster.start_decoder("dec-b", &args);
+    // dec-b is up (registered) before the kill: what is measured is detection, not its start.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !client
+        .list_models()
+        .await
+        .unwrap()
+        .models
+        .iter()
+        .any(|m| m.decoders.iter().any(|d| d == "dec-b"))
+    {
+        assert!(Instant::now() < deadline, "dec-b did not register");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let killed = Instant::now();
+    d1.kill9();
+    wait_for(&client, id, "dec-b to own it", |o| o.0 == "dec-b").await;
+    let taken_after = killed.elapsed();
+    eprintln!("kill -9 -> taken over after {taken_after:?} (lease 20 s)");
+    assert!(
+        taken_after < Duration::from_secs(5),
+        "taken over {taken_after:?} after the kill: the lease (20 s) was waited for"
+    );
+    let (toks, _, terminal) = follow(&client, id).await;
+    assert_eq!(toks, expected(&prompt), "equals an uninterrupted run");
+    assert_eq!(terminal.takeovers, 1, "{terminal:?}");
+    drop(d2);
+}
+
 /// A leader election must not expire the leases of running generations (issue 11, bug 9): the
 /// owner keeps its generation through a leader kill -9, with no takeover.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -482,3 +482,79 @@ async fn tenant_stream_limits_hold_and_a_client_leaving_a_stalled_stream_frees_i
         }
     }
 }
+
+/// Issue 14 item 4: a gateway started without any model file serves the bundled model's text.
+/// The real decoder publishes its tokenizer in the log before it registers; the gateway fetches
+/// it on first use (once), checks it against the model's tokenizer digest, and its text is the
+/// model file's own detokenization of the committed records, over gRPC and over HTTP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_without_model_files_serves_the_bundled_models_text() {
+    let _g = serial();
+    let path = tokenlog_decoder::fetch::ensure_default_model(&tokenlog_decoder::fetch::repo_models_dir()).unwrap();
+    let cluster = Cluster::start(0);
+    let _d = cluster.start_real_decoder("real", &path, &[]);
+    let log = cluster.client();
+    wait_for_model(&log).await;
+    let g = cluster.start_gateway("g", &[]);
+
+    let client = GatewayClient::new(vec![g.grpc.clone()], None).unwrap();
+    let req = tpb::GenerateRequest {
+        request_id: "capital".into(),
+        messages: vec![tpb::ChatMessage {
+            role: "user".into(),
+            content: "What is the capital of France? Answer in one sentence.".into(),
+        }],
+        max_tokens: 24,
+        ..Default::default()
+    };
+    let mut stream = client.generate(req).boxed();
+    let mut events = Vec::new();
+    while let Some(e) = stream.next().await {
+        let e = e.expect("the gateway streams the real model's tokens");
+        let end = e.last;
+        events.push(e);
+        if end {
+            break;
+        }
+    }
+    let (records, _) = committed(&log, events[0].generation).await;
+    assert!(!records.is_empty());
+    let file_tokenizer = tokenlog_decoder::Tokenizer::from_gguf_file(&path).unwrap();
+    let text: String = events.iter().map(|e| e.text_delta.as_str()).collect();
+    assert_eq!(text, file_tokenizer.decode(&records, true).unwrap());
+    assert!(text.contains("Paris"), "{text:?}");
+    // A gateway that read the tokenizer from the model file streams the same events.
+    let path_arg = path.to_str().unwrap();
+    let g_file = cluster.start_gateway("g-file", &["--model", path_arg]);
+    let file_client = GatewayClient::new(vec![g_file.grpc.clone()], None).unwrap();
+    let again: Vec<tpb::GenerationEvent> = file_client
+        .resume("capital".into(), -1)
+        .map(|e| e.expect("resume on the gateway with the model file"))
+        .collect()
+        .await;
+    assert_eq!(again, events, "same events from a gateway with the model file");
+
+    // The OpenAI API on the same gateway: the model is listed, a completion has the same text.
+    let (s, body) = common::http(&g.http, "GET", "/v1/models", &[], "");
+    assert_eq!(s, 200, "{body}");
+    let body = r#"{"model":"","messages":[{"role":"user","content":"What is the capital of France? Answer in one sentence."}],"max_tokens":24,"temperature":0}"#;
+    let (s, body) = common::http(&g.http, "POST", "/v1/chat/completions", &[], body);
+    assert_eq!(s, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        v["choices"][0]["message"]["content"].as_str(),
+        Some(text.as_str()),
+        "{body}"
+    );
+    // Fetched from the log once, not once per stream.
+    let (_, metrics) = common::http(&g.http, "GET", "/metrics", &[], "");
+    assert!(
+        metrics.contains("tokenlog_gateway_tokenizers_fetched_total 1\n"),
+        "{}",
+        metrics
+            .lines()
+            .filter(|l| l.contains("tokenizers"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}

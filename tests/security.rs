@@ -65,6 +65,8 @@ const ROLES: &[(&str, &[&str])] = &[
     ("Watch", &["decoder", "gateway", "admin"]),
     ("ClusterStatus", &["decoder", "gateway", "admin"]),
     ("Register", &["decoder"]),
+    ("PublishTokenizer", &["decoder"]),
+    ("GetTokenizer", &["decoder", "gateway", "admin"]),
     ("PendingWork", &["decoder"]),
     ("Acquire", &["decoder"]),
     ("Renew", &["decoder"]),
@@ -105,6 +107,8 @@ async fn call(ch: Channel, method: &str) -> Code {
         "Watch" => code!(log.watch(pb::WatchRequest::default())),
         "ClusterStatus" => code!(log.cluster_status(pb::ClusterStatusRequest::default())),
         "Register" => code!(log.register(pb::RegisterRequest::default())),
+        "PublishTokenizer" => code!(log.publish_tokenizer(pb::PublishTokenizerRequest::default())),
+        "GetTokenizer" => code!(log.get_tokenizer(pb::GetTokenizerRequest::default())),
         "PendingWork" => code!(log.pending_work(pb::PendingWorkRequest::default())),
         "Acquire" => code!(log.acquire(pb::AcquireRequest::default())),
         "Renew" => code!(log.renew(pb::RenewRequest::default())),
@@ -446,7 +450,7 @@ async fn a_gateway_serves_its_clients_over_tls() {
 
     // A key that is not the certificate's: refused at start, naming both files.
     let mut cmd = Command::new(bin());
-    cmd.args(["gateway", "--fake", "--cluster", &c.addrs[0]])
+    cmd.args(["gateway", "--cluster", &c.addrs[0]])
         .args(["--grpc-listen", &format!("127.0.0.1:{}", free_port())])
         .args(["--http-listen", &format!("127.0.0.1:{}", free_port())])
         .args([

@@ -182,6 +182,9 @@ pub enum DecoderEvent {
         seq: u32,
         token: Option<u32>,
     },
+    /// A session with the leader opened (`raftlog.v1.Log/Session`): from now on, this
+    /// incarnation's death ends its leases at once.
+    SessionOpened { session: u64 },
 }
 
 pub struct History {

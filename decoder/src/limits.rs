@@ -30,6 +30,13 @@ pub const UNACKED_TOKENS_MAX: usize = 256;
 /// An append unanswered this long ends its stream (the worker opens another and re-sends from
 /// the last acknowledged frontier).
 pub const APPEND_ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+/// A decoder's session with the leader (instant crash detection): the pause before opening it
+/// again after it ended or could not be opened (doubling up to the max), and how long a
+/// starting worker waits for its first session before it takes work anyway (an older log has
+/// no sessions; its crashes are then found by lease expiry).
+pub const SESSION_RETRY_PAUSE_MIN: Duration = Duration::from_millis(20);
+pub const SESSION_RETRY_PAUSE_MAX: Duration = Duration::from_millis(500);
+pub const SESSION_WAIT_MAX: Duration = Duration::from_secs(2);
 /// Generations a worker acquires and prepares at once when it takes work (the leader merges
 /// the acquires into few entries; re-prefills run on blocking threads).
 pub const TAKES_AT_ONCE_MAX: usize = 64;

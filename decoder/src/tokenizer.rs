@@ -101,6 +101,29 @@ pub struct Tokenizer {
     bos_token_id: Option<u32>,
     eos_token_ids: Vec<u32>,
     chat_template: ChatTemplate,
+    /// How a token's text maps to its bytes (kept for [`Tokenizer::to_package`]).
+    mapping: TokenBytes,
+}
+
+/// The first field of a tokenizer package: its format.
+const PACKAGE_FORMAT: &str = "tokenlog-tokenizer/1";
+
+/// A tokenizer as a self-contained document ([`Tokenizer::to_package`]): what a gateway needs to
+/// produce a model's text without its files. JSON; `tokenizer` is the canonical `tokenizers`
+/// JSON the tokenizer digest is computed over.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Package {
+    format: String,
+    tokenizer: String,
+    /// `byte_level` or `sentencepiece`.
+    token_bytes: String,
+    special: Vec<u32>,
+    bos_token_id: Option<u32>,
+    eos_token_ids: Vec<u32>,
+    /// `chatml` or `plain`.
+    chat_format: String,
+    /// ChatML's default system prompt, if it has one.
+    default_system: Option<String>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -314,7 +337,97 @@ impl Tokenizer {
             bos_token_id,
             eos_token_ids,
             chat_template,
+            mapping,
         }
+    }
+
+    /// This tokenizer as a package ([`Tokenizer::from_package`] reads it back): what a decoder
+    /// publishes in the log so that gateways need no model files.
+    pub fn to_package(&self) -> Result<Vec<u8>> {
+        let package = Package {
+            format: PACKAGE_FORMAT.into(),
+            tokenizer: self.canonical_json()?,
+            token_bytes: match self.mapping {
+                TokenBytes::ByteLevel => "byte_level",
+                TokenBytes::SentencePiece => "sentencepiece",
+            }
+            .into(),
+            special: (0..self.special.len() as u32)
+                .filter(|&i| self.special[i as usize])
+                .collect(),
+            bos_token_id: self.bos_token_id,
+            eos_token_ids: self.eos_token_ids.clone(),
+            chat_format: match self.chat_template {
+                ChatTemplate::ChatMl { .. } => "chatml",
+                ChatTemplate::Plain => "plain",
+            }
+            .into(),
+            default_system: match &self.chat_template {
+                ChatTemplate::ChatMl { default_system } => default_system.clone(),
+                ChatTemplate::Plain => None,
+            },
+        };
+        serde_json::to_vec(&package).map_err(|e| Error::Tokenizer(format!("encoding the tokenizer package: {e}")))
+    }
+
+    /// Reads a package made by [`Tokenizer::to_package`], and checks it against the tokenizer
+    /// digest it was published under: the result's [`crate::identity::tokenizer_sha256`] must be
+    /// `tokenizer_sha256`, or the package is refused.
+    pub fn from_package(bytes: &[u8], tokenizer_sha256: &str) -> Result<Self> {
+        let bad = |what: String| Error::Tokenizer(format!("tokenizer package {tokenizer_sha256}: {what}"));
+        let p: Package = serde_json::from_slice(bytes).map_err(|e| bad(e.to_string()))?;
+        if p.format != PACKAGE_FORMAT {
+            return Err(bad(format!(
+                "format {:?}, this build reads {PACKAGE_FORMAT:?}",
+                p.format
+            )));
+        }
+        let digest = crate::identity::sha256_hex(p.tokenizer.as_bytes());
+        if digest != tokenizer_sha256 {
+            return Err(bad(format!("its tokenizer hashes to {digest}")));
+        }
+        let mapping = match p.token_bytes.as_str() {
+            "byte_level" => TokenBytes::ByteLevel,
+            "sentencepiece" => TokenBytes::SentencePiece,
+            other => return Err(bad(format!("unknown token bytes mapping {other:?}"))),
+        };
+        let inner = tokenizers::Tokenizer::from_str(&p.tokenizer).map_err(|e| bad(e.to_string()))?;
+        let n = inner.get_vocab_size(true);
+        let mut tokens: Vec<Option<String>> = vec![None; n];
+        for (t, id) in inner.get_vocab(true) {
+            if let Some(slot) = tokens.get_mut(id as usize) {
+                *slot = Some(t);
+            }
+        }
+        if let Some(missing) = tokens.iter().position(Option::is_none) {
+            return Err(bad(format!(
+                "the vocabulary has no token with id {missing} below its size {n}"
+            )));
+        }
+        let mut special = vec![false; n];
+        for id in p.special {
+            *special
+                .get_mut(id as usize)
+                .ok_or_else(|| bad(format!("special token {id} is outside the vocabulary")))? = true;
+        }
+        if let Some(id) = p
+            .eos_token_ids
+            .iter()
+            .chain(&p.bos_token_id)
+            .find(|&&id| id as usize >= n)
+        {
+            return Err(bad(format!("token {id} is outside the vocabulary")));
+        }
+        let chat_template = match p.chat_format.as_str() {
+            "chatml" => ChatTemplate::ChatMl {
+                default_system: p.default_system,
+            },
+            "plain" => ChatTemplate::Plain,
+            other => return Err(bad(format!("unknown chat format {other:?}"))),
+        };
+        let mut t = Self::assemble(inner, &tokens, special, mapping, p.bos_token_id, p.eos_token_ids, None);
+        t.chat_template = chat_template;
+        Ok(t)
     }
 
     /// The underlying `tokenizers` pipeline.
@@ -579,6 +692,44 @@ mod tests {
         assert_eq!(t[b'\n' as usize], 'Ċ');
         assert_eq!(t[b'a' as usize], 'a');
         assert_eq!(byte_level_to_bytes("Ġhello"), b" hello");
+    }
+
+    /// What a tokenizer does, compared field by field.
+    pub(crate) fn assert_same(a: &Tokenizer, b: &Tokenizer) {
+        assert_eq!(a.canonical_json().unwrap(), b.canonical_json().unwrap());
+        assert_eq!(a.token_bytes, b.token_bytes);
+        assert_eq!(a.special, b.special);
+        assert_eq!(a.bos_token_id, b.bos_token_id);
+        assert_eq!(a.eos_token_ids, b.eos_token_ids);
+        assert_eq!(a.chat_template, b.chat_template);
+        let text = "<|im_start|>user\nHé, 12 ünïcødé 😀<|im_end|>";
+        assert_eq!(a.encode(text).unwrap(), b.encode(text).unwrap());
+    }
+
+    #[test]
+    fn a_package_reads_back_as_the_same_tokenizer_and_is_checked_against_its_digest() {
+        let t = crate::fake::fake_tokenizer().unwrap();
+        let digest = crate::identity::tokenizer_sha256(&t).unwrap();
+        let package = t.to_package().unwrap();
+        assert_same(&Tokenizer::from_package(&package, &digest).unwrap(), &t);
+        // Another digest, a changed vocabulary, garbage, another format: refused with a reason.
+        let e = Tokenizer::from_package(&package, &"0".repeat(64))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("hashes to"), "{e}");
+        let mut p: Package = serde_json::from_slice(&package).unwrap();
+        p.tokenizer = p.tokenizer.replacen("\"a\"", "\"b\"", 1);
+        let e = Tokenizer::from_package(&serde_json::to_vec(&p).unwrap(), &digest).unwrap_err();
+        assert!(e.to_string().contains("hashes to"), "{e}");
+        assert!(Tokenizer::from_package(b"\x00garbage", &digest).is_err());
+        let mut p: Package = serde_json::from_slice(&package).unwrap();
+        p.format = "tokenlog-tokenizer/9".into();
+        let e = Tokenizer::from_package(&serde_json::to_vec(&p).unwrap(), &digest).unwrap_err();
+        assert!(e.to_string().contains("this build reads"), "{e}");
+        let mut p: Package = serde_json::from_slice(&package).unwrap();
+        p.special.push(1_000_000);
+        let e = Tokenizer::from_package(&serde_json::to_vec(&p).unwrap(), &digest).unwrap_err();
+        assert!(e.to_string().contains("outside the vocabulary"), "{e}");
     }
 
     #[test]

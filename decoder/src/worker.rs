@@ -40,7 +40,7 @@ const _: () = assert!(UNACKED_TOKENS_MAX <= tokenlog_raftlog::limits::RECORDS_PE
 use crate::resume::DecodeState;
 use crate::sampler::{StopCause, RNG_VERSION};
 pub use crate::worker_hooks::{Fired, Halt, StepHooks, StepView, HALT_EXIT_CODE};
-use crate::worker_lease::{read_prefix, renew_loop, AbortOnDrop, Held, Lost};
+use crate::worker_lease::{read_prefix, renew_loop, session_loop, AbortOnDrop, Held, Lost};
 use crate::{Model, ModelIdentity};
 
 #[derive(Clone, Debug)]
@@ -244,6 +244,10 @@ pub struct Worker {
     beat: Arc<std::sync::atomic::AtomicU64>,
     origin: Instant,
     appends_sent: u64,
+    /// A session with the leader is open now (`worker_lease::session_loop`).
+    session_open: Arc<std::sync::atomic::AtomicBool>,
+    /// The model's tokenizer is in the log (published, or refused for good): gateways need it.
+    tokenizer_published: bool,
 }
 
 impl WorkerError {
@@ -286,6 +290,8 @@ impl Worker {
             beat: Default::default(),
             origin: Instant::now(),
             appends_sent: 0,
+            tokenizer_published: false,
+            session_open: Default::default(),
         }
     }
 
@@ -302,6 +308,12 @@ impl Worker {
             self.held.clone(),
             self.lost.clone(),
         )));
+        let session = AbortOnDrop(tokio::spawn(session_loop(
+            self.client.clone(),
+            self.cfg.decoder_id.clone(),
+            self.session_open.clone(),
+            self.history.clone(),
+        )));
         let stall = Duration::from_millis(self.cfg.stall_ms.max(crate::limits::STALL_MS_MIN));
         let watchdog = stall_watch(self.beat.clone(), self.origin, stall);
         let result = tokio::select! {
@@ -316,9 +328,14 @@ impl Worker {
                 drop(renewer);
                 self.release_all().await;
             }
-            // Planted bug `zombie`: a worker that failed on its own keeps renewing its leases.
-            Err(e) if self.cfg.zombie() && !matches!(e, WorkerError::Halted(_)) => std::mem::forget(renewer),
-            // Every other exit drops the renewer here: its leases lapse.
+            // Planted bug `zombie`: a worker that failed on its own keeps renewing its leases
+            // (and keeps its session open, which would otherwise end them).
+            Err(e) if self.cfg.zombie() && !matches!(e, WorkerError::Halted(_)) => {
+                std::mem::forget(renewer);
+                std::mem::forget(session);
+            }
+            // Every other exit drops the renewer here: its leases lapse (and the session's end
+            // ends them at once).
             Err(_) => {}
         }
         result
@@ -342,7 +359,14 @@ impl Worker {
                 self.register().await;
                 last_register = Instant::now();
             }
-            if self.active.len() < self.cfg.capacity && last_poll.elapsed() >= Duration::from_millis(self.cfg.poll_ms) {
+            // Work is taken once the session is open (a crash from then on is found at once),
+            // or after a while without one.
+            let session_ready = self.session_open.load(std::sync::atomic::Ordering::Acquire)
+                || self.origin.elapsed() >= crate::limits::SESSION_WAIT_MAX;
+            if session_ready
+                && self.active.len() < self.cfg.capacity
+                && last_poll.elapsed() >= Duration::from_millis(self.cfg.poll_ms)
+            {
                 self.take_work().await;
                 last_poll = Instant::now();
             }
@@ -447,7 +471,40 @@ impl Worker {
             });
         }
     }
+    /// Publishes the model's tokenizer in the log (once; the log keeps the first package per
+    /// digest), so that a gateway without the model's files can produce its text. Before the
+    /// first registration: a gateway that sees the model listed finds its tokenizer.
+    async fn publish_tokenizer(&mut self) {
+        let package = match self.model.tokenizer().to_package() {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::error!(error = %e, "the tokenizer cannot be packaged: gateways need --model for this model");
+                self.tokenizer_published = true;
+                return;
+            }
+        };
+        let req = pb::PublishTokenizerRequest {
+            tokenizer_sha256: self.identity.tokenizer_sha256.clone(),
+            package,
+        };
+        match self.client.publish_tokenizer(req).await {
+            Ok(r) => {
+                tracing::info!(stored = r.stored, "tokenizer published in the log");
+                self.tokenizer_published = true;
+            }
+            // Refused (a limit, an old log without the call): say so once, do not resend.
+            Err(ClientError::Status(s)) => {
+                tracing::error!(error = %s, "the log refused this model's tokenizer: gateways need --model for it");
+                self.tokenizer_published = true;
+            }
+            Err(e) => tracing::warn!(error = %e, "tokenizer not published yet (retried at the next registration)"),
+        }
+    }
+
     async fn register(&mut self) {
+        if !self.tokenizer_published {
+            self.publish_tokenizer().await;
+        }
         let req = pb::RegisterRequest {
             decoder_id: self.cfg.decoder_id.clone(),
             model_name: self.cfg.model_name.clone(),

@@ -2,15 +2,19 @@
 //! that keeps held leases alive while a step is slow (slow is not dead).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokenlog_proto::raftlog as pb;
-use tokenlog_raftlog::client::LogClient;
+use tokenlog_raftlog::client::{ClientError, LogClient};
 
 use crate::worker::{WorkerConfig, WorkerError};
 
-use crate::limits::{PREFIX_READ_RETRY_PAUSE, PREFIX_READ_TIMEOUT, RENEWS_PER_LEASE, RENEW_PERIOD_MIN};
+use crate::limits::{
+    PREFIX_READ_RETRY_PAUSE, PREFIX_READ_TIMEOUT, RENEWS_PER_LEASE, RENEW_PERIOD_MIN, SESSION_RETRY_PAUSE_MAX,
+    SESSION_RETRY_PAUSE_MIN,
+};
 
 /// Shared with the renewer: what we hold, and when the log last confirmed it.
 pub(crate) type Held = Arc<Mutex<HashMap<u64, (u64, Instant)>>>;
@@ -27,6 +31,56 @@ impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
     }
+}
+
+/// Holds the decoder's session with the leader for as long as the worker runs (instant crash
+/// detection: when this process dies, its stream breaks and the leader ends its leases at
+/// once), opening a new one, with a fresh id, after a leader change or a lost connection.
+/// `open` says whether a session is open now. Ends only when the log has no sessions.
+pub(crate) async fn session_loop(
+    client: LogClient,
+    decoder_id: String,
+    open: Arc<AtomicBool>,
+    history: Option<Arc<crate::history::History>>,
+) {
+    let mut pause = SESSION_RETRY_PAUSE_MIN;
+    loop {
+        let id = fresh_session_id();
+        match client.open_session(&decoder_id, id).await {
+            Ok(mut session) => {
+                open.store(true, Ordering::Release);
+                if let Some(h) = &history {
+                    h.event(crate::history::DecoderEvent::SessionOpened { session: id });
+                }
+                tracing::debug!(session = id, "session with the leader open");
+                pause = SESSION_RETRY_PAUSE_MIN;
+                let why = session.ended().await;
+                open.store(false, Ordering::Release);
+                tracing::info!(session = id, why = %why.message(), "session with the leader ended; opening another");
+            }
+            Err(ClientError::Status(s)) if s.code() == tonic::Code::Unimplemented => {
+                tracing::warn!("the log has no decoder sessions (an older release): a crash of this decoder is found by lease expiry");
+                open.store(true, Ordering::Release);
+                return;
+            }
+            Err(e) => tracing::debug!(error = %e, "session not opened"),
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(SESSION_RETRY_PAUSE_MAX);
+    }
+}
+
+/// A random non-zero id (std's per-process random hash keys; no id twice in a row).
+fn fresh_session_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos(),
+    );
+    h.finish().max(1)
 }
 
 /// Reads the first `frontier` committed records of a generation.

@@ -109,3 +109,33 @@ fn digest_is_stable() {
     assert_eq!(da, db);
     eprintln!("tokenizer sha256 {da}");
 }
+
+/// What a decoder publishes in the log for gateways reads back as the same tokenizer: every
+/// token's bytes, the special set, EOS, BOS, ChatML and its default system prompt, encoding.
+#[test]
+fn the_published_package_is_the_same_tokenizer() {
+    let t = tokenizer();
+    let digest = tokenlog_decoder::identity::tokenizer_sha256(t).unwrap();
+    let package = t.to_package().unwrap();
+    eprintln!("SmolLM2's tokenizer package: {} bytes", package.len());
+    assert!(
+        package.len() <= tokenlog_raftlog::limits::TOKENIZER_PACKAGE_BYTES_MAX,
+        "{} bytes",
+        package.len()
+    );
+    let p = Tokenizer::from_package(&package, &digest).unwrap();
+    assert_eq!(p.canonical_json().unwrap(), t.canonical_json().unwrap());
+    assert_eq!(p.vocab_size(), t.vocab_size());
+    for id in 0..t.vocab_size() as u32 {
+        assert_eq!(p.token_bytes(id), t.token_bytes(id), "token {id}");
+        assert_eq!(p.is_special(id), t.is_special(id), "token {id}");
+    }
+    assert_eq!(p.eos_token_ids(), t.eos_token_ids());
+    assert_eq!(p.bos_token_id(), t.bos_token_id());
+    assert_eq!(p.chat_template(), t.chat_template());
+    let msgs = [ChatMessage::user("What is the capital of France?")];
+    assert_eq!(p.apply_chat_template(&msgs), t.apply_chat_template(&msgs));
+    for text in TEXTS {
+        assert_eq!(p.encode(text).unwrap(), t.encode(text).unwrap(), "{text:?}");
+    }
+}

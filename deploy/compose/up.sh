@@ -19,7 +19,6 @@ docker image inspect "$TOKENLOG_IMAGE" >/dev/null 2>&1 || "$here/../image/build.
 if [ "${TOKENLOG_MODEL:-fake}" = smollm2 ]; then
   "$here/../fetch-model.sh" "$TOKENLOG_MODELS" >&2
   export TOKENLOG_DECODER_MODEL="--model=/models/SmolLM2-135M-Instruct.Q4_1.gguf"
-  export TOKENLOG_GATEWAY_MODEL="--model=/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 fi
 mkdir -p "$TOKENLOG_MODELS"
 

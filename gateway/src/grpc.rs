@@ -147,7 +147,7 @@ impl Generation for GenerationService {
         let tenant = tenant(&self.gw, &req)?;
         let p = params(req.into_inner())?;
         let (info, _) = self.gw.submit(&tenant, &p).await?;
-        let rx = self.gw.events(info, -1)?;
+        let rx = self.gw.events(info, -1).await?;
         Ok(Response::new(stream_of(&self.gw, rx, Some(started))))
     }
 
@@ -160,7 +160,7 @@ impl Generation for GenerationService {
         let info = self.gw.lookup(&tenant, &r.request_id).await?;
         self.gw.metrics.resumes.inc();
         tracing::info!(tenant, request_id = %r.request_id, after_seq = r.after_seq, "resume");
-        let rx = self.gw.events(info, r.after_seq)?;
+        let rx = self.gw.events(info, r.after_seq).await?;
         Ok(Response::new(stream_of(&self.gw, rx, None)))
     }
 

@@ -21,6 +21,8 @@ pub struct Metrics {
     /// Seconds from a Generate call to its first token event (time to first token).
     pub first_token_seconds: Histogram,
     pub http_requests: Counter,
+    /// Tokenizer packages fetched from the log (models this gateway has no files of).
+    pub tokenizers_fetched: Counter,
 }
 
 impl Default for Metrics {
@@ -35,6 +37,7 @@ impl Default for Metrics {
             stream_errors: Counter::default(),
             first_token_seconds: Histogram::new(exponential_buckets(0.005, 2.0, 14)),
             http_requests: Counter::default(),
+            tokenizers_fetched: Counter::default(),
             registry: Registry::default(),
             extra: Default::default(),
         };
@@ -70,6 +73,11 @@ impl Default for Metrics {
             m.first_token_seconds.clone(),
         );
         registry.register("http_requests", "HTTP requests served", m.http_requests.clone());
+        registry.register(
+            "tokenizers_fetched",
+            "Tokenizers fetched from the log, as decoders published them",
+            m.tokenizers_fetched.clone(),
+        );
         Metrics { registry, ..m }
     }
 }

@@ -28,12 +28,14 @@ pub fn allowed(path: &str) -> Option<&'static [Role]> {
         // A decoder's ownership protocol.
         (
             "raftlog.v1.Log",
-            "Register" | "PendingWork" | "Acquire" | "Renew" | "BindPrompt" | "Append" | "AppendStream" | "Finish"
-            | "Release",
+            "Register" | "Session" | "PublishTokenizer" | "PendingWork" | "Acquire" | "Renew" | "BindPrompt" | "Append"
+            | "AppendStream" | "Finish" | "Release",
         ) => &[Decoder],
         // What a gateway does for its clients.
         ("raftlog.v1.Log", "Submit" | "Cancel") => &[Gateway],
         ("raftlog.v1.Log", "ListModels") => &[Gateway, Admin],
+        // A gateway's text for a model it has no files of; a decoder checks what is published.
+        ("raftlog.v1.Log", "GetTokenizer") => &[Decoder, Gateway, Admin],
         // Reads of generations: decoders resume from them, gateways stream them, operators look.
         ("raftlog.v1.Log", "Get" | "Watch") => &[Decoder, Gateway, Admin],
         ("raftlog.v1.Log", "ClusterStatus") => &[Decoder, Gateway, Admin],

@@ -55,6 +55,31 @@ pub enum ClientError {
     BadAddress(String, String),
 }
 
+/// A decoder's open session ([`LogClient::open_session`]). Dropping it closes the stream, and
+/// the leader then ends the decoder's leases.
+pub struct Session {
+    _requests: tokio::sync::mpsc::Sender<pb::SessionRequest>,
+    events: tonic::Streaming<pb::SessionEvent>,
+    client: LogClient,
+}
+
+impl Session {
+    /// Resolves when the session's stream ended (the leader stepped down, died or was cut off);
+    /// the reason. A leader that stepped down names the new one: the next session goes there.
+    pub async fn ended(&mut self) -> Status {
+        loop {
+            match self.events.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => return Status::unavailable("the session was closed by the node"),
+                Err(s) => {
+                    *self.client.inner.leader.lock().expect("lock") = leader_hint(&s);
+                    return s;
+                }
+            }
+        }
+    }
+}
+
 /// An open `AppendStream`: requests go out in order without waiting for each other; the
 /// answers come back one per request, in the same order. Dropping it closes the stream.
 pub struct AppendStream {
@@ -281,6 +306,30 @@ impl LogClient {
         .await
     }
 
+    pub async fn publish_tokenizer(
+        &self,
+        req: pb::PublishTokenizerRequest,
+    ) -> Result<pb::PublishTokenizerResponse, ClientError> {
+        self.call(|mut c| {
+            let r = req.clone();
+            async move { c.publish_tokenizer(r).await }
+        })
+        .await
+    }
+
+    /// The tokenizer package published under `tokenizer_sha256`; NOT_FOUND when none is.
+    pub async fn tokenizer(&self, tokenizer_sha256: &str) -> Result<Vec<u8>, ClientError> {
+        let req = pb::GetTokenizerRequest {
+            tokenizer_sha256: tokenizer_sha256.to_string(),
+        };
+        self.call(|mut c| {
+            let r = req.clone();
+            async move { c.get_tokenizer(r).await }
+        })
+        .await
+        .map(|r| r.package)
+    }
+
     pub async fn list_models(&self) -> Result<pb::ListModelsResponse, ClientError> {
         self.call(|mut c| async move { c.list_models(pb::ListModelsRequest {}).await })
             .await
@@ -374,6 +423,45 @@ impl LogClient {
             answers: rx,
             reader,
         })
+    }
+
+    /// Opens session `session_id` (fresh per call, non-zero) of decoder `decoder_id` on the
+    /// leader (`raftlog.v1.Log/Session`) and returns once the leader committed it. Hold the
+    /// [`Session`] while the decoder lives: when it ends (dropped, or the process dies) the
+    /// leader ends the decoder's leases at once.
+    pub async fn open_session(&self, decoder_id: &str, session_id: u64) -> Result<Session, ClientError> {
+        let sender = Mutex::new(None);
+        let first = pb::SessionRequest {
+            decoder_id: decoder_id.to_string(),
+            session_id,
+        };
+        let mut events = self
+            .call(|mut c| {
+                let (tx, rx) = tokio::sync::mpsc::channel(1);
+                let _ = tx.try_send(first.clone());
+                *sender.lock().expect("lock") = Some(tx);
+                async move { c.session(tokio_stream::wrappers::ReceiverStream::new(rx)).await }
+            })
+            .await?;
+        let requests = sender
+            .lock()
+            .expect("lock")
+            .take()
+            .expect("set by the try that answered");
+        match events.message().await {
+            Ok(Some(e)) if e.opened => Ok(Session {
+                _requests: requests,
+                events,
+                client: self.clone(),
+            }),
+            Ok(_) => Err(ClientError::Status(Status::unavailable(
+                "the session ended before it opened",
+            ))),
+            Err(s) => {
+                *self.inner.leader.lock().expect("lock") = leader_hint(&s);
+                Err(ClientError::Status(s))
+            }
+        }
     }
 
     /// Opens a Watch stream on whichever node answers (any node serves it from applied state).

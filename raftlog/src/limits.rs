@@ -52,6 +52,12 @@ pub const GRANTS_KEPT_MAX: usize = 16;
 /// after its generation finished must still find it. Short enough for the fault suite's stress
 /// configurations, which prune while a run goes on.
 pub const RETENTION_MS_MIN: u64 = 500;
+/// A model's tokenizer as the log keeps it for gateways (`Command::PublishTokenizer`): the
+/// largest package accepted (SmolLM2's is 1.86 MB), and the distinct tokenizers the log holds.
+/// Packages are kept for good (a finished generation's text needs its tokenizer as long as
+/// the generation is retained); a publish past the count is refused with `Limit`.
+pub const TOKENIZER_PACKAGE_BYTES_MAX: usize = 16 << 20;
+pub const TOKENIZERS_MAX: usize = 64;
 /// Longest finish detail kept (bytes); longer ones are rejected.
 pub const FINISH_DETAIL_BYTES_MAX: usize = 1_024;
 /// Records per Watch event.

@@ -21,6 +21,8 @@ pub struct NodeMetrics {
     pub proposals: Counter,
     pub tokens_committed: Counter,
     pub fence_rejections: Counter,
+    /// Decoder sessions that ended while this node led (their leases ended at once).
+    pub sessions_lost: Counter,
     generations: Family<Vec<(String, String)>, Gauge>,
     takeovers: Gauge,
     term: Gauge,
@@ -39,6 +41,7 @@ impl Default for NodeMetrics {
             proposals: Counter::default(),
             tokens_committed: Counter::default(),
             fence_rejections: Counter::default(),
+            sessions_lost: Counter::default(),
             generations: Family::default(),
             takeovers: Gauge::default(),
             term: Gauge::default(),
@@ -66,6 +69,11 @@ impl Default for NodeMetrics {
             "fence_rejections",
             "Writes of a stale or expired epoch refused (CONTRACT §2), counted where proposed",
             m.fence_rejections.clone(),
+        );
+        r.register(
+            "sessions_lost",
+            "Decoder sessions that ended while this node led: each one's live leases ended at once",
+            m.sessions_lost.clone(),
         );
         r.register(
             "generations",

@@ -238,6 +238,19 @@ impl NodeCtx {
         })
     }
 
+    /// Resolves when this node is not (or no longer) the leader, or its Raft stopped.
+    pub async fn until_not_leader(&self) {
+        let mut m = self.raft.metrics();
+        loop {
+            if m.borrow_watched().state != ServerState::Leader {
+                return;
+            }
+            if m.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+
     /// Returns once this node's applied state includes every write committed before the call
     /// (read-index through the leader). Only the leader can do this; followers redirect.
     pub async fn linearize(&self) -> Result<(), LogError> {

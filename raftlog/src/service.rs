@@ -52,6 +52,7 @@ impl LogService {
 
 type WatchStream = Pin<Box<dyn Stream<Item = Result<pb::WatchEvent, Status>> + Send>>;
 type AppendStream = Pin<Box<dyn Stream<Item = Result<pb::AppendResponse, Status>> + Send>>;
+type SessionStream = Pin<Box<dyn Stream<Item = Result<pb::SessionEvent, Status>> + Send>>;
 
 fn append_cmd(r: pb::AppendRequest) -> Command {
     Command::Append {
@@ -238,6 +239,112 @@ impl Log for LogService {
             Response::Registered(Ok(expiry_log_ms)) => Ok(TonicResponse::new(pb::RegisterResponse { expiry_log_ms })),
             Response::Registered(Err(rej)) => Err(LogError::Rejected(rej).into()),
             other => Err(LogError::Internal(format!("unexpected answer {other:?}")).into()),
+        }
+    }
+
+    type SessionStream = SessionStream;
+
+    async fn session(
+        &self,
+        req: Request<tonic::Streaming<pb::SessionRequest>>,
+    ) -> Result<TonicResponse<SessionStream>, Status> {
+        self.ctx.check_leader()?;
+        let mut inbound = req.into_inner();
+        let first = inbound.message().await?.ok_or_else(|| {
+            Status::from(LogError::Invalid(
+                "a session starts with its decoder id and session id".into(),
+            ))
+        })?;
+        let (decoder, session) = (first.decoder_id, first.session_id);
+        let (resp, _) = self
+            .ctx
+            .write(Command::SessionOpened {
+                decoder: decoder.clone(),
+                session,
+            })
+            .await?;
+        match resp {
+            Response::Session(Ok(_)) => {}
+            Response::Session(Err(rej)) => return Err(LogError::Rejected(rej).into()),
+            other => return Err(LogError::Internal(format!("unexpected answer {other:?}")).into()),
+        }
+        let (out, out_rx) = mpsc::channel(1);
+        let _ = out.try_send(Ok(pb::SessionEvent { opened: true }));
+        let ctx = self.ctx.clone();
+        tokio::spawn(async move {
+            // Until the decoder's side ends (whatever it sends is ignored), or this node stops
+            // leading.
+            let drain = async { while let Ok(Some(_)) = inbound.message().await {} };
+            let lost = tokio::select! {
+                _ = drain => true,
+                _ = out.closed() => true,
+                _ = ctx.until_not_leader() => false,
+            };
+            if !lost {
+                let _ = out
+                    .send(Err(LogError::NotLeader {
+                        leader_addr: ctx.leader_addr(),
+                    }
+                    .into()))
+                    .await;
+                return;
+            }
+            match ctx
+                .write(Command::SessionLost {
+                    decoder: decoder.clone(),
+                    session,
+                })
+                .await
+            {
+                Ok((Response::Session(Ok(ended)), _)) => {
+                    ctx.metrics.sessions_lost.inc();
+                    tracing::info!(decoder, session, leases_ended = ended, "decoder session ended");
+                }
+                Ok((other, _)) => tracing::warn!(decoder, ?other, "unexpected answer to a lost session"),
+                // Not the leader any more: the decoder's leases end by expiry.
+                Err(e) => tracing::debug!(decoder, error = %e, "a lost session was not committed"),
+            }
+        });
+        Ok(TonicResponse::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(out_rx),
+        )))
+    }
+
+    async fn publish_tokenizer(
+        &self,
+        req: Request<pb::PublishTokenizerRequest>,
+    ) -> Result<TonicResponse<pb::PublishTokenizerResponse>, Status> {
+        let r = req.into_inner();
+        // Already applied here: answered without a write (every decoder start asks).
+        if self.ctx.sm.read().tokenizers.contains_key(&r.tokenizer_sha256) {
+            return Ok(TonicResponse::new(pb::PublishTokenizerResponse { stored: false }));
+        }
+        let (resp, _) = self
+            .ctx
+            .write(Command::PublishTokenizer {
+                tokenizer_sha256: r.tokenizer_sha256,
+                package: TokenizerPackage(r.package),
+            })
+            .await?;
+        match resp {
+            Response::Published(Ok(stored)) => Ok(TonicResponse::new(pb::PublishTokenizerResponse { stored })),
+            Response::Published(Err(rej)) => Err(LogError::Rejected(rej).into()),
+            other => Err(LogError::Internal(format!("unexpected answer {other:?}")).into()),
+        }
+    }
+
+    async fn get_tokenizer(
+        &self,
+        req: Request<pb::GetTokenizerRequest>,
+    ) -> Result<TonicResponse<pb::GetTokenizerResponse>, Status> {
+        let digest = req.into_inner().tokenizer_sha256;
+        let package = self.ctx.sm.read().tokenizers.get(&digest).map(|p| p.0.clone());
+        match package {
+            Some(package) => Ok(TonicResponse::new(pb::GetTokenizerResponse { package })),
+            None => Err(LogError::NotFound(format!(
+                "no decoder has published tokenizer {digest} (as far as this node has applied)"
+            ))
+            .into()),
         }
     }
 

@@ -133,9 +133,46 @@ pub fn check_chains(state: &LogState, problems: &mut Vec<String>) -> u64 {
     records
 }
 
+/// A [`Machine`] as snapshot format 3 encoded it: the state without its tokenizer table.
+#[derive(Deserialize)]
+struct MachineV3 {
+    log: LogStateV3,
+    applied: Option<LogId>,
+    membership: StoredMembership,
+}
+
+/// The serialized fields of [`LogState`] in format 3, in their order.
+#[derive(Deserialize)]
+struct LogStateV3 {
+    generations: std::collections::BTreeMap<GenerationId, Generation>,
+    next_generation: GenerationId,
+    log_ms: u64,
+    decoders: std::collections::BTreeMap<String, DecoderInfo>,
+}
+
+impl From<MachineV3> for Machine {
+    fn from(m: MachineV3) -> Machine {
+        Machine {
+            log: LogState {
+                generations: m.log.generations,
+                next_generation: m.log.next_generation,
+                log_ms: m.log.log_ms,
+                decoders: m.log.decoders,
+                ..LogState::default()
+            },
+            applied: m.applied,
+            membership: m.membership,
+        }
+    }
+}
+
 /// Loads and checks a snapshot file: checksum, decoding, the meta against the body, every chain.
 pub fn load_snapshot(file: &SnapshotFile, problems: &mut Vec<String>) -> Option<(SnapshotMeta, Machine)> {
-    let (meta, mut m): (SnapshotMeta, Machine) = match file.load() {
+    let loaded = match file.format() {
+        Ok(3) => file.load::<MachineV3>().map(|(meta, m)| (meta, Machine::from(m))),
+        _ => file.load::<Machine>(),
+    };
+    let (meta, mut m): (SnapshotMeta, Machine) = match loaded {
         Ok(x) => x,
         Err(e) => {
             problems.push(format!("snapshot {e}"));
@@ -378,5 +415,89 @@ impl RaftStateMachine<TypeConfig> for SmStore {
                 snapshot: file,
             })),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sha2::{Digest, Sha256};
+
+    /// A data dir written by the previous release (snapshot format 3, no tokenizer table) still
+    /// loads: same generations, same applied log id, an empty tokenizer table.
+    #[test]
+    fn a_format_3_snapshot_still_loads() {
+        let mut log = LogState::default();
+        let binding = Binding {
+            model: ModelIdentity {
+                weights_sha256: "w".into(),
+                ..Default::default()
+            },
+            prompt_token_ids: vec![1, 2],
+            stop: StopConfig {
+                max_tokens: 4,
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let cmd = Command::Submit {
+            tenant: "a".into(),
+            request_id: "r".into(),
+            binding,
+        };
+        log.apply(&Request { log_ms: 7, cmd }, &mut Changes::default());
+        let machine = Machine {
+            log,
+            applied: Some(LogId::new(
+                <openraft::vote::leader_id_adv::LeaderId<u64, u64> as openraft::vote::RaftLeaderIdExt>::new_committed(
+                    1, 0,
+                ),
+                3,
+            )),
+            membership: StoredMembership::default(),
+        };
+        #[derive(Serialize)]
+        struct V3<'a> {
+            generations: &'a std::collections::BTreeMap<GenerationId, Generation>,
+            next_generation: GenerationId,
+            log_ms: u64,
+            decoders: &'a std::collections::BTreeMap<String, DecoderInfo>,
+            applied: Option<LogId>,
+            membership: &'a StoredMembership,
+        }
+        let v3 = V3 {
+            generations: &machine.log.generations,
+            next_generation: machine.log.next_generation,
+            log_ms: machine.log.log_ms,
+            decoders: &machine.log.decoders,
+            applied: machine.applied,
+            membership: &machine.membership,
+        };
+        let d = tempfile::tempdir().unwrap();
+        let dir = SnapshotDir::open(d.path()).unwrap();
+        let path = dir.write(&machine.meta(), &v3).unwrap().path().to_path_buf();
+        // The same file as format 3 wrote it: its magic, its checksum.
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[..8].copy_from_slice(b"TLSNAP03");
+        let n = bytes.len() - 32;
+        let sum = Sha256::digest(&bytes[..n]);
+        bytes[n..].copy_from_slice(&sum);
+        std::fs::write(&path, &bytes).unwrap();
+        let file = SnapshotFile::open(&path).unwrap();
+        assert_eq!(file.format().unwrap(), 3);
+        let mut problems = Vec::new();
+        let (meta, loaded) = load_snapshot(&file, &mut problems).expect("loads");
+        assert!(problems.is_empty(), "{problems:?}");
+        assert_eq!(meta.last_log_id, machine.applied);
+        assert_eq!(loaded.log.generations, machine.log.generations);
+        assert_eq!(loaded.log.log_ms, 7);
+        assert!(loaded.log.tokenizers.is_empty());
+        // Written again, it is format 4 and keeps its tokenizers.
+        let mut m = loaded;
+        m.log.tokenizers.insert("t".into(), TokenizerPackage(vec![1, 2, 3]));
+        let f = dir.write(&m.meta(), &m).unwrap();
+        assert_eq!(f.format().unwrap(), crate::snapshot::FORMAT);
+        let (_, again) = load_snapshot(&f, &mut problems).expect("loads");
+        assert_eq!(again.log.tokenizers, m.log.tokenizers);
     }
 }

@@ -323,6 +323,44 @@ pub enum Command {
     /// it had left then, as etcd's lessor extends leases on promotion: an election no longer
     /// expires every running generation. Leases only get longer: fencing is unaffected.
     NewLeader,
+    /// A decoder publishes its model's tokenizer (a package of `tokenlog_decoder::Tokenizer`,
+    /// opaque to the log) under the tokenizer digest of its `ModelIdentity`, once per digest,
+    /// before it registers: a gateway then detokenizes any model a decoder serves without the
+    /// model's files. The first package for a digest stays; publishing it again, in any bytes,
+    /// is acknowledged without effect (the reader checks the package against the digest).
+    PublishTokenizer {
+        tokenizer_sha256: String,
+        package: TokenizerPackage,
+    },
+    /// The leader opened session `session` for `decoder` (`raftlog.v1.Log/Session`: a stream the
+    /// decoder holds open to the leader for as long as it lives). It replaces any earlier session
+    /// of that decoder.
+    SessionOpened {
+        decoder: String,
+        session: u64,
+    },
+    /// The leader saw session `session` of `decoder` end (its stream broke: the process died,
+    /// or its connection was reset; or it said goodbye). If it is the decoder's current session,
+    /// every live lease the decoder holds ends now, as if it had released them (its
+    /// generations can be acquired at once: crash detection without waiting for the lease). Its
+    /// registration lapses by its TTL, as before. A stale session (the decoder opened another since, on a new
+    /// leader or after a reconnect) changes nothing. Fencing is unaffected: a live decoder that
+    /// only lost its connection is refused at its old epoch, as after a lease expiry.
+    SessionLost {
+        decoder: String,
+        session: u64,
+    },
+}
+
+/// A tokenizer package as the log stores it: bytes it does not interpret. `Debug` shows the
+/// length only (a state printed by a failing test stays readable).
+#[derive(Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenizerPackage(pub Vec<u8>);
+
+impl std::fmt::Debug for TokenizerPackage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TokenizerPackage({} bytes)", self.0.len())
+    }
 }
 
 /// What a registered decoder serves.
@@ -447,6 +485,10 @@ pub enum Response {
         leases: u32,
         by_ms: u64,
     },
+    /// [`Command::PublishTokenizer`]: `Ok(true)` stored now, `Ok(false)` already there.
+    Published(Result<bool, Rejection>),
+    /// [`Command::SessionOpened`] (0) and [`Command::SessionLost`]: the leases it ended.
+    Session(Result<u32, Rejection>),
 }
 
 impl std::fmt::Display for Request {
@@ -464,6 +506,9 @@ impl std::fmt::Display for Request {
             Command::Tick { .. } => "tick",
             Command::Batch(_) => "batch",
             Command::NewLeader => "new-leader",
+            Command::PublishTokenizer { .. } => "publish-tokenizer",
+            Command::SessionOpened { .. } => "session-opened",
+            Command::SessionLost { .. } => "session-lost",
         };
         write!(f, "{name}@{}", self.log_ms)
     }

@@ -48,7 +48,8 @@ pub struct FailoverArgs {
     /// How many times to kill the owning decoder.
     #[arg(long, default_value_t = 20)]
     pub kills: usize,
-    /// Lease (ms) of the decoders: the detection time is bounded by it.
+    /// Lease (ms) of the decoders. A kill is detected when the victim's session with the leader
+    /// breaks (at once); the lease bounds detection only if that fails.
     #[arg(long, default_value_t = LEASE_MS_DEFAULT)]
     pub lease_ms: u64,
     /// Records committed before the kill.
@@ -368,7 +369,7 @@ pub async fn failover(a: FailoverArgs) -> anyhow::Result<()> {
         q(&hist[0], 0.99)
     );
     println!(
-        "  detection (lease)      {:>8.1} {:>8.1}",
+        "  detection (session)    {:>8.1} {:>8.1}",
         q(&hist[1], 0.5),
         q(&hist[1], 0.99)
     );

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use anyhow::Context;
-use tokenlog_decoder::{fake::fake_tokenizer, fetch, Tokenizer};
+use tokenlog_decoder::{fake::fake_tokenizer, Tokenizer};
 use tokenlog_gateway::health::log_readiness;
 use tokenlog_gateway::limits::LOG_PROBE_BUDGET;
 use tokenlog_gateway::server::ServeOptions;
@@ -46,14 +46,12 @@ pub struct GatewayArgs {
     /// every caller is the tenant `default`.
     #[arg(long)]
     pub keys: Option<PathBuf>,
-    /// Models whose tokenizers this gateway detokenizes with (repeatable): GGUF files or
-    /// Hugging Face model folders (their tokenizer.json). Default: the bundled SmolLM2 model
-    /// (fetched into ./models on first use).
+    /// Not needed: a gateway serves every model a decoder serves, with the tokenizer that
+    /// decoder published in the log (fetched on first use, checked against the model's
+    /// tokenizer digest). Optionally, models whose tokenizers it holds from the start
+    /// (repeatable): GGUF files or Hugging Face model folders (their tokenizer.json).
     #[arg(long)]
     pub model: Vec<PathBuf>,
-    /// Only the fake model's tokenizer (for tests; no model file needed).
-    #[arg(long, conflicts_with = "model")]
-    pub fake: bool,
     /// Streams one tenant may have open at once on this gateway; more are refused with
     /// RESOURCE_EXHAUSTED (HTTP 429).
     #[arg(long, default_value_t = tokenlog_gateway::limits::TENANT_STREAMS_MAX_DEFAULT as u64, value_parser = clap::value_parser!(u64).range(1..))]
@@ -88,18 +86,11 @@ impl GatewayArgs {
     }
 }
 
-pub fn tokenizers(models: &[PathBuf], fake_only: bool) -> anyhow::Result<Vec<Tokenizer>> {
+/// The tokenizers a gateway holds from the start: the fake model's, and those of `models`.
+pub fn tokenizers(models: &[PathBuf]) -> anyhow::Result<Vec<Tokenizer>> {
     let mut out = vec![fake_tokenizer()?];
-    if fake_only {
-        return Ok(out);
-    }
-    let paths = if models.is_empty() {
-        vec![fetch::ensure_default_model(&fetch::repo_models_dir()).context("fetching the default model")?]
-    } else {
-        models.to_vec()
-    };
-    for p in paths {
-        out.push(Tokenizer::from_model_path(&p).with_context(|| format!("reading the tokenizer of {}", p.display()))?);
+    for p in models {
+        out.push(Tokenizer::from_model_path(p).with_context(|| format!("reading the tokenizer of {}", p.display()))?);
     }
     Ok(out)
 }
@@ -109,7 +100,7 @@ pub async fn run(a: GatewayArgs) -> anyhow::Result<()> {
         Some(p) => Tenants::load(p)?,
         None => Tenants::Open,
     };
-    let toks = tokenizers(&a.model, a.fake)?;
+    let toks = tokenizers(&a.model)?;
     let bind = tokenlog_gateway::BindDefaults {
         unowned_ms: a.unowned_ms,
     };

@@ -370,7 +370,7 @@ impl Drop for Decoder {
     }
 }
 
-/// A gateway process (`tokenlog gateway --fake ...`) against this cluster.
+/// A gateway process (`tokenlog gateway ...`, no model files) against this cluster.
 pub struct GatewayProc {
     pub child: Option<Child>,
     pub grpc: String,
@@ -386,7 +386,6 @@ impl Cluster {
         let child = Command::new(bin())
             .args([
                 "gateway",
-                "--fake",
                 "--cluster",
                 &self.addrs.join(","),
                 "--grpc-listen",

@@ -16,14 +16,18 @@ use crate::tenants::{Held, TenantSlot};
 impl Gateway {
     /// Streams the events of `info`'s generation with seq > `after_seq` (-1 = all), ending with
     /// the last event once the generation is terminal. Errors end the stream.
-    pub fn events(self: &Arc<Self>, info: pb::GenerationInfo, after_seq: i64) -> Result<mpsc::Receiver<Result<Event>>> {
+    pub async fn events(
+        self: &Arc<Self>,
+        info: pb::GenerationInfo,
+        after_seq: i64,
+    ) -> Result<mpsc::Receiver<Result<Event>>> {
         let digest = info
             .binding
             .as_ref()
             .and_then(|b| b.model.as_ref())
             .map(|m| m.tokenizer_sha256.clone())
             .unwrap_or_default();
-        let tokenizer = self.tokenizer_for(&digest, &info.request_id)?;
+        let tokenizer = self.tokenizer_for(&digest, &info.request_id).await?;
         let slot = self
             .tenant_use
             .take(&info.tenant, Held::Stream, self.tenant_limits.streams)?;
@@ -44,7 +48,7 @@ impl Gateway {
         self: Arc<Self>,
         info: pb::GenerationInfo,
         after_seq: i64,
-        tokenizer: Tokenizer,
+        tokenizer: Arc<Tokenizer>,
         tx: mpsc::Sender<Result<Event>>,
         // The gateway-wide and the tenant's stream slot, given back on every exit.
         _slots: (OwnedSemaphorePermit, TenantSlot),

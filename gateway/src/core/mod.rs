@@ -122,8 +122,11 @@ pub fn prompt_tokens(info: &pb::GenerationInfo) -> u32 {
 pub struct Gateway {
     log: LogClient,
     tenants: Tenants,
-    /// Tokenizers this gateway can detokenize with, by tokenizer digest.
-    tokenizers: HashMap<String, Tokenizer>,
+    /// Tokenizers this gateway can detokenize with, by tokenizer digest: those it was started
+    /// with (`--model`), and those fetched from the log as decoders published them.
+    tokenizers: Mutex<HashMap<String, Arc<Tokenizer>>>,
+    /// Held while a tokenizer is fetched from the log: one fetch at a time, not one per stream.
+    fetching: tokio::sync::Mutex<()>,
     models: Mutex<Option<(Instant, Vec<pb::ModelInfo>)>>,
     streams: Arc<Semaphore>,
     tenant_limits: TenantLimits,
@@ -159,12 +162,13 @@ impl Gateway {
         let mut map = HashMap::new();
         for t in tokenizers {
             let digest = tokenizer_sha256(&t).map_err(|e| GatewayError::Internal(e.to_string()))?;
-            map.insert(digest, t);
+            map.insert(digest, Arc::new(t));
         }
         Ok(Arc::new(Gateway {
             log,
             tenants,
-            tokenizers: map,
+            tokenizers: Mutex::new(map),
+            fetching: tokio::sync::Mutex::new(()),
             models: Mutex::new(None),
             streams: Arc::new(Semaphore::new(STREAMS_MAX)),
             tenant_limits,

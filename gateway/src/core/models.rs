@@ -1,10 +1,12 @@
 //! Which model a request uses: live decoder registrations (cached briefly) and the tokenizer this
 //! gateway holds for each.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use tokenlog_decoder::Tokenizer;
 use tokenlog_proto::raftlog as pb;
+use tokenlog_raftlog::client::ClientError;
 
 use super::Gateway;
 use crate::error::{GatewayError, Result};
@@ -13,7 +15,7 @@ use crate::limits::*;
 /// A model a request can use: its registration and the tokenizer for its text.
 pub struct ResolvedModel {
     pub info: pb::ModelInfo,
-    pub tokenizer: Tokenizer,
+    pub tokenizer: Arc<Tokenizer>,
 }
 
 impl Gateway {
@@ -30,13 +32,48 @@ impl Gateway {
         Ok(models)
     }
 
-    pub(super) fn tokenizer_for(&self, tokenizer_sha256: &str, name: &str) -> Result<Tokenizer> {
-        self.tokenizers.get(tokenizer_sha256).cloned().ok_or_else(|| {
-            GatewayError::Precondition(format!(
-                "this gateway has no tokenizer for model {name:?} (tokenizer sha256 {tokenizer_sha256}); \
-                 start it with --model <the model's GGUF file or folder>"
-            ))
-        })
+    /// The tokenizer with digest `tokenizer_sha256` (of model or request `name`, for messages):
+    /// one this gateway holds, or the package a decoder published in the log, checked against
+    /// the digest and kept from then on.
+    pub(super) async fn tokenizer_for(&self, tokenizer_sha256: &str, name: &str) -> Result<Arc<Tokenizer>> {
+        if let Some(t) = self.held_tokenizer(tokenizer_sha256) {
+            return Ok(t);
+        }
+        let _one_fetch = self.fetching.lock().await;
+        if let Some(t) = self.held_tokenizer(tokenizer_sha256) {
+            return Ok(t);
+        }
+        let package = match self.log.tokenizer(tokenizer_sha256).await {
+            Ok(p) => p,
+            Err(ClientError::Status(s)) if s.code() == tonic::Code::NotFound => {
+                return Err(GatewayError::Precondition(format!(
+                    "no tokenizer for {name:?} (tokenizer sha256 {tokenizer_sha256}): no decoder of that model has \
+                     published it in the log; start one, or start this gateway with --model <the model's file or folder>"
+                )))
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let digest = tokenizer_sha256.to_string();
+        let t = tokio::task::spawn_blocking(move || Tokenizer::from_package(&package, &digest))
+            .await
+            .map_err(|e| GatewayError::Internal(format!("reading a tokenizer package: {e}")))?
+            .map_err(|e| GatewayError::Internal(e.to_string()))?;
+        let t = Arc::new(t);
+        tracing::info!(
+            tokenizer_sha256,
+            vocab = t.vocab_size(),
+            "tokenizer fetched from the log"
+        );
+        self.metrics.tokenizers_fetched.inc();
+        self.tokenizers
+            .lock()
+            .expect("lock")
+            .insert(tokenizer_sha256.to_string(), t.clone());
+        Ok(t)
+    }
+
+    fn held_tokenizer(&self, tokenizer_sha256: &str) -> Option<Arc<Tokenizer>> {
+        self.tokenizers.lock().expect("lock").get(tokenizer_sha256).cloned()
     }
 
     /// The model `name` names (empty: the first registered model this gateway can serve).
@@ -53,7 +90,7 @@ impl Gateway {
                 .find(|m| {
                     m.identity
                         .as_ref()
-                        .is_some_and(|i| self.tokenizers.contains_key(&i.tokenizer_sha256))
+                        .is_some_and(|i| self.held_tokenizer(&i.tokenizer_sha256).is_some())
                 })
                 .or(models.first())
         } else {
@@ -69,7 +106,7 @@ impl Gateway {
             .as_ref()
             .map(|i| i.tokenizer_sha256.clone())
             .unwrap_or_default();
-        let tokenizer = self.tokenizer_for(&digest, &info.name)?;
+        let tokenizer = self.tokenizer_for(&digest, &info.name).await?;
         Ok(ResolvedModel { info, tokenizer })
     }
 }

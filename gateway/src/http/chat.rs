@@ -77,7 +77,7 @@ pub(super) async fn create(
     let rid = p.request_id.clone();
     let gid = info.generation_id;
     let url = kind.stream_url(&rid);
-    let rx = gw.events(info.clone(), after)?;
+    let rx = gw.events(info.clone(), after).await?;
     if !stream {
         let (text, last) = collect(rx).await?;
         let f = last.finish.as_ref().expect("last");
@@ -121,7 +121,7 @@ pub(super) async fn resume(gw: Arc<Gateway>, h: HeaderMap, rid: String, kind: Ki
     let model = gw.model_name(&info).await;
     let gid = info.generation_id;
     let created = created_s(&info);
-    let rx = gw.events(info, after)?;
+    let rx = gw.events(info, after).await?;
     let resp = chunk_stream(gw, rx, kind, rid.clone(), model, created, None).into_response();
     Ok(with_headers(resp, &rid, gid, Some(kind.stream_url(&rid))))
 }

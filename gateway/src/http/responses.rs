@@ -57,12 +57,12 @@ pub(super) async fn create_response(State(gw): Gw, h: HeaderMap, body: Bytes) ->
         encode_path(&response_id(&rid))
     );
     let r = if stream {
-        let rx = gw.events(info.clone(), -1)?;
+        let rx = gw.events(info.clone(), -1).await?;
         response_stream(gw, rx, info, model, background, -1).into_response()
     } else if background {
         Json(response_json(&info, &model, background, "", None)).into_response()
     } else {
-        let rx = gw.events(info.clone(), -1)?;
+        let rx = gw.events(info.clone(), -1).await?;
         let (text, last) = collect(rx).await?;
         let info = gw.lookup(&tenant, &rid).await.unwrap_or(info);
         Json(response_json(&info, &model, background, &text, Some(&last))).into_response()
@@ -95,7 +95,7 @@ pub(super) async fn get_response(
         }
         gw.metrics.resumes.inc();
         tracing::info!(tenant, request_id = %rid, starting_after = after, "responses resume");
-        let rx = gw.events(info.clone(), -1)?;
+        let rx = gw.events(info.clone(), -1).await?;
         return Ok(response_stream(gw, rx, info, model, true, after).into_response());
     }
     // Not streaming: the response as it stands (text up to the current frontier).
@@ -105,7 +105,7 @@ pub(super) async fn get_response(
     let mut last = None;
     // Nothing committed and not over: there is no text to read (and no event would come yet).
     if terminal || frontier > 0 {
-        let mut rx = gw.events(info.clone(), -1)?;
+        let mut rx = gw.events(info.clone(), -1).await?;
         while let Some(e) = rx.recv().await {
             let e = e?;
             text.push_str(&e.text);

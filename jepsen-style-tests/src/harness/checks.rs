@@ -37,7 +37,7 @@
 //!   every accepted append of the older epoch had its lease's worth of real time (log time may
 //!   not run ahead of real time, whatever a leader's wall clock does: the `clock` nemesis).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::Duration;
 
 use super::decoder_ops::DecoderOp;
@@ -512,8 +512,35 @@ pub const LEASE_TIME_SLACK_US: u64 = 250_000;
 /// released the generation: a release ends the lease at once). A grant at a newer
 /// epoch that completed before `invoke_us + lease_ms - slack` of real time means log time ran
 /// ahead of real time: a live owner's lease was cut short.
+///
+/// A dead owner's lease may end early: a decoder holds a session with the leader, and when its
+/// process dies the leader ends its leases at once (`Command::SessionLost`). So a grant is not
+/// judged when the previous epoch's owner had opened a session (a `session` event) and recorded
+/// nothing from the grant on (that incarnation was gone). A live owner whose lease was cut
+/// short goes on recording (its appends, refused), and is judged.
 pub fn lease_time(decoder_ops: &[DecoderOp], lease_ms: u64) -> Verdict {
     let mut v = Verdict::new();
+    let mut last_seen: HashMap<&str, u64> = HashMap::new();
+    let mut with_session: HashSet<&str> = HashSet::new();
+    let mut owner: HashMap<(u64, u64), &str> = HashMap::new();
+    for o in decoder_ops {
+        let t = last_seen.entry(o.decoder.as_str()).or_insert(0);
+        *t = (*t).max(o.invoke_us).max(o.complete_us.unwrap_or(0));
+        match o.op() {
+            "session" => {
+                with_session.insert(o.decoder.as_str());
+            }
+            "acquire" if o.ok() == Some(true) => {
+                owner.insert((o.gen(), o.epoch()), o.decoder.as_str());
+            }
+            _ => {}
+        }
+    }
+    let gone_before = |gen: u64, epoch: u64, t: u64| {
+        owner
+            .get(&(gen, epoch))
+            .is_some_and(|d| with_session.contains(d) && last_seen.get(d).is_some_and(|&s| s < t))
+    };
     // Per generation and epoch: the send time of the latest accepted append that extended the
     // lease. Only an append that wrote records does: the log acknowledges a re-send of records
     // it holds without effect, lease included. One counts when it ends past every append of
@@ -557,6 +584,9 @@ pub fn lease_time(decoder_ops: &[DecoderOp], lease_ms: u64) -> Verdict {
         }
         v.checked += 1;
         if released.get(&(gen, epoch - 1)).is_some_and(|&t| t <= granted_us) {
+            continue;
+        }
+        if gone_before(gen, epoch - 1, granted_us) {
             continue;
         }
         if let Some(&sent_us) = last_append.get(&(gen, epoch - 1)) {
@@ -778,6 +808,34 @@ mod tests {
             },
         );
         assert!(lease_time(&[append(1_000), release, grant(1_100)], 800).ok);
+        // A session: the owner's death ends its lease at once. Judged only while the owner
+        // goes on recording (it was alive); one that recorded nothing from the grant on is not.
+        let owner_grant = op(
+            "d1",
+            10,
+            20,
+            Call::Acquire { gen: 7 },
+            Answer::Acquire {
+                ok: Some(true),
+                epoch: 1,
+                frontier: 0,
+                terminal: false,
+            },
+        );
+        let session = DecoderOp {
+            decoder: "d1".into(),
+            invoke_us: 5_000,
+            complete_us: None,
+            kind: super::super::decoder_ops::OpKind::Event(tokenlog_decoder::history::DecoderEvent::SessionOpened {
+                session: 3,
+            }),
+        };
+        let dead = [session.clone(), owner_grant.clone(), append(1_000), grant(1_100)];
+        assert!(lease_time(&dead, 800).ok, "a dead owner's lease ended with its session");
+        let alive = [session, owner_grant.clone(), append(1_000), grant(1_100), append(1_200)];
+        assert!(!lease_time(&alive, 800).ok, "a live owner's lease was cut short");
+        // Without a session, silence proves nothing.
+        assert!(!lease_time(&[owner_grant, append(1_000), grant(1_100)], 800).ok);
     }
 
     #[test]

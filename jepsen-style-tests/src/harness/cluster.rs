@@ -243,10 +243,8 @@ fn gateway_procs(cfg: &RunConfig, dir: &Path, cluster: &str) -> (Vec<Proc>, Vec<
     for i in 0..cfg.gateways {
         let grpc = format!("127.0.0.1:{}", free_port());
         let http = format!("127.0.0.1:{}", free_port());
+        // No model files: the gateway reads the tokenizer its decoders published in the log.
         let mut args: Vec<String> = vec!["gateway".into()];
-        if !cfg.real_model {
-            args.push("--fake".into());
-        }
         args.extend([
             "--cluster".into(),
             cluster.to_string(),

@@ -26,7 +26,7 @@ pub enum OpKind {
 }
 
 impl DecoderOp {
-    /// `acquire`, `append`, `release`, `finish`, `resumed` or `failpoint`.
+    /// `acquire`, `append`, `release`, `finish`, `resumed`, `failpoint` or `session`.
     pub fn op(&self) -> &'static str {
         match &self.kind {
             OpKind::Call {
@@ -47,6 +47,7 @@ impl DecoderOp {
             } => "finish",
             OpKind::Event(DecoderEvent::Resumed { .. }) => "resumed",
             OpKind::Event(DecoderEvent::Failpoint { .. }) => "failpoint",
+            OpKind::Event(DecoderEvent::SessionOpened { .. }) => "session",
         }
     }
 
@@ -63,6 +64,8 @@ impl DecoderOp {
             OpKind::Event(DecoderEvent::Resumed { gen, .. }) | OpKind::Event(DecoderEvent::Failpoint { gen, .. }) => {
                 *gen
             }
+            // About no generation.
+            OpKind::Event(DecoderEvent::SessionOpened { .. }) => 0,
         }
     }
 
@@ -100,6 +103,7 @@ impl DecoderOp {
             } => *epoch,
             OpKind::Event(DecoderEvent::Resumed { epoch, .. })
             | OpKind::Event(DecoderEvent::Failpoint { epoch, .. }) => *epoch,
+            OpKind::Event(DecoderEvent::SessionOpened { .. }) => 0,
         }
     }
 

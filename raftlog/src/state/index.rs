@@ -88,6 +88,10 @@ pub struct Indexes {
     pub(super) by_state: [u64; GenState::ALL.len()],
     /// Takeovers (grants after the first) summed over the generations in the table.
     pub(super) takeovers: u64,
+    /// Non-terminal generations by lease owner (what a lost session ends), and each one's
+    /// owner as filed.
+    owned: BTreeSet<(String, GenerationId)>,
+    owner_of: HashMap<GenerationId, String>,
 }
 
 impl Indexes {
@@ -139,6 +143,10 @@ impl Indexes {
 
     /// Files `g` under its current key (moving it if it was filed elsewhere).
     pub(super) fn refile(&mut self, g: &Generation) {
+        self.refile_owner(
+            g.id,
+            (!g.state.is_terminal() && !g.lease.owner.is_empty()).then_some(&g.lease.owner),
+        );
         let old = self.keys.get(&g.id).copied();
         let new = IndexKey::next(g, old.as_ref());
         if old == Some(new) {
@@ -159,8 +167,31 @@ impl Indexes {
         self.file(g.id, new, &g.binding.model);
     }
 
+    fn refile_owner(&mut self, id: GenerationId, owner: Option<&String>) {
+        if self.owner_of.get(&id) == owner {
+            return;
+        }
+        if let Some(old) = self.owner_of.remove(&id) {
+            self.owned.remove(&(old, id));
+        }
+        if let Some(o) = owner {
+            self.owned.insert((o.clone(), id));
+            self.owner_of.insert(id, o.clone());
+        }
+    }
+
+    /// The non-terminal generations whose lease names `owner` (live or lapsed).
+    pub(super) fn owned_by(&self, owner: &str) -> Vec<GenerationId> {
+        self.owned
+            .range((owner.to_string(), 0)..)
+            .take_while(|(o, _)| o == owner)
+            .map(|&(_, id)| id)
+            .collect()
+    }
+
     /// Drops a generation that left the table.
     pub(super) fn remove(&mut self, g: &Generation) {
+        self.refile_owner(g.id, None);
         if let Some(old) = self.keys.remove(&g.id) {
             self.unfile(g.id, old, &g.binding.model);
         }
@@ -203,6 +234,14 @@ impl LogState {
                 + usize::from(k.claimable_log_ms.is_some());
         }
         assert_eq!(filed, expected, "index entries that name no generation");
+        let owned: BTreeSet<(String, GenerationId)> = self
+            .generations
+            .values()
+            .filter(|g| !g.state.is_terminal() && !g.lease.owner.is_empty())
+            .map(|g| (g.lease.owner.clone(), g.id))
+            .collect();
+        assert_eq!(ix.owned, owned, "owner index");
+        assert_eq!(ix.owner_of.len(), owned.len(), "owner index");
         assert_eq!(ix.decoder_expiry.len(), self.decoders.len(), "decoder expiry index");
     }
 }

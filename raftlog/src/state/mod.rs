@@ -78,6 +78,11 @@ pub struct LogState {
     pub log_ms: u64,
     /// Live decoder registrations by decoder id (expired ones are dropped by `Tick`).
     pub decoders: BTreeMap<String, DecoderInfo>,
+    /// Tokenizer packages by tokenizer digest ([`Command::PublishTokenizer`]), kept for good.
+    pub tokenizers: BTreeMap<String, TokenizerPackage>,
+    /// Each decoder's current session ([`Command::SessionOpened`]); dropped when it is lost or
+    /// when the decoder's registration lapses.
+    pub sessions: BTreeMap<String, u64>,
     /// Ordered indexes over `generations` and `decoders`. Derived; not serialized.
     #[serde(skip)]
     pub index: Indexes,
@@ -282,6 +287,16 @@ impl LogState {
             }
             Command::Tick { retention_ms } => self.tick(*retention_ms, changes),
             Command::NewLeader => self.new_leader(before, changes),
+            Command::PublishTokenizer {
+                tokenizer_sha256,
+                package,
+            } => Response::Published(self.publish_tokenizer(tokenizer_sha256, package)),
+            Command::SessionOpened { decoder, session } => {
+                Response::Session(self.session_opened(decoder, *session).map(|()| 0))
+            }
+            Command::SessionLost { decoder, session } => {
+                Response::Session(Ok(self.session_lost(decoder, *session, changes)))
+            }
             Command::Batch(_) => unreachable!("apply_command unpacks batches"),
         }
     }

@@ -42,6 +42,75 @@ impl LogState {
         Ok(expiry_log_ms)
     }
 
+    pub(super) fn publish_tokenizer(&mut self, digest: &str, package: &TokenizerPackage) -> Result<bool, Rejection> {
+        if digest.len() != 64 || !digest.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+            return Err(reject(
+                RejectReason::Invalid,
+                "a tokenizer digest is 64 lowercase hex digits (the SHA-256 of its canonical JSON)",
+            ));
+        }
+        if package.0.is_empty() {
+            return Err(reject(RejectReason::Invalid, "the tokenizer package is empty"));
+        }
+        check_len("tokenizer package bytes", package.0.len(), TOKENIZER_PACKAGE_BYTES_MAX)?;
+        // The digest names the tokenizer: whoever published first, the package stays (a
+        // decoder of another release may encode the same tokenizer in other bytes).
+        if self.tokenizers.contains_key(digest) {
+            return Ok(false);
+        }
+        if self.tokenizers.len() >= TOKENIZERS_MAX {
+            return Err(reject(
+                RejectReason::Limit,
+                format!("the log holds {TOKENIZERS_MAX} tokenizers (its limit)"),
+            ));
+        }
+        self.tokenizers.insert(digest.to_string(), package.clone());
+        Ok(true)
+    }
+
+    pub(super) fn session_opened(&mut self, decoder: &str, session: u64) -> Result<(), Rejection> {
+        check_len("decoder id bytes", decoder.len(), DECODER_ID_BYTES_MAX)?;
+        if decoder.is_empty() || session == 0 {
+            return Err(reject(
+                RejectReason::Invalid,
+                "a session names its decoder and a non-zero id",
+            ));
+        }
+        if !self.sessions.contains_key(decoder) && self.sessions.len() >= DECODERS_MAX {
+            return Err(reject(
+                RejectReason::Limit,
+                format!("the log holds {DECODERS_MAX} decoder sessions"),
+            ));
+        }
+        self.sessions.insert(decoder.to_string(), session);
+        Ok(())
+    }
+
+    /// Ends every live lease of `decoder` if `session` is its current session; how many.
+    pub(super) fn session_lost(&mut self, decoder: &str, session: u64, changes: &mut Changes) -> u32 {
+        if self.sessions.get(decoder) != Some(&session) {
+            return 0;
+        }
+        self.sessions.remove(decoder);
+        let now = self.log_ms;
+        let mut ended = 0;
+        for id in self.index.owned_by(decoder) {
+            let Some(g) = self.generations.get_mut(&id) else {
+                continue;
+            };
+            if g.state.is_terminal() || g.lease.owner != decoder || g.lease.expiry_log_ms <= now {
+                continue;
+            }
+            // What a release by the owner does (`ownership::release`).
+            g.lease.owner.clear();
+            g.lease.expiry_log_ms = now;
+            g.state = GenState::Pending;
+            changes.touch(id);
+            ended += 1;
+        }
+        ended
+    }
+
     pub(super) fn tick(&mut self, retention_ms: u64, changes: &mut Changes) -> Response {
         let now = self.log_ms;
         let lapsed: Vec<String> = self
@@ -52,6 +121,9 @@ impl LogState {
             .collect();
         for d in &lapsed {
             self.decoders.remove(d);
+            // A decoder that stopped registering is gone (or cut off, and then its stream broke
+            // too); what it still holds ends by its leases. Keeps the table bounded.
+            self.sessions.remove(d);
         }
         if !lapsed.is_empty() {
             changes.decoders_changed();

@@ -440,3 +440,62 @@ fn grants_are_bounded_and_takeovers_stay_exact() {
     assert_eq!(gen.grants[0].epoch, n - GRANTS_KEPT_MAX as u64 + 1);
     assert_eq!(t.s.index.takeovers(), n - 1);
 }
+
+/// Instant crash detection: a lost session ends its decoder's live leases at once (another
+/// decoder acquires with no wait), and only those; the old owner is fenced; a stale session
+/// (the decoder opened another since) changes nothing.
+#[test]
+fn a_lost_session_ends_only_its_decoders_live_leases_and_a_stale_one_nothing() {
+    let mut t = T::new();
+    let session = |t: &mut T, at, cmd| match t.at(at, cmd) {
+        Response::Session(r) => r,
+        r => panic!("{r:?}"),
+    };
+    let opened = |d: &str, s| Command::SessionOpened {
+        decoder: d.into(),
+        session: s,
+    };
+    let lost = |d: &str, s| Command::SessionLost {
+        decoder: d.into(),
+        session: s,
+    };
+    let (a1, a2, b, done) = (
+        t.submit(0, "a1"),
+        t.submit(0, "a2"),
+        t.submit(0, "b"),
+        t.submit(0, "done"),
+    );
+    assert_eq!(session(&mut t, 1, opened("a", 7)), Ok(0));
+    assert_eq!(session(&mut t, 1, opened("b", 9)), Ok(0));
+    for (g, d) in [(a1, "a"), (a2, "a"), (b, "b"), (done, "a")] {
+        t.acquire(2, g, d).unwrap();
+    }
+    t.append(3, a1, "a", 1, 0, &[5, 6]).unwrap();
+    t.finish(3, done, 1).unwrap();
+    // The lease (1 s) is live: another decoder is refused.
+    assert_eq!(reason(t.acquire(10, a1, "c")), RejectReason::LeaseHeld);
+    // A stale session of `a` (it reconnected as 7 after 6): nothing happens.
+    assert_eq!(session(&mut t, 10, lost("a", 6)), Ok(0));
+    assert_eq!(reason(t.acquire(10, a1, "c")), RejectReason::LeaseHeld);
+    // Its current session is lost: both its live leases end, not `b`'s, not the finished one.
+    assert_eq!(session(&mut t, 11, lost("a", 7)), Ok(2));
+    assert!(!t.s.sessions.contains_key("a") && t.s.sessions.contains_key("b"));
+    for g in [a1, a2] {
+        assert_eq!(t.gen(g).state, GenState::Pending);
+        assert!(t.gen(g).lease.owner.is_empty());
+    }
+    assert_eq!(t.gen(b).lease.owner, "b");
+    assert_eq!(t.gen(done).state, GenState::Finished);
+    // `a`, still alive behind a broken connection, is fenced at its old epoch.
+    assert!(t.append(12, a1, "a", 1, 2, &[7]).is_err());
+    // Another decoder takes over at once, with the committed frontier.
+    let v = t.acquire(12, a1, "c").unwrap();
+    assert_eq!((v.lease.epoch, v.frontier), (2, 2));
+    assert_eq!(reason(t.acquire(12, b, "c")), RejectReason::LeaseHeld);
+    // The same loss delivered again: the session is gone, nothing more ends.
+    assert_eq!(session(&mut t, 13, lost("a", 7)), Ok(0));
+    assert_eq!(t.gen(a1).lease.owner, "c");
+    // Malformed sessions are refused.
+    assert_eq!(reason(session(&mut t, 14, opened("", 1))), RejectReason::Invalid);
+    assert_eq!(reason(session(&mut t, 14, opened("x", 0))), RejectReason::Invalid);
+}

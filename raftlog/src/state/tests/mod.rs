@@ -102,6 +102,18 @@ impl T {
             r => panic!("{r:?}"),
         }
     }
+    /// Finishes `g` with `Stop` at `epoch`.
+    fn finish(&mut self, t: u64, g: GenerationId, epoch: Epoch) -> Result<GenerationView, Rejection> {
+        self.ownership(
+            t,
+            Command::Finish {
+                generation: g,
+                epoch,
+                reason: FinishReason::Stop,
+                detail: String::new(),
+            },
+        )
+    }
     fn gen(&self, g: GenerationId) -> &Generation {
         &self.s.generations[&g]
     }

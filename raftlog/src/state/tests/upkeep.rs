@@ -20,16 +20,7 @@ fn tick_fails_past_deadline_and_prunes_after_retention() {
     let late = generation.id;
     let done = t.submit(0, "done");
     t.acquire(0, done, "d").unwrap();
-    t.ownership(
-        1,
-        Command::Finish {
-            generation: done,
-            epoch: 1,
-            reason: FinishReason::Stop,
-            detail: String::new(),
-        },
-    )
-    .unwrap();
+    t.finish(1, done, 1).unwrap();
     assert!(!t.s.tick_due(400, 10_000));
     assert_eq!(
         t.at(400, Command::Tick { retention_ms: 10_000 }),
@@ -343,4 +334,52 @@ fn the_planted_missing_unowned_deadline_leaves_the_orphan_forever() {
         },
     );
     assert!(!t.gen(g).state.is_terminal(), "{:?}", t.gen(g).state);
+}
+
+#[test]
+fn a_tokenizer_is_published_once_per_digest_and_kept_through_ticks() {
+    let mut t = T::new();
+    let digest = "ab".repeat(32);
+    let publish = |t: &mut T, digest: &str, bytes: &[u8]| match t.at(
+        10,
+        Command::PublishTokenizer {
+            tokenizer_sha256: digest.into(),
+            package: TokenizerPackage(bytes.to_vec()),
+        },
+    ) {
+        Response::Published(r) => r,
+        r => panic!("{r:?}"),
+    };
+    assert_eq!(publish(&mut t, &digest, b"pkg"), Ok(true));
+    // The same bytes again (a restarted decoder, a retried request): no effect.
+    assert_eq!(publish(&mut t, &digest, b"pkg"), Ok(false));
+    // Other bytes under a digest already taken (another release's encoding): the first stays.
+    assert_eq!(publish(&mut t, &digest, b"other"), Ok(false));
+    assert_eq!(t.s.tokenizers[&digest], TokenizerPackage(b"pkg".to_vec()));
+    // Malformed: not a digest, empty, too large.
+    assert_eq!(publish(&mut t, "t", b"x").unwrap_err().reason, RejectReason::Invalid);
+    assert_eq!(
+        publish(&mut t, &"AB".repeat(32), b"x").unwrap_err().reason,
+        RejectReason::Invalid
+    );
+    assert_eq!(
+        publish(&mut t, &"cd".repeat(32), b"").unwrap_err().reason,
+        RejectReason::Invalid
+    );
+    let huge = vec![0u8; TOKENIZER_PACKAGE_BYTES_MAX + 1];
+    assert_eq!(
+        publish(&mut t, &"cd".repeat(32), &huge).unwrap_err().reason,
+        RejectReason::Limit
+    );
+    // Up to the limit of distinct tokenizers, then refused.
+    for i in 1..TOKENIZERS_MAX {
+        assert_eq!(publish(&mut t, &format!("{i:064x}"), b"p"), Ok(true));
+    }
+    assert_eq!(
+        publish(&mut t, &"ef".repeat(32), b"p").unwrap_err().reason,
+        RejectReason::Limit
+    );
+    // Ticks prune generations, never tokenizers (an old generation's text still needs one).
+    t.at(1_000_000, Command::Tick { retention_ms: 1 });
+    assert_eq!(t.s.tokenizers.len(), TOKENIZERS_MAX);
 }
