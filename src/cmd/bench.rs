@@ -32,7 +32,7 @@ pub enum BenchCmd {
     /// to serve again after kill -9 with that many records.
     Restart(crate::cmd::bench_restart::RestartArgs),
     /// kill -9 the owning decoder repeatedly with a warm standby; p50/p99 of kill -> next token
-    /// visible, split into detection (lease expiry) and re-prefill + first step.
+    /// visible, split into detection (the victim's session ends; its lease only as a fallback) and re-prefill + first step.
     Failover(crate::cmd::bench_decoder::FailoverArgs),
     /// Committed tokens/s with many concurrent generations (default 1,000) driven by real
     /// decoder processes with the fake model through a 3-node log.
