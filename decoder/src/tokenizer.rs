@@ -222,19 +222,8 @@ impl Tokenizer {
         } else {
             TokenBytes::SentencePiece
         };
-        let n = inner.get_vocab_size(true);
-        let mut tokens: Vec<Option<String>> = vec![None; n];
-        for (t, id) in inner.get_vocab(true) {
-            if let Some(slot) = tokens.get_mut(id as usize) {
-                *slot = Some(t);
-            }
-        }
-        if let Some(missing) = tokens.iter().position(Option::is_none) {
-            return Err(Error::Tokenizer(format!(
-                "{}: the vocabulary has no token with id {missing} below its size {n}",
-                path.display()
-            )));
-        }
+        let tokens = tokens_by_id(&inner).map_err(|what| Error::Tokenizer(format!("{}: {what}", path.display())))?;
+        let n = tokens.len();
         let mut special = vec![false; n];
         for (id, t) in inner.get_added_tokens_decoder() {
             if let Some(s) = special.get_mut(id as usize) {
@@ -392,18 +381,8 @@ impl Tokenizer {
             other => return Err(bad(format!("unknown token bytes mapping {other:?}"))),
         };
         let inner = tokenizers::Tokenizer::from_str(&p.tokenizer).map_err(|e| bad(e.to_string()))?;
-        let n = inner.get_vocab_size(true);
-        let mut tokens: Vec<Option<String>> = vec![None; n];
-        for (t, id) in inner.get_vocab(true) {
-            if let Some(slot) = tokens.get_mut(id as usize) {
-                *slot = Some(t);
-            }
-        }
-        if let Some(missing) = tokens.iter().position(Option::is_none) {
-            return Err(bad(format!(
-                "the vocabulary has no token with id {missing} below its size {n}"
-            )));
-        }
+        let tokens = tokens_by_id(&inner).map_err(bad)?;
+        let n = tokens.len();
         let mut special = vec![false; n];
         for id in p.special {
             *special
@@ -513,6 +492,24 @@ impl Tokenizer {
     /// the tokenizer digest in [`crate::ModelIdentity`].
     pub fn canonical_json(&self) -> Result<String> {
         self.inner.to_string(false).map_err(Error::tokenizer)
+    }
+}
+
+/// Every token's string by id (added tokens too), or what is wrong: an id below the vocabulary
+/// size without a token.
+fn tokens_by_id(inner: &tokenizers::Tokenizer) -> std::result::Result<Vec<Option<String>>, String> {
+    let n = inner.get_vocab_size(true);
+    let mut tokens: Vec<Option<String>> = vec![None; n];
+    for (t, id) in inner.get_vocab(true) {
+        if let Some(slot) = tokens.get_mut(id as usize) {
+            *slot = Some(t);
+        }
+    }
+    match tokens.iter().position(Option::is_none) {
+        Some(missing) => Err(format!(
+            "the vocabulary has no token with id {missing} below its size {n}"
+        )),
+        None => Ok(tokens),
     }
 }
 
@@ -695,7 +692,7 @@ mod tests {
     }
 
     /// What a tokenizer does, compared field by field.
-    pub(crate) fn assert_same(a: &Tokenizer, b: &Tokenizer) {
+    fn assert_same(a: &Tokenizer, b: &Tokenizer) {
         assert_eq!(a.canonical_json().unwrap(), b.canonical_json().unwrap());
         assert_eq!(a.token_bytes, b.token_bytes);
         assert_eq!(a.special, b.special);

@@ -173,9 +173,7 @@ impl LogState {
             return Ok((&*g).into()); // retried release
         }
         fence(g, epoch, now)?;
-        g.lease.owner.clear();
-        g.lease.expiry_log_ms = now;
-        g.state = GenState::Pending;
+        end_lease(g, now);
         changes.touch(id);
         Ok((&*g).into())
     }
@@ -206,4 +204,12 @@ impl LogState {
         changes.touch(id);
         Ok((&*g).into())
     }
+}
+
+/// Ends `g`'s lease at `now` with no owner: back to pending, acquirable at once (a release, or
+/// its decoder's session lost).
+pub(super) fn end_lease(g: &mut Generation, now: u64) {
+    g.lease.owner.clear();
+    g.lease.expiry_log_ms = now;
+    g.state = GenState::Pending;
 }

@@ -101,10 +101,7 @@ impl LogState {
             if g.state.is_terminal() || g.lease.owner != decoder || g.lease.expiry_log_ms <= now {
                 continue;
             }
-            // What a release by the owner does (`ownership::release`).
-            g.lease.owner.clear();
-            g.lease.expiry_log_ms = now;
-            g.state = GenState::Pending;
+            super::ownership::end_lease(g, now);
             changes.touch(id);
             ended += 1;
         }
