@@ -186,13 +186,22 @@ async fn restart_all_nodes_at_once_keeps_identical_state_and_wiped_node_catches_
     cluster.start_node(2);
     let healed = cluster.converged().await;
     assert_eq!(before, healed, "wiped node caught up");
+    // Its state is installed before Raft's metrics say so (openraft reports the snapshot once
+    // its core has processed the install): the status may lag the heads for a moment.
     let mut c = client.node(&cluster.addrs[2]);
-    let s3 = c
-        .cluster_status(pb::ClusterStatusRequest { linearizable: false })
-        .await
-        .unwrap()
-        .into_inner();
-    assert!(s3.snapshot_index > 0, "node 3 was restored from a snapshot: {s3:?}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let s3 = c
+            .cluster_status(pb::ClusterStatusRequest { linearizable: false })
+            .await
+            .unwrap()
+            .into_inner();
+        if s3.snapshot_index > 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "node 3 was restored from a snapshot: {s3:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 
     // `tokenlog verify` on the stopped node's data dir: intact.
     cluster.kill9(2);

@@ -17,13 +17,19 @@
 //!   as an unreachable log would: a transient error, after which the generation is released,
 //!   never failed (issue 11 bug 2).
 //!
+//! - `handoff-exit=POINT`: the process exits (as if killed) at that point of a planned handoff:
+//!   `source-copying` (point 1), `destination-before-ready` (2), `destination-after-ready` (3),
+//!   `destination-after-commit` (5), `source-before-release` (6).
+//! - `commit-answer-lost=1`: a destination's ownership commit applies but its answer is dropped;
+//!   the destination asks the log (point 4).
+//!
 //! Each fired failpoint writes an `"op": "failpoint"` line to the decoder's history first.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::worker::{Fired, Halt, StepHooks, StepView};
+use crate::worker::{Fired, Halt, HandoffPoint, StepHooks, StepView};
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Failpoints {
@@ -32,6 +38,8 @@ pub struct Failpoints {
     pub model_error: Option<u32>,
     pub model_panic: Option<u32>,
     pub prefix_read_errors: u32,
+    pub handoff_exit: Option<String>,
+    pub commit_answer_lost: bool,
     /// Prefix reads failed so far (shared by the clones of one process's failpoints).
     prefix_reads_failed: Fires,
 }
@@ -70,6 +78,14 @@ impl Failpoints {
                 "model-error" => fp.model_error = Some(num(arg)? as u32),
                 "model-panic" => fp.model_panic = Some(num(arg)? as u32),
                 "prefix-read-errors" => fp.prefix_read_errors = num(arg)? as u32,
+                "handoff-exit" => {
+                    if !HandoffPoint::ALL.iter().any(|p| p.name() == arg) {
+                        let known: Vec<&str> = HandoffPoint::ALL.iter().map(|p| p.name()).collect();
+                        return Err(bad(format!("unknown handoff point (known: {})", known.join(", "))));
+                    }
+                    fp.handoff_exit = Some(arg.to_string());
+                }
+                "commit-answer-lost" => fp.commit_answer_lost = num(arg)? != 0,
                 "delay-append" => {
                     let (seq, ms) = arg
                         .split_once(':')
@@ -79,7 +95,7 @@ impl Failpoints {
                 _ => {
                     return Err(bad(format!(
                         "unknown failpoint {name:?} (known: exit-after-sample, delay-append, model-error, \
-                         model-panic, prefix-read-errors)"
+                         model-panic, prefix-read-errors, handoff-exit, commit-answer-lost)"
                     )))
                 }
             }
@@ -93,6 +109,14 @@ impl Failpoints {
 }
 
 impl StepHooks for Failpoints {
+    fn handoff_exit(&self, point: HandoffPoint) -> bool {
+        self.handoff_exit.as_deref() == Some(point.name())
+    }
+
+    fn commit_answer_lost(&self) -> bool {
+        self.commit_answer_lost
+    }
+
     fn after_sample(&self, gens: &[StepView]) -> Option<Fired> {
         let armed = [
             (self.exit_after_sample, "exit-after-sample", Halt::Now),
@@ -154,6 +178,11 @@ mod tests {
         assert!(Failpoints::parse("exit-after-sample").is_err());
         assert!(Failpoints::parse("exit-after-sample=x").is_err());
         assert!(Failpoints::parse("delay-append=3").is_err());
+        let fp = Failpoints::parse("handoff-exit=destination-after-ready,commit-answer-lost=1").unwrap();
+        assert!(fp.handoff_exit(HandoffPoint::DestinationAfterReady));
+        assert!(!fp.handoff_exit(HandoffPoint::SourceCopying));
+        assert!(fp.commit_answer_lost());
+        assert!(Failpoints::parse("handoff-exit=nowhere").is_err());
         assert!(Failpoints::parse("nope=1")
             .unwrap_err()
             .to_string()

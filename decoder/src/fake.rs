@@ -9,7 +9,8 @@
 
 use std::time::Duration;
 
-use crate::error::Result;
+use crate::cache::{BlockKind, CacheBlock};
+use crate::error::{Error, Result};
 use crate::identity::{self, ModelIdentity};
 use crate::model::{check_feed, Logits, Model, Sequence};
 use crate::tokenizer::{byte_level_alphabet, Tokenizer, TokenizerSpec, TOKEN_TYPE_NORMAL};
@@ -202,4 +203,44 @@ impl Sequence for FakeSequence {
         self.hash = initial_hash(self.config.variant);
         self.kv_len = 0;
     }
+
+    /// The fake "KV cache" is the prefix hash: one block of one u64.
+    fn cache_format(&self) -> Option<String> {
+        Some(FAKE_CACHE_FORMAT.into())
+    }
+
+    fn export_cache(&self) -> Result<Vec<CacheBlock>> {
+        Ok(vec![CacheBlock {
+            layer: 0,
+            kind: BlockKind::Keys,
+            dtype: "u64".into(),
+            shape: vec![1],
+            data: self.hash.to_le_bytes().to_vec(),
+        }])
+    }
+
+    fn import_cache(&mut self, blocks: &[CacheBlock], positions: usize) -> Result<()> {
+        let [b] = blocks else {
+            return Err(Error::Invalid(format!(
+                "a fake cache is one block, not {}",
+                blocks.len()
+            )));
+        };
+        b.check()?;
+        if (b.layer, b.kind, b.dtype.as_str(), b.shape.as_slice()) != (0, BlockKind::Keys, "u64", &[1][..]) {
+            return Err(Error::Invalid(format!("not a fake cache block: {b:?}")));
+        }
+        if positions > self.config.max_context {
+            return Err(Error::ContextFull {
+                needed: positions,
+                max: self.config.max_context,
+            });
+        }
+        self.hash = u64::from_le_bytes(b.data[..8].try_into().expect("checked"));
+        self.kv_len = positions;
+        Ok(())
+    }
 }
+
+/// The fake model's cache format (its blocks are the prefix hash).
+pub const FAKE_CACHE_FORMAT: &str = "fake-hash/v1";

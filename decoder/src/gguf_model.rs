@@ -1,28 +1,31 @@
-//! A llama-family LLM from a GGUF file, run by candle (`candle_transformers::models::quantized_llama`),
-//! on CPU or, with the `cuda` feature, on a CUDA device.
+//! A llama-family LLM from a GGUF file, run on candle's quantized kernels ([`crate::llama`]: the
+//! forward pass of `candle_transformers::models::quantized_llama` with a cache a handoff can
+//! move), on CPU or, with the `cuda` feature, on a CUDA device.
 //!
-//! The weights are shared between sequences (candle's `QMatMul` holds `Arc<QTensor>`, tensors are
-//! reference-counted), so a sequence costs only its KV cache, and sequences can be interleaved
-//! without touching each other's numerics.
+//! The weights are loaded once and shared by every sequence (`Arc`), so a sequence costs only its
+//! KV cache, and sequences can be interleaved without touching each other's numerics.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::{gguf_file, GgmlDType};
-use candle_core::{Device, Tensor};
-use candle_transformers::models::quantized_llama::{ModelWeights, MAX_SEQ_LEN};
+use std::sync::Arc;
+
+use candle_core::Device;
+use candle_transformers::models::quantized_llama::MAX_SEQ_LEN;
 
 use crate::error::{Error, Result};
 use crate::gguf_meta::{GgufMetadata, MetaValue};
 use crate::identity::{self, ModelIdentity};
-use crate::kv::{Forward, KvSequence};
+use crate::kv::KvSequence;
+use crate::llama::{LlamaSequence, LlamaWeights};
 use crate::model::{DeviceSpec, Model, Sequence};
 use crate::tokenizer::Tokenizer;
 
 /// A llama-family model from a GGUF file (SmolLM2, Llama, Mistral, ...).
 pub struct GgufModel {
-    /// Weights with an empty KV cache; each sequence clones it (shares the weights).
-    template: ModelWeights,
+    /// The weights every sequence shares.
+    weights: Arc<LlamaWeights>,
     device: Device,
     device_spec: DeviceSpec,
     tokenizer: Tokenizer,
@@ -56,7 +59,7 @@ impl GgufModel {
             .map_or(MAX_SEQ_LEN, |n| n as usize);
         let dtype_class = dtype_class(&content);
         let tokenizer = Tokenizer::from_gguf(&metadata_of(&content))?;
-        let template = ModelWeights::from_gguf(content, &mut file, &dev)?;
+        let weights = Arc::new(LlamaWeights::from_gguf(&content, &mut file, &dev)?);
         let identity = ModelIdentity {
             weights_sha256: identity::weights_sha256(path)?,
             tokenizer_sha256: identity::tokenizer_sha256(&tokenizer)?,
@@ -64,7 +67,7 @@ impl GgufModel {
             dtype_class,
         };
         Ok(GgufModel {
-            template,
+            weights,
             device: dev,
             device_spec: device,
             tokenizer,
@@ -151,20 +154,10 @@ impl Model for GgufModel {
 
     fn new_sequence(&self) -> Result<Box<dyn Sequence>> {
         Ok(Box::new(KvSequence::new(
-            self.template.clone(),
+            LlamaSequence::new(self.weights.clone()),
             &self.device,
             self.max_context,
             self.vocab_size(),
         )))
-    }
-}
-
-/// A GGUF model's weights clone (shared) with its own KV cache.
-impl Forward for ModelWeights {
-    fn run(&mut self, input: &Tensor, pos: usize) -> candle_core::Result<Tensor> {
-        self.forward(input, pos)
-    }
-    fn clear(&mut self) {
-        self.clear_kv_cache();
     }
 }

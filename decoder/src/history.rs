@@ -185,6 +185,26 @@ pub enum DecoderEvent {
     /// A session with the leader opened (`raftlog.v1.Log/Session`): from now on, this
     /// incarnation's death ends its leases at once.
     SessionOpened { session: u64 },
+    /// A planned handoff of a generation this decoder owned at `epoch` reached `phase`
+    /// (`prepared`, `aborted`, `released`) towards `to`.
+    HandoffOut {
+        gen: u64,
+        attempt: u64,
+        epoch: u64,
+        to: String,
+        phase: String,
+        detail: String,
+    },
+    /// This decoder received `gen` with its cache from `from` and the log committed it to us at
+    /// `epoch` (the handoff epoch) with `frontier` records; the cache held `kv` positions.
+    HandoffReceived {
+        gen: u64,
+        attempt: u64,
+        epoch: u64,
+        from: String,
+        frontier: u32,
+        kv: u32,
+    },
 }
 
 pub struct History {

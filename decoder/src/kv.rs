@@ -26,6 +26,17 @@ impl DeviceSpec {
 pub(crate) trait Forward: Send {
     fn run(&mut self, input: &Tensor, pos: usize) -> candle_core::Result<Tensor>;
     fn clear(&mut self);
+    /// See [`Sequence::cache_format`].
+    fn cache_format(&self) -> Option<String> {
+        None
+    }
+    fn export_cache(&self) -> Result<Vec<crate::cache::CacheBlock>> {
+        Err(Error::Unsupported("this model cannot export its cache".into()))
+    }
+    /// Replaces the cache; the blocks hold `positions` positions.
+    fn import_cache(&mut self, _blocks: &[crate::cache::CacheBlock], _positions: usize) -> Result<()> {
+        Err(Error::Unsupported("this model cannot import a cache".into()))
+    }
 }
 
 /// A [`Sequence`] over any [`Forward`]: the feed rules, the KV length, reset on error.
@@ -86,5 +97,32 @@ impl<F: Forward> Sequence for KvSequence<F> {
     fn reset(&mut self) {
         self.model.clear();
         self.kv_len = 0;
+    }
+
+    fn cache_format(&self) -> Option<String> {
+        self.model.cache_format()
+    }
+
+    fn export_cache(&self) -> Result<Vec<crate::cache::CacheBlock>> {
+        self.model.export_cache()
+    }
+
+    fn import_cache(&mut self, blocks: &[crate::cache::CacheBlock], positions: usize) -> Result<()> {
+        if positions > self.max_context {
+            return Err(Error::ContextFull {
+                needed: positions,
+                max: self.max_context,
+            });
+        }
+        match self.model.import_cache(blocks, positions) {
+            Ok(()) => {
+                self.kv_len = positions;
+                Ok(())
+            }
+            Err(e) => {
+                self.reset();
+                Err(e)
+            }
+        }
     }
 }

@@ -46,6 +46,7 @@
 //!   bit-identical. Fast resume prefills prompt and prefix in one batch and may diverge later.
 //! - Nothing here re-tokenizes committed text: the worker hands ids in, ids come out.
 
+pub mod cache;
 pub mod detokenizer;
 pub mod error;
 #[cfg(feature = "model")]
@@ -58,11 +59,14 @@ pub mod generate;
 pub mod gguf_meta;
 #[cfg(feature = "model")]
 pub mod gguf_model;
+pub mod handoff;
 pub mod history;
 pub mod identity;
 #[cfg(feature = "model")]
 mod kv;
 pub mod limits;
+#[cfg(feature = "model")]
+mod llama;
 pub mod model;
 pub mod panics;
 pub mod resume;

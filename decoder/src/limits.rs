@@ -40,3 +40,16 @@ pub const SESSION_WAIT_MAX: Duration = Duration::from_secs(2);
 /// Generations a worker acquires and prepares at once when it takes work (the leader merges
 /// the acquires into few entries; re-prefills run on blocking threads).
 pub const TAKES_AT_ONCE_MAX: usize = 64;
+
+/// Planned handoffs a source runs at once (each pauses only its own generation).
+pub const HANDOFFS_AT_ONCE_MAX: usize = 2;
+/// The longest a source waits for a destination's answer to a cache transfer (then it asks the
+/// log what happened).
+pub const HANDOFF_TRANSFER_TIMEOUT: Duration = Duration::from_secs(10);
+/// The largest cache a destination accepts (blocks and logits).
+pub const HANDOFF_CACHE_BYTES_MAX: u64 = 4 << 30;
+/// Bytes of one cache block per transfer message (a block is split along its bytes).
+pub const HANDOFF_CHUNK_BYTES: usize = 4 << 20;
+/// How long a draining decoder (SIGTERM with a handoff listener) tries to hand its generations
+/// to other decoders before it releases the rest, by default.
+pub const DRAIN_MS_DEFAULT: u64 = 10_000;

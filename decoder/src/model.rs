@@ -45,6 +45,19 @@ pub trait Sequence: Send {
     fn kv_len(&self) -> usize;
     /// Drops the KV cache.
     fn reset(&mut self);
+    /// The name of this sequence's cache layout and device class when it can export and import
+    /// its cache (a planned handoff moves it); `None`: a handoff of it falls back to re-prefill.
+    fn cache_format(&self) -> Option<String> {
+        None
+    }
+    /// Its cache, every layer's blocks (without logits: the caller has them).
+    fn export_cache(&self) -> Result<Vec<crate::cache::CacheBlock>> {
+        Err(Error::Unsupported("this model cannot export its cache".into()))
+    }
+    /// Replaces its cache with `blocks` of `positions` positions (checked against the layout).
+    fn import_cache(&mut self, _blocks: &[crate::cache::CacheBlock], _positions: usize) -> Result<()> {
+        Err(Error::Unsupported("this model cannot import a cache".into()))
+    }
 }
 
 /// Where to run a model.

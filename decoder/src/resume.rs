@@ -13,6 +13,7 @@
 
 use std::time::{Duration, Instant};
 
+use crate::cache::CacheExport;
 use crate::error::{Error, Result};
 use crate::model::{Logits, Model, Sequence};
 use crate::sampler::{Sampler, SamplingConfig, StopCause, StopConfig, StopMatcher};
@@ -178,6 +179,116 @@ impl DecodeState {
         state.rebuild(prompt, committed, mode)?;
         state.frontiers.check();
         Ok(state)
+    }
+
+    /// Continues a generation from a cache handed over by its previous owner (a planned
+    /// handoff) instead of rebuilding it: the sampler and stop matcher are restored from the
+    /// committed prefix as in [`DecodeState::resume`], the cache and the logits of the next
+    /// position are taken as they are. The next token is then the one the source would have
+    /// drawn (the same numbers, whatever the mode). Refused: a cache of another layout, of other
+    /// than `prompt + committed` positions, logits of another vocabulary, or a prefix that
+    /// already ends the generation.
+    pub fn import(
+        model: &dyn Model,
+        prompt: &[u32],
+        committed: &[u32],
+        params: SamplingConfig,
+        stop: StopConfig,
+        mode: ResumeMode,
+        cache: &CacheExport,
+    ) -> Result<Self> {
+        if prompt.is_empty() {
+            return Err(Error::Invalid("empty prompt".into()));
+        }
+        let k = committed.len();
+        let positions = prompt.len() + k;
+        if cache.positions as usize != positions {
+            return Err(Error::Invalid(format!(
+                "the cache holds {} positions; prompt and committed prefix are {positions}",
+                cache.positions
+            )));
+        }
+        if cache.logits.len() != model.vocab_size() {
+            return Err(Error::Invalid(format!(
+                "the cache carries {} logits for a vocabulary of {}",
+                cache.logits.len(),
+                model.vocab_size()
+            )));
+        }
+        let mut sequence = model.new_sequence()?;
+        match sequence.cache_format() {
+            Some(f) if f == cache.format => {}
+            f => {
+                return Err(Error::Unsupported(format!(
+                    "a cache of format {:?} cannot be loaded by a sequence of format {f:?}",
+                    cache.format
+                )))
+            }
+        }
+        let stop = StopMatcher::new(stop, model.tokenizer(), committed);
+        if let Some(f) = stop.finished() {
+            return Err(Error::Invalid(format!(
+                "the committed prefix already ends the generation ({f})"
+            )));
+        }
+        let t0 = Instant::now();
+        sequence.import_cache(&cache.blocks, positions)?;
+        let state = DecodeState {
+            sequence,
+            sampler: Sampler::new(params, prompt, committed),
+            stop,
+            frontiers: Frontiers {
+                prompt_len: prompt.len(),
+                sampled: k,
+                fed: k,
+                kv: positions,
+                committed: k,
+            },
+            max_context: model.max_context(),
+            logits: Some(cache.logits.clone()),
+            unfed: None,
+            finished: None,
+            stats: ResumeStats {
+                mode,
+                prefill: t0.elapsed(),
+                ..Default::default()
+            },
+        };
+        state.frontiers.check();
+        Ok(state)
+    }
+
+    /// This generation's cache and the logits of the position it samples next, for a planned
+    /// handoff (feeds the last sampled token first). Only between steps with every sampled
+    /// token committed: the cache then covers exactly the committed prefix.
+    pub fn export_cache(&mut self) -> Result<CacheExport> {
+        if let Some(f) = &self.finished {
+            return Err(Error::Invalid(format!(
+                "a finished generation ({f}) is not handed over"
+            )));
+        }
+        if self.frontiers.sampled != self.frontiers.committed {
+            return Err(Error::Invalid(format!(
+                "{} sampled tokens are not committed yet",
+                self.frontiers.sampled - self.frontiers.committed
+            )));
+        }
+        let format = self
+            .sequence
+            .cache_format()
+            .ok_or_else(|| Error::Unsupported("this model cannot hand over its cache".into()))?;
+        self.feed_pending()?;
+        let logits = self
+            .logits
+            .clone()
+            .expect("logits are ready after feeding: the invariant of an unfinished state");
+        let blocks = self.sequence.export_cache()?;
+        Ok(CacheExport {
+            format,
+            positions: self.frontiers.kv as u32,
+            blocks,
+            logits,
+        })
     }
 
     fn rebuild(&mut self, prompt: &[u32], committed: &[u32], mode: ResumeMode) -> Result<()> {

@@ -39,9 +39,10 @@ use crate::limits::{
 const _: () = assert!(UNACKED_TOKENS_MAX <= tokenlog_raftlog::limits::RECORDS_PER_APPEND_MAX);
 use crate::resume::DecodeState;
 use crate::sampler::{StopCause, RNG_VERSION};
-pub use crate::worker_hooks::{Fired, Halt, StepHooks, StepView, HALT_EXIT_CODE};
+pub use crate::worker_hooks::{Fired, Halt, HandoffPoint, StepHooks, StepView, HALT_EXIT_CODE};
 use crate::worker_lease::{read_prefix, renew_loop, session_loop, AbortOnDrop, Held, Lost};
 use crate::{Model, ModelIdentity};
+use tokio::sync::mpsc;
 
 #[derive(Clone, Debug)]
 pub struct WorkerConfig {
@@ -68,6 +69,12 @@ pub struct WorkerConfig {
     /// it, the fault suite's probes and liveness) must catch it.
     #[cfg(feature = "faults")]
     pub plant_stall: bool,
+    /// Where other decoders reach this one's handoff listener (`host:port`, in its
+    /// registration); empty: it takes no handoffs and hands none out.
+    pub handoff_addr: String,
+    /// On stop, how long (ms) to hand generations to other decoders before releasing the rest
+    /// (0: release at once). Needs `handoff_addr`.
+    pub drain_ms: u64,
 }
 
 /// Appends a worker with the planted stall sends before its step loop stops.
@@ -87,6 +94,8 @@ impl WorkerConfig {
             plant_zombie: false,
             #[cfg(feature = "faults")]
             plant_stall: false,
+            handoff_addr: String::new(),
+            drain_ms: crate::limits::DRAIN_MS_DEFAULT,
         }
     }
 
@@ -118,6 +127,12 @@ pub struct WorkerStats {
     pub failed: u64,
     /// Generations taken and released again because the log could not be read for now.
     pub released: u64,
+    /// Generations handed to another decoder with their cache (planned handoff).
+    pub handed_out: u64,
+    /// Generations received from another decoder with their cache.
+    pub received: u64,
+    /// Planned handoffs that did not move the generation (it stayed here).
+    pub handoffs_kept: u64,
     /// The log accepted this decoder's last registration (its readiness: `tokenlog decoder`'s
     /// /readyz and grpc.health.v1).
     pub registered: bool,
@@ -137,9 +152,31 @@ struct Active {
     /// Whether `finish` went out on the current stream.
     finish_sent: bool,
     finish: Option<StopCause>,
+    /// To be handed to another decoder: no more sampling; it leaves once every token is acked.
+    moving: bool,
 }
 
 impl Active {
+    fn new(id: u64, epoch: u64, committed: u32, state: DecodeState) -> Self {
+        let finish = state.finished().cloned();
+        Active {
+            id,
+            epoch,
+            state,
+            committed,
+            uncommitted: Vec::new(),
+            sent: 0,
+            finish_sent: false,
+            finish,
+            moving: false,
+        }
+    }
+
+    /// Ready to leave for another decoder: moving, unfinished, every sampled token committed.
+    fn ready_to_move(&self) -> bool {
+        self.moving && self.finish.is_none() && self.uncommitted.is_empty()
+    }
+
     /// Tokens sampled so far (committed or not): the seq of the next draw.
     fn sampled(&self) -> u32 {
         self.committed + self.uncommitted.len() as u32
@@ -181,7 +218,7 @@ impl Active {
 
     /// Whether it can sample another token now.
     fn can_sample(&self) -> bool {
-        self.finish.is_none() && self.uncommitted.len() < UNACKED_TOKENS_MAX
+        !self.moving && self.finish.is_none() && self.uncommitted.len() < UNACKED_TOKENS_MAX
     }
 }
 
@@ -248,6 +285,20 @@ pub struct Worker {
     session_open: Arc<std::sync::atomic::AtomicBool>,
     /// The model's tokenizer is in the log (published, or refused for good): gateways need it.
     tokenizer_published: bool,
+    /// What this worker shares with its handoff listener.
+    port: Arc<crate::handoff::PortShared>,
+    incoming: mpsc::UnboundedReceiver<crate::handoff::Received>,
+    /// Handoffs out that have ended: the generation, its epoch and committed count, the outcome.
+    outcomes_tx: mpsc::UnboundedSender<(u64, u64, u32, crate::handoff::Outcome)>,
+    outcomes: mpsc::UnboundedReceiver<(u64, u64, u32, crate::handoff::Outcome)>,
+    /// Handoffs out in progress.
+    handing_out: usize,
+    /// Wakes the idle loop: a generation arrived, or a handoff out ended.
+    wake: Arc<tokio::sync::Notify>,
+    /// Draining (stopping with handoffs): until when.
+    drain_until: Option<Instant>,
+    /// Generations a drain tried to hand over and kept: not tried again, released at its end.
+    drain_kept: std::collections::BTreeSet<u64>,
 }
 
 impl WorkerError {
@@ -262,18 +313,46 @@ impl WorkerError {
 impl Worker {
     /// Installs step hooks (the fault suite's failpoints).
     pub fn with_hooks(mut self, h: Arc<dyn StepHooks>) -> Self {
+        Arc::get_mut(&mut self.port)
+            .expect("with_hooks is called before the handoff port is taken")
+            .hooks = Some(h.clone());
         self.hooks = Some(h);
         self
     }
 
     /// Records every acquire and append (with times and answers) as JSON lines in `h`.
     pub fn with_history(mut self, h: crate::history::History) -> Self {
-        self.history = Some(Arc::new(h));
+        let h = Arc::new(h);
+        Arc::get_mut(&mut self.port)
+            .expect("with_history is called before the handoff port is taken")
+            .history = Some(h.clone());
+        self.history = Some(h);
         self
     }
 
     pub fn new(cfg: WorkerConfig, client: LogClient, model: Arc<dyn Model>) -> Self {
         let identity = identity_to_pb(model.identity());
+        let (incoming_tx, incoming) = mpsc::unbounded_channel();
+        let (outcomes_tx, outcomes) = mpsc::unbounded_channel();
+        let held: Held = Default::default();
+        let cache_format = model.new_sequence().ok().and_then(|s| s.cache_format());
+        let port = Arc::new(crate::handoff::PortShared {
+            decoder_id: cfg.decoder_id.clone(),
+            model: model.clone(),
+            identity: identity.clone(),
+            cache_format,
+            client: client.clone(),
+            lease_ms: cfg.lease_ms,
+            capacity: cfg.capacity,
+            load: Default::default(),
+            reserved: Default::default(),
+            accepting: std::sync::atomic::AtomicBool::new(true),
+            incoming: incoming_tx,
+            held: held.clone(),
+            history: None,
+            hooks: None,
+            wake: Default::default(),
+        });
         Worker {
             cfg,
             client,
@@ -282,7 +361,7 @@ impl Worker {
             active: BTreeMap::new(),
             stream: None,
             in_flight: VecDeque::new(),
-            held: Default::default(),
+            held,
             lost: Default::default(),
             stats: Default::default(),
             history: None,
@@ -292,7 +371,43 @@ impl Worker {
             appends_sent: 0,
             tokenizer_published: false,
             session_open: Default::default(),
+            wake: port.wake.clone(),
+            port,
+            incoming,
+            outcomes_tx,
+            outcomes,
+            handing_out: 0,
+            drain_until: None,
+            drain_kept: Default::default(),
         }
+    }
+
+    /// The `decoder.v1.Handoff` service that receives generations for this worker (serve it on
+    /// the listener `WorkerConfig::handoff_addr` names).
+    pub fn handoff_port(&self) -> crate::handoff::HandoffPort {
+        crate::handoff::HandoffPort {
+            shared: self.port.clone(),
+        }
+    }
+
+    /// Marks generation `id` to be handed to another decoder (a rebalance, a test): it stops
+    /// sampling and leaves once its tokens are committed. False when it is not held here or
+    /// this worker has no handoff listener.
+    fn request_move(&mut self, id: u64) -> bool {
+        if self.cfg.handoff_addr.is_empty() {
+            return false;
+        }
+        match self.active.get_mut(&id) {
+            Some(g) => {
+                g.moving = true;
+                true
+            }
+            None => false,
+        }
+    }
+
+    pub fn config(&self) -> &WorkerConfig {
+        &self.cfg
     }
 
     pub fn stats(&self) -> Arc<Mutex<WorkerStats>> {
@@ -346,7 +461,10 @@ impl Worker {
     async fn serve(&mut self, mut stop: tokio::sync::watch::Receiver<bool>) -> Result<(), WorkerError> {
         let mut last_poll = Instant::now() - Duration::from_secs(3600);
         let mut last_register = last_poll;
-        while !*stop.borrow() {
+        loop {
+            if *stop.borrow() && !self.keep_draining() {
+                break;
+            }
             self.beat.store(
                 self.origin.elapsed().as_millis() as u64,
                 std::sync::atomic::Ordering::Relaxed,
@@ -364,13 +482,16 @@ impl Worker {
             let session_ready = self.session_open.load(std::sync::atomic::Ordering::Acquire)
                 || self.origin.elapsed() >= crate::limits::SESSION_WAIT_MAX;
             if session_ready
-                && self.active.len() < self.cfg.capacity
+                && self.drain_until.is_none()
+                && self.load() < self.cfg.capacity
                 && last_poll.elapsed() >= Duration::from_millis(self.cfg.poll_ms)
             {
                 self.take_work().await;
                 last_poll = Instant::now();
             }
+            self.absorb_handoffs();
             self.drop_lost();
+            self.start_handoffs();
             let sampling = self.active.values().any(Active::can_sample);
             if sampling {
                 self.step().await?;
@@ -390,10 +511,17 @@ impl Worker {
                 return self.halt(fired).await;
             }
             let sent = self.in_flight.len() < APPENDS_IN_FLIGHT_MAX && self.send().await;
+            self.port.load.store(
+                self.active.len() + self.handing_out,
+                std::sync::atomic::Ordering::Release,
+            );
             if !sent && !sampling && self.in_flight.is_empty() {
-                // Idle, or the log is unreachable: do not spin.
+                // Idle, or the log is unreachable: do not spin. An arriving generation or an
+                // ended handoff wakes it at once.
+                let wake = self.wake.clone();
                 tokio::select! {
                     _ = stop.changed() => {}
+                    _ = wake.notified() => {}
                     _ = tokio::time::sleep(Duration::from_millis(self.cfg.poll_ms)) => {}
                 }
             }
@@ -402,6 +530,138 @@ impl Worker {
             self.collect(true).await;
         }
         Ok(())
+    }
+
+    /// Generations held or on their way: active, being handed out, or being received (and not
+    /// yet taken in).
+    fn load(&self) -> usize {
+        self.active.len() + self.handing_out + self.port.reserved.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Called while `stop` is set: whether to keep going to hand generations out. The first
+    /// call starts the drain (when this decoder hands out at all): every generation is marked
+    /// to move, new transfers are refused. Draining ends when nothing is left or its time is up
+    /// (what is left is then released).
+    fn keep_draining(&mut self) -> bool {
+        let until = match self.drain_until {
+            Some(t) => t,
+            None => {
+                self.port.accepting.store(false, std::sync::atomic::Ordering::Release);
+                if self.cfg.handoff_addr.is_empty() || self.cfg.drain_ms == 0 || self.active.is_empty() {
+                    return false;
+                }
+                let t = Instant::now() + Duration::from_millis(self.cfg.drain_ms);
+                self.drain_until = Some(t);
+                tracing::info!(
+                    generations = self.active.len(),
+                    drain_ms = self.cfg.drain_ms,
+                    "draining: handing generations to other decoders"
+                );
+                t
+            }
+        };
+        // A few at a time: the others keep decoding meanwhile (each client's pause is its own
+        // generation's handoff only).
+        let moving = self.active.values().filter(|g| g.moving).count() + self.handing_out;
+        let next: Vec<u64> = self
+            .active
+            .values()
+            .filter(|g| !g.moving && !self.drain_kept.contains(&g.id) && g.finish.is_none())
+            .map(|g| g.id)
+            .take(crate::limits::HANDOFFS_AT_ONCE_MAX.saturating_sub(moving))
+            .collect();
+        for id in next {
+            self.request_move(id);
+        }
+        let left = self
+            .active
+            .values()
+            .filter(|g| !self.drain_kept.contains(&g.id))
+            .count()
+            + self.handing_out;
+        if left == 0 {
+            tracing::info!("drained");
+            return false;
+        }
+        if Instant::now() >= until {
+            tracing::warn!(left, "drain time is up: releasing what is left");
+            return false;
+        }
+        true
+    }
+
+    /// Starts a handoff for every generation ready to move, up to `HANDOFFS_AT_ONCE_MAX`.
+    fn start_handoffs(&mut self) {
+        if self.handing_out >= crate::limits::HANDOFFS_AT_ONCE_MAX {
+            return;
+        }
+        let ready: Vec<u64> = self
+            .active
+            .values()
+            .filter(|g| g.ready_to_move())
+            .map(|g| g.id)
+            .take(crate::limits::HANDOFFS_AT_ONCE_MAX - self.handing_out)
+            .collect();
+        for id in ready {
+            let g = self.active.remove(&id).expect("listed above");
+            // Still held: the renewer keeps its lease while the transfer runs.
+            self.handing_out += 1;
+            let source = crate::handoff::Source {
+                decoder_id: self.cfg.decoder_id.clone(),
+                identity: self.identity.clone(),
+                client: self.client.clone(),
+                history: self.history.clone(),
+                hooks: self.hooks.clone(),
+            };
+            let (tx, wake) = (self.outcomes_tx.clone(), self.wake.clone());
+            tokio::spawn(async move {
+                let outcome = source.hand_out(g.id, g.epoch, g.committed, g.state).await;
+                let _ = tx.send((g.id, g.epoch, g.committed, outcome));
+                wake.notify_one();
+            });
+        }
+    }
+
+    /// Takes in generations received from other decoders and the outcomes of handoffs out.
+    fn absorb_handoffs(&mut self) {
+        use crate::handoff::Outcome;
+        while let Ok(r) = self.incoming.try_recv() {
+            tracing::info!(
+                generation = r.id,
+                epoch = r.epoch,
+                frontier = r.committed,
+                "received generation joins the step loop"
+            );
+            self.stats.lock().expect("lock").received += 1;
+            self.port.reserved.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+            self.active
+                .insert(r.id, Active::new(r.id, r.epoch, r.committed, r.state));
+        }
+        while let Ok((id, epoch, committed, outcome)) = self.outcomes.try_recv() {
+            self.handing_out -= 1;
+            match outcome {
+                Outcome::Moved { to, epoch: new_epoch } => {
+                    tracing::info!(generation = id, to, epoch = new_epoch, "generation handed over");
+                    self.held.lock().expect("lock").remove(&id);
+                    self.stats.lock().expect("lock").handed_out += 1;
+                }
+                Outcome::Kept { state, why } => {
+                    tracing::warn!(generation = id, why, "handoff did not happen: decoding it here");
+                    self.stats.lock().expect("lock").handoffs_kept += 1;
+                    // Not moved again: a drain releases it at its end.
+                    if self.drain_until.is_some() {
+                        self.drain_kept.insert(id);
+                    }
+                    self.active.insert(id, Active::new(id, epoch, committed, state));
+                }
+                Outcome::Lost { why } => {
+                    tracing::error!(generation = id, why, "handoff lost this decoder's state: releasing it");
+                    self.held.lock().expect("lock").remove(&id);
+                    let (client, history) = (self.client.clone(), self.history.clone());
+                    tokio::spawn(async move { release(&client, history.as_deref(), id, epoch).await });
+                }
+            }
+        }
     }
 
     fn views(&self) -> Vec<StepView> {
@@ -513,6 +773,11 @@ impl Worker {
             ttl_ms: (self.cfg.lease_ms * REGISTRATION_TTL_LEASES).max(REGISTRATION_TTL_MIN_MS),
             chat_template: self.cfg.chat_template.clone(),
             context_tokens: self.model.max_context() as u32,
+            handoff_addr: if self.port.cache_format.is_some() {
+                self.cfg.handoff_addr.clone()
+            } else {
+                String::new()
+            },
         };
         let registered = match self.client.register(req).await {
             Ok(_) => true,
@@ -526,7 +791,10 @@ impl Worker {
 
     async fn take_work(&mut self) {
         use futures::StreamExt;
-        let want = (self.cfg.capacity - self.active.len()) as u32;
+        let want = self.cfg.capacity.saturating_sub(self.load()) as u32;
+        if want == 0 {
+            return;
+        }
         let pending = match self
             .client
             .pending_work(pb::PendingWorkRequest {
@@ -821,6 +1089,15 @@ impl Worker {
     }
 
     async fn release_all(&mut self) {
+        self.port.accepting.store(false, std::sync::atomic::Ordering::Release);
+        // Handoffs out in progress end first (moved, or back here to be released).
+        let deadline = Instant::now() + crate::limits::HANDOFF_TRANSFER_TIMEOUT * 2;
+        while self.handing_out > 0 && Instant::now() < deadline {
+            let wake = self.wake.clone();
+            let _ = tokio::time::timeout(Duration::from_millis(50), wake.notified()).await;
+            self.absorb_handoffs();
+        }
+        self.absorb_handoffs();
         for (id, g) in std::mem::take(&mut self.active) {
             self.held.lock().expect("lock").remove(&id);
             release(&self.client, self.history.as_deref(), id, g.epoch).await;
@@ -848,7 +1125,7 @@ async fn stall_watch(beat: Arc<std::sync::atomic::AtomicU64>, origin: Instant, s
 /// Runs model work on a blocking thread. A panic in it (candle's kernels panic on some bad
 /// input) is the model's failure, an error here, not a bug of the process: it runs inside
 /// [`crate::panics::catch_expected`], which the binary's abort-on-panic hook lets through.
-async fn model_work<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> Result<R, String> {
+pub(crate) async fn model_work<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> Result<R, String> {
     match tokio::task::spawn_blocking(move || crate::panics::catch_expected(f)).await {
         Ok(Ok(r)) => Ok(r),
         Ok(Err(p)) => Err(format!(
@@ -1017,16 +1294,6 @@ impl Taker {
         let state = model_work(move || DecodeState::resume(model.as_ref(), &prompt, &c, params, stop, mode))
             .await
             .map_err(|e| WorkerError::Incompatible(format!("re-prefill failed: {e}")))??;
-        let finish = state.finished().cloned();
-        Ok(Active {
-            id,
-            epoch,
-            state,
-            committed: committed.len() as u32,
-            uncommitted: Vec::new(),
-            sent: 0,
-            finish_sent: false,
-            finish,
-        })
+        Ok(Active::new(id, epoch, committed.len() as u32, state))
     }
 }

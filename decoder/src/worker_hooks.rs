@@ -63,4 +63,51 @@ pub trait StepHooks: Send + Sync {
     fn prefix_read_fails(&self, _generation: u64) -> bool {
         false
     }
+
+    /// At a point of a planned handoff (CONTRACT §8, failure points 1-6): `true` ends the
+    /// process there, as a kill would.
+    fn handoff_exit(&self, _point: HandoffPoint) -> bool {
+        false
+    }
+
+    /// Whether the answer to the destination's ownership commit is lost (it applied; the
+    /// destination must ask the log: failure point 4).
+    fn commit_answer_lost(&self) -> bool {
+        false
+    }
+}
+
+/// The points of a planned handoff where a failpoint can end a decoder.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HandoffPoint {
+    /// The source, after `copying` is recorded, before it sends the cache (failure point 1).
+    SourceCopying,
+    /// The destination, with the cache received and loaded, before `receiver_ready` (point 2).
+    DestinationBeforeReady,
+    /// The destination, after `receiver_ready`, before its commit (point 3).
+    DestinationAfterReady,
+    /// The destination, after its commit applied, before it answers the source (point 5).
+    DestinationAfterCommit,
+    /// The source, told the generation moved, before `source_released` (point 6).
+    SourceBeforeRelease,
+}
+
+impl HandoffPoint {
+    pub const ALL: [HandoffPoint; 5] = [
+        HandoffPoint::SourceCopying,
+        HandoffPoint::DestinationBeforeReady,
+        HandoffPoint::DestinationAfterReady,
+        HandoffPoint::DestinationAfterCommit,
+        HandoffPoint::SourceBeforeRelease,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            HandoffPoint::SourceCopying => "source-copying",
+            HandoffPoint::DestinationBeforeReady => "destination-before-ready",
+            HandoffPoint::DestinationAfterReady => "destination-after-ready",
+            HandoffPoint::DestinationAfterCommit => "destination-after-commit",
+            HandoffPoint::SourceBeforeRelease => "source-before-release",
+        }
+    }
 }

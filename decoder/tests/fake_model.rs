@@ -247,3 +247,48 @@ fn types_cross_threads() {
     shared::<tokenlog_decoder::GgufModel>();
     shared::<std::sync::Arc<dyn Model>>();
 }
+
+/// A planned handoff's state transfer: a cache exported after any number of committed tokens
+/// and imported by a fresh state continues exactly as the uninterrupted run; a cache that does
+/// not fit (positions, logits, another prefix) is refused.
+#[test]
+fn an_exported_cache_continues_exactly_at_the_destination() {
+    let m = model();
+    let p = prompt(&m, "hand me over");
+    let mut whole = DecodeState::start(&m, &p, sampled(), stop(40)).unwrap();
+    let (all, _) = whole.run_to_end().unwrap();
+    assert!(all.len() >= 12, "{}", all.len());
+    for k in [0usize, 1, 5, 11] {
+        let mut src = DecodeState::start(&m, &p, sampled(), stop(40)).unwrap();
+        for _ in 0..k {
+            src.next_token().unwrap().unwrap();
+        }
+        // Not before every sampled token is committed.
+        if k > 0 {
+            assert!(src.export_cache().is_err());
+        }
+        src.mark_committed(k);
+        let cache = src.export_cache().unwrap();
+        assert_eq!(cache.positions as usize, p.len() + k);
+        assert_eq!(cache.sha256(), cache.sha256());
+        let mut dst = DecodeState::import(&m, &p, &all[..k], sampled(), stop(40), ResumeMode::Exact, &cache).unwrap();
+        assert_eq!(dst.frontiers().kv, p.len() + k);
+        let (rest, _) = dst.run_to_end().unwrap();
+        assert_eq!(rest, all[k..], "continued after {k} tokens");
+        // The source, had it kept going, draws the same.
+        let (src_rest, _) = src.run_to_end().unwrap();
+        assert_eq!(src_rest, rest);
+
+        let mut short = cache.clone();
+        short.positions -= 1;
+        assert!(DecodeState::import(&m, &p, &all[..k], sampled(), stop(40), ResumeMode::Exact, &short).is_err());
+        let mut logits = cache.clone();
+        logits.logits.pop();
+        assert!(DecodeState::import(&m, &p, &all[..k], sampled(), stop(40), ResumeMode::Exact, &logits).is_err());
+        let mut format = cache.clone();
+        format.format = "other".into();
+        assert!(DecodeState::import(&m, &p, &all[..k], sampled(), stop(40), ResumeMode::Exact, &format).is_err());
+    }
+    // A finished generation has nothing to hand over.
+    assert!(whole.export_cache().is_err());
+}

@@ -170,3 +170,86 @@ fn interleaved_sequences_keep_their_own_kv_cache() {
     assert_eq!(ta, alone_a);
     assert_eq!(tb, alone_b);
 }
+
+/// Our forward pass (`tokenlog_decoder::llama`, whose cache a handoff can move) computes the
+/// very numbers of candle-transformers' `quantized_llama`: the logits of a batched prefill and
+/// of single steps after it are equal to the bit.
+#[test]
+fn our_forward_pass_matches_candles_quantized_llama_bit_for_bit() {
+    use candle_core::quantized::gguf_file;
+    use candle_core::{Device, Tensor};
+    use candle_transformers::models::quantized_llama::ModelWeights;
+
+    let m = common::real_model();
+    let p = chat(&*m, "Name three colours.");
+    let mut file = std::fs::File::open(m.path()).unwrap();
+    let content = gguf_file::Content::read(&mut file).unwrap();
+    let mut reference = ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap();
+    let logits = |t: Tensor| -> Vec<f32> { t.squeeze(0).unwrap().to_vec1().unwrap() };
+    let mut ours = m.new_sequence().unwrap();
+
+    let input = Tensor::new(p.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    let want = logits(reference.forward(&input, 0).unwrap());
+    let got = ours.prefill(&p).unwrap();
+    assert_eq!(got.len(), want.len());
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert!(bits(&got) == bits(&want), "prefill logits differ");
+    let mut next = argmax(&got);
+    for pos in p.len()..p.len() + 6 {
+        let input = Tensor::new(&[next], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        let want = logits(reference.forward(&input, pos).unwrap());
+        let got = ours.step(next).unwrap();
+        assert!(bits(&got) == bits(&want), "step logits differ at position {pos}");
+        next = argmax(&got);
+    }
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    v.iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .map(|(i, _)| i as u32)
+        .unwrap()
+}
+
+/// A planned handoff with the real model: the cache (every layer's keys and values and the
+/// logits) exported after k committed tokens and imported by a new state continues exactly as
+/// the uninterrupted sampled run, with no re-prefill.
+#[test]
+fn an_exported_kv_cache_continues_the_sampled_run_exactly() {
+    let m = common::real_model();
+    let p = chat(&*m, "Write a short poem about rivers.");
+    let n = 24;
+    let whole = generate(&*m, &p, &sampled(11), &stop(&*m, n)).unwrap().tokens;
+    for k in [0usize, 9] {
+        let mut src = DecodeState::start(&*m, &p, sampled(11), stop(&*m, n)).unwrap();
+        for _ in 0..k {
+            src.next_token().unwrap();
+        }
+        src.mark_committed(k);
+        let t0 = Instant::now();
+        let cache = src.export_cache().unwrap();
+        let exported = t0.elapsed();
+        assert_eq!(cache.positions as usize, p.len() + k);
+        assert_eq!(cache.blocks.len(), 2 * 30, "keys and values of 30 layers");
+        let t1 = Instant::now();
+        let mut dst = DecodeState::import(
+            &*m,
+            &p,
+            &whole[..k],
+            sampled(11),
+            stop(&*m, n),
+            ResumeMode::Exact,
+            &cache,
+        )
+        .unwrap();
+        eprintln!(
+            "k={k}: cache of {} positions, {} bytes, exported in {exported:?}, imported in {:?}",
+            cache.positions,
+            cache.bytes(),
+            t1.elapsed()
+        );
+        let (rest, _) = dst.run_to_end().unwrap();
+        assert_eq!(rest, whole[k..], "continued after {k} tokens");
+    }
+}

@@ -4,6 +4,7 @@
 //! - [`tokenlog`]: `tokenlog.v1`, the gateway's client-facing Generation service.
 //! - [`raftlog`]: `raftlog.v1`, the client API of the replicated token-and-ownership log, served
 //!   by every node.
+//! - [`decoder`]: `decoder.v1`, decoder to decoder (a planned handoff's cache transfer).
 //! - [`raft`]: `raft.v1`, node-to-node Raft transport (openraft messages as opaque bytes).
 //! - [`etcd`]: the one etcd v3 call (`KV/Put`) that `tokenlog bench log` measures against.
 
@@ -15,6 +16,11 @@ pub mod tokenlog {
 /// `raftlog.v1`: the log's client API.
 pub mod raftlog {
     tonic::include_proto!("raftlog.v1");
+}
+
+/// `decoder.v1`: decoder to decoder (a planned handoff's cache transfer).
+pub mod decoder {
+    include!(concat!(env!("OUT_DIR"), "/decoder/decoder.v1.rs"));
 }
 
 /// `raft.v1`: the Raft transport between nodes.

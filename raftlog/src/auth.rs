@@ -29,11 +29,14 @@ pub fn allowed(path: &str) -> Option<&'static [Role]> {
         (
             "raftlog.v1.Log",
             "Register" | "Session" | "PublishTokenizer" | "PendingWork" | "Acquire" | "Renew" | "BindPrompt" | "Append"
-            | "AppendStream" | "Finish" | "Release",
+            | "AppendStream" | "Finish" | "Release" | "Handoff",
         ) => &[Decoder],
+        // A planned handoff's cache, decoder to decoder.
+        ("decoder.v1.Handoff", "Transfer") => &[Decoder],
         // What a gateway does for its clients.
         ("raftlog.v1.Log", "Submit" | "Cancel") => &[Gateway],
-        ("raftlog.v1.Log", "ListModels") => &[Gateway, Admin],
+        // Models and their decoders: a gateway resolves names, a decoder finds handoff peers.
+        ("raftlog.v1.Log", "ListModels") => &[Decoder, Gateway, Admin],
         // A gateway's text for a model it has no files of; a decoder checks what is published.
         ("raftlog.v1.Log", "GetTokenizer") => &[Decoder, Gateway, Admin],
         // Reads of generations: decoders resume from them, gateways stream them, operators look.

@@ -198,6 +198,20 @@ impl LogClient {
             .max_encoding_message_size(GRPC_MESSAGE_BYTES_MAX)
     }
 
+    /// A channel to another process of the cluster at `addr` (a decoder's handoff listener),
+    /// under this client's TLS (the same CA and certificate).
+    pub fn peer_channel(&self, addr: &str) -> Result<Channel, ClientError> {
+        let bad = |e: tonic::transport::Error| ClientError::BadAddress(addr.to_string(), e.to_string());
+        let e = Endpoint::from_shared(format!("{}://{addr}", scheme(&self.inner.tls))).map_err(bad)?;
+        let e = match &self.inner.tls {
+            Some(tls) => e
+                .tls_config(tls.client_config_for(crate::tls::DECODER_SERVER_NAME))
+                .map_err(bad)?,
+            None => e,
+        };
+        Ok(with_keepalive(e).connect_lazy())
+    }
+
     /// A client bound to one node's address (for per-node reads such as chain heads).
     pub fn node(&self, addr: &str) -> PbClient<Channel> {
         self.client(addr)
@@ -302,6 +316,17 @@ impl LogClient {
         self.call(|mut c| {
             let r = req.clone();
             async move { c.register(r).await }
+        })
+        .await
+    }
+
+    /// One step of a planned handoff. Every step but `prepare` is idempotent, so a retry after
+    /// a lost answer gets the same answer; a retried `prepare` that had applied is refused
+    /// (HANDOFF_CONFLICT) and the caller finds its attempt with [`LogClient::get`].
+    pub async fn handoff(&self, req: pb::HandoffRequest) -> Result<pb::HandoffResponse, ClientError> {
+        self.call(|mut c| {
+            let r = req.clone();
+            async move { c.handoff(r).await }
         })
         .await
     }

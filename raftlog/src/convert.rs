@@ -183,6 +183,7 @@ pub fn reject_reason_to_pb(r: RejectReason) -> pb::RejectReason {
         RejectReason::Limit => pb::RejectReason::Limit,
         RejectReason::Invalid => pb::RejectReason::Invalid,
         RejectReason::ModelMismatch => pb::RejectReason::ModelMismatch,
+        RejectReason::HandoffConflict => pb::RejectReason::HandoffConflict,
     }
 }
 
@@ -258,4 +259,132 @@ pub fn append_to_pb(outcomes: Vec<AppendOutcome>, log_index: u64) -> pb::AppendR
         })
         .collect();
     pb::AppendResponse { results, log_index }
+}
+
+impl From<pb::CacheManifest> for CacheManifest {
+    fn from(m: pb::CacheManifest) -> Self {
+        CacheManifest {
+            model: m.model.unwrap_or_default().into(),
+            cache_format: m.cache_format,
+            frontier: m.frontier,
+            kv_positions: m.kv_positions,
+            cache_sha256: m.cache_sha256,
+            bytes: m.bytes,
+        }
+    }
+}
+
+impl From<CacheManifest> for pb::CacheManifest {
+    fn from(m: CacheManifest) -> Self {
+        pb::CacheManifest {
+            model: Some(m.model.into()),
+            cache_format: m.cache_format,
+            frontier: m.frontier,
+            kv_positions: m.kv_positions,
+            cache_sha256: m.cache_sha256,
+            bytes: m.bytes,
+        }
+    }
+}
+
+pub fn handoff_phase_to_pb(p: HandoffPhase) -> pb::HandoffPhase {
+    match p {
+        HandoffPhase::Prepared => pb::HandoffPhase::Prepared,
+        HandoffPhase::Copying => pb::HandoffPhase::Copying,
+        HandoffPhase::ReceiverReady => pb::HandoffPhase::ReceiverReady,
+        HandoffPhase::OwnershipCommitted => pb::HandoffPhase::OwnershipCommitted,
+        HandoffPhase::SourceReleased => pb::HandoffPhase::SourceReleased,
+        HandoffPhase::Aborted => pb::HandoffPhase::Aborted,
+    }
+}
+
+pub fn handoff_phase_from_pb(p: i32) -> Option<HandoffPhase> {
+    Some(match pb::HandoffPhase::try_from(p).ok()? {
+        pb::HandoffPhase::Unspecified => return None,
+        pb::HandoffPhase::Prepared => HandoffPhase::Prepared,
+        pb::HandoffPhase::Copying => HandoffPhase::Copying,
+        pb::HandoffPhase::ReceiverReady => HandoffPhase::ReceiverReady,
+        pb::HandoffPhase::OwnershipCommitted => HandoffPhase::OwnershipCommitted,
+        pb::HandoffPhase::SourceReleased => HandoffPhase::SourceReleased,
+        pb::HandoffPhase::Aborted => HandoffPhase::Aborted,
+    })
+}
+
+impl From<Handoff> for pb::HandoffInfo {
+    fn from(h: Handoff) -> Self {
+        pb::HandoffInfo {
+            attempt: h.attempt,
+            generation_id: h.generation,
+            source: h.source,
+            source_epoch: h.source_epoch,
+            destination: h.destination,
+            handoff_epoch: h.handoff_epoch,
+            manifest: Some(h.manifest.into()),
+            phase: handoff_phase_to_pb(h.phase) as i32,
+            prepared_log_ms: h.prepared_log_ms,
+            phase_log_ms: h.phase_log_ms,
+            detail: h.detail,
+        }
+    }
+}
+
+/// A wire handoff request as a command; `None` when it names no step.
+pub fn handoff_from_pb(r: pb::HandoffRequest) -> Option<Command> {
+    use pb::handoff_request::Step;
+    let step = match r.step? {
+        Step::Prepare(p) => HandoffStep::Prepare {
+            epoch: p.epoch,
+            source: p.source,
+            destination: p.destination,
+            manifest: p.manifest.unwrap_or_default().into(),
+        },
+        Step::Copying(c) => HandoffStep::Copying {
+            attempt: c.attempt,
+            source: c.source,
+        },
+        Step::ReceiverReady(r) => HandoffStep::ReceiverReady {
+            attempt: r.attempt,
+            destination: r.destination,
+            handoff_epoch: r.handoff_epoch,
+            cache_sha256: r.cache_sha256,
+        },
+        Step::Commit(c) => HandoffStep::Commit {
+            attempt: c.attempt,
+            destination: c.destination,
+            handoff_epoch: c.handoff_epoch,
+            lease_ms: c.lease_ms,
+        },
+        Step::SourceReleased(s) => HandoffStep::SourceReleased {
+            attempt: s.attempt,
+            source: s.source,
+        },
+        Step::Abort(a) => HandoffStep::Abort {
+            attempt: a.attempt,
+            by: a.by,
+            detail: a.detail,
+        },
+    };
+    Some(Command::Handoff {
+        generation: r.generation_id,
+        step,
+    })
+}
+
+pub fn handoff_to_pb(r: Result<(Handoff, GenerationView), Rejection>, log_index: u64) -> pb::HandoffResponse {
+    match r {
+        Ok((h, g)) => pb::HandoffResponse {
+            ok: true,
+            handoff: Some(h.into()),
+            generation: Some(g.into()),
+            rejection: None,
+            log_index,
+        },
+        Err(e) => pb::HandoffResponse {
+            ok: false,
+            handoff: None,
+            generation: None,
+            rejection: Some(e.into()),
+            log_index,
+        },
+    }
 }

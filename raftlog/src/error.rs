@@ -84,7 +84,8 @@ fn rejection_code(r: RejectReason) -> Code {
         | RejectReason::SeqMismatch
         | RejectReason::RecordConflict
         | RejectReason::Terminal
-        | RejectReason::LeaseHeld => Code::FailedPrecondition,
+        | RejectReason::LeaseHeld
+        | RejectReason::HandoffConflict => Code::FailedPrecondition,
     }
 }
 

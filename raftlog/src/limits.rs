@@ -58,6 +58,13 @@ pub const RETENTION_MS_MIN: u64 = 500;
 /// the generation is retained); a publish past the count is refused with `Limit`.
 pub const TOKENIZER_PACKAGE_BYTES_MAX: usize = 16 << 20;
 pub const TOKENIZERS_MAX: usize = 64;
+/// A planned handoff still in one phase before its ownership commit after this much log time is
+/// aborted by `Tick` (the source keeps the generation).
+pub const HANDOFF_PHASE_MS_MAX: u64 = 10_000;
+/// The longest handoff listener address a registration carries.
+pub const HANDOFF_ADDR_BYTES_MAX: usize = 256;
+/// The longest cache format name in a handoff manifest.
+pub const CACHE_FORMAT_BYTES_MAX: usize = 64;
 /// Longest finish detail kept (bytes); longer ones are rejected.
 pub const FINISH_DETAIL_BYTES_MAX: usize = 1_024;
 /// Records per Watch event.

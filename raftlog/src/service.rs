@@ -12,7 +12,7 @@ use tokenlog_proto::raftlog::log_server::Log;
 use tokio::sync::mpsc;
 use tonic::{Request, Response as TonicResponse, Status};
 
-use crate::convert::{append_to_pb, ownership_to_pb, reason_from_pb, record_to_pb};
+use crate::convert::{append_to_pb, handoff_from_pb, handoff_to_pb, ownership_to_pb, reason_from_pb, record_to_pb};
 use crate::error::LogError;
 use crate::limits::{
     APPEND_STREAM_IN_FLIGHT_MAX, PENDING_WORK_LIMIT_MAX, WATCH_BUFFER_EVENTS, WATCH_RECORDS_PER_EVENT_MAX,
@@ -38,15 +38,19 @@ impl LogService {
         }
     }
 
-    fn find(&self, req: &pb::GetRequest) -> Result<pb::GenerationInfo, LogError> {
+    /// The generation a Get names, with its latest handoff attempt.
+    fn find(&self, req: &pb::GetRequest) -> Result<pb::GetResponse, LogError> {
         let s = self.ctx.sm.read();
         let g = if req.generation_id != 0 {
             s.generations.get(&req.generation_id)
         } else {
             s.by_request(&req.tenant, &req.request_id)
         };
-        g.map(pb::GenerationInfo::from)
-            .ok_or_else(|| LogError::NotFound("no such generation".into()))
+        let g = g.ok_or_else(|| LogError::NotFound("no such generation".into()))?;
+        Ok(pb::GetResponse {
+            generation: Some(g.into()),
+            handoff: s.handoffs.get(&g.id).cloned().map(Into::into),
+        })
     }
 }
 
@@ -226,6 +230,7 @@ impl Log for LogService {
             chat_template: r.chat_template,
             context_tokens: r.context_tokens,
             expiry_log_ms: 0,
+            handoff_addr: r.handoff_addr,
         };
         let (resp, _) = self
             .ctx
@@ -310,6 +315,16 @@ impl Log for LogService {
         )))
     }
 
+    async fn handoff(&self, req: Request<pb::HandoffRequest>) -> Result<TonicResponse<pb::HandoffResponse>, Status> {
+        let cmd = handoff_from_pb(req.into_inner())
+            .ok_or_else(|| Status::from(LogError::Invalid("a handoff request names its step".into())))?;
+        let (resp, index) = self.ctx.write(cmd).await?;
+        match resp {
+            Response::Handoff(r) => Ok(TonicResponse::new(handoff_to_pb(r, index))),
+            other => Err(LogError::Internal(format!("unexpected answer {other:?}")).into()),
+        }
+    }
+
     async fn publish_tokenizer(
         &self,
         req: Request<pb::PublishTokenizerRequest>,
@@ -364,6 +379,9 @@ impl Log for LogService {
             });
             m.decoders.push(id.clone());
             m.capacity += d.capacity;
+            if !d.handoff_addr.is_empty() {
+                m.handoff_addrs.insert(id.clone(), d.handoff_addr.clone());
+            }
         }
         Ok(TonicResponse::new(pb::ListModelsResponse {
             models: models.into_values().collect(),
@@ -375,9 +393,7 @@ impl Log for LogService {
         if r.linearizable {
             self.ctx.linearize().await?;
         }
-        Ok(TonicResponse::new(pb::GetResponse {
-            generation: Some(self.find(&r)?),
-        }))
+        Ok(TonicResponse::new(self.find(&r)?))
     }
 
     type WatchStream = WatchStream;

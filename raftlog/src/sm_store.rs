@@ -133,7 +133,39 @@ pub fn check_chains(state: &LogState, problems: &mut Vec<String>) -> u64 {
     records
 }
 
-/// A [`Machine`] as snapshot format 3 encoded it: the state without its tokenizer table.
+/// A decoder registration as formats 3 and 4 encoded it: without its handoff address.
+#[derive(Deserialize)]
+struct DecoderInfoV4 {
+    model_name: String,
+    model: ModelIdentity,
+    capacity: u32,
+    chat_template: String,
+    context_tokens: u32,
+    expiry_log_ms: u64,
+}
+
+impl From<DecoderInfoV4> for DecoderInfo {
+    fn from(d: DecoderInfoV4) -> DecoderInfo {
+        DecoderInfo {
+            model_name: d.model_name,
+            model: d.model,
+            capacity: d.capacity,
+            chat_template: d.chat_template,
+            context_tokens: d.context_tokens,
+            expiry_log_ms: d.expiry_log_ms,
+            handoff_addr: String::new(),
+        }
+    }
+}
+
+type DecodersV4 = std::collections::BTreeMap<String, DecoderInfoV4>;
+
+fn decoders_from(d: DecodersV4) -> std::collections::BTreeMap<String, DecoderInfo> {
+    d.into_iter().map(|(k, v)| (k, v.into())).collect()
+}
+
+/// A [`Machine`] as snapshot format 3 encoded it: the state without its tokenizer, session and
+/// handoff tables.
 #[derive(Deserialize)]
 struct MachineV3 {
     log: LogStateV3,
@@ -147,7 +179,7 @@ struct LogStateV3 {
     generations: std::collections::BTreeMap<GenerationId, Generation>,
     next_generation: GenerationId,
     log_ms: u64,
-    decoders: std::collections::BTreeMap<String, DecoderInfo>,
+    decoders: DecodersV4,
 }
 
 impl From<MachineV3> for Machine {
@@ -157,7 +189,44 @@ impl From<MachineV3> for Machine {
                 generations: m.log.generations,
                 next_generation: m.log.next_generation,
                 log_ms: m.log.log_ms,
-                decoders: m.log.decoders,
+                decoders: decoders_from(m.log.decoders),
+                ..LogState::default()
+            },
+            applied: m.applied,
+            membership: m.membership,
+        }
+    }
+}
+
+/// A [`Machine`] as snapshot format 4 encoded it: without the handoff table.
+#[derive(Deserialize)]
+struct MachineV4 {
+    log: LogStateV4,
+    applied: Option<LogId>,
+    membership: StoredMembership,
+}
+
+/// The serialized fields of [`LogState`] in format 4, in their order.
+#[derive(Deserialize)]
+struct LogStateV4 {
+    generations: std::collections::BTreeMap<GenerationId, Generation>,
+    next_generation: GenerationId,
+    log_ms: u64,
+    decoders: DecodersV4,
+    tokenizers: std::collections::BTreeMap<String, TokenizerPackage>,
+    sessions: std::collections::BTreeMap<String, u64>,
+}
+
+impl From<MachineV4> for Machine {
+    fn from(m: MachineV4) -> Machine {
+        Machine {
+            log: LogState {
+                generations: m.log.generations,
+                next_generation: m.log.next_generation,
+                log_ms: m.log.log_ms,
+                decoders: decoders_from(m.log.decoders),
+                tokenizers: m.log.tokenizers,
+                sessions: m.log.sessions,
                 ..LogState::default()
             },
             applied: m.applied,
@@ -170,6 +239,7 @@ impl From<MachineV3> for Machine {
 pub fn load_snapshot(file: &SnapshotFile, problems: &mut Vec<String>) -> Option<(SnapshotMeta, Machine)> {
     let loaded = match file.format() {
         Ok(3) => file.load::<MachineV3>().map(|(meta, m)| (meta, Machine::from(m))),
+        Ok(4) => file.load::<MachineV4>().map(|(meta, m)| (meta, Machine::from(m))),
         _ => file.load::<Machine>(),
     };
     let (meta, mut m): (SnapshotMeta, Machine) = match loaded {
@@ -499,5 +569,83 @@ mod tests {
         assert_eq!(f.format().unwrap(), crate::snapshot::FORMAT);
         let (_, again) = load_snapshot(&f, &mut problems).expect("loads");
         assert_eq!(again.log.tokenizers, m.log.tokenizers);
+    }
+
+    /// A format 4 data dir (no handoff table, registrations without a handoff address) loads:
+    /// its decoders, tokenizers and sessions as they were, no handoffs.
+    #[test]
+    fn a_format_4_snapshot_still_loads() {
+        #[derive(Serialize)]
+        struct DecoderV4 {
+            model_name: String,
+            model: ModelIdentity,
+            capacity: u32,
+            chat_template: String,
+            context_tokens: u32,
+            expiry_log_ms: u64,
+        }
+        #[derive(Serialize)]
+        struct V4 {
+            generations: std::collections::BTreeMap<GenerationId, Generation>,
+            next_generation: GenerationId,
+            log_ms: u64,
+            decoders: std::collections::BTreeMap<String, DecoderV4>,
+            tokenizers: std::collections::BTreeMap<String, TokenizerPackage>,
+            sessions: std::collections::BTreeMap<String, u64>,
+            applied: Option<LogId>,
+            membership: StoredMembership,
+        }
+        let model = ModelIdentity {
+            weights_sha256: "w".into(),
+            ..Default::default()
+        };
+        let v4 = V4 {
+            generations: Default::default(),
+            next_generation: 3,
+            log_ms: 9,
+            decoders: [(
+                "d1".to_string(),
+                DecoderV4 {
+                    model_name: "m".into(),
+                    model: model.clone(),
+                    capacity: 4,
+                    chat_template: "chatml".into(),
+                    context_tokens: 2048,
+                    expiry_log_ms: 99,
+                },
+            )]
+            .into(),
+            tokenizers: [("t".to_string(), TokenizerPackage(vec![7]))].into(),
+            sessions: [("d1".to_string(), 5)].into(),
+            applied: None,
+            membership: StoredMembership::default(),
+        };
+        let meta = Machine {
+            log: LogState::default(),
+            applied: None,
+            membership: StoredMembership::default(),
+        }
+        .meta();
+        let d = tempfile::tempdir().unwrap();
+        let dir = SnapshotDir::open(d.path()).unwrap();
+        let path = dir.write(&meta, &v4).unwrap().path().to_path_buf();
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[..8].copy_from_slice(b"TLSNAP04");
+        let n = bytes.len() - 32;
+        let sum = Sha256::digest(&bytes[..n]);
+        bytes[n..].copy_from_slice(&sum);
+        std::fs::write(&path, &bytes).unwrap();
+        let file = SnapshotFile::open(&path).unwrap();
+        assert_eq!(file.format().unwrap(), 4);
+        let mut problems = Vec::new();
+        let (_, loaded) = load_snapshot(&file, &mut problems).expect("loads");
+        assert!(problems.is_empty(), "{problems:?}");
+        assert_eq!(loaded.log.next_generation, 3);
+        let d1 = &loaded.log.decoders["d1"];
+        assert_eq!((d1.capacity, d1.expiry_log_ms, d1.handoff_addr.as_str()), (4, 99, ""));
+        assert_eq!(d1.model, model);
+        assert_eq!(loaded.log.tokenizers["t"], TokenizerPackage(vec![7]));
+        assert_eq!(loaded.log.sessions["d1"], 5);
+        assert!(loaded.log.handoffs.is_empty());
     }
 }

@@ -18,6 +18,9 @@ use crate::limits::TLS_HANDSHAKE_TIMEOUT;
 
 /// The DNS name every log node's certificate carries and every client of a node verifies.
 pub const NODE_SERVER_NAME: &str = "tokenlog-node";
+/// The name every decoder certificate carries for its handoff listener (decoders dial each
+/// other by address and verify this name).
+pub const DECODER_SERVER_NAME: &str = "tokenlog-decoder";
 
 /// Who a certificate belongs to; decides which calls it may make ([`crate::auth`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -213,20 +216,42 @@ impl Tls {
                 self.holder.role, self.holder.name
             )));
         }
-        Ok(ServerTlsConfig::new()
+        Ok(self.listener_config())
+    }
+
+    /// For a decoder's handoff listener: the decoder's certificate (it carries
+    /// [`DECODER_SERVER_NAME`]); callers' certificates checked as on a node.
+    pub fn decoder_server_config(&self) -> Result<ServerTlsConfig, TlsError> {
+        if self.holder.role != Role::Decoder {
+            return Err(TlsError::Config(format!(
+                "a handoff listener needs a certificate of role decoder; this one is of role {} ({})",
+                self.holder.role, self.holder.name
+            )));
+        }
+        Ok(self.listener_config())
+    }
+
+    fn listener_config(&self) -> ServerTlsConfig {
+        ServerTlsConfig::new()
             .identity(self.identity())
             .client_ca_root(Certificate::from_pem(&self.ca_pem))
             .client_auth_optional(true)
-            .timeout(TLS_HANDSHAKE_TIMEOUT))
+            .timeout(TLS_HANDSHAKE_TIMEOUT)
     }
 
     /// For connections to log nodes: verify the node's certificate (CA and
     /// [`NODE_SERVER_NAME`]) and present ours.
     pub fn client_config(&self) -> ClientTlsConfig {
+        self.client_config_for(NODE_SERVER_NAME)
+    }
+
+    /// For connections to a server whose certificate carries `server_name` (a decoder's
+    /// handoff listener: [`DECODER_SERVER_NAME`]), presenting ours.
+    pub fn client_config_for(&self, server_name: &str) -> ClientTlsConfig {
         ClientTlsConfig::new()
             .ca_certificate(Certificate::from_pem(&self.ca_pem))
             .identity(self.identity())
-            .domain_name(NODE_SERVER_NAME)
+            .domain_name(server_name)
     }
 }
 

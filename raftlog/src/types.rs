@@ -350,6 +350,125 @@ pub enum Command {
         decoder: String,
         session: u64,
     },
+    /// One step of a planned handoff of `generation` (CONTRACT §7): each phase is its own entry.
+    Handoff {
+        generation: GenerationId,
+        step: HandoffStep,
+    },
+}
+
+/// A planned handoff's phases (CONTRACT §7) in the order they happen. `Aborted` ends an attempt
+/// before its ownership commit (the source stays the owner); after `OwnershipCommitted` nothing
+/// aborts it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum HandoffPhase {
+    /// The source named the destination and an immutable manifest of its cache.
+    Prepared,
+    /// The source streams the cache; it keeps every block the transfer reads.
+    Copying,
+    /// The destination holds every block, validated against the manifest (checksum, shape,
+    /// dtype), in its process memory (host memory on CPU, device memory on CUDA): ready means
+    /// ready to decode, not durable.
+    ReceiverReady,
+    /// The destination owns the generation at the handoff epoch; the source is fenced.
+    OwnershipCommitted,
+    /// The source freed its cache.
+    SourceReleased,
+    /// Given up before the ownership commit (by either side, by a change of ownership, by the
+    /// destination's session ending, or by `Tick` after `HANDOFF_PHASE_MS_MAX` in one phase).
+    Aborted,
+}
+
+impl HandoffPhase {
+    pub fn name(self) -> &'static str {
+        match self {
+            HandoffPhase::Prepared => "prepared",
+            HandoffPhase::Copying => "copying",
+            HandoffPhase::ReceiverReady => "receiver_ready",
+            HandoffPhase::OwnershipCommitted => "ownership_committed",
+            HandoffPhase::SourceReleased => "source_released",
+            HandoffPhase::Aborted => "aborted",
+        }
+    }
+
+    /// Before the ownership commit and not aborted: the attempt may still move ownership.
+    pub fn in_flight(self) -> bool {
+        self < HandoffPhase::OwnershipCommitted
+    }
+}
+
+/// What the source's cache holds, fixed at `Prepared`: the destination validates what it
+/// receives against it, and every acknowledgment names it (through the attempt).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CacheManifest {
+    /// Must be the generation's bound model; the destination must serve it.
+    pub model: ModelIdentity,
+    /// The cache layout's identity: the decoder's cache format and device class (e.g.
+    /// `kv-f32/cpu`); the destination must produce the same.
+    pub cache_format: String,
+    /// Committed records the cache covers: the generation's frontier at `Prepared`.
+    pub frontier: Seq,
+    /// Positions whose keys and values the cache holds (prompt and fed tokens).
+    pub kv_positions: u32,
+    /// Lowercase hex SHA-256 of the cache as sent (every tensor's header and bytes, in order).
+    pub cache_sha256: String,
+    pub bytes: u64,
+}
+
+/// One handoff attempt of a generation, as the log holds it: the latest per generation.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Handoff {
+    /// Unique in the log (it counts attempts): a message of an earlier attempt, or of an
+    /// earlier incarnation of the destination, names another attempt and is refused.
+    pub attempt: u64,
+    pub generation: GenerationId,
+    pub source: String,
+    pub source_epoch: Epoch,
+    pub destination: String,
+    /// The epoch the destination gets at the ownership commit: `source_epoch + 1`.
+    pub handoff_epoch: Epoch,
+    pub manifest: CacheManifest,
+    pub phase: HandoffPhase,
+    pub prepared_log_ms: u64,
+    /// When the current phase began.
+    pub phase_log_ms: u64,
+    /// Why it was aborted (empty otherwise).
+    pub detail: String,
+}
+
+/// A step of [`Command::Handoff`]. Each names the attempt it belongs to (but `Prepare`, which
+/// creates it) and the side that takes it; the log checks both and the phase order.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum HandoffStep {
+    /// By the owner (`source` at `epoch`): a new attempt towards `destination`, a registered
+    /// decoder serving the bound model with a handoff listener.
+    Prepare {
+        epoch: Epoch,
+        source: String,
+        destination: String,
+        manifest: CacheManifest,
+    },
+    /// By the source, before it streams the cache.
+    Copying { attempt: u64, source: String },
+    /// By the destination: it holds and validated the cache named by `cache_sha256`.
+    ReceiverReady {
+        attempt: u64,
+        destination: String,
+        handoff_epoch: Epoch,
+        cache_sha256: String,
+    },
+    /// By the destination after `ReceiverReady`: the new epoch, owned by it for `lease_ms`. A
+    /// retry after it committed gets the same answer (a lost acknowledgment).
+    Commit {
+        attempt: u64,
+        destination: String,
+        handoff_epoch: Epoch,
+        lease_ms: u64,
+    },
+    /// By the source after the commit: it freed its cache.
+    SourceReleased { attempt: u64, source: String },
+    /// By either side before the commit.
+    Abort { attempt: u64, by: String, detail: String },
 }
 
 /// A tokenizer package as the log stores it: bytes it does not interpret. `Debug` shows the
@@ -373,6 +492,9 @@ pub struct DecoderInfo {
     pub context_tokens: u32,
     /// Set by apply: when the registration lapses.
     pub expiry_log_ms: u64,
+    /// Where other decoders reach its handoff listener (`host:port`); empty: it accepts no
+    /// planned handoff.
+    pub handoff_addr: String,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -404,6 +526,8 @@ pub enum RejectReason {
     Limit,
     Invalid,
     ModelMismatch,
+    /// A handoff step out of order, of another attempt, or by the wrong side.
+    HandoffConflict,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -489,6 +613,8 @@ pub enum Response {
     Published(Result<bool, Rejection>),
     /// [`Command::SessionOpened`] (0) and [`Command::SessionLost`]: the leases it ended.
     Session(Result<u32, Rejection>),
+    /// [`Command::Handoff`]: the attempt after the step (with the generation after it).
+    Handoff(Result<(Handoff, GenerationView), Rejection>),
 }
 
 impl std::fmt::Display for Request {
@@ -509,6 +635,7 @@ impl std::fmt::Display for Request {
             Command::PublishTokenizer { .. } => "publish-tokenizer",
             Command::SessionOpened { .. } => "session-opened",
             Command::SessionLost { .. } => "session-lost",
+            Command::Handoff { .. } => "handoff",
         };
         write!(f, "{name}@{}", self.log_ms)
     }

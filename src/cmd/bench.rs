@@ -34,6 +34,10 @@ pub enum BenchCmd {
     /// kill -9 the owning decoder repeatedly with a warm standby; p50/p99 of kill -> next token
     /// visible, split into detection (the victim's session ends; its lease only as a fallback) and re-prefill + first step.
     Failover(crate::cmd::bench_decoder::FailoverArgs),
+    /// SIGTERM a decoder running several generations while another decoder takes handoffs: the
+    /// longest gap between two visible tokens at any client during the drain, against the
+    /// normal gap between tokens just before it (same generations, same run).
+    Drain(crate::cmd::bench_drain::DrainArgs),
     /// Committed tokens/s with many concurrent generations (default 1,000) driven by real
     /// decoder processes with the fake model through a 3-node log.
     Decoders(crate::cmd::bench_decoders::DecodersArgs),
@@ -79,6 +83,7 @@ pub async fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Log(a) => bench_log(a).await,
         BenchCmd::Decode(a) => crate::cmd::bench_decoder::decode(a).await,
         BenchCmd::Failover(a) => crate::cmd::bench_decoder::failover(a).await,
+        BenchCmd::Drain(a) => crate::cmd::bench_drain::drain(a).await,
         BenchCmd::Restart(a) => crate::cmd::bench_restart::restart(a).await,
         BenchCmd::Decoders(a) => crate::cmd::bench_decoders::decoders(a).await,
         BenchCmd::LeaderKill(a) => crate::cmd::bench_leader::leader_kill(a).await,

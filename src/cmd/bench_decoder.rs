@@ -80,6 +80,9 @@ pub(crate) fn dargs(fake: bool, model: Option<std::path::PathBuf>, threads: usiz
         metrics_listen: None,
         history: None,
         stall_ms: tokenlog_decoder::limits::STALL_MS_DEFAULT,
+        handoff_listen: None,
+        handoff_advertise: None,
+        drain_ms: 0,
         tls: Default::default(),
     }
 }

@@ -11,7 +11,7 @@ use rcgen::{
     BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
     KeyUsagePurpose, SanType,
 };
-use tokenlog_raftlog::tls::{Role, NODE_SERVER_NAME};
+use tokenlog_raftlog::tls::{Role, DECODER_SERVER_NAME, NODE_SERVER_NAME};
 
 #[derive(clap::Args)]
 #[command(after_help = "\
@@ -38,8 +38,9 @@ pub struct CertsArgs {
     /// Operators to certify (role admin: membership, verify, status).
     #[arg(long, value_delimiter = ',')]
     pub admin: Vec<String>,
-    /// More names (DNS names or IP addresses) for every node and gateway certificate, besides
-    /// its own name, tokenlog-node (nodes), localhost and 127.0.0.1.
+    /// More names (DNS names or IP addresses) for every node, decoder and gateway certificate,
+    /// besides its own name, tokenlog-node (nodes) or tokenlog-decoder (decoders: their handoff
+    /// listeners), localhost and 127.0.0.1.
     #[arg(long, value_delimiter = ',')]
     pub san: Vec<String>,
     /// Days the certificates stay valid.
@@ -139,11 +140,14 @@ fn holder(
     params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
     params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
     let mut names: Vec<String> = vec![name.to_string()];
-    if matches!(role, Role::Node | Role::Gateway) {
-        // Both serve: a node to peers and clients, a gateway to its clients.
+    if matches!(role, Role::Node | Role::Gateway | Role::Decoder) {
+        // All three serve: a node to peers and clients, a gateway to its clients, a decoder
+        // planned handoffs to other decoders.
         params.extended_key_usages.push(ExtendedKeyUsagePurpose::ServerAuth);
-        if role == Role::Node {
-            names.push(NODE_SERVER_NAME.into());
+        match role {
+            Role::Node => names.push(NODE_SERVER_NAME.into()),
+            Role::Decoder => names.push(DECODER_SERVER_NAME.into()),
+            _ => {}
         }
         names.extend(["localhost".to_string(), "127.0.0.1".to_string()]);
         names.extend(extra_sans.iter().cloned());

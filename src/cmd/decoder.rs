@@ -65,6 +65,20 @@ pub struct DecoderArgs {
     #[arg(long, default_value_t = tokenlog_decoder::limits::STALL_MS_DEFAULT,
           value_parser = clap::value_parser!(u64).range(tokenlog_decoder::limits::STALL_MS_MIN..))]
     pub stall_ms: u64,
+    /// Serve planned handoffs (decoder.v1.Handoff) on ADDR: other decoders of the same model
+    /// hand generations to this one with their KV cache, and this one hands its generations to
+    /// them when it drains (SIGTERM/SIGINT). Over mutual TLS when --tls-* are given. Port 0
+    /// picks a free port.
+    #[arg(long)]
+    pub handoff_listen: Option<std::net::SocketAddr>,
+    /// The address other decoders use to reach --handoff-listen (default: the bound address;
+    /// required when it listens on 0.0.0.0 or [::]).
+    #[arg(long, requires = "handoff_listen")]
+    pub handoff_advertise: Option<String>,
+    /// On SIGTERM/SIGINT with --handoff-listen: hand every generation to other decoders for at
+    /// most this long (ms), then release the rest and exit. 0: release at once.
+    #[arg(long, default_value_t = tokenlog_decoder::limits::DRAIN_MS_DEFAULT)]
+    pub drain_ms: u64,
 }
 
 #[derive(clap::Args, Clone)]
@@ -131,6 +145,21 @@ pub fn render_stats(stats: &std::sync::Mutex<tokenlog_decoder::worker::WorkerSta
             "tokenlog_decoder_released_unreadable",
             "Generations taken and released again because the log could not be read for now",
             s.released,
+        ),
+        counter_text(
+            "tokenlog_decoder_handed_out",
+            "Generations handed to another decoder with their KV cache (planned handoff)",
+            s.handed_out,
+        ),
+        counter_text(
+            "tokenlog_decoder_handoffs_received",
+            "Generations received from another decoder with their KV cache",
+            s.received,
+        ),
+        counter_text(
+            "tokenlog_decoder_handoffs_kept",
+            "Planned handoffs that did not move the generation (it was decoded here)",
+            s.handoffs_kept,
         ),
         "# EOF\n".to_string(),
     ]
@@ -203,7 +232,26 @@ pub async fn run(a: DecoderArgs) -> anyhow::Result<()> {
     }
     #[cfg(not(feature = "faults"))]
     let _ = stall;
-    let client = LogClient::with_tls(a.cluster.clone(), a.tls.load()?)?;
+    cfg.drain_ms = a.drain_ms;
+    let tls = a.tls.load()?;
+    let handoff_listener = match a.handoff_listen {
+        Some(addr) => {
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding --handoff-listen {addr}"))?;
+            let bound = l.local_addr()?;
+            cfg.handoff_addr = match &a.handoff_advertise {
+                Some(adv) => adv.clone(),
+                None if bound.ip().is_unspecified() => {
+                    anyhow::bail!("--handoff-listen {bound} listens on every address: say with --handoff-advertise where other decoders reach it")
+                }
+                None => bound.to_string(),
+            };
+            Some(l)
+        }
+        None => None,
+    };
+    let client = LogClient::with_tls(a.cluster.clone(), tls.clone())?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let history = match &a.history {
         Some(p) => Some(
@@ -218,6 +266,12 @@ pub async fn run(a: DecoderArgs) -> anyhow::Result<()> {
     }
     if let Some(hooks) = crate::process::failpoint_hooks()? {
         worker = worker.with_hooks(hooks);
+    }
+    if let Some(l) = handoff_listener {
+        let port = worker.handoff_port();
+        let advertised = cfg_handoff_addr(&worker);
+        serve_handoff(l, port, tls.clone()).await?;
+        eprintln!("handoffs on {advertised}");
     }
     if let Some(m) = a.metrics_listen {
         let stats = worker.stats();
@@ -255,7 +309,7 @@ pub async fn run(a: DecoderArgs) -> anyhow::Result<()> {
     let result = match ended {
         Some(r) => r,
         None => {
-            eprintln!("decoder stopping: releasing held generations");
+            eprintln!("decoder stopping: handing over or releasing held generations");
             let _ = stop_tx.send(true);
             worker.await
         }
@@ -269,6 +323,35 @@ pub async fn run(a: DecoderArgs) -> anyhow::Result<()> {
         Ok(Err(e)) => Err(anyhow::Error::new(e).context("the decoder's worker failed")),
         Err(e) => Err(anyhow::anyhow!("the decoder's worker panicked: {e}")),
     }
+}
+
+fn cfg_handoff_addr(w: &Worker) -> String {
+    w.config().handoff_addr.clone()
+}
+
+/// Serves `port` (decoder.v1.Handoff) on `listener` until the process ends: over mutual TLS
+/// with the callers' roles checked when `tls` is set (only decoders may hand over).
+async fn serve_handoff(
+    listener: tokio::net::TcpListener,
+    port: tokenlog_decoder::handoff::HandoffPort,
+    tls: tokenlog_raftlog::tls::ClientTls,
+) -> anyhow::Result<()> {
+    use tokenlog_raftlog::limits::{KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT};
+    let mut b = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+        .tcp_keepalive(Some(KEEPALIVE_INTERVAL));
+    if let Some(t) = &tls {
+        b = b.tls_config(t.decoder_server_config()?)?;
+    }
+    let svc = tokenlog_raftlog::auth::Guarded::new(port.service(), tls.is_some());
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    tokio::spawn(async move {
+        if let Err(e) = b.add_service(svc).serve_with_incoming(incoming).await {
+            tracing::error!(error = %e, "the handoff listener failed");
+        }
+    });
+    Ok(())
 }
 
 pub fn default_id() -> String {

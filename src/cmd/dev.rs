@@ -67,6 +67,9 @@ pub async fn run(a: DevArgs) -> anyhow::Result<()> {
         metrics_listen: None,
         history: None,
         stall_ms: tokenlog_decoder::limits::STALL_MS_DEFAULT,
+        handoff_listen: None,
+        handoff_advertise: None,
+        drain_ms: 0,
         tls: Default::default(),
     };
     // Model first: the slow part (download on first use, with progress) before anything listens.

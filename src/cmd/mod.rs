@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod bench_decoder;
 pub mod bench_decoders;
+pub mod bench_drain;
 pub mod bench_leader;
 pub mod bench_restart;
 pub mod certs;

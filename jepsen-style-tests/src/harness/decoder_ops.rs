@@ -48,6 +48,8 @@ impl DecoderOp {
             OpKind::Event(DecoderEvent::Resumed { .. }) => "resumed",
             OpKind::Event(DecoderEvent::Failpoint { .. }) => "failpoint",
             OpKind::Event(DecoderEvent::SessionOpened { .. }) => "session",
+            OpKind::Event(DecoderEvent::HandoffOut { .. }) => "handoff-out",
+            OpKind::Event(DecoderEvent::HandoffReceived { .. }) => "handoff-received",
         }
     }
 
@@ -61,9 +63,12 @@ impl DecoderOp {
                 call: Call::Append { gen, .. } | Call::Release { gen, .. } | Call::Finish { gen, .. },
                 ..
             } => *gen,
-            OpKind::Event(DecoderEvent::Resumed { gen, .. }) | OpKind::Event(DecoderEvent::Failpoint { gen, .. }) => {
-                *gen
-            }
+            OpKind::Event(
+                DecoderEvent::Resumed { gen, .. }
+                | DecoderEvent::Failpoint { gen, .. }
+                | DecoderEvent::HandoffOut { gen, .. }
+                | DecoderEvent::HandoffReceived { gen, .. },
+            ) => *gen,
             // About no generation.
             OpKind::Event(DecoderEvent::SessionOpened { .. }) => 0,
         }
@@ -101,8 +106,12 @@ impl DecoderOp {
                 call: Call::Append { epoch, .. } | Call::Release { epoch, .. } | Call::Finish { epoch, .. },
                 ..
             } => *epoch,
-            OpKind::Event(DecoderEvent::Resumed { epoch, .. })
-            | OpKind::Event(DecoderEvent::Failpoint { epoch, .. }) => *epoch,
+            OpKind::Event(
+                DecoderEvent::Resumed { epoch, .. }
+                | DecoderEvent::Failpoint { epoch, .. }
+                | DecoderEvent::HandoffOut { epoch, .. }
+                | DecoderEvent::HandoffReceived { epoch, .. },
+            ) => *epoch,
             OpKind::Event(DecoderEvent::SessionOpened { .. }) => 0,
         }
     }

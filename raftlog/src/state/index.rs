@@ -243,6 +243,25 @@ impl LogState {
         assert_eq!(ix.owned, owned, "owner index");
         assert_eq!(ix.owner_of.len(), owned.len(), "owner index");
         assert_eq!(ix.decoder_expiry.len(), self.decoders.len(), "decoder expiry index");
+        let in_flight: BTreeSet<GenerationId> = self
+            .handoffs
+            .iter()
+            .filter(|(_, h)| h.phase.in_flight())
+            .map(|(id, _)| *id)
+            .collect();
+        assert_eq!(self.handoffs_in_flight, in_flight, "in-flight handoffs");
+        for (id, h) in &self.handoffs {
+            let g = self.generations.get(id).expect("a handoff of a pruned generation");
+            // The one-owner rule: an attempt in flight belongs to the owner at its source epoch.
+            if h.phase.in_flight() {
+                assert!(
+                    g.lease.epoch == h.source_epoch && g.lease.owner == h.source && !g.state.is_terminal(),
+                    "generation {id}: handoff attempt {} in flight, but the source no longer owns it",
+                    h.attempt
+                );
+            }
+            assert!(h.attempt <= self.next_handoff && h.handoff_epoch == h.source_epoch + 1);
+        }
     }
 }
 

@@ -17,6 +17,7 @@ use crate::limits::*;
 use crate::types::*;
 
 mod append;
+mod handoff;
 mod index;
 mod ownership;
 mod upkeep;
@@ -83,6 +84,15 @@ pub struct LogState {
     /// Each decoder's current session ([`Command::SessionOpened`]); dropped when it is lost or
     /// when the decoder's registration lapses.
     pub sessions: BTreeMap<String, u64>,
+    /// The latest planned-handoff attempt of each generation that had one ([`Command::Handoff`]);
+    /// dropped with its generation.
+    pub handoffs: BTreeMap<GenerationId, Handoff>,
+    /// Handoff attempts so far: the next attempt's id is one more.
+    pub next_handoff: u64,
+    /// The generations whose attempt is in flight (before its ownership commit, not aborted).
+    /// Derived from `handoffs`; not serialized.
+    #[serde(skip)]
+    pub handoffs_in_flight: BTreeSet<GenerationId>,
     /// Ordered indexes over `generations` and `decoders`. Derived; not serialized.
     #[serde(skip)]
     pub index: Indexes,
@@ -202,6 +212,11 @@ impl LogState {
         changes.entry_touched.clear();
         changes.entry_decoders = false;
         let response = self.apply_command(req, changes);
+        if !self.handoffs_in_flight.is_empty() {
+            for i in 0..changes.entry_touched.len() {
+                self.after_entry_handoff(changes.entry_touched[i]);
+            }
+        }
         for id in &changes.entry_touched {
             if let Some(g) = self.generations.get(id) {
                 self.index.refile(g);
@@ -297,6 +312,7 @@ impl LogState {
             Command::SessionLost { decoder, session } => {
                 Response::Session(Ok(self.session_lost(decoder, *session, changes)))
             }
+            Command::Handoff { generation, step } => Response::Handoff(self.handoff(*generation, step, changes)),
             Command::Batch(_) => unreachable!("apply_command unpacks batches"),
         }
     }
@@ -318,6 +334,12 @@ impl LogState {
             .decoders
             .iter()
             .map(|(d, i)| (i.expiry_log_ms, d.clone()))
+            .collect();
+        self.handoffs_in_flight = self
+            .handoffs
+            .iter()
+            .filter(|(_, h)| h.phase.in_flight())
+            .map(|(id, _)| *id)
             .collect();
     }
 

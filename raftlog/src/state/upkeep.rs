@@ -17,6 +17,7 @@ impl LogState {
         check_lease_ms(ttl_ms)?;
         check_len("decoder id bytes", decoder.len(), DECODER_ID_BYTES_MAX)?;
         check_len("model name bytes", info.model_name.len(), MODEL_NAME_BYTES_MAX)?;
+        check_len("handoff address bytes", info.handoff_addr.len(), HANDOFF_ADDR_BYTES_MAX)?;
         if decoder.is_empty() || info.model_name.is_empty() || info.model.weights_sha256.is_empty() {
             return Err(reject(
                 RejectReason::Invalid,
@@ -92,6 +93,9 @@ impl LogState {
             return 0;
         }
         self.sessions.remove(decoder);
+        // A destination that is gone will not become ready (its own leases end below, which
+        // aborts the attempts it is the source of).
+        self.abort_handoffs_to(decoder);
         let now = self.log_ms;
         let mut ended = 0;
         for id in self.index.owned_by(decoder) {
@@ -124,6 +128,9 @@ impl LogState {
         }
         if !lapsed.is_empty() {
             changes.decoders_changed();
+        }
+        for id in self.abort_stalled_handoffs(now) {
+            changes.touch(id);
         }
         let mut failed = 0;
         for id in self.deadline_due(now) {
@@ -166,6 +173,8 @@ impl LogState {
                         self.tenants.remove(&g.tenant);
                     }
                 }
+                self.handoffs.remove(id);
+                self.handoffs_in_flight.remove(id);
                 gone.push((g.id, g.tenant, g.request_id));
             }
         }
@@ -250,6 +259,7 @@ impl LogState {
             || !self.deadline_due(now).is_empty()
             || !self.unowned_due(now).is_empty()
             || self.retention_due(now, retention_ms).next().is_some()
+            || self.handoff_tick_due(now)
     }
 
     /// Generations a decoder serving `model` could take at `now`: orphaned ones first (an owner

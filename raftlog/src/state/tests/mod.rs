@@ -1,6 +1,6 @@
 //! Pure apply tests: no I/O, no clock. Each test drives `LogState::apply` with stamped commands.
 //! Here: the helpers, submit, log time, determinism; `fencing`: ownership and appends;
-//! `upkeep`: ticks, retention, pending work, registrations.
+//! `upkeep`: ticks, retention, pending work, registrations; `handoff`: planned handoff.
 
 use super::*;
 
@@ -124,6 +124,7 @@ fn reason<T: std::fmt::Debug>(r: Result<T, Rejection>) -> RejectReason {
 }
 
 mod fencing;
+mod handoff;
 mod upkeep;
 
 #[test]

@@ -1,0 +1,212 @@
+//! A generation's model state as bytes, for a planned handoff (CONTRACT §7): the KV cache of
+//! every layer plus the logits of the last fed position, exactly as the source holds them, so the
+//! destination continues with the very numbers the source would have used (exact mode stays
+//! exact: no re-prefill, no second batching).
+//!
+//! A [`CacheExport`] knows nothing of candle: blocks are dtype names, shapes and little-endian
+//! bytes. Its checksum ([`CacheExport::sha256`]) covers every block's header and bytes in order
+//! and the logits; the manifest in the log names it, and the destination recomputes it before it
+//! says it is ready.
+
+use sha2::{Digest, Sha256};
+
+use crate::error::{Error, Result};
+use crate::model::Logits;
+
+/// Which half of a layer's cache a block is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockKind {
+    Keys,
+    Values,
+}
+
+impl BlockKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            BlockKind::Keys => "k",
+            BlockKind::Values => "v",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<BlockKind> {
+        match s {
+            "k" => Some(BlockKind::Keys),
+            "v" => Some(BlockKind::Values),
+            _ => None,
+        }
+    }
+}
+
+/// One tensor of a cache: contiguous, row-major, little endian.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CacheBlock {
+    pub layer: u32,
+    pub kind: BlockKind,
+    /// The element type's name (`f32`, `f16`, `bf16`, or `u64` for the fake model).
+    pub dtype: String,
+    pub shape: Vec<u32>,
+    pub data: Vec<u8>,
+}
+
+impl CacheBlock {
+    /// Bytes of one element of `dtype`, or `None` for a type this build does not know.
+    pub fn dtype_bytes(dtype: &str) -> Option<usize> {
+        match dtype {
+            "f32" | "u32" => Some(4),
+            "f16" | "bf16" => Some(2),
+            "u64" | "f64" => Some(8),
+            _ => None,
+        }
+    }
+
+    /// Checks that the bytes fit the shape and dtype.
+    pub fn check(&self) -> Result<()> {
+        let width = Self::dtype_bytes(&self.dtype)
+            .ok_or_else(|| Error::Invalid(format!("cache block of unknown dtype {:?}", self.dtype)))?;
+        let elems: u64 = self.shape.iter().map(|&d| u64::from(d)).product();
+        if elems * width as u64 != self.data.len() as u64 {
+            return Err(Error::Invalid(format!(
+                "cache block of layer {} ({}): shape {:?} of {} needs {} bytes, it has {}",
+                self.layer,
+                self.kind.name(),
+                self.shape,
+                self.dtype,
+                elems * width as u64,
+                self.data.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// A sequence's cache, exported: what a planned handoff moves.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CacheExport {
+    /// The cache layout and device class (e.g. `llama-kv/cpu`); the destination must hold its
+    /// cache in the same format.
+    pub format: String,
+    /// Positions the cache holds (prompt and fed tokens).
+    pub positions: u32,
+    pub blocks: Vec<CacheBlock>,
+    /// The logits of the last fed position.
+    pub logits: Logits,
+}
+
+impl CacheExport {
+    /// Lowercase hex SHA-256 of the format, the positions, every block (layer, kind, dtype,
+    /// shape, bytes) in order and the logits.
+    pub fn sha256(&self) -> String {
+        let mut h = Sha256::new();
+        let field = |h: &mut Sha256, b: &[u8]| {
+            h.update((b.len() as u64).to_le_bytes());
+            h.update(b);
+        };
+        field(&mut h, self.format.as_bytes());
+        h.update(self.positions.to_le_bytes());
+        h.update((self.blocks.len() as u64).to_le_bytes());
+        for b in &self.blocks {
+            h.update(b.layer.to_le_bytes());
+            field(&mut h, b.kind.name().as_bytes());
+            field(&mut h, b.dtype.as_bytes());
+            h.update((b.shape.len() as u64).to_le_bytes());
+            for d in &b.shape {
+                h.update(d.to_le_bytes());
+            }
+            field(&mut h, &b.data);
+        }
+        h.update((self.logits.len() as u64).to_le_bytes());
+        for l in &self.logits {
+            h.update(l.to_le_bytes());
+        }
+        hex(&h.finalize())
+    }
+
+    /// Bytes the blocks and logits take.
+    pub fn bytes(&self) -> u64 {
+        self.blocks.iter().map(|b| b.data.len() as u64).sum::<u64>() + 4 * self.logits.len() as u64
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Logits as little-endian f32 bytes (a transfer carries them as one more tensor).
+pub fn logits_to_bytes(l: &[f32]) -> Vec<u8> {
+    l.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+pub fn logits_from_bytes(b: &[u8]) -> Result<Logits> {
+    if !b.len().is_multiple_of(4) {
+        return Err(Error::Invalid(format!(
+            "{} bytes of logits is not a whole number of f32",
+            b.len()
+        )));
+    }
+    Ok(b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn export() -> CacheExport {
+        CacheExport {
+            format: "fake/cpu".into(),
+            positions: 3,
+            blocks: vec![CacheBlock {
+                layer: 0,
+                kind: BlockKind::Keys,
+                dtype: "u64".into(),
+                shape: vec![1],
+                data: 7u64.to_le_bytes().to_vec(),
+            }],
+            logits: vec![0.5, -1.0],
+        }
+    }
+
+    #[test]
+    fn the_checksum_covers_every_part() {
+        let a = export();
+        let base = a.sha256();
+        assert_eq!(base.len(), 64);
+        let mut changed = Vec::new();
+        let mut b = a.clone();
+        b.positions = 4;
+        changed.push(b);
+        let mut b = a.clone();
+        b.blocks[0].data[0] ^= 1;
+        changed.push(b);
+        let mut b = a.clone();
+        b.blocks[0].kind = BlockKind::Values;
+        changed.push(b);
+        let mut b = a.clone();
+        b.blocks[0].shape = vec![1, 1];
+        changed.push(b);
+        let mut b = a.clone();
+        b.logits[1] = -1.5;
+        changed.push(b);
+        let mut b = a.clone();
+        b.format = "fake/cuda".into();
+        changed.push(b);
+        for c in changed {
+            assert_ne!(c.sha256(), base, "{c:?}");
+        }
+        assert_eq!(a.bytes(), 8 + 8);
+    }
+
+    #[test]
+    fn a_block_whose_bytes_do_not_fit_its_shape_is_refused() {
+        let mut b = export().blocks.remove(0);
+        b.check().unwrap();
+        b.shape = vec![2];
+        assert!(b.check().is_err());
+        b.dtype = "q9".into();
+        assert!(b.check().is_err());
+        let l = vec![1.0f32, f32::MIN, 3.25];
+        assert_eq!(logits_from_bytes(&logits_to_bytes(&l)).unwrap(), l);
+        assert!(logits_from_bytes(&[0, 1, 2]).is_err());
+    }
+}

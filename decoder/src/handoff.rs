@@ -1,0 +1,731 @@
+//! Planned handoff, the decoders' side (CONTRACT §7): a generation moves from a live owner (the
+//! source) to another decoder of the same model and cache format (the destination) with its
+//! cache, so the destination continues at once, with the numbers the source would have used.
+//!
+//! The log decides; the decoders only move bytes:
+//!
+//! | source                                   | log                  | destination                      |
+//! |------------------------------------------|----------------------|----------------------------------|
+//! | pauses the generation, every token acked |                      |                                  |
+//! | exports cache + logits, checksums them   |                      |                                  |
+//! | `Prepare` (manifest, destination)        | `prepared`           |                                  |
+//! | `Copying`                                | `copying`            |                                  |
+//! | streams header + blocks (`Transfer`)     |                      | checks model, format, checksum   |
+//! |                                          |                      | reads the committed prefix       |
+//! |                                          |                      | builds the state from the cache  |
+//! |                                          | `receiver_ready`     | `ReceiverReady` (process memory) |
+//! |                                          | `ownership_committed`| `Commit`: epoch + 1, its lease   |
+//! | answer: committed → `SourceReleased`     | `source_released`    | decodes from the frontier        |
+//!
+//! Whatever fails, nobody guesses: a source whose transfer broke or timed out asks the log
+//! (`Get` shows the attempt's phase): committed means moved (the acknowledgment was lost), else
+//! it aborts the attempt and goes on decoding. A destination that fails before its commit aborts
+//! the attempt; its leases and sessions end as any decoder's would. Only the log's commit makes
+//! the destination an owner, and only at the handoff epoch, so a late message of an earlier
+//! attempt (or an earlier incarnation of the destination) changes nothing.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokenlog_proto::decoder as dpb;
+use tokenlog_proto::raftlog as pb;
+use tokenlog_raftlog::client::{ClientError, LogClient};
+use tokenlog_raftlog::types::Binding;
+use tokio::sync::mpsc;
+use tonic::{Request, Response, Status};
+
+use crate::cache::{logits_from_bytes, logits_to_bytes, BlockKind, CacheBlock, CacheExport};
+use crate::history::{DecoderEvent, History};
+use crate::limits::{HANDOFF_CACHE_BYTES_MAX, HANDOFF_CHUNK_BYTES, HANDOFF_TRANSFER_TIMEOUT};
+use crate::resume::DecodeState;
+use crate::worker::{model_work, HandoffPoint, StepHooks, WorkerError};
+use crate::worker_lease::{read_prefix, Held};
+use crate::Model;
+
+/// A generation that arrived with its cache and is now ours (the log committed it).
+pub(crate) struct Received {
+    pub id: u64,
+    pub epoch: u64,
+    pub committed: u32,
+    pub state: DecodeState,
+}
+
+/// What the worker and its handoff listener share.
+pub(crate) struct PortShared {
+    pub decoder_id: String,
+    pub model: Arc<dyn Model>,
+    pub identity: pb::ModelIdentity,
+    /// This model's cache format (`None`: it cannot take a handed-over cache).
+    pub cache_format: Option<String>,
+    pub client: LogClient,
+    pub lease_ms: u64,
+    pub capacity: usize,
+    /// Generations the worker holds (active or being handed out), as it last counted them.
+    pub load: AtomicUsize,
+    /// Slots taken by transfers being received, or received and not yet taken in by the worker.
+    pub reserved: AtomicUsize,
+    /// Off while the worker drains or stops: transfers are refused.
+    pub accepting: AtomicBool,
+    pub incoming: mpsc::UnboundedSender<Received>,
+    pub held: Held,
+    pub history: Option<Arc<History>>,
+    pub hooks: Option<Arc<dyn StepHooks>>,
+    /// Wakes the worker's idle loop when a generation arrives.
+    pub wake: Arc<tokio::sync::Notify>,
+}
+
+/// The `decoder.v1.Handoff` service of a decoder: receives caches (`tokenlog decoder
+/// --handoff-listen` serves it).
+#[derive(Clone)]
+pub struct HandoffPort {
+    pub(crate) shared: Arc<PortShared>,
+}
+
+type Refusal = String;
+
+impl HandoffPort {
+    /// Receives one transfer; `Err` is a refusal (the attempt is aborted in the log when it
+    /// names one).
+    async fn receive(&self, mut inbound: tonic::Streaming<dpb::TransferChunk>) -> Result<dpb::TransferResult, Refusal> {
+        let s = &self.shared;
+        let header = match inbound.message().await {
+            Ok(Some(dpb::TransferChunk {
+                part: Some(dpb::transfer_chunk::Part::Header(h)),
+            })) => h,
+            Ok(_) => return Err("a transfer starts with its header".into()),
+            Err(e) => return Err(format!("the transfer broke before its header: {e}")),
+        };
+        let manifest = header.manifest.clone().unwrap_or_default();
+        let abort = |why: String| {
+            let (client, id, attempt, by) = (
+                s.client.clone(),
+                header.generation_id,
+                header.attempt,
+                s.decoder_id.clone(),
+            );
+            let detail = why.clone();
+            async move {
+                abort(&client, id, attempt, &by, &detail).await;
+                why
+            }
+        };
+        if header.destination != s.decoder_id {
+            return Err(format!("this is decoder {}, not {}", s.decoder_id, header.destination));
+        }
+        if !s.accepting.load(Ordering::Acquire) {
+            return Err(abort("this decoder is draining or stopping".into()).await);
+        }
+        if manifest.model.as_ref() != Some(&s.identity) {
+            return Err(abort("this decoder serves another model".into()).await);
+        }
+        if s.cache_format.as_deref() != Some(manifest.cache_format.as_str()) {
+            return Err(abort(format!(
+                "cache format {:?}; this decoder holds {:?}",
+                manifest.cache_format, s.cache_format
+            ))
+            .await);
+        }
+        if manifest.bytes > HANDOFF_CACHE_BYTES_MAX {
+            return Err(abort(format!("a cache of {} bytes is over the limit", manifest.bytes)).await);
+        }
+        // One slot, taken now and given back unless the commit hands it to the worker.
+        let reserved = s.reserved.fetch_add(1, Ordering::AcqRel);
+        if s.load.load(Ordering::Acquire) + reserved >= s.capacity {
+            s.reserved.fetch_sub(1, Ordering::AcqRel);
+            return Err(abort(format!("this decoder is full ({} generations)", s.capacity)).await);
+        }
+        let r = self.receive_into_slot(&header, &manifest, &mut inbound).await;
+        if r.is_err() {
+            s.reserved.fetch_sub(1, Ordering::AcqRel);
+        }
+        match r {
+            Ok(done) => Ok(done),
+            Err(why) => Err(abort(why).await),
+        }
+    }
+
+    async fn receive_into_slot(
+        &self,
+        header: &dpb::TransferHeader,
+        manifest: &pb::CacheManifest,
+        inbound: &mut tonic::Streaming<dpb::TransferChunk>,
+    ) -> Result<dpb::TransferResult, Refusal> {
+        let s = &self.shared;
+        let id = header.generation_id;
+        let t0 = Instant::now();
+        // The generation and its committed prefix, read while the blocks arrive.
+        let client = s.client.clone();
+        let frontier = manifest.frontier;
+        let prefix = tokio::spawn(async move {
+            let g = client
+                .get(pb::GetRequest {
+                    generation_id: id,
+                    linearizable: true,
+                    ..Default::default()
+                })
+                .await?;
+            let info = g
+                .generation
+                .ok_or_else(|| WorkerError::Other(format!("generation {id} not found")))?;
+            let committed = read_prefix(&client, id, frontier).await?;
+            Ok::<_, WorkerError>((info, committed))
+        });
+        let cache = collect_cache(manifest, inbound).await?;
+        let got = cache.sha256();
+        if got != manifest.cache_sha256 {
+            return Err(format!(
+                "the cache received hashes to {got}; the manifest names {}",
+                manifest.cache_sha256
+            ));
+        }
+        let (info, committed) = prefix
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| format!("the committed prefix is not readable: {e}"))?;
+        if info.frontier != manifest.frontier {
+            return Err(format!(
+                "the log's frontier is {}; the cache covers {}",
+                info.frontier, manifest.frontier
+            ));
+        }
+        let binding: Binding = info.binding.clone().ok_or("the generation has no binding")?.into();
+        let prompt = binding.prompt_token_ids.clone();
+        if prompt.is_empty() {
+            return Err("the generation's prompt is not tokenized".into());
+        }
+        let model = s.model.clone();
+        let c = committed.clone();
+        let state = model_work(move || {
+            DecodeState::import(
+                model.as_ref(),
+                &prompt,
+                &c,
+                binding.sampling,
+                binding.stop,
+                binding.mode,
+                &cache,
+            )
+        })
+        .await?
+        .map_err(|e| format!("the cache does not load: {e}"))?;
+        halt_at(&s.hooks, &s.history, HandoffPoint::DestinationBeforeReady, id);
+        let ready = step(
+            &s.client,
+            id,
+            pb::handoff_request::Step::ReceiverReady(pb::HandoffReceiverReady {
+                attempt: header.attempt,
+                destination: s.decoder_id.clone(),
+                handoff_epoch: header.handoff_epoch,
+                cache_sha256: manifest.cache_sha256.clone(),
+            }),
+        )
+        .await?;
+        if !ready.ok {
+            return Err(format!("the log refused receiver_ready: {:?}", ready.rejection));
+        }
+        halt_at(&s.hooks, &s.history, HandoffPoint::DestinationAfterReady, id);
+        let commit = pb::handoff_request::Step::Commit(pb::HandoffCommit {
+            attempt: header.attempt,
+            destination: s.decoder_id.clone(),
+            handoff_epoch: header.handoff_epoch,
+            lease_ms: s.lease_ms,
+        });
+        let mut answer = step(&s.client, id, commit).await;
+        if answer.is_ok() && s.hooks.as_ref().is_some_and(|h| h.commit_answer_lost()) {
+            tracing::error!(
+                failpoint = "commit-answer-lost",
+                generation = id,
+                "failpoint fired: the commit's answer is dropped"
+            );
+            answer = Err("failpoint commit-answer-lost: the answer was dropped".into());
+        }
+        let committed_now = match answer {
+            Ok(r) if r.ok => true,
+            Ok(r) => return Err(format!("the log refused the commit: {:?}", r.rejection)),
+            // The answer was lost: the log knows.
+            Err(e) => {
+                tracing::warn!(generation = id, error = %e, "commit answer lost; asking the log");
+                owns(&s.client, id, &s.decoder_id, header.handoff_epoch).await
+            }
+        };
+        if !committed_now {
+            return Err("the commit did not apply".into());
+        }
+        halt_at(&s.hooks, &s.history, HandoffPoint::DestinationAfterCommit, id);
+        // Ours from here: renewed at once, decoded by the worker from its next loop.
+        s.held
+            .lock()
+            .expect("lock")
+            .insert(id, (header.handoff_epoch, Instant::now()));
+        if let Some(h) = &s.history {
+            h.event(DecoderEvent::HandoffReceived {
+                gen: id,
+                attempt: header.attempt,
+                epoch: header.handoff_epoch,
+                from: header.source.clone(),
+                frontier: manifest.frontier,
+                kv: manifest.kv_positions,
+            });
+        }
+        tracing::info!(
+            generation = id,
+            attempt = header.attempt,
+            epoch = header.handoff_epoch,
+            from = header.source,
+            frontier = manifest.frontier,
+            bytes = manifest.bytes,
+            ms = t0.elapsed().as_millis() as u64,
+            "generation received with its cache"
+        );
+        let _ = s.incoming.send(Received {
+            id,
+            epoch: header.handoff_epoch,
+            committed: committed.len() as u32,
+            state,
+        });
+        s.wake.notify_one();
+        Ok(dpb::TransferResult {
+            committed: true,
+            epoch: header.handoff_epoch,
+            detail: String::new(),
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl dpb::handoff_server::Handoff for HandoffPort {
+    async fn transfer(
+        &self,
+        req: Request<tonic::Streaming<dpb::TransferChunk>>,
+    ) -> Result<Response<dpb::TransferResult>, Status> {
+        let result = match self.receive(req.into_inner()).await {
+            Ok(r) => r,
+            Err(detail) => {
+                tracing::warn!(detail, "handoff refused");
+                dpb::TransferResult {
+                    committed: false,
+                    epoch: 0,
+                    detail,
+                }
+            }
+        };
+        Ok(Response::new(result))
+    }
+}
+
+impl HandoffPort {
+    /// The tonic service, with message limits fit for a cache.
+    pub fn service(&self) -> dpb::handoff_server::HandoffServer<HandoffPort> {
+        dpb::handoff_server::HandoffServer::new(self.clone())
+            .max_decoding_message_size(HANDOFF_CHUNK_BYTES * 2)
+            .max_encoding_message_size(HANDOFF_CHUNK_BYTES * 2)
+    }
+}
+
+/// The blocks and logits of a transfer, reassembled (a block may come in several chunks:
+/// consecutive messages of the same layer and kind append to its bytes).
+async fn collect_cache(
+    manifest: &pb::CacheManifest,
+    inbound: &mut tonic::Streaming<dpb::TransferChunk>,
+) -> Result<CacheExport, Refusal> {
+    let mut blocks: Vec<CacheBlock> = Vec::new();
+    let mut logits_bytes: Vec<u8> = Vec::new();
+    let mut total = 0u64;
+    loop {
+        let t = match inbound.message().await {
+            Ok(Some(dpb::TransferChunk {
+                part: Some(dpb::transfer_chunk::Part::Tensor(t)),
+            })) => t,
+            Ok(Some(_)) => return Err("a second header in one transfer".into()),
+            Ok(None) => break,
+            Err(e) => return Err(format!("the transfer broke: {e}")),
+        };
+        total += t.data.len() as u64;
+        if total > manifest.bytes || total > HANDOFF_CACHE_BYTES_MAX {
+            return Err(format!("more bytes than the manifest's {}", manifest.bytes));
+        }
+        if t.kind == "logits" {
+            logits_bytes.extend_from_slice(&t.data);
+            continue;
+        }
+        let kind = BlockKind::parse(&t.kind).ok_or_else(|| format!("unknown tensor kind {:?}", t.kind))?;
+        match blocks.last_mut() {
+            Some(b) if b.layer == t.layer && b.kind == kind && t.shape.is_empty() => b.data.extend_from_slice(&t.data),
+            _ => blocks.push(CacheBlock {
+                layer: t.layer,
+                kind,
+                dtype: t.dtype,
+                shape: t.shape,
+                data: t.data,
+            }),
+        }
+    }
+    if total != manifest.bytes {
+        return Err(format!("{total} bytes received; the manifest names {}", manifest.bytes));
+    }
+    for b in &blocks {
+        b.check().map_err(|e| e.to_string())?;
+    }
+    Ok(CacheExport {
+        format: manifest.cache_format.clone(),
+        positions: manifest.kv_positions,
+        blocks,
+        logits: logits_from_bytes(&logits_bytes).map_err(|e| e.to_string())?,
+    })
+}
+
+/// A transfer's messages: the header, each block in chunks of at most `HANDOFF_CHUNK_BYTES`
+/// (the first chunk carries the dtype and shape), then the logits.
+fn transfer_messages(header: dpb::TransferHeader, cache: &CacheExport) -> Vec<dpb::TransferChunk> {
+    use dpb::transfer_chunk::Part;
+    let mut out = vec![dpb::TransferChunk {
+        part: Some(Part::Header(header)),
+    }];
+    for b in &cache.blocks {
+        for (i, chunk) in b.data.chunks(HANDOFF_CHUNK_BYTES).enumerate() {
+            out.push(dpb::TransferChunk {
+                part: Some(Part::Tensor(dpb::KvTensor {
+                    layer: b.layer,
+                    kind: b.kind.name().into(),
+                    dtype: if i == 0 { b.dtype.clone() } else { String::new() },
+                    shape: if i == 0 { b.shape.clone() } else { Vec::new() },
+                    data: chunk.to_vec(),
+                })),
+            });
+        }
+    }
+    out.push(dpb::TransferChunk {
+        part: Some(Part::Tensor(dpb::KvTensor {
+            layer: 0,
+            kind: "logits".into(),
+            dtype: "f32".into(),
+            shape: vec![cache.logits.len() as u32],
+            data: logits_to_bytes(&cache.logits),
+        })),
+    });
+    out
+}
+
+async fn step(client: &LogClient, id: u64, step: pb::handoff_request::Step) -> Result<pb::HandoffResponse, String> {
+    client
+        .handoff(pb::HandoffRequest {
+            generation_id: id,
+            step: Some(step),
+        })
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// Best effort: the attempt is given up (a refused abort means it was over already).
+async fn abort(client: &LogClient, id: u64, attempt: u64, by: &str, detail: &str) {
+    if attempt == 0 {
+        return;
+    }
+    let r = step(
+        client,
+        id,
+        pb::handoff_request::Step::Abort(pb::HandoffAbort {
+            attempt,
+            by: by.to_string(),
+            detail: detail.chars().take(256).collect(),
+        }),
+    )
+    .await;
+    if let Err(e) = r {
+        tracing::warn!(generation = id, attempt, error = %e, "abort not recorded (the log's timeout will)");
+    }
+}
+
+/// Whether the log says `decoder` owns `id` at `epoch` now.
+async fn owns(client: &LogClient, id: u64, decoder: &str, epoch: u64) -> bool {
+    match client.generation(id).await {
+        Ok(g) => g.lease.is_some_and(|l| l.owner == decoder && l.epoch == epoch),
+        Err(_) => false,
+    }
+}
+
+/// The attempt's phase as the log holds it now (`None`: unknown, or another attempt).
+async fn phase_of(client: &LogClient, id: u64, attempt: u64) -> Option<pb::HandoffPhase> {
+    let r = client
+        .get(pb::GetRequest {
+            generation_id: id,
+            linearizable: true,
+            ..Default::default()
+        })
+        .await
+        .ok()?;
+    let h = r.handoff.filter(|h| h.attempt == attempt)?;
+    pb::HandoffPhase::try_from(h.phase).ok()
+}
+
+/// What handing a generation out came to.
+pub(crate) enum Outcome {
+    /// The destination owns it at `epoch`; the source forgot it.
+    Moved { to: String, epoch: u64 },
+    /// The source still owns it (at its epoch) and goes on decoding it.
+    Kept { state: DecodeState, why: String },
+    /// The source's state is gone (its export failed): the generation must be released.
+    Lost { why: String },
+}
+
+/// What a source needs to hand generations out.
+#[derive(Clone)]
+pub(crate) struct Source {
+    pub decoder_id: String,
+    pub identity: pb::ModelIdentity,
+    pub client: LogClient,
+    pub history: Option<Arc<History>>,
+    pub hooks: Option<Arc<dyn StepHooks>>,
+}
+
+/// Ends the process at `point` when a failpoint says so (fault-suite builds): as a kill would,
+/// after a `failpoint` line in the history.
+fn halt_at(hooks: &Option<Arc<dyn StepHooks>>, history: &Option<Arc<History>>, point: HandoffPoint, gen: u64) {
+    if !hooks.as_ref().is_some_and(|h| h.handoff_exit(point)) {
+        return;
+    }
+    tracing::error!(failpoint = point.name(), generation = gen, "failpoint fired: exiting");
+    if let Some(h) = history {
+        h.event(DecoderEvent::Failpoint {
+            name: format!("handoff-exit={}", point.name()),
+            gen,
+            epoch: 0,
+            seq: 0,
+            token: None,
+        });
+    }
+    std::process::exit(crate::worker::HALT_EXIT_CODE);
+}
+
+impl Source {
+    /// The other decoders of our model that take handoffs, in the order to try them for `id`.
+    async fn destinations(&self, id: u64) -> Vec<(String, String)> {
+        let Ok(models) = self.client.list_models().await else {
+            return Vec::new();
+        };
+        let mut out: Vec<(String, String)> = models
+            .models
+            .into_iter()
+            .filter(|m| m.identity.as_ref() == Some(&self.identity))
+            .flat_map(|m| m.handoff_addrs.into_iter())
+            .filter(|(d, _)| *d != self.decoder_id)
+            .collect();
+        out.sort();
+        if !out.is_empty() {
+            let n = out.len();
+            out.rotate_left((id as usize) % n);
+        }
+        out
+    }
+
+    /// Hands generation `id` (ours at `epoch`, `committed` records, every sampled token
+    /// committed) to another decoder, trying each candidate until one takes it.
+    pub async fn hand_out(&self, id: u64, epoch: u64, committed: u32, mut state: DecodeState) -> Outcome {
+        let exported = model_work(move || {
+            let c = state.export_cache();
+            (state, c)
+        })
+        .await;
+        let (state, cache) = match exported {
+            Ok((state, Ok(c))) => (state, c),
+            Ok((state, Err(e))) => {
+                return Outcome::Kept {
+                    state,
+                    why: format!("no cache to hand over: {e}"),
+                }
+            }
+            Err(e) => return Outcome::Lost { why: e },
+        };
+        let manifest = pb::CacheManifest {
+            model: Some(self.identity.clone()),
+            cache_format: cache.format.clone(),
+            frontier: committed,
+            kv_positions: cache.positions,
+            cache_sha256: cache.sha256(),
+            bytes: cache.bytes(),
+        };
+        let candidates = self.destinations(id).await;
+        if candidates.is_empty() {
+            return Outcome::Kept {
+                state,
+                why: "no other decoder of this model takes handoffs".into(),
+            };
+        }
+        let mut why = String::new();
+        for (dest, addr) in candidates {
+            match self.try_one(id, epoch, &manifest, &cache, &dest, &addr).await {
+                Ok(new_epoch) => {
+                    return Outcome::Moved {
+                        to: dest,
+                        epoch: new_epoch,
+                    }
+                }
+                Err(Stop::Next(w)) => why = format!("{dest}: {w}"),
+                Err(Stop::Done(w)) => {
+                    why = format!("{dest}: {w}");
+                    break;
+                }
+            }
+        }
+        Outcome::Kept { state, why }
+    }
+
+    /// One attempt towards `dest`; the handoff epoch when it moved.
+    async fn try_one(
+        &self,
+        id: u64,
+        epoch: u64,
+        manifest: &pb::CacheManifest,
+        cache: &CacheExport,
+        dest: &str,
+        addr: &str,
+    ) -> Result<u64, Stop> {
+        let t0 = Instant::now();
+        let prepared = step(
+            &self.client,
+            id,
+            pb::handoff_request::Step::Prepare(pb::HandoffPrepare {
+                epoch,
+                source: self.decoder_id.clone(),
+                destination: dest.to_string(),
+                manifest: Some(manifest.clone()),
+            }),
+        )
+        .await
+        .map_err(Stop::Done)?;
+        let Some(h) = prepared.handoff.filter(|_| prepared.ok) else {
+            // Not the owner any more (or the generation ended): nothing more to try.
+            let rej = prepared.rejection.unwrap_or_default();
+            let stop = match pb::RejectReason::try_from(rej.reason) {
+                Ok(pb::RejectReason::ModelMismatch | pb::RejectReason::NotFound | pb::RejectReason::Invalid) => {
+                    Stop::Next
+                }
+                _ => Stop::Done,
+            };
+            return Err(stop(format!("prepare refused: {}", rej.message)));
+        };
+        let attempt = h.attempt;
+        let record = |phase: &str, detail: String| {
+            if let Some(hist) = &self.history {
+                hist.event(DecoderEvent::HandoffOut {
+                    gen: id,
+                    attempt,
+                    epoch,
+                    to: dest.to_string(),
+                    phase: phase.to_string(),
+                    detail,
+                });
+            }
+        };
+        record("prepared", String::new());
+        let copying = step(
+            &self.client,
+            id,
+            pb::handoff_request::Step::Copying(pb::HandoffCopying {
+                attempt,
+                source: self.decoder_id.clone(),
+            }),
+        )
+        .await;
+        if !copying.as_ref().is_ok_and(|r| r.ok) {
+            let why = format!("copying not recorded: {copying:?}");
+            abort(&self.client, id, attempt, &self.decoder_id, &why).await;
+            return Err(Stop::Done(why));
+        }
+        halt_at(&self.hooks, &self.history, HandoffPoint::SourceCopying, id);
+        let header = dpb::TransferHeader {
+            generation_id: id,
+            attempt,
+            handoff_epoch: h.handoff_epoch,
+            source: self.decoder_id.clone(),
+            destination: dest.to_string(),
+            manifest: Some(manifest.clone()),
+        };
+        let sent = self.transfer(addr, header, cache).await;
+        let moved = match &sent {
+            Ok(r) if r.committed => true,
+            // Refused, broken or timed out: the log knows whether the commit happened.
+            _ => matches!(
+                phase_of(&self.client, id, attempt).await,
+                Some(pb::HandoffPhase::OwnershipCommitted | pb::HandoffPhase::SourceReleased)
+            ),
+        };
+        if !moved {
+            let why = match sent {
+                Ok(r) => format!("refused: {}", r.detail),
+                Err(e) => format!("transfer failed: {e}"),
+            };
+            abort(&self.client, id, attempt, &self.decoder_id, &why).await;
+            // The abort and a late commit race: the log's answer decides.
+            if matches!(
+                phase_of(&self.client, id, attempt).await,
+                Some(pb::HandoffPhase::OwnershipCommitted | pb::HandoffPhase::SourceReleased)
+            ) {
+                return self.released(id, attempt, h.handoff_epoch, t0, &record).await;
+            }
+            record("aborted", why.clone());
+            return Err(Stop::Next(why));
+        }
+        self.released(id, attempt, h.handoff_epoch, t0, &record).await
+    }
+
+    async fn released(
+        &self,
+        id: u64,
+        attempt: u64,
+        handoff_epoch: u64,
+        t0: Instant,
+        record: &impl Fn(&str, String),
+    ) -> Result<u64, Stop> {
+        halt_at(&self.hooks, &self.history, HandoffPoint::SourceBeforeRelease, id);
+        let r = step(
+            &self.client,
+            id,
+            pb::handoff_request::Step::SourceReleased(pb::HandoffSourceReleased {
+                attempt,
+                source: self.decoder_id.clone(),
+            }),
+        )
+        .await;
+        if let Err(e) = &r {
+            // Ownership moved all the same; the release is bookkeeping.
+            tracing::warn!(generation = id, attempt, error = %e, "source_released not recorded");
+        }
+        record("released", String::new());
+        tracing::info!(
+            generation = id,
+            attempt,
+            epoch = handoff_epoch,
+            ms = t0.elapsed().as_millis() as u64,
+            "generation handed over"
+        );
+        Ok(handoff_epoch)
+    }
+
+    /// Streams the cache to `addr`; the destination's answer.
+    async fn transfer(
+        &self,
+        addr: &str,
+        header: dpb::TransferHeader,
+        cache: &CacheExport,
+    ) -> Result<dpb::TransferResult, String> {
+        let channel = self.client.peer_channel(addr).map_err(|e: ClientError| e.to_string())?;
+        let mut c = dpb::handoff_client::HandoffClient::new(channel)
+            .max_decoding_message_size(HANDOFF_CHUNK_BYTES * 2)
+            .max_encoding_message_size(HANDOFF_CHUNK_BYTES * 2);
+        let msgs = transfer_messages(header, cache);
+        let call = c.transfer(futures::stream::iter(msgs));
+        match tokio::time::timeout(HANDOFF_TRANSFER_TIMEOUT, call).await {
+            Ok(Ok(r)) => Ok(r.into_inner()),
+            Ok(Err(s)) => Err(s.to_string()),
+            Err(_) => Err(format!("no answer within {HANDOFF_TRANSFER_TIMEOUT:?}")),
+        }
+    }
+}
+
+/// Why an attempt did not move the generation: `Next` tries another destination, `Done` stops.
+enum Stop {
+    Next(String),
+    Done(String),
+}

@@ -1,0 +1,244 @@
+//! `tokenlog bench drain`: a decoder with several running generations is told to stop (SIGTERM)
+//! and hands every one to a second decoder with its KV cache (planned handoff); the longest gap
+//! between two visible tokens at any client during the drain, against the normal gap between
+//! tokens measured on the same generations just before it (the ratio is the goal's measure:
+//! at most 2x).
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use tokenlog_proto::raftlog as pb;
+use tokenlog_raftlog::client::LogClient;
+
+use crate::cmd::bench::{start_tokenlog, wait_for_leader};
+use crate::cmd::bench_decoder::{binding, dargs, prompt_ids};
+use crate::cmd::decoder::load_model;
+
+#[derive(clap::Args, Clone)]
+pub struct DrainArgs {
+    /// Drains to run, each with fresh decoders.
+    #[arg(long, default_value_t = 2)]
+    pub rounds: usize,
+    /// Generations running on the drained decoder (its capacity; the other has the same).
+    #[arg(long, default_value_t = 4)]
+    pub generations: usize,
+    /// Records every generation commits before the drain; the normal gap is measured over the
+    /// last half of them.
+    #[arg(long, default_value_t = 16)]
+    pub after: u32,
+    /// Records every generation commits at the destination before the round ends.
+    #[arg(long, default_value_t = 8)]
+    pub then: u32,
+    /// Use the fake model (with --fake-step-ms per step) instead of SmolLM2.
+    #[arg(long)]
+    pub fake: bool,
+    #[arg(long, default_value_t = 20)]
+    pub fake_step_ms: u64,
+    /// First loopback port for the 3 log nodes.
+    #[arg(long, default_value_t = 27_500)]
+    pub base_port: u16,
+}
+
+struct Dec {
+    child: Option<Child>,
+    id: String,
+}
+
+impl Drop for Dec {
+    fn drop(&mut self) {
+        if let Some(c) = self.child.as_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn spawn(a: &DrainArgs, cluster: &str, id: &str, dir: &std::path::Path) -> anyhow::Result<Dec> {
+    let mut cmd = Command::new(std::env::current_exe()?);
+    cmd.args(["decoder", "--cluster", cluster, "--decoder-id", id])
+        .args(["--capacity", &a.generations.to_string(), "--threads", "1"])
+        .args(["--handoff-listen", "127.0.0.1:0"]);
+    if a.fake {
+        cmd.args(["--fake", "--fake-step-ms", &a.fake_step_ms.to_string()]);
+    }
+    let child = cmd
+        .env("RUST_LOG", "info,openraft=warn")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.join(format!("{id}.log")))?)
+        .spawn()
+        .context("start decoder")?;
+    Ok(Dec {
+        child: Some(child),
+        id: id.to_string(),
+    })
+}
+
+async fn takes_handoffs(client: &LogClient, id: &str) -> bool {
+    client
+        .list_models()
+        .await
+        .is_ok_and(|m| m.models.iter().any(|x| x.handoff_addrs.contains_key(id)))
+}
+
+async fn wait_registered(client: &LogClient, id: &str, dir: &std::path::Path) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !takes_handoffs(client, id).await {
+        if Instant::now() > deadline {
+            bail!("decoder {id} did not register within 120 s (logs in {})", dir.display());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
+}
+
+/// Arrival times of one generation's records at a watching client, with their epochs.
+type Arrivals = Vec<(Instant, u64)>;
+
+/// Watches `gid` from seq 0 until `stop` records at an epoch above 1 have arrived.
+async fn watch(client: LogClient, gid: u64, stop: u32) -> anyhow::Result<Arrivals> {
+    let mut w = client.watch(gid, 0).await?;
+    let mut out = Arrivals::new();
+    let mut after = 0;
+    while after < stop {
+        let ev = w.message().await?.context("watch ended")?;
+        let now = Instant::now();
+        for r in &ev.records {
+            out.push((now, r.epoch));
+            after += u32::from(r.epoch > 1);
+        }
+        if ev.terminal.is_some() {
+            bail!("generation {gid} ended during the round");
+        }
+    }
+    Ok(out)
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+pub async fn drain(a: DrainArgs) -> anyhow::Result<()> {
+    let (model, name) = load_model(&dargs(a.fake, None, 1))?;
+    let mut prompt = prompt_ids(model.as_ref())?;
+    if a.fake {
+        prompt.truncate(16);
+    }
+    let dir = tempfile::tempdir()?;
+    let _procs = start_tokenlog(dir.path(), a.base_port)?;
+    let addrs: Vec<String> = (0..3).map(|i| format!("127.0.0.1:{}", a.base_port + i)).collect();
+    let cluster = addrs.join(",");
+    let client = LogClient::new(addrs)?;
+    wait_for_leader(&client).await?;
+    println!(
+        "bench drain: model {name}, {} generations on one decoder, SIGTERM after {} records each, handed to a second decoder",
+        a.generations, a.after
+    );
+    let mut ratios = Vec::new();
+    for round in 0..a.rounds {
+        let src = spawn(&a, &cluster, &format!("drain-src-{round}"), dir.path())?;
+        wait_registered(&client, &src.id, dir.path()).await?;
+        let mut gids = Vec::new();
+        for g in 0..a.generations {
+            // Distinct prompts: a shared prefix would not matter, but distinct is the usual case.
+            let mut p = prompt.clone();
+            p.push(p[g % p.len()]);
+            let sub = client
+                .submit(pb::SubmitRequest {
+                    tenant: "bench".into(),
+                    request_id: format!("drain-{round}-{g}"),
+                    binding: Some(binding(model.as_ref(), &p, a.after + a.then + 2_000)),
+                })
+                .await?;
+            gids.push(sub.generation.context("no generation")?.generation_id);
+        }
+        let watchers: Vec<_> = gids
+            .iter()
+            .map(|&gid| tokio::spawn(watch(client.clone(), gid, a.then)))
+            .collect();
+        let dst = spawn(&a, &cluster, &format!("drain-dst-{round}"), dir.path())?;
+        wait_registered(&client, &dst.id, dir.path()).await?;
+        // Every generation past `after` records, all on the source.
+        let deadline = Instant::now() + Duration::from_secs(300);
+        loop {
+            let mut ready = true;
+            for &gid in &gids {
+                let g = client.generation(gid).await?;
+                ready &= g.frontier >= a.after && g.lease.is_some_and(|l| l.owner == src.id);
+            }
+            if ready {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!("generations did not reach {} records on the source", a.after);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let pid = src.child.as_ref().context("source running")?.id();
+        let drained = Instant::now();
+        Command::new("kill").args(["-TERM", &pid.to_string()]).status()?;
+        let mut normal = Vec::new();
+        let mut longest = Duration::ZERO;
+        for (w, gid) in watchers.into_iter().zip(&gids) {
+            let arrivals = w.await??;
+            // Normal: gaps between records before the drain, over the last half of them.
+            let before: Vec<Instant> = arrivals.iter().filter(|(t, _)| *t < drained).map(|(t, _)| *t).collect();
+            let from = before.len() / 2;
+            normal.extend(before[from..].windows(2).map(|p| p[1] - p[0]));
+            // During the drain: from the last record before it to the end of the round.
+            let start = before.len().saturating_sub(1);
+            let gaps = arrivals[start..].windows(2).map(|p| p[1].0 - p[0].0);
+            let worst = gaps.max().unwrap_or_default();
+            longest = longest.max(worst);
+            let g = client
+                .get(pb::GetRequest {
+                    generation_id: *gid,
+                    linearizable: true,
+                    ..Default::default()
+                })
+                .await?;
+            let phase = g.handoff.map_or(0, |h| h.phase);
+            if phase != pb::HandoffPhase::SourceReleased as i32 {
+                bail!("generation {gid} was not handed over (phase {phase})");
+            }
+        }
+        normal.sort();
+        let median = normal.get(normal.len() / 2).copied().unwrap_or_default();
+        let exit = {
+            let mut src = src;
+            let mut c = src.child.take().context("source running")?;
+            let status = tokio::task::spawn_blocking(move || c.wait()).await??;
+            if !status.success() {
+                bail!("the drained decoder exited with {status}");
+            }
+            drained.elapsed()
+        };
+        let ratio = longest.as_secs_f64() / median.as_secs_f64().max(1e-6);
+        ratios.push(ratio);
+        println!(
+            "round {}: normal gap (median) {:>6.1} ms, longest gap during the drain {:>6.1} ms = {:.2}x; source exited {:>6.1} ms after SIGTERM",
+            round + 1,
+            ms(median),
+            ms(longest),
+            ratio,
+            ms(exit)
+        );
+        for &gid in &gids {
+            let _ = client
+                .cancel(pb::CancelRequest {
+                    tenant: "bench".into(),
+                    request_id: format!("drain-{round}-{}", gids.iter().position(|x| *x == gid).unwrap_or(0)),
+                })
+                .await;
+        }
+        drop(dst);
+    }
+    ratios.sort_by(f64::total_cmp);
+    println!(
+        "longest gap / normal gap over {} drains: best {:.2}x, worst {:.2}x (goal: at most 2x)",
+        ratios.len(),
+        ratios.first().copied().unwrap_or_default(),
+        ratios.last().copied().unwrap_or_default()
+    );
+    Ok(())
+}

@@ -1,0 +1,472 @@
+//! Planned handoff between real decoder processes over a real 3-node log (CONTRACT §7): a
+//! decoder told to stop (SIGTERM) with a handoff listener hands every generation it owns to
+//! another decoder of the same model with its cache, through the log's phases, and exits; the
+//! clients' streams go on without a gap, a duplicate or a re-prefill, and the output equals an
+//! uninterrupted run's.
+
+// See tests/decoder_takeover.rs: the serial guard is held across awaits on purpose.
+#![allow(clippy::await_holding_lock)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{serial, Cluster};
+use futures::StreamExt;
+use tokenlog_decoder::worker::identity_to_pb;
+use tokenlog_decoder::{generate, FakeConfig, FakeModel, Model, SamplingConfig, StopConfig};
+use tokenlog_proto::raftlog as pb;
+use tokenlog_raftlog::client::LogClient;
+
+const MAX_TOKENS: u32 = 150;
+
+fn fake() -> FakeModel {
+    // What `tokenlog decoder --fake` loads.
+    FakeModel::new(FakeConfig {
+        eos_one_in: 64,
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+fn sampling() -> SamplingConfig {
+    SamplingConfig {
+        temperature: 0.8,
+        top_p: 0.95,
+        seed: 7,
+        ..Default::default()
+    }
+}
+
+fn expected(model: &dyn Model, prompt: &[u32], max_tokens: u32) -> Vec<u32> {
+    let stop = StopConfig {
+        max_tokens,
+        stop_strings: vec![],
+        eos_token_ids: vec![],
+    };
+    generate(model, prompt, &sampling(), &stop).unwrap().tokens
+}
+
+async fn submit(client: &LogClient, model: &dyn Model, rid: &str, prompt: &[u32], max_tokens: u32) -> u64 {
+    let s = sampling();
+    let binding = pb::Binding {
+        model: Some(identity_to_pb(model.identity())),
+        prompt_token_ids: prompt.to_vec(),
+        sampling: Some(pb::SamplingConfig {
+            temperature: s.temperature,
+            top_p: s.top_p,
+            seed: s.seed,
+            repetition_penalty: 1.0,
+            rng_version: tokenlog_decoder::RNG_VERSION,
+            ..Default::default()
+        }),
+        stop: Some(pb::StopConfig {
+            max_tokens,
+            ..Default::default()
+        }),
+        mode: pb::ResumeMode::Exact as i32,
+        ..Default::default()
+    };
+    client
+        .submit(pb::SubmitRequest {
+            tenant: "t".into(),
+            request_id: rid.into(),
+            binding: Some(binding),
+        })
+        .await
+        .unwrap()
+        .generation
+        .unwrap()
+        .generation_id
+}
+
+/// Follows a generation from seq 0 until it is terminal, like a client: every record once, in
+/// order. Returns the tokens, their epochs, and the longest wait between two records.
+async fn follow(client: &LogClient, id: u64) -> (Vec<u32>, Vec<u64>, Duration) {
+    let (mut toks, mut epochs) = (Vec::new(), Vec::new());
+    let mut longest = Duration::ZERO;
+    let mut last: Option<Instant> = None;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let mut stream = client.watch(id, toks.len() as u32).await.unwrap();
+        while let Ok(Some(item)) = tokio::time::timeout(Duration::from_secs(30), stream.next()).await {
+            let ev = item.unwrap();
+            let now = Instant::now();
+            if let (Some(t), false) = (last, ev.records.is_empty()) {
+                longest = longest.max(now - t);
+            }
+            for r in ev.records {
+                assert_eq!(r.seq as usize, toks.len(), "gap or duplicate in the committed stream");
+                toks.push(r.token_id);
+                epochs.push(r.epoch);
+                last = Some(now);
+            }
+            if ev.terminal.is_some() {
+                return (toks, epochs, longest);
+            }
+        }
+        assert!(Instant::now() < deadline, "generation {id} did not finish");
+    }
+}
+
+async fn get(client: &LogClient, id: u64) -> pb::GetResponse {
+    client
+        .get(pb::GetRequest {
+            generation_id: id,
+            linearizable: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+}
+
+async fn wait_until(what: &str, mut f: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !f().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Whether `decoder` is registered with a handoff listener.
+async fn takes_handoffs(client: &LogClient, decoder: &str) -> bool {
+    client
+        .list_models()
+        .await
+        .is_ok_and(|m| m.models.iter().any(|m| m.handoff_addrs.contains_key(decoder)))
+}
+
+/// Drains `a` (SIGTERM) into `b` while every generation of `prompts` runs on `a`; checks the
+/// contract and returns the longest gap any client saw and `a`'s log.
+async fn drain_and_check(
+    cluster: &Cluster,
+    model: &dyn Model,
+    prompts: &[Vec<u32>],
+    max_tokens: u32,
+    mut a: common::Decoder,
+    start_b: impl FnOnce() -> common::Decoder,
+) -> (Duration, common::Decoder) {
+    let client = cluster.client();
+    // Submitting is a gateway's call: over TLS, with a gateway's certificate.
+    let submitter = match &cluster.certs {
+        Some(dir) => LogClient::with_tls(cluster.addrs.clone(), Some(common::tls(dir, "gateway-1"))).unwrap(),
+        None => client.clone(),
+    };
+    let mut ids = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        ids.push(submit(&submitter, model, &format!("h{i}"), p, max_tokens).await);
+    }
+    for &id in &ids {
+        wait_until("a to own every generation and commit a few records", async || {
+            let g = get(&client, id).await.generation.unwrap();
+            g.lease.is_some_and(|l| l.owner == a.id) && g.frontier >= 4
+        })
+        .await;
+    }
+    let b = start_b();
+    let b_id = b.id.as_str();
+    wait_until("b to register its handoff listener", async || {
+        takes_handoffs(&client, b_id).await
+    })
+    .await;
+    let follows: Vec<_> = ids
+        .iter()
+        .map(|&id| {
+            let c = client.clone();
+            tokio::spawn(async move { follow(&c, id).await })
+        })
+        .collect();
+    a.signal("-TERM");
+    let status = a.wait_exit(Duration::from_secs(30)).expect("a exits after draining");
+    let a_log = a.log_text();
+    assert!(status.success(), "{a_log}");
+    let mut longest = Duration::ZERO;
+    for ((id, p), f) in ids.iter().zip(prompts).zip(follows) {
+        let (toks, epochs, gap) = f.await.unwrap();
+        longest = longest.max(gap);
+        assert_eq!(
+            toks,
+            expected(model, p, max_tokens),
+            "generation {id}: the uninterrupted run's tokens"
+        );
+        // Written by a at epoch 1, then by b at the handoff epoch 2, nothing else.
+        let switch = epochs.iter().position(|&e| e != 1).expect("b wrote the rest");
+        assert!(switch >= 4, "{epochs:?}");
+        assert!(epochs[switch..].iter().all(|&e| e == 2), "generation {id}: {epochs:?}");
+        let r = get(&client, *id).await;
+        let h = r.handoff.expect("the attempt is in the log");
+        assert_eq!(h.phase, pb::HandoffPhase::SourceReleased as i32, "{h:?}");
+        assert_eq!((h.source.as_str(), h.destination.as_str()), (a.id.as_str(), b_id));
+        assert_eq!((h.source_epoch, h.handoff_epoch), (1, 2));
+        let m = h.manifest.unwrap();
+        assert_eq!(
+            m.frontier as usize, switch,
+            "the cache covered exactly the records before b's"
+        );
+        assert_eq!(m.kv_positions as usize, p.len() + switch);
+        assert_eq!(r.generation.unwrap().takeovers, 1);
+    }
+    assert_eq!(
+        a_log.matches("generation handed over").count(),
+        prompts.len() * 2,
+        "{a_log}"
+    );
+    assert!(a_log.contains("drained"), "{a_log}");
+    (longest, b)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_decoder_hands_every_generation_over_with_its_cache() {
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    let flags = [
+        "--handoff-listen",
+        "127.0.0.1:0",
+        "--fake-step-ms",
+        "25",
+        "--capacity",
+        "4",
+    ];
+    let a = cluster.start_decoder("ho-a", &flags);
+    let client = cluster.client();
+    common::wait_for_model(&client).await;
+    let m = fake();
+    let prompts: Vec<Vec<u32>> = (0..4)
+        .map(|i| m.tokenizer().encode(&format!("prompt number {i}")).unwrap())
+        .collect();
+    // b starts once a holds everything.
+    let (longest, b) = drain_and_check(&cluster, &m, &prompts, MAX_TOKENS, a, || {
+        cluster.start_decoder("ho-b", &flags)
+    })
+    .await;
+    eprintln!("longest gap between two records at any client during the drain: {longest:?}");
+    let b_log = b.log_text();
+    assert_eq!(
+        b_log.matches("generation received with its cache").count(),
+        4,
+        "{b_log}"
+    );
+    assert!(!b_log.contains("generation taken"), "b re-prefilled nothing: {b_log}");
+}
+
+/// One failure point of a planned handoff (CONTRACT §8, points 1-6), as a scenario: which side
+/// dies where (a failpoint ends the process as a kill would), and what the log must show after.
+struct Case {
+    name: &'static str,
+    source_failpoints: &'static str,
+    destination_failpoints: &'static str,
+    /// The attempt's last phase.
+    phase: pb::HandoffPhase,
+    /// Whether the source / destination process ends by the failpoint (exit 137).
+    source_dies: bool,
+    destination_dies: bool,
+}
+
+const CASES: [Case; 6] = [
+    Case {
+        name: "1: the source fails during copying",
+        source_failpoints: "handoff-exit=source-copying",
+        destination_failpoints: "",
+        phase: pb::HandoffPhase::Aborted,
+        source_dies: true,
+        destination_dies: false,
+    },
+    Case {
+        name: "2: the destination fails before receiver-ready",
+        source_failpoints: "",
+        destination_failpoints: "handoff-exit=destination-before-ready",
+        phase: pb::HandoffPhase::Aborted,
+        source_dies: false,
+        destination_dies: true,
+    },
+    Case {
+        name: "3: the destination fails after receiver-ready, before the commit",
+        source_failpoints: "",
+        destination_failpoints: "handoff-exit=destination-after-ready",
+        phase: pb::HandoffPhase::Aborted,
+        source_dies: false,
+        destination_dies: true,
+    },
+    Case {
+        name: "4: the ownership commit's acknowledgment is lost",
+        source_failpoints: "",
+        destination_failpoints: "commit-answer-lost=1",
+        phase: pb::HandoffPhase::SourceReleased,
+        source_dies: false,
+        destination_dies: false,
+    },
+    Case {
+        name: "5: the destination fails after the commit, before its answer reaches the source",
+        source_failpoints: "",
+        destination_failpoints: "handoff-exit=destination-after-commit",
+        phase: pb::HandoffPhase::SourceReleased,
+        source_dies: false,
+        destination_dies: true,
+    },
+    Case {
+        name: "6: the source fails during its release",
+        source_failpoints: "handoff-exit=source-before-release",
+        destination_failpoints: "",
+        phase: pb::HandoffPhase::OwnershipCommitted,
+        source_dies: true,
+        destination_dies: false,
+    },
+];
+
+/// Failure points 1-6: whoever dies where, the generation has one owner at a time, no stale
+/// epoch writes after a newer one did, the attempt ends in the phase the point implies, and the
+/// client's stream is the uninterrupted run's, gap- and duplicate-free (a third decoder
+/// finishes what nobody holds any more).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_handoff_failure_point_keeps_one_owner_and_the_clients_stream() {
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    let client = cluster.client();
+    let m = fake();
+    let flags = [
+        "--handoff-listen",
+        "127.0.0.1:0",
+        "--fake-step-ms",
+        "25",
+        "--drain-ms",
+        "3000",
+    ];
+    for (i, case) in CASES.iter().enumerate() {
+        let env = |fp: &'static str| {
+            if fp.is_empty() {
+                vec![]
+            } else {
+                vec![("TOKENLOG_FAILPOINTS", fp)]
+            }
+        };
+        let mut s = cluster.start_decoder_env(&format!("fp{i}-s"), &flags, &env(case.source_failpoints));
+        common::wait_for_model(&client).await;
+        let prompt = m.tokenizer().encode(&format!("failure point {i}")).unwrap();
+        let id = submit(&client, &m, &format!("fp{i}"), &prompt, MAX_TOKENS).await;
+        wait_until("the source to own it with a few records", async || {
+            let g = get(&client, id).await.generation.unwrap();
+            g.lease.is_some_and(|l| l.owner == s.id) && g.frontier >= 4
+        })
+        .await;
+        let mut d = cluster.start_decoder_env(&format!("fp{i}-d"), &flags, &env(case.destination_failpoints));
+        let d_id = d.id.clone();
+        wait_until("the destination to register", async || {
+            takes_handoffs(&client, &d_id).await
+        })
+        .await;
+        let follower = {
+            let c = client.clone();
+            tokio::spawn(async move { follow(&c, id).await })
+        };
+        s.signal("-TERM");
+        let s_status = s.wait_exit(Duration::from_secs(30)).expect("the source exits");
+        assert_eq!(
+            s_status.code() == Some(137),
+            case.source_dies,
+            "{}: source {s_status:?}",
+            case.name
+        );
+        if case.destination_dies {
+            let st = d
+                .wait_exit(Duration::from_secs(30))
+                .expect("the destination's failpoint fired");
+            assert_eq!(st.code(), Some(137), "{}", case.name);
+        }
+        // Whatever nobody holds any more, a third decoder finishes.
+        let c = cluster.start_decoder(&format!("fp{i}-c"), &["--fake-step-ms", "25"]);
+        let (toks, epochs, _) = follower.await.unwrap();
+        assert_eq!(
+            toks,
+            expected(&m, &prompt, MAX_TOKENS),
+            "{}: the uninterrupted run",
+            case.name
+        );
+        assert!(
+            epochs.windows(2).all(|w| w[0] <= w[1]),
+            "{}: a stale epoch wrote: {epochs:?}",
+            case.name
+        );
+        let r = get(&client, id).await;
+        let h = r.handoff.expect("the attempt is in the log");
+        assert_eq!(h.phase, case.phase as i32, "{}: {h:?}", case.name);
+        assert_eq!((h.source_epoch, h.handoff_epoch), (1, 2), "{}", case.name);
+        if case.phase == pb::HandoffPhase::Aborted {
+            assert!(!h.detail.is_empty(), "{}: an abort says why", case.name);
+        }
+        eprintln!(
+            "{}: ok ({} records, epochs {:?}, attempt {} ended in phase {}, detail {:?})",
+            case.name,
+            toks.len(),
+            {
+                let mut e = epochs.clone();
+                e.dedup();
+                e
+            },
+            h.attempt,
+            pb::HandoffPhase::try_from(h.phase).map_or("?", |p| p.as_str_name()),
+            h.detail
+        );
+        drop((s, d, c));
+    }
+}
+
+/// Over mutual TLS: decoders hand over to each other with their decoder certificates (which
+/// carry `tokenlog-decoder` for their handoff listeners), and a caller with another role, or
+/// without a certificate, is refused by the listener.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handoffs_run_over_mutual_tls_and_only_decoders_may_call_a_listener() {
+    let _serial = serial();
+    let certs = tempfile::tempdir().unwrap();
+    common::make_certs(certs.path(), &[]);
+    let cluster = Cluster::start_tls(certs.path());
+    cluster.leader().await;
+    let m = fake();
+    let args = |holder: &str| {
+        let mut a = common::tls_args(certs.path(), holder);
+        a.extend(["--handoff-listen", "127.0.0.1:0", "--fake-step-ms", "25"].map(String::from));
+        a
+    };
+    let a_args = args("decoder-1");
+    let b_args = args("decoder-2");
+    let a = cluster.start_decoder("tls-a", &a_args.iter().map(String::as_str).collect::<Vec<_>>());
+    let client = cluster.client();
+    common::wait_for_model(&client).await;
+    let prompts: Vec<Vec<u32>> = (0..2)
+        .map(|i| m.tokenizer().encode(&format!("tls {i}")).unwrap())
+        .collect();
+    let (_, b) = drain_and_check(&cluster, &m, &prompts, MAX_TOKENS, a, || {
+        cluster.start_decoder("tls-b", &b_args.iter().map(String::as_str).collect::<Vec<_>>())
+    })
+    .await;
+    // b's listener, called as a gateway and without a certificate.
+    let addr = client.list_models().await.unwrap().models[0].handoff_addrs["tls-b"].clone();
+    for (holder, want) in [
+        (Some("gateway-1"), tonic::Code::PermissionDenied),
+        (None, tonic::Code::Unauthenticated),
+    ] {
+        let ca = std::fs::read(certs.path().join("ca.pem")).unwrap();
+        let mut cfg = tonic::transport::ClientTlsConfig::new()
+            .ca_certificate(tonic::transport::Certificate::from_pem(ca))
+            .domain_name(tokenlog_raftlog::tls::DECODER_SERVER_NAME);
+        if let Some(h) = holder {
+            let cert = std::fs::read(certs.path().join(format!("{h}.pem"))).unwrap();
+            let key = std::fs::read(certs.path().join(format!("{h}.key"))).unwrap();
+            cfg = cfg.identity(tonic::transport::Identity::from_pem(cert, key));
+        }
+        let ch = tonic::transport::Endpoint::from_shared(format!("https://{addr}"))
+            .unwrap()
+            .tls_config(cfg)
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut c = tokenlog_proto::decoder::handoff_client::HandoffClient::new(ch);
+        let got = c
+            .transfer(futures::stream::iter(Vec::new()))
+            .await
+            .map(|_| ())
+            .unwrap_err();
+        assert_eq!(got.code(), want, "{holder:?}: {got}");
+    }
+    drop(b);
+}
