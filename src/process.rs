@@ -187,6 +187,16 @@ pub fn plant_stall() -> anyhow::Result<bool> {
     Ok(on)
 }
 
+/// The planted bug `early-handoff-write` (`TOKENLOG_PLANT_EARLY_HANDOFF_WRITE=1`, fault builds
+/// only; issue 15): a handoff's destination decodes before the log committed its ownership.
+pub fn plant_early_handoff_write() -> anyhow::Result<bool> {
+    let on = planted("TOKENLOG_PLANT_EARLY_HANDOFF_WRITE")?;
+    if on {
+        eprintln!("PLANTED BUG ON: early handoff write");
+    }
+    Ok(on)
+}
+
 /// Test only (fault builds): with `TOKENLOG_PLANT_TASK_PANIC=1`, a background task panics
 /// 300 ms after start, as a bug in a server task would; the process must not go on without it
 /// (see [`abort_on_panic`]).

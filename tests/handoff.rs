@@ -470,3 +470,120 @@ async fn handoffs_run_over_mutual_tls_and_only_decoders_may_call_a_listener() {
     }
     drop(b);
 }
+
+/// The appends in a decoder's history (`--history`) at an epoch the decoder had not been
+/// granted before it sent them: granted by an acquire's answer, or by a handoff it received
+/// (`handoff_received`, recorded once the log committed its ownership). Each as
+/// `(generation, epoch, start_seq)`.
+fn writes_without_a_grant(history: &std::path::Path) -> Vec<(u64, u64, u32)> {
+    use tokenlog_decoder::history::{Answer, Call, DecoderEvent, HistoryLine};
+    let text = std::fs::read_to_string(history).unwrap_or_default();
+    let mut granted: std::collections::HashSet<(u64, u64)> = Default::default();
+    let mut acquires: std::collections::HashMap<u64, u64> = Default::default();
+    let mut bad = Vec::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let Ok(l) = serde_json::from_str::<HistoryLine>(line) else {
+            continue;
+        };
+        match l {
+            HistoryLine::Invoke {
+                id,
+                call: Call::Acquire { gen },
+                ..
+            } => {
+                acquires.insert(id, gen);
+            }
+            HistoryLine::Complete {
+                id,
+                answer: Answer::Acquire {
+                    ok: Some(true), epoch, ..
+                },
+                ..
+            } => {
+                if let Some(gen) = acquires.get(&id) {
+                    granted.insert((*gen, epoch));
+                }
+            }
+            HistoryLine::Event {
+                event: DecoderEvent::HandoffReceived { gen, epoch, .. },
+                ..
+            } => {
+                granted.insert((gen, epoch));
+            }
+            HistoryLine::Invoke {
+                call: Call::Append {
+                    gen, epoch, start_seq, ..
+                },
+                ..
+            } if !granted.contains(&(gen, epoch)) => bad.push((gen, epoch, start_seq)),
+            _ => {}
+        }
+    }
+    bad
+}
+
+/// Planted bug `early-handoff-write`: a destination that decodes a handed-over generation
+/// before the log committed its ownership is caught by its own history (it appended at the
+/// handoff epoch before it was granted); a correct destination's history, in the same run
+/// shape, shows no such write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destination_writing_before_the_ownership_commit_is_caught() {
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    let client = cluster.client();
+    let m = fake();
+    for (round, plant) in [(0, false), (1, true)] {
+        let flags = ["--handoff-listen", "127.0.0.1:0", "--fake-step-ms", "25"];
+        let mut a = cluster.start_decoder(&format!("early{round}-a"), &flags);
+        common::wait_for_model(&client).await;
+        let prompt = m.tokenizer().encode(&format!("early {round}")).unwrap();
+        let id = submit(&client, &m, &format!("early{round}"), &prompt, MAX_TOKENS).await;
+        wait_until("a to own it", async || {
+            let g = get(&client, id).await.generation.unwrap();
+            g.lease.is_some_and(|l| l.owner == a.id) && g.frontier >= 4
+        })
+        .await;
+        let history = cluster.dir.path().join(format!("early{round}-b.jsonl"));
+        let mut b_flags: Vec<String> = flags.iter().map(|s| s.to_string()).collect();
+        b_flags.extend(["--history".into(), history.display().to_string()]);
+        let b_flags: Vec<&str> = b_flags.iter().map(String::as_str).collect();
+        let env: Vec<(&str, &str)> = if plant {
+            vec![("TOKENLOG_PLANT_EARLY_HANDOFF_WRITE", "1")]
+        } else {
+            vec![]
+        };
+        let b = cluster.start_decoder_env(&format!("early{round}-b"), &b_flags, &env);
+        let b_id = b.id.clone();
+        wait_until("b to register", async || takes_handoffs(&client, &b_id).await).await;
+        a.signal("-TERM");
+        a.wait_exit(Duration::from_secs(30)).expect("a exits");
+        wait_until("the attempt to end", async || {
+            get(&client, id)
+                .await
+                .handoff
+                .is_some_and(|h| h.phase >= pb::HandoffPhase::OwnershipCommitted as i32)
+        })
+        .await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let bad = writes_without_a_grant(&history);
+        if plant {
+            assert!(
+                !bad.is_empty(),
+                "the planted early write went unnoticed: {}",
+                b.log_text()
+            );
+            assert!(bad.iter().all(|&(g, e, _)| g == id && e == 2), "{bad:?}");
+        } else {
+            assert!(bad.is_empty(), "a correct destination wrote without a grant: {bad:?}");
+        }
+        // The next round starts with nothing running.
+        client
+            .cancel(pb::CancelRequest {
+                tenant: "t".into(),
+                request_id: format!("early{round}"),
+            })
+            .await
+            .unwrap();
+        drop(b);
+    }
+}

@@ -71,6 +71,8 @@ pub(crate) struct PortShared {
     pub held: Held,
     pub history: Option<Arc<History>>,
     pub hooks: Option<Arc<dyn StepHooks>>,
+    /// Planted bug `early-handoff-write` (see `WorkerConfig::plant_early_handoff_write`).
+    pub plant_early_write: bool,
     /// Wakes the worker's idle loop when a generation arrives.
     pub wake: Arc<tokio::sync::Notify>,
 }
@@ -225,6 +227,26 @@ impl HandoffPort {
             return Err(format!("the log refused receiver_ready: {:?}", ready.rejection));
         }
         halt_at(&s.hooks, &s.history, HandoffPoint::DestinationAfterReady, id);
+        let mut state = Some(state);
+        if s.plant_early_write {
+            tracing::error!(
+                generation = id,
+                "PLANTED BUG: decoding a handed-over generation before its ownership commit"
+            );
+            s.held
+                .lock()
+                .expect("lock")
+                .insert(id, (header.handoff_epoch, Instant::now()));
+            let _ = s.incoming.send(Received {
+                id,
+                epoch: header.handoff_epoch,
+                committed: committed.len() as u32,
+                state: state.take().expect("set above"),
+            });
+            s.wake.notify_one();
+            // Long enough for the worker to write before the commit below.
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        }
         let commit = pb::handoff_request::Step::Commit(pb::HandoffCommit {
             attempt: header.attempt,
             destination: s.decoder_id.clone(),
@@ -278,13 +300,15 @@ impl HandoffPort {
             ms = t0.elapsed().as_millis() as u64,
             "generation received with its cache"
         );
-        let _ = s.incoming.send(Received {
-            id,
-            epoch: header.handoff_epoch,
-            committed: committed.len() as u32,
-            state,
-        });
-        s.wake.notify_one();
+        if let Some(state) = state {
+            let _ = s.incoming.send(Received {
+                id,
+                epoch: header.handoff_epoch,
+                committed: committed.len() as u32,
+                state,
+            });
+            s.wake.notify_one();
+        }
         Ok(dpb::TransferResult {
             committed: true,
             epoch: header.handoff_epoch,

@@ -50,6 +50,9 @@ pub const HANDOFF_TRANSFER_TIMEOUT: Duration = Duration::from_secs(10);
 pub const HANDOFF_CACHE_BYTES_MAX: u64 = 4 << 30;
 /// Bytes of one cache block per transfer message (a block is split along its bytes).
 pub const HANDOFF_CHUNK_BYTES: usize = 4 << 20;
+/// The longest a worker waits for the last answers of a generation it is about to hand over
+/// before stepping the others (the answers usually take a few ms).
+pub const MOVE_SETTLE_MAX: Duration = Duration::from_millis(50);
 /// How long a draining decoder (SIGTERM with a handoff listener) tries to hand its generations
 /// to other decoders before it releases the rest, by default.
 pub const DRAIN_MS_DEFAULT: u64 = 10_000;

@@ -358,6 +358,12 @@ impl DecodeState {
         Ok(())
     }
 
+    /// Whether the next token can be drawn without a forward pass (the logits of its position
+    /// are at hand: right after a prefill, an import or a feed).
+    pub fn logits_ready(&self) -> bool {
+        self.finished.is_none() && self.unfed.is_none() && self.logits.is_some()
+    }
+
     /// Records that the log has committed the first `frontier` generated tokens.
     pub fn mark_committed(&mut self, frontier: usize) {
         assert!(

@@ -69,6 +69,11 @@ pub struct WorkerConfig {
     /// it, the fault suite's probes and liveness) must catch it.
     #[cfg(feature = "faults")]
     pub plant_stall: bool,
+    /// Planted bug (fault builds only; issue 15): a destination starts decoding a handed-over
+    /// generation as soon as it said `receiver_ready`, before the log committed its ownership.
+    /// A check of the decoder's history must catch it.
+    #[cfg(feature = "faults")]
+    pub plant_early_handoff_write: bool,
     /// Where other decoders reach this one's handoff listener (`host:port`, in its
     /// registration); empty: it takes no handoffs and hands none out.
     pub handoff_addr: String,
@@ -94,6 +99,8 @@ impl WorkerConfig {
             plant_zombie: false,
             #[cfg(feature = "faults")]
             plant_stall: false,
+            #[cfg(feature = "faults")]
+            plant_early_handoff_write: false,
             handoff_addr: String::new(),
             drain_ms: crate::limits::DRAIN_MS_DEFAULT,
         }
@@ -103,6 +110,14 @@ impl WorkerConfig {
     fn stalls(&self) -> bool {
         #[cfg(feature = "faults")]
         return self.plant_stall;
+        #[cfg(not(feature = "faults"))]
+        false
+    }
+
+    /// Whether the planted bug `early-handoff-write` is on.
+    pub fn early_handoff_write(&self) -> bool {
+        #[cfg(feature = "faults")]
+        return self.plant_early_handoff_write;
         #[cfg(not(feature = "faults"))]
         false
     }
@@ -351,6 +366,7 @@ impl Worker {
             held: held.clone(),
             history: None,
             hooks: None,
+            plant_early_write: cfg.early_handoff_write(),
             wake: Default::default(),
         });
         Worker {
@@ -492,6 +508,10 @@ impl Worker {
             self.absorb_handoffs();
             self.drop_lost();
             self.start_handoffs();
+            self.settle_moving().await;
+            if let Some(fired) = self.sample_ready().await? {
+                return self.halt(fired).await;
+            }
             let sampling = self.active.values().any(Active::can_sample);
             if sampling {
                 self.step().await?;
@@ -620,6 +640,47 @@ impl Worker {
                 wake.notify_one();
             });
         }
+    }
+
+    /// When a generation to be moved only waits for its last answers, waits for them (up to
+    /// `MOVE_SETTLE_MAX`; they take a few ms) and starts its handoff, instead of making it wait
+    /// for a whole step of the others: its client's pause is the handoff alone.
+    async fn settle_moving(&mut self) {
+        let waiting = |w: &Self| {
+            w.active
+                .values()
+                .any(|g| g.moving && g.finish.is_none() && !g.uncommitted.is_empty())
+        };
+        if !waiting(self) {
+            return;
+        }
+        if self.in_flight.len() < APPENDS_IN_FLIGHT_MAX {
+            self.send().await;
+        }
+        let deadline = Instant::now() + crate::limits::MOVE_SETTLE_MAX;
+        while waiting(self) && !self.in_flight.is_empty() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let Some(stream) = self.stream.as_mut() else {
+                break;
+            };
+            if left.is_zero() {
+                break;
+            }
+            // Cancel-safe: an answer not yet received stays queued for `collect`.
+            match tokio::time::timeout(left, stream.answer()).await {
+                Err(_) => break,
+                Ok(Ok(resp)) => {
+                    let sent = self.in_flight.pop_front().expect("not empty");
+                    self.record_answers(&sent, Some(&resp));
+                    self.absorb(&sent, resp);
+                }
+                Ok(Err(e)) => {
+                    self.close_stream(&e.to_string());
+                    break;
+                }
+            }
+        }
+        self.start_handoffs();
     }
 
     /// Takes in generations received from other decoders and the outcomes of handoffs out.
@@ -850,6 +911,47 @@ impl Worker {
                 Err(e) => tracing::warn!(generation = id, error = %e, "could not take generation"),
             }
         }
+    }
+
+    /// A generation whose next logits are at hand (one just received with its cache, or just
+    /// prefilled) draws its token now and sends it, without waiting for a whole step of the
+    /// others: no forward pass is needed for it. The step hooks run as around a step; a fired
+    /// one is returned.
+    async fn sample_ready(&mut self) -> Result<Option<Fired>, WorkerError> {
+        let ready: Vec<u64> = self
+            .active
+            .values()
+            .filter(|g| g.can_sample() && g.state.logits_ready())
+            .map(|g| g.id)
+            .collect();
+        if ready.is_empty() {
+            return Ok(None);
+        }
+        let mut gens: Vec<Active> = ready.iter().filter_map(|id| self.active.remove(id)).collect();
+        let gens = model_work(move || {
+            for g in gens.iter_mut() {
+                if let Some(step) = g.state.next_token()? {
+                    g.uncommitted.push(step.token);
+                    g.finish = step.finish;
+                }
+            }
+            Ok::<_, crate::Error>(gens)
+        })
+        .await
+        .map_err(WorkerError::Other)??;
+        self.active.extend(gens.into_iter().map(|g| (g.id, g)));
+        self.drop_lost();
+        if let Some(fired) = self.hooks.as_ref().and_then(|h| h.after_sample(&self.views())) {
+            return Ok(Some(fired));
+        }
+        self.collect(false).await;
+        if let Some(fired) = self.hooks.as_ref().and_then(|h| h.before_send(&self.views())) {
+            return Ok(Some(fired));
+        }
+        if self.in_flight.len() < APPENDS_IN_FLIGHT_MAX {
+            self.send().await;
+        }
+        Ok(None)
     }
 
     /// Samples one token for every generation that can take one ([`Active::can_sample`]).

@@ -125,6 +125,7 @@ pub async fn drain(a: DrainArgs) -> anyhow::Result<()> {
         prompt.truncate(16);
     }
     let dir = tempfile::tempdir()?;
+    println!("process logs in {} (removed at the end)", dir.path().display());
     let _procs = start_tokenlog(dir.path(), a.base_port)?;
     let addrs: Vec<String> = (0..3).map(|i| format!("127.0.0.1:{}", a.base_port + i)).collect();
     let cluster = addrs.join(",");
@@ -174,9 +175,12 @@ pub async fn drain(a: DrainArgs) -> anyhow::Result<()> {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let pid = src.child.as_ref().context("source running")?.id();
+        let mut src = src;
+        let mut child = src.child.take().context("source running")?;
+        let pid = child.id();
         let drained = Instant::now();
         Command::new("kill").args(["-TERM", &pid.to_string()]).status()?;
+        let exited = tokio::task::spawn_blocking(move || (child.wait(), Instant::now()));
         let mut normal = Vec::new();
         let mut longest = Duration::ZERO;
         for (w, gid) in watchers.into_iter().zip(&gids) {
@@ -205,14 +209,14 @@ pub async fn drain(a: DrainArgs) -> anyhow::Result<()> {
         normal.sort();
         let median = normal.get(normal.len() / 2).copied().unwrap_or_default();
         let exit = {
-            let mut src = src;
-            let mut c = src.child.take().context("source running")?;
-            let status = tokio::task::spawn_blocking(move || c.wait()).await??;
+            let (status, at) = exited.await?;
+            let status = status?;
             if !status.success() {
                 bail!("the drained decoder exited with {status}");
             }
-            drained.elapsed()
+            at - drained
         };
+        drop(src);
         let ratio = longest.as_secs_f64() / median.as_secs_f64().max(1e-6);
         ratios.push(ratio);
         println!(
@@ -232,6 +236,9 @@ pub async fn drain(a: DrainArgs) -> anyhow::Result<()> {
                 .await;
         }
         drop(dst);
+    }
+    if std::env::var_os("TOKENLOG_BENCH_KEEP").is_some() {
+        println!("kept {}", dir.keep().display());
     }
     ratios.sort_by(f64::total_cmp);
     println!(

@@ -225,13 +225,15 @@ pub async fn run(a: DecoderArgs) -> anyhow::Result<()> {
     cfg.stall_ms = a.stall_ms;
     let zombie = crate::process::plant_zombie()?;
     let stall = crate::process::plant_stall()?;
+    let early_write = crate::process::plant_early_handoff_write()?;
     #[cfg(feature = "faults")]
     {
         cfg.plant_zombie = zombie;
         cfg.plant_stall = stall;
+        cfg.plant_early_handoff_write = early_write;
     }
     #[cfg(not(feature = "faults"))]
-    let _ = stall;
+    let _ = (stall, early_write);
     cfg.drain_ms = a.drain_ms;
     let tls = a.tls.load()?;
     let handoff_listener = match a.handoff_listen {
