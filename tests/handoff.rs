@@ -587,3 +587,38 @@ async fn a_destination_writing_before_the_ownership_commit_is_caught() {
         drop(b);
     }
 }
+
+/// The real model (SmolLM2, sampled, exact mode) handed over between two decoder processes:
+/// the client's tokens equal the uninterrupted run's, bit for bit, with no re-prefill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_real_model_hands_over_between_processes_and_stays_exact() {
+    let _serial = serial();
+    let path = tokenlog_decoder::fetch::ensure_default_model(&tokenlog_decoder::fetch::repo_models_dir()).unwrap();
+    tokenlog_decoder::threads::init_cpu_threads(1);
+    let model = tokenlog_decoder::load_model(&path, tokenlog_decoder::DeviceSpec::Cpu).unwrap();
+    let cluster = Cluster::start(20_000);
+    let flags = ["--handoff-listen", "127.0.0.1:0", "--capacity", "2"];
+    let a = cluster.start_real_decoder("real-ho-a", &path, &flags);
+    common::wait_for_model(&cluster.client()).await;
+    let prompts: Vec<Vec<u32>> = ["Tell me about lighthouses.", "Name a few rivers."]
+        .iter()
+        .map(|q| {
+            model
+                .tokenizer()
+                .encode_chat(&[tokenlog_decoder::ChatMessage::user(*q)])
+                .unwrap()
+        })
+        .collect();
+    let (longest, b) = drain_and_check(&cluster, model.as_ref(), &prompts, 32, a, || {
+        cluster.start_real_decoder("real-ho-b", &path, &flags)
+    })
+    .await;
+    eprintln!("longest gap between two records at any client during the drain: {longest:?}");
+    let b_log = b.log_text();
+    assert_eq!(
+        b_log.matches("generation received with its cache").count(),
+        2,
+        "{b_log}"
+    );
+    assert!(!b_log.contains("generation taken"), "b re-prefilled nothing: {b_log}");
+}

@@ -63,15 +63,20 @@ impl CacheBlock {
     pub fn check(&self) -> Result<()> {
         let width = Self::dtype_bytes(&self.dtype)
             .ok_or_else(|| Error::Invalid(format!("cache block of unknown dtype {:?}", self.dtype)))?;
-        let elems: u64 = self.shape.iter().map(|&d| u64::from(d)).product();
-        if elems * width as u64 != self.data.len() as u64 {
+        // Shapes come from another process: no overflow on the way.
+        let needed = self
+            .shape
+            .iter()
+            .try_fold(width as u64, |n, &d| n.checked_mul(u64::from(d)))
+            .ok_or_else(|| Error::Invalid(format!("cache block shape {:?} is too large", self.shape)))?;
+        if needed != self.data.len() as u64 {
             return Err(Error::Invalid(format!(
                 "cache block of layer {} ({}): shape {:?} of {} needs {} bytes, it has {}",
                 self.layer,
                 self.kind.name(),
                 self.shape,
                 self.dtype,
-                elems * width as u64,
+                needed,
                 self.data.len()
             )));
         }
@@ -203,6 +208,8 @@ mod tests {
         b.check().unwrap();
         b.shape = vec![2];
         assert!(b.check().is_err());
+        b.shape = vec![u32::MAX, u32::MAX, u32::MAX];
+        assert!(b.check().is_err(), "an overflowing shape is refused, not a panic");
         b.dtype = "q9".into();
         assert!(b.check().is_err());
         let l = vec![1.0f32, f32::MIN, 3.25];

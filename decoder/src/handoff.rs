@@ -247,6 +247,9 @@ impl HandoffPort {
             // Long enough for the worker to write before the commit below.
             tokio::time::sleep(std::time::Duration::from_millis(300)).await;
         }
+        if !s.accepting.load(Ordering::Acquire) {
+            return Err("this decoder began to stop before the commit".into());
+        }
         let commit = pb::handoff_request::Step::Commit(pb::HandoffCommit {
             attempt: header.attempt,
             destination: s.decoder_id.clone(),
@@ -268,7 +271,7 @@ impl HandoffPort {
             // The answer was lost: the log knows.
             Err(e) => {
                 tracing::warn!(generation = id, error = %e, "commit answer lost; asking the log");
-                owns(&s.client, id, &s.decoder_id, header.handoff_epoch).await
+                resolve_lost_commit(&s.client, id, header.attempt, &s.decoder_id, header.handoff_epoch).await
             }
         };
         if !committed_now {
@@ -323,7 +326,14 @@ impl dpb::handoff_server::Handoff for HandoffPort {
         &self,
         req: Request<tonic::Streaming<dpb::TransferChunk>>,
     ) -> Result<Response<dpb::TransferResult>, Status> {
-        let result = match self.receive(req.into_inner()).await {
+        // In a task of its own: a caller that goes away (its stream reset, its timeout) must not
+        // cancel a receive halfway, with its slot taken or its commit proposed.
+        let port = self.clone();
+        let inbound = req.into_inner();
+        let outcome = tokio::spawn(async move { port.receive(inbound).await })
+            .await
+            .unwrap_or_else(|e| Err(format!("the receive failed: {e}")));
+        let result = match outcome {
             Ok(r) => r,
             Err(detail) => {
                 tracing::warn!(detail, "handoff refused");
@@ -461,11 +471,37 @@ async fn abort(client: &LogClient, id: u64, attempt: u64, by: &str, detail: &str
     }
 }
 
-/// Whether the log says `decoder` owns `id` at `epoch` now.
-async fn owns(client: &LogClient, id: u64, decoder: &str, epoch: u64) -> bool {
-    match client.generation(id).await {
-        Ok(g) => g.lease.is_some_and(|l| l.owner == decoder && l.epoch == epoch),
-        Err(_) => false,
+/// A commit whose answer was lost: whether it applied. Our own abort of the attempt settles it
+/// (log order decides): applied before the commit it wins and the commit will be refused;
+/// after it, it is refused and the generation is ours. Retried until the log answers or the
+/// transfer's timeout passes (then: not ours; if the commit did apply, the lease lapses and the
+/// generation is taken over like any orphan).
+async fn resolve_lost_commit(client: &LogClient, id: u64, attempt: u64, me: &str, epoch: u64) -> bool {
+    let deadline = Instant::now() + HANDOFF_TRANSFER_TIMEOUT;
+    loop {
+        let r = step(
+            client,
+            id,
+            pb::handoff_request::Step::Abort(pb::HandoffAbort {
+                attempt,
+                by: me.to_string(),
+                detail: "the destination's commit answer was lost".into(),
+            }),
+        )
+        .await;
+        match r {
+            Ok(resp) if resp.ok => return false,
+            Ok(_) => {
+                if let Ok(g) = client.generation(id).await {
+                    return g.lease.is_some_and(|l| l.owner == me && l.epoch == epoch);
+                }
+            }
+            Err(e) => tracing::debug!(generation = id, error = %e, "abort unanswered; retrying"),
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
 }
 

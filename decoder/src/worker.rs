@@ -454,10 +454,13 @@ impl Worker {
                 Err(WorkerError::Stalled(why))
             }
         };
+        // No transfer is taken in from here on, whatever ended the worker.
+        self.port.accepting.store(false, std::sync::atomic::Ordering::Release);
         match &result {
             Ok(()) => {
-                drop(renewer);
+                // Renewing until the end: handoffs still running need their leases.
                 self.release_all().await;
+                drop(renewer);
             }
             // Planted bug `zombie`: a worker that failed on its own keeps renewing its leases
             // (and keeps its session open, which would otherwise end them).
@@ -873,10 +876,12 @@ impl Worker {
         // PendingWork judges leases by the answering node's clock: it may list a generation this
         // worker is decoding (after a pause, or across an election). Acquiring it again would
         // replace the live state while its appends are in flight: skip it.
+        // Nor one held while it is handed out or received (it is in `held`, not `active`).
+        let held: std::collections::HashSet<u64> = self.held.lock().expect("lock").keys().copied().collect();
         let ids: Vec<u64> = pending
             .iter()
             .map(|g| g.generation_id)
-            .filter(|id| !self.active.contains_key(id))
+            .filter(|id| !self.active.contains_key(id) && !held.contains(id))
             .take(want as usize)
             .collect();
         // Acquire and prepare several at once: the leader merges the acquires into few entries.
@@ -1192,14 +1197,22 @@ impl Worker {
 
     async fn release_all(&mut self) {
         self.port.accepting.store(false, std::sync::atomic::Ordering::Release);
-        // Handoffs out in progress end first (moved, or back here to be released).
+        self.release_active().await;
+        // Handoffs out (and receives) still in progress end next: moved, or back here to be
+        // released. Their leases are renewed meanwhile.
         let deadline = Instant::now() + crate::limits::HANDOFF_TRANSFER_TIMEOUT * 2;
-        while self.handing_out > 0 && Instant::now() < deadline {
+        let busy = |w: &Self| w.handing_out > 0 || w.port.reserved.load(std::sync::atomic::Ordering::Acquire) > 0;
+        while busy(self) && Instant::now() < deadline {
             let wake = self.wake.clone();
             let _ = tokio::time::timeout(Duration::from_millis(50), wake.notified()).await;
             self.absorb_handoffs();
         }
         self.absorb_handoffs();
+        self.release_active().await;
+    }
+
+    /// Releases every active generation.
+    async fn release_active(&mut self) {
         for (id, g) in std::mem::take(&mut self.active) {
             self.held.lock().expect("lock").remove(&id);
             release(&self.client, self.history.as_deref(), id, g.epoch).await;

@@ -234,7 +234,7 @@ impl Log for LogService {
         };
         let (resp, _) = self
             .ctx
-            .write(Command::Register {
+            .write(Command::RegisterDecoder {
                 decoder: r.decoder_id,
                 info,
                 ttl_ms: r.ttl_ms,

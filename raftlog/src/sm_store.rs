@@ -133,31 +133,6 @@ pub fn check_chains(state: &LogState, problems: &mut Vec<String>) -> u64 {
     records
 }
 
-/// A decoder registration as formats 3 and 4 encoded it: without its handoff address.
-#[derive(Deserialize)]
-struct DecoderInfoV4 {
-    model_name: String,
-    model: ModelIdentity,
-    capacity: u32,
-    chat_template: String,
-    context_tokens: u32,
-    expiry_log_ms: u64,
-}
-
-impl From<DecoderInfoV4> for DecoderInfo {
-    fn from(d: DecoderInfoV4) -> DecoderInfo {
-        DecoderInfo {
-            model_name: d.model_name,
-            model: d.model,
-            capacity: d.capacity,
-            chat_template: d.chat_template,
-            context_tokens: d.context_tokens,
-            expiry_log_ms: d.expiry_log_ms,
-            handoff_addr: String::new(),
-        }
-    }
-}
-
 type DecodersV4 = std::collections::BTreeMap<String, DecoderInfoV4>;
 
 fn decoders_from(d: DecodersV4) -> std::collections::BTreeMap<String, DecoderInfo> {

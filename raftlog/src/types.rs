@@ -302,10 +302,12 @@ pub enum Command {
         tenant: String,
         request_id: String,
     },
-    /// A decoder announces the model it serves, for `ttl_ms` of log time.
+    /// A decoder announces the model it serves, for `ttl_ms` of log time, as entries written
+    /// before handoff listeners existed encode it (still applied from such logs; new entries
+    /// are [`Command::RegisterDecoder`]). Its shape must not change: old entries decode by it.
     Register {
         decoder: String,
-        info: DecoderInfo,
+        info: DecoderInfoV4,
         ttl_ms: u64,
     },
     /// Leader housekeeping: fail generations past their deadline, prune finished ones past
@@ -354,6 +356,13 @@ pub enum Command {
     Handoff {
         generation: GenerationId,
         step: HandoffStep,
+    },
+    /// A decoder announces the model it serves and where it takes handoffs, for `ttl_ms` of log
+    /// time.
+    RegisterDecoder {
+        decoder: String,
+        info: DecoderInfo,
+        ttl_ms: u64,
     },
 }
 
@@ -479,6 +488,32 @@ pub struct TokenizerPackage(pub Vec<u8>);
 impl std::fmt::Debug for TokenizerPackage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "TokenizerPackage({} bytes)", self.0.len())
+    }
+}
+
+/// A decoder registration as [`Command::Register`] entries and snapshot formats 3 and 4 encode
+/// it: without its handoff address.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DecoderInfoV4 {
+    pub model_name: String,
+    pub model: ModelIdentity,
+    pub capacity: u32,
+    pub chat_template: String,
+    pub context_tokens: u32,
+    pub expiry_log_ms: u64,
+}
+
+impl From<DecoderInfoV4> for DecoderInfo {
+    fn from(d: DecoderInfoV4) -> DecoderInfo {
+        DecoderInfo {
+            model_name: d.model_name,
+            model: d.model,
+            capacity: d.capacity,
+            chat_template: d.chat_template,
+            context_tokens: d.context_tokens,
+            expiry_log_ms: d.expiry_log_ms,
+            handoff_addr: String::new(),
+        }
     }
 }
 
@@ -628,7 +663,7 @@ impl std::fmt::Display for Request {
             Command::Finish { .. } => "finish",
             Command::Release { .. } => "release",
             Command::Cancel { .. } => "cancel",
-            Command::Register { .. } => "register",
+            Command::Register { .. } | Command::RegisterDecoder { .. } => "register",
             Command::Tick { .. } => "tick",
             Command::Batch(_) => "batch",
             Command::NewLeader => "new-leader",

@@ -225,10 +225,11 @@ impl LogState {
                 g,
             ));
         }
-        if manifest.cache_sha256.is_empty() || manifest.cache_format.is_empty() {
+        let hex64 = |x: &str| x.len() == 64 && x.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+        if !hex64(&manifest.cache_sha256) || manifest.cache_format.is_empty() {
             return Err(reject_gen(
                 RejectReason::Invalid,
-                "the manifest names no cache (format and checksum)",
+                "the manifest names its cache format and its SHA-256 (64 lowercase hex digits)",
                 g,
             ));
         }

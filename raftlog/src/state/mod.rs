@@ -298,6 +298,9 @@ impl LogState {
                 Response::Ownership(self.cancel(tenant, request_id, now, changes))
             }
             Command::Register { decoder, info, ttl_ms } => {
+                Response::Registered(self.register(decoder, &info.clone().into(), *ttl_ms, changes))
+            }
+            Command::RegisterDecoder { decoder, info, ttl_ms } => {
                 Response::Registered(self.register(decoder, info, *ttl_ms, changes))
             }
             Command::Tick { retention_ms } => self.tick(*retention_ms, changes),

@@ -5,6 +5,7 @@ use super::*;
 
 const SRC: &str = "src";
 const DST: &str = "dst";
+const SHA: &str = "c0ffee00c0ffee00c0ffee00c0ffee00c0ffee00c0ffee00c0ffee00c0ffee00";
 
 fn manifest(frontier: Seq) -> CacheManifest {
     CacheManifest {
@@ -12,7 +13,7 @@ fn manifest(frontier: Seq) -> CacheManifest {
         cache_format: "kv-f32/cpu".into(),
         frontier,
         kv_positions: 3 + frontier,
-        cache_sha256: "c0ffee".into(),
+        cache_sha256: SHA.into(),
         bytes: 1_000,
     }
 }
@@ -28,7 +29,7 @@ impl T {
         };
         let r = self.at(
             t,
-            Command::Register {
+            Command::RegisterDecoder {
                 decoder: dec.into(),
                 info,
                 ttl_ms: 60_000,
@@ -87,7 +88,7 @@ impl T {
             },
         )
         .unwrap();
-        let (h, _) = self.step(t + 2, g, ready_step(attempt, 2, "c0ffee")).unwrap();
+        let (h, _) = self.step(t + 2, g, ready_step(attempt, 2, SHA)).unwrap();
         assert_eq!(h.phase, HandoffPhase::ReceiverReady);
     }
 }
@@ -217,6 +218,12 @@ fn steps_of_another_attempt_side_or_epoch_are_refused() {
         reason(t.step(5, g, prep(1, SRC, DST, other))),
         RejectReason::ModelMismatch
     );
+    let mut short_sum = manifest(2);
+    short_sum.cache_sha256 = "c0ffee".into();
+    assert_eq!(
+        reason(t.step(5, g, prep(1, SRC, DST, short_sum))),
+        RejectReason::Invalid
+    );
     let mut other_model = model();
     other_model.weights_sha256 = "x".into();
     t.register(5, "odd", "127.0.0.1:8", other_model);
@@ -255,11 +262,11 @@ fn steps_of_another_attempt_side_or_epoch_are_refused() {
         RejectReason::HandoffConflict
     );
     assert_eq!(
-        reason(t.step(7, g, ready_step(attempt, 3, "c0ffee"))),
+        reason(t.step(7, g, ready_step(attempt, 3, SHA))),
         RejectReason::StaleEpoch
     );
     assert_eq!(
-        reason(t.step(7, g, ready_step(attempt + 1, 2, "c0ffee"))),
+        reason(t.step(7, g, ready_step(attempt + 1, 2, SHA))),
         RejectReason::HandoffConflict
     );
     let stranger_abort = HandoffStep::Abort {

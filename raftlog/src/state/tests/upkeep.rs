@@ -84,7 +84,7 @@ fn registrations_live_for_their_ttl_and_are_refreshed() {
         capacity: 4,
         ..Default::default()
     };
-    let reg = |info: &DecoderInfo| Command::Register {
+    let reg = |info: &DecoderInfo| Command::RegisterDecoder {
         decoder: "d1".into(),
         info: info.clone(),
         ttl_ms: 1_000,
@@ -382,4 +382,52 @@ fn a_tokenizer_is_published_once_per_digest_and_kept_through_ticks() {
     // Ticks prune generations, never tokenizers (an old generation's text still needs one).
     t.at(1_000_000, Command::Tick { retention_ms: 1 });
     assert_eq!(t.s.tokenizers.len(), TOKENIZERS_MAX);
+}
+
+/// A `Register` entry as builds before handoff listeners wrote it into the Raft log (bincode,
+/// byte for byte) still decodes and applies: an upgraded node replays its old log. New entries
+/// are `RegisterDecoder`; the old variant's shape must never change.
+#[test]
+fn a_register_entry_of_the_previous_release_still_decodes_and_applies() {
+    let mut b: Vec<u8> = Vec::new();
+    let s = |b: &mut Vec<u8>, x: &str| {
+        b.extend((x.len() as u64).to_le_bytes());
+        b.extend(x.as_bytes());
+    };
+    b.extend(7u64.to_le_bytes()); // Request.log_ms
+    b.extend(8u32.to_le_bytes()); // Command::Register, the ninth variant
+    s(&mut b, "d1");
+    s(&mut b, "m"); // info.model_name
+    for f in ["w", "t", "llama", "fake"] {
+        s(&mut b, f); // info.model
+    }
+    b.extend(4u32.to_le_bytes()); // capacity
+    s(&mut b, "chatml");
+    b.extend(2048u32.to_le_bytes()); // context_tokens
+    b.extend(0u64.to_le_bytes()); // expiry_log_ms
+    b.extend(5_000u64.to_le_bytes()); // ttl_ms
+    let req: Request = bincode::deserialize(&b).expect("an old Register entry decodes");
+    let Command::Register { decoder, info, ttl_ms } = &req.cmd else {
+        panic!("{req:?}");
+    };
+    assert_eq!((decoder.as_str(), info.capacity, *ttl_ms), ("d1", 4, 5_000));
+    assert_eq!(info.model, model());
+    let mut t = T::new();
+    assert_eq!(t.at(7, req.cmd.clone()), Response::Registered(Ok(5_007)));
+    let d = &t.s.decoders["d1"];
+    assert_eq!(
+        (d.chat_template.as_str(), d.context_tokens, d.handoff_addr.as_str()),
+        ("chatml", 2048, "")
+    );
+    // And the new variant round-trips with its address.
+    let new = Command::RegisterDecoder {
+        decoder: "d2".into(),
+        info: DecoderInfo {
+            handoff_addr: "10.0.0.1:7300".into(),
+            ..d.clone()
+        },
+        ttl_ms: 5_000,
+    };
+    let back: Command = bincode::deserialize(&bincode::serialize(&new).unwrap()).unwrap();
+    assert_eq!(back, new);
 }
