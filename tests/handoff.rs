@@ -180,6 +180,11 @@ async fn drain_and_check(
     let status = a.wait_exit(Duration::from_secs(30)).expect("a exits after draining");
     let a_log = a.log_text();
     assert!(status.success(), "{a_log}");
+    // Draining, it re-registered without its listener: nobody picks it as a destination.
+    assert!(
+        !takes_handoffs(&client, &a.id).await,
+        "a drained decoder still offers handoffs"
+    );
     let mut longest = Duration::ZERO;
     for ((id, p), f) in ids.iter().zip(prompts).zip(follows) {
         let (toks, epochs, gap) = f.await.unwrap();

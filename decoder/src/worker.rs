@@ -314,6 +314,8 @@ pub struct Worker {
     drain_until: Option<Instant>,
     /// Generations a drain tried to hand over and kept: not tried again, released at its end.
     drain_kept: std::collections::BTreeSet<u64>,
+    /// The drain's registration (without the handoff listener) went out.
+    drain_registered: bool,
 }
 
 impl WorkerError {
@@ -395,6 +397,7 @@ impl Worker {
             handing_out: 0,
             drain_until: None,
             drain_kept: Default::default(),
+            drain_registered: false,
         }
     }
 
@@ -492,7 +495,13 @@ impl Worker {
                 tracing::error!("PLANTED BUG: the step loop stalls for ever (its leases are still renewed)");
                 std::future::pending::<()>().await;
             }
-            if last_register.elapsed() >= Duration::from_millis(self.cfg.lease_ms).max(REGISTER_PERIOD_MIN) {
+            // A drain that just began registers at once, without its handoff listener: other
+            // decoders stop choosing it as a destination.
+            let drain_began = self.drain_until.is_some() && !self.drain_registered;
+            if drain_began
+                || last_register.elapsed() >= Duration::from_millis(self.cfg.lease_ms).max(REGISTER_PERIOD_MIN)
+            {
+                self.drain_registered = self.drain_until.is_some();
                 self.register().await;
                 last_register = Instant::now();
             }
@@ -837,7 +846,8 @@ impl Worker {
             ttl_ms: (self.cfg.lease_ms * REGISTRATION_TTL_LEASES).max(REGISTRATION_TTL_MIN_MS),
             chat_template: self.cfg.chat_template.clone(),
             context_tokens: self.model.max_context() as u32,
-            handoff_addr: if self.port.cache_format.is_some() {
+            // None while draining (nor for a model whose cache cannot move).
+            handoff_addr: if self.port.cache_format.is_some() && self.drain_until.is_none() {
                 self.cfg.handoff_addr.clone()
             } else {
                 String::new()
