@@ -136,15 +136,16 @@ fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-/// Logits as little-endian f32 bytes (a transfer carries them as one more tensor).
-pub fn logits_to_bytes(l: &[f32]) -> Vec<u8> {
+/// f32s as little-endian bytes: logits (a transfer carries them as one more tensor) and the
+/// blocks of an f32 cache.
+pub fn f32s_to_bytes(l: &[f32]) -> Vec<u8> {
     l.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-pub fn logits_from_bytes(b: &[u8]) -> Result<Logits> {
+pub fn f32s_from_bytes(b: &[u8]) -> Result<Vec<f32>> {
     if !b.len().is_multiple_of(4) {
         return Err(Error::Invalid(format!(
-            "{} bytes of logits is not a whole number of f32",
+            "{} bytes is not a whole number of f32",
             b.len()
         )));
     }
@@ -213,7 +214,7 @@ mod tests {
         b.dtype = "q9".into();
         assert!(b.check().is_err());
         let l = vec![1.0f32, f32::MIN, 3.25];
-        assert_eq!(logits_from_bytes(&logits_to_bytes(&l)).unwrap(), l);
-        assert!(logits_from_bytes(&[0, 1, 2]).is_err());
+        assert_eq!(f32s_from_bytes(&f32s_to_bytes(&l)).unwrap(), l);
+        assert!(f32s_from_bytes(&[0, 1, 2]).is_err());
     }
 }

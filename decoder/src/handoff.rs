@@ -35,7 +35,7 @@ use tokenlog_raftlog::types::Binding;
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
-use crate::cache::{logits_from_bytes, logits_to_bytes, BlockKind, CacheBlock, CacheExport};
+use crate::cache::{f32s_from_bytes, f32s_to_bytes, BlockKind, CacheBlock, CacheExport};
 use crate::history::{DecoderEvent, History};
 use crate::limits::{HANDOFF_CACHE_BYTES_MAX, HANDOFF_CHUNK_BYTES, HANDOFF_TRANSFER_TIMEOUT};
 use crate::resume::DecodeState;
@@ -405,7 +405,7 @@ async fn collect_cache(
         format: manifest.cache_format.clone(),
         positions: manifest.kv_positions,
         blocks,
-        logits: logits_from_bytes(&logits_bytes).map_err(|e| e.to_string())?,
+        logits: f32s_from_bytes(&logits_bytes).map_err(|e| e.to_string())?,
     })
 }
 
@@ -435,7 +435,7 @@ fn transfer_messages(header: dpb::TransferHeader, cache: &CacheExport) -> Vec<dp
             kind: "logits".into(),
             dtype: "f32".into(),
             shape: vec![cache.logits.len() as u32],
-            data: logits_to_bytes(&cache.logits),
+            data: f32s_to_bytes(&cache.logits),
         })),
     });
     out
@@ -505,18 +505,25 @@ async fn resolve_lost_commit(client: &LogClient, id: u64, attempt: u64, me: &str
     }
 }
 
-/// The attempt's phase as the log holds it now (`None`: unknown, or another attempt).
-async fn phase_of(client: &LogClient, id: u64, attempt: u64) -> Option<pb::HandoffPhase> {
+/// Whether the log holds attempt `attempt` of `id` as committed (or released) now; false when
+/// it does not, or cannot be read.
+async fn committed_in_log(client: &LogClient, id: u64, attempt: u64) -> bool {
     let r = client
         .get(pb::GetRequest {
             generation_id: id,
             linearizable: true,
             ..Default::default()
         })
-        .await
-        .ok()?;
-    let h = r.handoff.filter(|h| h.attempt == attempt)?;
-    pb::HandoffPhase::try_from(h.phase).ok()
+        .await;
+    let phase = r
+        .ok()
+        .and_then(|r| r.handoff)
+        .filter(|h| h.attempt == attempt)
+        .and_then(|h| pb::HandoffPhase::try_from(h.phase).ok());
+    matches!(
+        phase,
+        Some(pb::HandoffPhase::OwnershipCommitted | pb::HandoffPhase::SourceReleased)
+    )
 }
 
 /// What handing a generation out came to.
@@ -706,10 +713,7 @@ impl Source {
         let moved = match &sent {
             Ok(r) if r.committed => true,
             // Refused, broken or timed out: the log knows whether the commit happened.
-            _ => matches!(
-                phase_of(&self.client, id, attempt).await,
-                Some(pb::HandoffPhase::OwnershipCommitted | pb::HandoffPhase::SourceReleased)
-            ),
+            _ => committed_in_log(&self.client, id, attempt).await,
         };
         if !moved {
             let why = match sent {
@@ -718,10 +722,7 @@ impl Source {
             };
             abort(&self.client, id, attempt, &self.decoder_id, &why).await;
             // The abort and a late commit race: the log's answer decides.
-            if matches!(
-                phase_of(&self.client, id, attempt).await,
-                Some(pb::HandoffPhase::OwnershipCommitted | pb::HandoffPhase::SourceReleased)
-            ) {
+            if committed_in_log(&self.client, id, attempt).await {
                 return self.released(id, attempt, h.handoff_epoch, t0, &record).await;
             }
             record("aborted", why.clone());

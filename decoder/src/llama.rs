@@ -21,7 +21,7 @@ use candle_transformers::models::quantized_llama::MAX_SEQ_LEN;
 use candle_transformers::quantized_nn::RmsNorm;
 use candle_transformers::utils::{build_causal_mask, repeat_kv};
 
-use crate::cache::{BlockKind, CacheBlock};
+use crate::cache::{f32s_from_bytes, f32s_to_bytes, BlockKind, CacheBlock};
 use crate::error::{Error, Result};
 use crate::kv::Forward;
 
@@ -274,7 +274,7 @@ impl Forward for LlamaSequence {
                     kind,
                     dtype: "f32".into(),
                     shape: t.dims().iter().map(|&d| d as u32).collect(),
-                    data: data.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                    data: f32s_to_bytes(&data),
                 });
             }
         }
@@ -306,11 +306,7 @@ impl Forward for LlamaSequence {
                         kind.name()
                     )));
                 }
-                let data: Vec<f32> = b
-                    .data
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
-                    .collect();
+                let data = f32s_from_bytes(&b.data)?;
                 let shape: Vec<usize> = want.iter().map(|&d| d as usize).collect();
                 kv.push(Tensor::from_vec(data, shape, &w.device)?);
             }

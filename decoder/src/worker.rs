@@ -409,19 +409,12 @@ impl Worker {
         }
     }
 
-    /// Marks generation `id` to be handed to another decoder (a rebalance, a test): it stops
-    /// sampling and leaves once its tokens are committed. False when it is not held here or
-    /// this worker has no handoff listener.
-    fn request_move(&mut self, id: u64) -> bool {
-        if self.cfg.handoff_addr.is_empty() {
-            return false;
-        }
-        match self.active.get_mut(&id) {
-            Some(g) => {
-                g.moving = true;
-                true
-            }
-            None => false,
+    /// Marks generation `id` to be handed to another decoder (the drain; a rebalancer later): it
+    /// stops sampling and leaves once its tokens are committed. Nothing when it is not held here
+    /// or this worker has no handoff listener.
+    fn request_move(&mut self, id: u64) {
+        if let (false, Some(g)) = (self.cfg.handoff_addr.is_empty(), self.active.get_mut(&id)) {
+            g.moving = true;
         }
     }
 
@@ -681,11 +674,7 @@ impl Worker {
             // Cancel-safe: an answer not yet received stays queued for `collect`.
             match tokio::time::timeout(left, stream.answer()).await {
                 Err(_) => break,
-                Ok(Ok(resp)) => {
-                    let sent = self.in_flight.pop_front().expect("not empty");
-                    self.record_answers(&sent, Some(&resp));
-                    self.absorb(&sent, resp);
-                }
+                Ok(Ok(resp)) => self.take_answer(resp),
                 Ok(Err(e)) => {
                     self.close_stream(&e.to_string());
                     break;
@@ -1068,9 +1057,7 @@ impl Worker {
             };
             match answer {
                 Ok(resp) => {
-                    let sent = self.in_flight.pop_front().expect("not empty");
-                    self.record_answers(&sent, Some(&resp));
-                    self.absorb(&sent, resp);
+                    self.take_answer(resp);
                     wait = false;
                 }
                 Err(e) => {
@@ -1079,6 +1066,16 @@ impl Worker {
                 }
             }
         }
+    }
+
+    /// The answer to the oldest append in flight: recorded and absorbed.
+    fn take_answer(&mut self, resp: pb::AppendResponse) {
+        let sent = self
+            .in_flight
+            .pop_front()
+            .expect("an answer comes for an append in flight");
+        self.record_answers(&sent, Some(&resp));
+        self.absorb(&sent, resp);
     }
 
     /// Ends the stream: the answers still owed are unknown (the appends may or may not have

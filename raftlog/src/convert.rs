@@ -298,18 +298,6 @@ pub fn handoff_phase_to_pb(p: HandoffPhase) -> pb::HandoffPhase {
     }
 }
 
-pub fn handoff_phase_from_pb(p: i32) -> Option<HandoffPhase> {
-    Some(match pb::HandoffPhase::try_from(p).ok()? {
-        pb::HandoffPhase::Unspecified => return None,
-        pb::HandoffPhase::Prepared => HandoffPhase::Prepared,
-        pb::HandoffPhase::Copying => HandoffPhase::Copying,
-        pb::HandoffPhase::ReceiverReady => HandoffPhase::ReceiverReady,
-        pb::HandoffPhase::OwnershipCommitted => HandoffPhase::OwnershipCommitted,
-        pb::HandoffPhase::SourceReleased => HandoffPhase::SourceReleased,
-        pb::HandoffPhase::Aborted => HandoffPhase::Aborted,
-    })
-}
-
 impl From<Handoff> for pb::HandoffInfo {
     fn from(h: Handoff) -> Self {
         pb::HandoffInfo {

@@ -468,6 +468,17 @@ mod tests {
     use super::*;
     use sha2::{Digest, Sha256};
 
+    /// The snapshot file at `path` as an older format wrote it: its magic, its checksum.
+    fn as_written_by(path: &Path, magic: &[u8; 8]) -> SnapshotFile {
+        let mut bytes = std::fs::read(path).unwrap();
+        bytes[..8].copy_from_slice(magic);
+        let n = bytes.len() - 32;
+        let sum = Sha256::digest(&bytes[..n]);
+        bytes[n..].copy_from_slice(&sum);
+        std::fs::write(path, &bytes).unwrap();
+        SnapshotFile::open(path).unwrap()
+    }
+
     /// A data dir written by the previous release (snapshot format 3, no tokenizer table) still
     /// loads: same generations, same applied log id, an empty tokenizer table.
     #[test]
@@ -521,14 +532,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let dir = SnapshotDir::open(d.path()).unwrap();
         let path = dir.write(&machine.meta(), &v3).unwrap().path().to_path_buf();
-        // The same file as format 3 wrote it: its magic, its checksum.
-        let mut bytes = std::fs::read(&path).unwrap();
-        bytes[..8].copy_from_slice(b"TLSNAP03");
-        let n = bytes.len() - 32;
-        let sum = Sha256::digest(&bytes[..n]);
-        bytes[n..].copy_from_slice(&sum);
-        std::fs::write(&path, &bytes).unwrap();
-        let file = SnapshotFile::open(&path).unwrap();
+        let file = as_written_by(&path, b"TLSNAP03");
         assert_eq!(file.format().unwrap(), 3);
         let mut problems = Vec::new();
         let (meta, loaded) = load_snapshot(&file, &mut problems).expect("loads");
@@ -604,13 +608,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let dir = SnapshotDir::open(d.path()).unwrap();
         let path = dir.write(&meta, &v4).unwrap().path().to_path_buf();
-        let mut bytes = std::fs::read(&path).unwrap();
-        bytes[..8].copy_from_slice(b"TLSNAP04");
-        let n = bytes.len() - 32;
-        let sum = Sha256::digest(&bytes[..n]);
-        bytes[n..].copy_from_slice(&sum);
-        std::fs::write(&path, &bytes).unwrap();
-        let file = SnapshotFile::open(&path).unwrap();
+        let file = as_written_by(&path, b"TLSNAP04");
         assert_eq!(file.format().unwrap(), 4);
         let mut problems = Vec::new();
         let (_, loaded) = load_snapshot(&file, &mut problems).expect("loads");

@@ -261,9 +261,10 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-struct Dec {
-    child: Option<Child>,
-    id: String,
+/// A decoder process a bench started; killed when dropped.
+pub(crate) struct Dec {
+    pub(crate) child: Option<Child>,
+    pub(crate) id: String,
 }
 
 impl Drop for Dec {

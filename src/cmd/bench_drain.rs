@@ -4,7 +4,7 @@
 //! tokens measured on the same generations just before it (the ratio is the goal's measure:
 //! at most 2x).
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -12,7 +12,7 @@ use tokenlog_proto::raftlog as pb;
 use tokenlog_raftlog::client::LogClient;
 
 use crate::cmd::bench::{start_tokenlog, wait_for_leader};
-use crate::cmd::bench_decoder::{binding, dargs, prompt_ids};
+use crate::cmd::bench_decoder::{binding, dargs, prompt_ids, Dec};
 use crate::cmd::decoder::load_model;
 
 #[derive(clap::Args, Clone)]
@@ -38,20 +38,6 @@ pub struct DrainArgs {
     /// First loopback port for the 3 log nodes.
     #[arg(long, default_value_t = 27_500)]
     pub base_port: u16,
-}
-
-struct Dec {
-    child: Option<Child>,
-    id: String,
-}
-
-impl Drop for Dec {
-    fn drop(&mut self) {
-        if let Some(c) = self.child.as_mut() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
 }
 
 fn spawn(a: &DrainArgs, cluster: &str, id: &str, dir: &std::path::Path) -> anyhow::Result<Dec> {
@@ -227,11 +213,11 @@ pub async fn drain(a: DrainArgs) -> anyhow::Result<()> {
             ratio,
             ms(exit)
         );
-        for &gid in &gids {
+        for g in 0..gids.len() {
             let _ = client
                 .cancel(pb::CancelRequest {
                     tenant: "bench".into(),
-                    request_id: format!("drain-{round}-{}", gids.iter().position(|x| *x == gid).unwrap_or(0)),
+                    request_id: format!("drain-{round}-{g}"),
                 })
                 .await;
         }

@@ -364,12 +364,7 @@ impl LogState {
 
     /// `Tick`: in-flight attempts longer than `HANDOFF_PHASE_MS_MAX` in one phase are aborted.
     pub(super) fn abort_stalled_handoffs(&mut self, now: u64) -> Vec<GenerationId> {
-        let stalled: Vec<GenerationId> = self
-            .handoffs_in_flight
-            .iter()
-            .filter(|id| self.handoffs[id].phase_log_ms.saturating_add(HANDOFF_PHASE_MS_MAX) <= now)
-            .copied()
-            .collect();
+        let stalled: Vec<GenerationId> = self.stalled_handoffs(now).collect();
         for &id in &stalled {
             let phase = self.handoffs[&id].phase.name();
             self.abort_handoff(
@@ -382,9 +377,15 @@ impl LogState {
 
     /// Whether a `Tick` would abort a stalled attempt at `now`.
     pub(super) fn handoff_tick_due(&self, now: u64) -> bool {
+        self.stalled_handoffs(now).next().is_some()
+    }
+
+    /// The in-flight attempts `HANDOFF_PHASE_MS_MAX` or longer in their phase at `now`.
+    fn stalled_handoffs(&self, now: u64) -> impl Iterator<Item = GenerationId> + '_ {
         self.handoffs_in_flight
             .iter()
-            .any(|id| self.handoffs[id].phase_log_ms.saturating_add(HANDOFF_PHASE_MS_MAX) <= now)
+            .filter(move |id| self.handoffs[id].phase_log_ms.saturating_add(HANDOFF_PHASE_MS_MAX) <= now)
+            .copied()
     }
 }
 
