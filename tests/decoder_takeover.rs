@@ -490,14 +490,15 @@ async fn delayed_append_from_a_previous_owner_incarnation_changes_nothing() {
     assert_eq!(got, vec![(40, 1), (41, 1), (42, 2)]);
 }
 
-/// The real SmolLM2 model across processes: the owning decoder is killed with SIGKILL mid-stream,
-/// a second decoder process re-prefills (exact mode) from the committed prefix, and the whole
-/// committed sequence equals an uninterrupted run of the same binding in this process.
+/// The real SmolLM2 model across processes: three generations (sampled, exact mode) decoded
+/// together in one batch by a decoder that is killed with SIGKILL after 10 records of each; a
+/// second decoder process re-prefills each from its committed prefix and, batching them too,
+/// continues each one bit for bit as its uninterrupted run alone in this process.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_model_takeover_after_kill_continues_the_uninterrupted_sequence() {
     let _serial = serial();
     let path = tokenlog_decoder::fetch::ensure_default_model(&tokenlog_decoder::fetch::repo_models_dir()).unwrap();
-    real_takeover(&path, "real").await;
+    real_takeover(&path, "real", 3).await;
 }
 
 /// The same with the model as a Hugging Face folder (safetensors + tokenizer.json, exported from
@@ -508,31 +509,47 @@ async fn safetensors_model_takeover_after_kill_continues_the_uninterrupted_seque
     let models = tokenlog_decoder::fetch::repo_models_dir();
     let gguf = tokenlog_decoder::fetch::ensure_default_model(&models).unwrap();
     let dir = tokenlog_decoder::export::ensure_exported(&gguf, &models).unwrap();
-    real_takeover(&dir, "folder").await;
+    real_takeover(&dir, "folder", 1).await;
 }
 
-async fn real_takeover(path: &std::path::Path, rid: &str) {
+async fn real_takeover(path: &std::path::Path, rid: &str, gens: usize) {
     tokenlog_decoder::threads::init_cpu_threads(1);
     let model = tokenlog_decoder::load_model(path, tokenlog_decoder::DeviceSpec::Cpu).unwrap();
     let model = model.as_ref();
-    let prompt = model
-        .tokenizer()
-        .encode_chat(&[tokenlog_decoder::ChatMessage::user("Tell me about lighthouses.")])
-        .unwrap();
-    let params = sampling();
+    let questions = [
+        "Tell me about lighthouses.",
+        "Write a short story about a fox.",
+        "Explain how bread is made.",
+    ];
     const N: u32 = 40;
     let stop = StopConfig {
         max_tokens: N,
         stop_strings: vec![],
         eos_token_ids: vec![],
     };
-    let expected = generate(model, &prompt, &params, &stop).unwrap().tokens;
+    // Generation i: its own prompt and seed, and its uninterrupted run alone.
+    let runs: Vec<(Vec<u32>, SamplingConfig, Vec<u32>)> = (0..gens)
+        .map(|i| {
+            let prompt = model
+                .tokenizer()
+                .encode_chat(&[tokenlog_decoder::ChatMessage::user(questions[i % questions.len()])])
+                .unwrap();
+            let params = SamplingConfig {
+                seed: sampling().seed + i as u64,
+                ..sampling()
+            };
+            let expected = generate(model, &prompt, &params, &stop).unwrap().tokens;
+            (prompt, params, expected)
+        })
+        .collect();
 
+    let capacity = gens.to_string();
     let cluster = Cluster::start(20_000);
-    let mut a = cluster.start_real_decoder("real-a", path, &["--capacity", "1"]);
+    let mut a = cluster.start_real_decoder("real-a", path, &["--capacity", &capacity]);
     let client = cluster.client();
-    // Only a is up: it takes the generation.
-    let id = {
+    // Only a is up: it takes every generation (and decodes them in one batch).
+    let mut ids = Vec::new();
+    for (i, (prompt, params, _)) in runs.iter().enumerate() {
         let binding = pb::Binding {
             model: Some(identity_to_pb(model.identity())),
             prompt_token_ids: prompt.clone(),
@@ -551,29 +568,37 @@ async fn real_takeover(path: &std::path::Path, rid: &str) {
             mode: pb::ResumeMode::Exact as i32,
             ..Default::default()
         };
-        client
+        let id = client
             .submit(pb::SubmitRequest {
                 tenant: "t".into(),
-                request_id: rid.into(),
+                request_id: format!("{rid}-{i}"),
                 binding: Some(binding),
             })
             .await
             .unwrap()
             .generation
             .unwrap()
-            .generation_id
-    };
-    let (owner_a, _, _) = wait_for(&client, id, "a to commit 10 records", |(o, _, f)| {
-        o == "real-a" && *f >= 10
-    })
-    .await;
-    assert_eq!(owner_a, "real-a");
-    let _b = cluster.start_real_decoder("real-b", path, &["--capacity", "1"]);
+            .generation_id;
+        ids.push(id);
+    }
+    for &id in &ids {
+        let (owner_a, _, _) = wait_for(&client, id, "a to commit 10 records", |(o, _, f)| {
+            o == "real-a" && *f >= 10
+        })
+        .await;
+        assert_eq!(owner_a, "real-a");
+    }
+    let _b = cluster.start_real_decoder("real-b", path, &["--capacity", &capacity]);
     a.kill9();
-    let (toks, epochs, info) = follow(&client, id).await;
-    assert_eq!(info.finish_reason, pb::FinishReason::Length as i32);
-    assert!(epochs.iter().any(|&e| e > 1), "real-b took over: {epochs:?}");
-    assert_eq!(toks, expected, "the committed sequence equals the uninterrupted run");
+    for (&id, (_, _, expected)) in ids.iter().zip(&runs) {
+        let (toks, epochs, info) = follow(&client, id).await;
+        assert_eq!(info.finish_reason, pb::FinishReason::Length as i32);
+        assert!(epochs.iter().any(|&e| e > 1), "real-b took over: {epochs:?}");
+        assert_eq!(
+            &toks, expected,
+            "generation {id}: the committed sequence equals its uninterrupted run alone"
+        );
+    }
 }
 
 /// Issue 11 bug 1: a decoder whose model step fails (an error, or a panic on the blocking

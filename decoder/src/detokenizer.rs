@@ -88,7 +88,7 @@ impl IncrementalDetokenizer {
                 }
             }
         }
-        debug_assert!(rest.len() < 4, "at most 3 bytes of a character are pending");
+        assert!(rest.len() < 4, "at most 3 bytes of a character are pending");
         self.pending = rest.to_vec();
         out
     }

@@ -204,6 +204,11 @@ impl Sequence for FakeSequence {
         self.kv_len = 0;
     }
 
+    /// The hash of a prefix does not depend on how it was fed, like the real model's CPU pass.
+    fn grouping_invariant(&self) -> bool {
+        true
+    }
+
     /// The fake "KV cache" is the prefix hash: one block of one u64.
     fn cache_format(&self) -> Option<String> {
         Some(FAKE_CACHE_FORMAT.into())

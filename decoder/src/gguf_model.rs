@@ -1,6 +1,10 @@
-//! A llama-family LLM from a GGUF file, run on candle's quantized kernels ([`crate::llama`]: the
-//! forward pass of `candle_transformers::models::quantized_llama` with a cache a handoff can
-//! move), on CPU or, with the `cuda` feature, on a CUDA device.
+//! A llama-family LLM from a GGUF file. Two engines ([`GgufEngine`]):
+//! - on the CPU, tokenlog's own forward pass ([`crate::cpu`]): batched over generations
+//!   ([`Model::prefill_batch`]) and invariant to batching, so exact resume prefills a committed
+//!   prefix in one call;
+//! - on a CUDA device (the `cuda` feature), candle's quantized kernels ([`crate::llama`]: the
+//!   forward pass of `candle_transformers::models::quantized_llama` with a cache a handoff can
+//!   move), one sequence per call. It also runs on the CPU, for comparison.
 //!
 //! The weights are loaded once and shared by every sequence (`Arc`), so a sequence costs only its
 //! KV cache, and sequences can be interleaved without touching each other's numerics.
@@ -14,18 +18,43 @@ use std::sync::Arc;
 use candle_core::Device;
 use candle_transformers::models::quantized_llama::MAX_SEQ_LEN;
 
+use crate::cpu::{CpuSequence, CpuWeights};
 use crate::error::{Error, Result};
 use crate::gguf_meta::{GgufMetadata, MetaValue};
 use crate::identity::{self, ModelIdentity};
 use crate::kv::KvSequence;
 use crate::llama::{LlamaSequence, LlamaWeights};
-use crate::model::{DeviceSpec, Model, Sequence};
+use crate::model::{DeviceSpec, Logits, Model, Sequence};
 use crate::tokenizer::Tokenizer;
+
+/// Which forward pass runs a [`GgufModel`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GgufEngine {
+    /// tokenlog's own batched CPU pass ([`crate::cpu`]); CPU only.
+    Cpu,
+    /// candle's quantized kernels, one sequence per call; any device.
+    Candle,
+}
+
+impl GgufEngine {
+    /// The engine [`GgufModel::load`] picks for a device.
+    pub fn for_device(device: DeviceSpec) -> Self {
+        match device {
+            DeviceSpec::Cpu => GgufEngine::Cpu,
+            DeviceSpec::Cuda(_) => GgufEngine::Candle,
+        }
+    }
+}
+
+/// The weights every sequence shares, of one engine.
+enum Weights {
+    Cpu(Arc<CpuWeights>),
+    Candle(Arc<LlamaWeights>),
+}
 
 /// A llama-family model from a GGUF file (SmolLM2, Llama, Mistral, ...).
 pub struct GgufModel {
-    /// The weights every sequence shares.
-    weights: Arc<LlamaWeights>,
+    weights: Weights,
     device: Device,
     device_spec: DeviceSpec,
     tokenizer: Tokenizer,
@@ -38,6 +67,17 @@ impl GgufModel {
     /// Loads the model file: tokenizer from its metadata, weights onto `device`, identity
     /// (the weights digest is cached beside the file, see [`identity::weights_sha256`]).
     pub fn load(path: &Path, device: DeviceSpec) -> Result<Self> {
+        Self::load_with(path, device, GgufEngine::for_device(device))
+    }
+
+    /// [`GgufModel::load`] with a chosen engine.
+    pub fn load_with(path: &Path, device: DeviceSpec, engine: GgufEngine) -> Result<Self> {
+        if engine == GgufEngine::Cpu && device != DeviceSpec::Cpu {
+            return Err(Error::Unsupported(format!(
+                "the CPU engine cannot run on {}",
+                device.name()
+            )));
+        }
         let dev = device.device()?;
         let mut file = File::open(path).map_err(|e| Error::io(path, e))?;
         let content = gguf_file::Content::read(&mut file).map_err(|e| e.with_path(path))?;
@@ -59,7 +99,12 @@ impl GgufModel {
             .map_or(MAX_SEQ_LEN, |n| n as usize);
         let dtype_class = dtype_class(&content);
         let tokenizer = Tokenizer::from_gguf(&metadata_of(&content))?;
-        let weights = Arc::new(LlamaWeights::from_gguf(&content, &mut file, &dev)?);
+        // candle's rotary tables stop at MAX_SEQ_LEN; the CPU engine's are sized the same.
+        let max_context = context_length.min(MAX_SEQ_LEN);
+        let weights = match engine {
+            GgufEngine::Cpu => Weights::Cpu(Arc::new(CpuWeights::from_gguf(&content, &mut file, max_context)?)),
+            GgufEngine::Candle => Weights::Candle(Arc::new(LlamaWeights::from_gguf(&content, &mut file, &dev)?)),
+        };
         let identity = ModelIdentity {
             weights_sha256: identity::weights_sha256(path)?,
             tokenizer_sha256: identity::tokenizer_sha256(&tokenizer)?,
@@ -72,8 +117,7 @@ impl GgufModel {
             device_spec: device,
             tokenizer,
             identity,
-            // candle's rotary tables stop at MAX_SEQ_LEN.
-            max_context: context_length.min(MAX_SEQ_LEN),
+            max_context,
             path: path.to_path_buf(),
         })
     }
@@ -84,6 +128,13 @@ impl GgufModel {
 
     pub fn device(&self) -> DeviceSpec {
         self.device_spec
+    }
+
+    pub fn engine(&self) -> GgufEngine {
+        match self.weights {
+            Weights::Cpu(_) => GgufEngine::Cpu,
+            Weights::Candle(_) => GgufEngine::Candle,
+        }
     }
 }
 
@@ -153,11 +204,23 @@ impl Model for GgufModel {
     }
 
     fn new_sequence(&self) -> Result<Box<dyn Sequence>> {
-        Ok(Box::new(KvSequence::new(
-            LlamaSequence::new(self.weights.clone()),
-            &self.device,
-            self.max_context,
-            self.vocab_size(),
-        )))
+        Ok(match &self.weights {
+            Weights::Cpu(w) => Box::new(CpuSequence::new(w.clone(), self.max_context)),
+            Weights::Candle(w) => Box::new(KvSequence::new(
+                LlamaSequence::new(w.clone()),
+                &self.device,
+                self.max_context,
+                self.vocab_size(),
+            )),
+        })
+    }
+
+    fn prefill_batch(&self, items: &mut [(&mut dyn Sequence, &[u32])]) -> Vec<Result<Logits>> {
+        if let Weights::Cpu(w) = &self.weights {
+            if let Some(out) = crate::cpu::prefill_batch(w, items) {
+                return out;
+            }
+        }
+        items.iter_mut().map(|(s, t)| s.prefill(t)).collect()
     }
 }

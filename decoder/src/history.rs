@@ -165,6 +165,8 @@ pub fn terminal_state(state: i32) -> bool {
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum DecoderEvent {
     /// A generation was taken and re-prefilled: its four frontiers (see `crate::Frontiers`).
+    /// A deferred prefill (fed in chunks by the batched steps that follow) counts as
+    /// `deferred` positions not yet in the KV cache: then `fed` and `kv` are 0.
     Resumed {
         gen: u64,
         epoch: u64,
@@ -173,6 +175,8 @@ pub enum DecoderEvent {
         fed: u64,
         kv: u64,
         committed: u64,
+        #[serde(default)]
+        deferred: u64,
     },
     /// A test failpoint fired at `seq` (the token it had sampled there, if any).
     Failpoint {

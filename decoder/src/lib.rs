@@ -15,8 +15,10 @@
 //! - [`model`]: the [`Model`] / [`Sequence`] traits the worker drives. One `Sequence` per
 //!   generation, each with its own KV cache, so generations can be interleaved without touching
 //!   each other's numerics.
-//! - [`gguf_model`]: `GgufModel`, a real llama-family LLM (candle, GGUF, CPU or CUDA); `kv`: the
-//!   KV-cache sequence every candle model shares.
+//! - [`gguf_model`]: `GgufModel`, a real llama-family LLM (GGUF, CPU or CUDA); `cpu`: its own
+//!   batched CPU forward pass, invariant to batching (`cpu::quant`: the weight formats and
+//!   matrix products); `llama`: its candle forward pass (CUDA); `kv`: the KV-cache sequence
+//!   every candle model shares.
 //! - [`gguf_meta`]: a candle-free reader of a GGUF file's metadata (the tokenizer's source).
 //! - [`safetensors_model`]: [`SafetensorsModel`], a llama-family model folder in Hugging Face
 //!   layout (`config.json`, `*.safetensors`, `tokenizer.json`).
@@ -41,12 +43,18 @@
 //! # Invariants
 //! - The random draw at position `seq` is a pure function of `(seed, seq)` ([`RNG_VERSION`]).
 //! - Sampler and stop-matcher state are rebuilt from `(prompt, committed prefix)` alone.
-//! - Exact resume issues the same sequence of model calls as an uninterrupted run (one batch for
-//!   the prompt, then one call per token), so on the same device and build its logits are
-//!   bit-identical. Fast resume prefills prompt and prefix in one batch and may diverge later.
+//! - Exact resume gives the logits of an uninterrupted run bit for bit, on the same device and
+//!   build: a sequence that is [`Sequence::grouping_invariant`] (the CPU engine, the fake) gets
+//!   prompt and committed prefix in one call; any other repeats the uninterrupted run's calls
+//!   (one batch for the prompt, then one call per token). Fast resume prefills prompt and prefix
+//!   in one batch and may diverge later on a sequence that is not invariant.
+//! - A batch of generations ([`Model::prefill_batch`]) gives each one the logits it would get
+//!   alone.
 //! - Nothing here re-tokenizes committed text: the worker hands ids in, ids come out.
 
 pub mod cache;
+#[cfg(feature = "model")]
+mod cpu;
 pub mod detokenizer;
 pub mod error;
 #[cfg(feature = "model")]
@@ -85,7 +93,7 @@ pub use error::{Error, Result};
 pub use fake::{FakeConfig, FakeModel};
 pub use generate::{generate, Generated};
 #[cfg(feature = "model")]
-pub use gguf_model::GgufModel;
+pub use gguf_model::{GgufEngine, GgufModel};
 pub use identity::ModelIdentity;
 #[cfg(feature = "model")]
 pub use model::load_model;

@@ -56,3 +56,9 @@ pub const MOVE_SETTLE_MAX: Duration = Duration::from_millis(50);
 /// How long a draining decoder (SIGTERM with a handoff listener) tries to hand its generations
 /// to other decoders before it releases the rest, by default.
 pub const DRAIN_MS_DEFAULT: u64 = 10_000;
+
+/// Positions of a joining generation's prefill (prompt, or prompt and committed prefix) fed per
+/// batched step beside the running generations' single tokens: a long prompt costs the others
+/// a few short stalls instead of one long one. Only for sequences whose logits do not depend
+/// on the grouping ([`crate::Sequence::grouping_invariant`]); others prefill in one call.
+pub const PREFILL_CHUNK_TOKENS: usize = 32;

@@ -25,14 +25,21 @@ pub trait Model: Send + Sync {
     fn vocab_size(&self) -> usize;
     /// A new, empty sequence (its own KV cache).
     fn new_sequence(&self) -> Result<Box<dyn Sequence>>;
+    /// Feeds each item's tokens to its sequence (sequences of this model), in one forward pass
+    /// where the model can batch them, and returns each item's logits of its last position, or
+    /// why it failed (that sequence is then reset; the others are not affected). Default: one
+    /// [`Sequence::prefill`] after another.
+    fn prefill_batch(&self, items: &mut [(&mut dyn Sequence, &[u32])]) -> Vec<Result<Logits>> {
+        items.iter_mut().map(|(s, t)| s.prefill(t)).collect()
+    }
 }
 
 /// One generation's model state: the KV cache of the positions fed so far.
 ///
-/// Numerics: a call's logits depend on how the positions were batched (the quantized matmul
-/// quantizes activations per call), so replaying the same calls reproduces the same logits bit
-/// for bit on the same device and build, and a different batching may not (see
-/// [`crate::ResumeMode`]).
+/// Numerics: on some models a call's logits depend on how the positions were batched (candle's
+/// kernels), so replaying the same calls reproduces the same logits bit for bit on the same
+/// device and build, and a different batching may not (see [`crate::ResumeMode`]); a sequence
+/// that says [`Sequence::grouping_invariant`] does not depend on it.
 pub trait Sequence: Send {
     /// Feeds `tokens` (at least one) in one forward pass, at positions `kv_len()..kv_len() + n`,
     /// and returns the logits of the last one. On error the sequence is reset to empty.
@@ -57,6 +64,17 @@ pub trait Sequence: Send {
     /// Replaces its cache with `blocks` of `positions` positions (checked against the layout).
     fn import_cache(&mut self, _blocks: &[crate::cache::CacheBlock], _positions: usize) -> Result<()> {
         Err(Error::Unsupported("this model cannot import a cache".into()))
+    }
+    /// Whether its logits are the same bits however its positions were grouped into calls (one
+    /// prefill of `k` tokens = `k` single steps) and whatever other sequences shared a
+    /// [`Model::prefill_batch`] with it. Exact resume then rebuilds a committed prefix in one
+    /// call instead of one step per token.
+    fn grouping_invariant(&self) -> bool {
+        false
+    }
+    /// Itself, for a model that batches its own sequence type ([`Model::prefill_batch`]).
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        None
     }
 }
 

@@ -3,10 +3,12 @@
 //!
 //! An uninterrupted run is: prefill the prompt in one batch, then for each generated token:
 //! sample it, then feed it with one `step`. Resuming from `k` committed tokens:
-//! - [`ResumeMode::Exact`] repeats those very calls: the prompt in one batch, then each committed
-//!   token with its own `step`. On the same device and build the logits for position `k` are
-//!   bit-identical to the uninterrupted run's, so (the RNG being a function of `(seed, seq)`) the
-//!   continuation is the same. Costs one decode step per committed token.
+//! - [`ResumeMode::Exact`] gives the logits of the uninterrupted run's position `k` bit for bit
+//!   on the same device and build, so (the RNG being a function of `(seed, seq)`) the
+//!   continuation is the same. A [`Sequence::grouping_invariant`] sequence (the CPU engine)
+//!   gets prompt and prefix in one prefill, as fast as a fresh prompt; any other repeats the
+//!   uninterrupted run's very calls: the prompt in one batch, then each committed token with its
+//!   own `step` (one decode step per committed token).
 //! - [`ResumeMode::Fast`] prefills prompt and committed tokens in one batch. The quantized matmul
 //!   quantizes activations per call, so logits differ slightly and the continuation may diverge
 //!   after the committed prefix (never inside it: the prefix is input, not output).
@@ -101,6 +103,9 @@ pub struct DecodeState {
     logits: Option<Logits>,
     /// The last sampled token while it awaits feeding (fed lazily, at the next draw).
     unfed: Option<u32>,
+    /// A deferred prefill's positions not fed yet ([`DecodeState::resume_deferred`]); the
+    /// frontiers count them as not fed until the last chunk is in.
+    to_prefill: Vec<u32>,
     finished: Option<StopCause>,
     stats: ResumeStats,
 }
@@ -131,6 +136,34 @@ impl DecodeState {
         params: SamplingConfig,
         stop: StopConfig,
         mode: ResumeMode,
+    ) -> Result<Self> {
+        Self::resume_inner(model, prompt, committed, params, stop, mode, false)
+    }
+
+    /// [`DecodeState::resume`] without the prefill where the sequence is
+    /// [`Sequence::grouping_invariant`]: its positions are fed later, a chunk per
+    /// [`DecodeState::feed_pending_batch`] ([`crate::limits::PREFILL_CHUNK_TOKENS`]), beside
+    /// other generations' steps, or all at once by the first draw. The logits come out the
+    /// same. Other sequences prefill here, as `resume` does.
+    pub fn resume_deferred(
+        model: &dyn Model,
+        prompt: &[u32],
+        committed: &[u32],
+        params: SamplingConfig,
+        stop: StopConfig,
+        mode: ResumeMode,
+    ) -> Result<Self> {
+        Self::resume_inner(model, prompt, committed, params, stop, mode, true)
+    }
+
+    fn resume_inner(
+        model: &dyn Model,
+        prompt: &[u32],
+        committed: &[u32],
+        params: SamplingConfig,
+        stop: StopConfig,
+        mode: ResumeMode,
+        defer: bool,
     ) -> Result<Self> {
         let max_context = model.max_context();
         if prompt.is_empty() {
@@ -164,6 +197,7 @@ impl DecodeState {
             max_context,
             logits: None,
             unfed: None,
+            to_prefill: Vec::new(),
             finished,
             stats: ResumeStats {
                 mode,
@@ -172,6 +206,15 @@ impl DecodeState {
         };
         if state.finished.is_some() {
             // Nothing left to decode; the KV cache is never built.
+            state.frontiers.fed = 0;
+            state.frontiers.check();
+            return Ok(state);
+        }
+        if defer && state.sequence.grouping_invariant() {
+            state.to_prefill.reserve(prompt.len() + k);
+            state.to_prefill.extend_from_slice(prompt);
+            state.to_prefill.extend_from_slice(committed);
+            // Not fed until the last chunk is in.
             state.frontiers.fed = 0;
             state.frontiers.check();
             return Ok(state);
@@ -247,6 +290,7 @@ impl DecodeState {
             max_context: model.max_context(),
             logits: Some(cache.logits.clone()),
             unfed: None,
+            to_prefill: Vec::new(),
             finished: None,
             stats: ResumeStats {
                 mode,
@@ -294,6 +338,15 @@ impl DecodeState {
     fn rebuild(&mut self, prompt: &[u32], committed: &[u32], mode: ResumeMode) -> Result<()> {
         let t0 = Instant::now();
         let logits = match mode {
+            // One call gives the very logits of the uninterrupted run's calls.
+            ResumeMode::Exact if self.sequence.grouping_invariant() => {
+                let mut all = Vec::with_capacity(prompt.len() + committed.len());
+                all.extend_from_slice(prompt);
+                all.extend_from_slice(committed);
+                let logits = self.sequence.prefill(&all)?;
+                self.stats.prefill = t0.elapsed();
+                logits
+            }
             ResumeMode::Exact => {
                 let mut logits = self.sequence.prefill(prompt)?;
                 self.stats.prefill = t0.elapsed();
@@ -330,7 +383,7 @@ impl DecodeState {
             .take()
             .expect("logits are ready after feeding: the invariant of an unfinished state");
         let seq = self.sampler.seq();
-        debug_assert_eq!(seq as usize, self.frontiers.sampled);
+        assert_eq!(seq as usize, self.frontiers.sampled);
         let token = self.sampler.sample(&logits);
         self.frontiers.sampled += 1;
         let mut finish = self.stop.push(token);
@@ -349,6 +402,14 @@ impl DecodeState {
     /// Feeds the last sampled token if it is still waiting (the worker may call this while an
     /// append is in flight, to overlap compute with replication).
     pub fn feed_pending(&mut self) -> Result<()> {
+        if self.prefilling() {
+            let rest = std::mem::take(&mut self.to_prefill);
+            let t0 = Instant::now();
+            let logits = self.sequence.prefill(&rest)?;
+            self.stats.prefill += t0.elapsed();
+            self.prefilled(logits);
+            return Ok(());
+        }
         if let Some(t) = self.unfed.take() {
             self.logits = Some(self.sequence.step(t)?);
             self.frontiers.fed += 1;
@@ -356,6 +417,84 @@ impl DecodeState {
             self.frontiers.check();
         }
         Ok(())
+    }
+
+    /// [`DecodeState::feed_pending`] for many generations of `model` at once: their pending
+    /// tokens go through one [`Model::prefill_batch`] (one forward pass where the model
+    /// batches), each getting the logits it would get alone. Returns the first failure; a
+    /// failed generation cannot draw again (as after a failed `feed_pending`).
+    pub fn feed_pending_batch(model: &dyn Model, states: &mut [&mut DecodeState]) -> Result<()> {
+        // Per state: what goes in (its pending token, or the next chunk of a deferred prefill)
+        // and whether that is a prefill chunk.
+        let inputs: Vec<Option<(Vec<u32>, bool)>> = states
+            .iter_mut()
+            .map(|s| {
+                if s.prefilling() {
+                    let n = s.to_prefill.len().min(crate::limits::PREFILL_CHUNK_TOKENS);
+                    Some((s.to_prefill.drain(..n).collect(), true))
+                } else {
+                    s.unfed.take().map(|t| (vec![t], false))
+                }
+            })
+            .collect();
+        let fed = inputs.iter().filter(|t| t.is_some()).count();
+        if fed == 0 {
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        let results = {
+            let mut items: Vec<(&mut dyn Sequence, &[u32])> = states
+                .iter_mut()
+                .zip(&inputs)
+                .filter_map(|(s, t)| t.as_ref().map(|(t, _)| (&mut *s.sequence as &mut dyn Sequence, &t[..])))
+                .collect();
+            model.prefill_batch(&mut items)
+        };
+        let took = t0.elapsed();
+        assert_eq!(results.len(), fed, "one result per fed generation");
+        let mut results = results.into_iter();
+        let mut first_err = None;
+        for (s, t) in states.iter_mut().zip(&inputs) {
+            let Some((_, chunk)) = t else {
+                continue;
+            };
+            match results.next().expect("counted") {
+                Ok(logits) if *chunk => {
+                    s.stats.prefill += took;
+                    if !s.prefilling() {
+                        s.prefilled(logits);
+                    }
+                }
+                Ok(logits) => {
+                    s.logits = Some(logits);
+                    s.frontiers.fed += 1;
+                    s.frontiers.kv = s.sequence.kv_len();
+                    s.frontiers.check();
+                }
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Whether a deferred prefill still has positions to feed.
+    pub fn prefilling(&self) -> bool {
+        !self.to_prefill.is_empty()
+    }
+
+    /// Positions of a deferred prefill not fed yet.
+    pub fn deferred_prefill(&self) -> usize {
+        self.to_prefill.len()
+    }
+
+    /// The last chunk of a deferred prefill is in: the committed prefix counts as fed.
+    fn prefilled(&mut self, logits: Logits) {
+        self.logits = Some(logits);
+        self.frontiers.fed = self.frontiers.sampled;
+        self.frontiers.kv = self.sequence.kv_len();
+        self.frontiers.check();
     }
 
     /// Whether the next token can be drawn without a forward pass (the logits of its position

@@ -958,11 +958,21 @@ impl Worker {
         Ok(None)
     }
 
-    /// Samples one token for every generation that can take one ([`Active::can_sample`]).
+    /// Samples one token for every generation that can take one ([`Active::can_sample`]): their
+    /// last tokens, and the next prefill chunk of any generation still prefilling, go through
+    /// the model in one batched forward pass, then each draws.
     async fn step(&mut self) -> Result<(), WorkerError> {
         let mut gens: Vec<Active> = std::mem::take(&mut self.active).into_values().collect();
+        let model = self.model.clone();
         let gens = model_work(move || {
-            for g in gens.iter_mut().filter(|g| g.can_sample()) {
+            let mut feeding: Vec<&mut DecodeState> = gens
+                .iter_mut()
+                .filter(|g| g.can_sample())
+                .map(|g| &mut g.state)
+                .collect();
+            DecodeState::feed_pending_batch(&*model, &mut feeding)?;
+            // A generation still prefilling draws once its last chunk is in.
+            for g in gens.iter_mut().filter(|g| g.can_sample() && !g.state.prefilling()) {
                 match g.state.next_token()? {
                     Some(step) => {
                         g.uncommitted.push(step.token);
@@ -1329,6 +1339,7 @@ impl Taker {
                         fed: f.fed as u64,
                         kv: f.kv as u64,
                         committed: f.committed as u64,
+                        deferred: active.state.deferred_prefill() as u64,
                     });
                 }
                 Ok(Some(active))
@@ -1413,7 +1424,9 @@ impl Taker {
         let (params, stop, mode) = (binding.sampling, binding.stop, binding.mode);
         let model = self.model.clone();
         let c = committed.clone();
-        let state = model_work(move || DecodeState::resume(model.as_ref(), &prompt, &c, params, stop, mode))
+        // Deferred where the model allows: the prefill then runs in chunks inside the batched
+        // steps, beside the generations already running.
+        let state = model_work(move || DecodeState::resume_deferred(model.as_ref(), &prompt, &c, params, stop, mode))
             .await
             .map_err(|e| WorkerError::Incompatible(format!("re-prefill failed: {e}")))??;
         Ok(Active::new(id, epoch, committed.len() as u32, state))

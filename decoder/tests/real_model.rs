@@ -7,7 +7,10 @@ mod common;
 use std::time::Instant;
 
 use tokenlog_decoder::fetch::{DEFAULT_MODEL_FILE, DEFAULT_MODEL_SHA256};
-use tokenlog_decoder::{generate, ChatMessage, DecodeState, Model, ResumeMode, SamplingConfig, StopConfig};
+use tokenlog_decoder::{
+    generate, ChatMessage, DecodeState, DeviceSpec, GgufEngine, GgufModel, Logits, Model, ResumeMode, SamplingConfig,
+    Sequence, StopConfig,
+};
 
 fn chat(m: &dyn Model, text: &str) -> Vec<u32> {
     m.tokenizer().encode_chat(&[ChatMessage::user(text)]).unwrap()
@@ -171,9 +174,9 @@ fn interleaved_sequences_keep_their_own_kv_cache() {
     assert_eq!(tb, alone_b);
 }
 
-/// Our forward pass (`tokenlog_decoder::llama`, whose cache a handoff can move) computes the
-/// very numbers of candle-transformers' `quantized_llama`: the logits of a batched prefill and
-/// of single steps after it are equal to the bit.
+/// The candle engine (`tokenlog_decoder::llama`, whose cache a handoff can move; the CUDA
+/// path) computes the very numbers of candle-transformers' `quantized_llama`: the logits of a
+/// batched prefill and of single steps after it are equal to the bit.
 #[test]
 fn our_forward_pass_matches_candles_quantized_llama_bit_for_bit() {
     use candle_core::quantized::gguf_file;
@@ -186,13 +189,14 @@ fn our_forward_pass_matches_candles_quantized_llama_bit_for_bit() {
     let content = gguf_file::Content::read(&mut file).unwrap();
     let mut reference = ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap();
     let logits = |t: Tensor| -> Vec<f32> { t.squeeze(0).unwrap().to_vec1().unwrap() };
-    let mut ours = m.new_sequence().unwrap();
+    let candle = GgufModel::load_with(m.path(), DeviceSpec::Cpu, GgufEngine::Candle).unwrap();
+    assert_eq!(candle.engine(), GgufEngine::Candle);
+    let mut ours = candle.new_sequence().unwrap();
 
     let input = Tensor::new(p.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
     let want = logits(reference.forward(&input, 0).unwrap());
     let got = ours.prefill(&p).unwrap();
     assert_eq!(got.len(), want.len());
-    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert!(bits(&got) == bits(&want), "prefill logits differ");
     let mut next = argmax(&got);
     for pos in p.len()..p.len() + 6 {
@@ -202,6 +206,146 @@ fn our_forward_pass_matches_candles_quantized_llama_bit_for_bit() {
         assert!(bits(&got) == bits(&want), "step logits differ at position {pos}");
         next = argmax(&got);
     }
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// The CPU engine (our own kernels: activations quantized per row with f32 scales) is not
+/// candle's numbers to the bit, but the same model: against the f32 model (the GGUF weights
+/// dequantized, f32 activations: the safetensors export) its logits are at least as close as
+/// candle's, and its greedy tokens are the f32 model's wherever candle's are.
+#[test]
+fn the_cpu_engine_computes_the_model_candle_computes() {
+    let m = common::real_model();
+    assert_eq!(m.engine(), GgufEngine::Cpu);
+    let candle = GgufModel::load_with(m.path(), DeviceSpec::Cpu, GgufEngine::Candle).unwrap();
+    let reference = common::safetensors_model();
+    let p = chat(&*m, "Name three colours.");
+    let mut seqs = [&*m as &dyn Model, &candle, &*reference].map(|x| x.new_sequence().unwrap());
+    let mut logits: Vec<Logits> = seqs.iter_mut().map(|s| s.prefill(&p).unwrap()).collect();
+    let cosine = |a: &[f32], b: &[f32]| {
+        let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
+        let norm = |v: &[f32]| v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+        dot / (norm(a) * norm(b))
+    };
+    for step in 0..8 {
+        let (ours, theirs) = (cosine(&logits[0], &logits[2]), cosine(&logits[1], &logits[2]));
+        eprintln!("step {step}: cosine to the f32 model: cpu engine {ours:.6}, candle {theirs:.6}");
+        assert!(
+            ours > 0.995 && ours >= theirs - 0.002,
+            "step {step}: {ours} vs candle's {theirs}"
+        );
+        let want = argmax(&logits[2]);
+        if argmax(&logits[1]) == want {
+            assert_eq!(argmax(&logits[0]), want, "step {step}: greedy token");
+        }
+        // Every model is fed the f32 model's greedy token.
+        logits = seqs.iter_mut().map(|s| s.step(want).unwrap()).collect();
+    }
+}
+
+/// Greedy-decodes `n` tokens of `prompt` alone: the tokens and the logits after each feed
+/// (the prefill's first).
+fn alone(m: &dyn Model, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Logits>) {
+    let mut s = m.new_sequence().unwrap();
+    let mut logits = vec![s.prefill(prompt).unwrap()];
+    let mut tokens = vec![];
+    for _ in 0..n {
+        let t = argmax(logits.last().unwrap());
+        tokens.push(t);
+        logits.push(s.step(t).unwrap());
+    }
+    (tokens, logits)
+}
+
+/// Batch invariance (issue 17): a generation decoded alone and inside batches of 2, 4 and 8
+/// with different neighbours (other prompts, neighbours prefilling their prompt in the same call,
+/// neighbours joining late) gets the same logits to the bit at every position.
+#[test]
+fn a_generation_gets_the_same_logits_alone_and_in_batches_of_2_4_8() {
+    let m = common::real_model();
+    let questions = [
+        "Write a haiku about snow.",
+        "What is the capital of France?",
+        "Count from one to ten.",
+        "Explain rain to a child.",
+        "Name a famous painter.",
+        "Why is the sky blue?",
+        "Give me a word that rhymes with cat.",
+        "Say hello in Spanish.",
+    ];
+    let prompts: Vec<Vec<u32>> = questions.iter().map(|q| chat(&*m, q)).collect();
+    let n = 10;
+    let want = alone(&*m, &prompts[0], n);
+    for size in [2usize, 4, 8] {
+        // Generation 0 and `size - 1` neighbours; neighbour j joins at step j % 3 (its prompt
+        // prefilled in the same call as the others' single tokens).
+        let mut seqs: Vec<Box<dyn Sequence>> = (0..size).map(|_| m.new_sequence().unwrap()).collect();
+        let mut next: Vec<Option<Vec<u32>>> = (0..size).map(|j| (j == 0).then(|| prompts[0].clone())).collect();
+        let mut got = vec![];
+        for step in 0..=n + 2 {
+            for j in 1..size {
+                if step == j % 3 && seqs[j].kv_len() == 0 {
+                    next[j] = Some(prompts[j].clone());
+                }
+            }
+            let fed: Vec<usize> = (0..size).filter(|&j| next[j].is_some()).collect();
+            let inputs: Vec<Vec<u32>> = fed.iter().map(|&j| next[j].take().unwrap()).collect();
+            let results = {
+                let mut items: Vec<(&mut dyn Sequence, &[u32])> = seqs
+                    .iter_mut()
+                    .enumerate()
+                    .filter(|(j, _)| fed.contains(j))
+                    .zip(&inputs)
+                    .map(|((_, s), t)| (&mut **s as &mut dyn Sequence, t.as_slice()))
+                    .collect();
+                m.prefill_batch(&mut items)
+            };
+            for (&j, logits) in fed.iter().zip(results) {
+                let logits = logits.unwrap();
+                if j == 0 {
+                    got.push(logits.clone());
+                }
+                if j == 0 && got.len() > n {
+                    continue;
+                }
+                next[j] = Some(vec![argmax(&logits)]);
+            }
+        }
+        assert_eq!(got.len(), n + 1);
+        for (i, (g, w)) in got.iter().zip(&want.1).enumerate() {
+            assert!(bits(g) == bits(w), "batch of {size}: logits differ after feed {i}");
+        }
+    }
+}
+
+/// Invariance along the sequence: a prefill of the prompt and `k` generated tokens in one call
+/// gives, to the bit, the logits of the prompt's prefill followed by `k` single steps; so an
+/// exact resume costs one prefill.
+#[test]
+fn a_prefill_of_k_tokens_gives_the_logits_of_k_single_steps() {
+    let m = common::real_model();
+    let p = chat(&*m, "Tell me about the moon.");
+    let (tokens, logits) = alone(&*m, &p, 12);
+    for k in [1usize, 5, 12] {
+        let mut s = m.new_sequence().unwrap();
+        let mut all = p.clone();
+        all.extend_from_slice(&tokens[..k]);
+        let got = s.prefill(&all).unwrap();
+        assert!(bits(&got) == bits(&logits[k]), "prefill of prompt + {k} tokens");
+        assert!(s.grouping_invariant());
+    }
+    // And in two uneven calls.
+    let mut s = m.new_sequence().unwrap();
+    s.prefill(&p[..p.len() - 3]).unwrap();
+    let mut rest = p[p.len() - 3..].to_vec();
+    rest.extend_from_slice(&tokens[..4]);
+    assert!(
+        bits(&s.prefill(&rest).unwrap()) == bits(&logits[4]),
+        "a prompt split in two calls"
+    );
 }
 
 fn argmax(v: &[f32]) -> u32 {

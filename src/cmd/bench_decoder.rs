@@ -41,6 +41,11 @@ pub struct DecodeArgs {
     /// First loopback port for the 3 log nodes.
     #[arg(long, default_value_t = 27_300)]
     pub base_port: u16,
+    /// Concurrent generations for the batching table (comma-separated): the model alone
+    /// decoding that many at once (one batched forward pass per step) and the same number of
+    /// generations through one decoder and the log; aggregate tok/s against concurrency 1.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    pub concurrency: Vec<usize>,
 }
 
 #[derive(clap::Args, Clone)]
@@ -137,6 +142,90 @@ async fn raw_decode(model: &std::sync::Arc<dyn Model>, prompt: &[u32], n: u32) -
     .await?
 }
 
+/// `c` generations of the model alone, decoded together (one batched forward pass per step):
+/// (each one's tokens, seconds of decoding, prefills excluded).
+async fn raw_batched(
+    model: &std::sync::Arc<dyn Model>,
+    prompt: &[u32],
+    n: u32,
+    c: usize,
+) -> anyhow::Result<(Vec<Vec<u32>>, f64)> {
+    let (m, p) = (model.clone(), prompt.to_vec());
+    tokio::task::spawn_blocking(move || -> anyhow::Result<(Vec<Vec<u32>>, f64)> {
+        let mut states = (0..c)
+            .map(|_| DecodeState::start(m.as_ref(), &p, SamplingConfig::greedy(), stop(n)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut out = vec![Vec::new(); c];
+        let t = Instant::now();
+        loop {
+            let mut refs: Vec<&mut DecodeState> = states.iter_mut().collect();
+            DecodeState::feed_pending_batch(m.as_ref(), &mut refs)?;
+            let mut any = false;
+            for (s, o) in states.iter_mut().zip(out.iter_mut()) {
+                if let Some(step) = s.next_token()? {
+                    o.push(step.token);
+                    any = true;
+                }
+            }
+            if !any {
+                break;
+            }
+        }
+        Ok((out, t.elapsed().as_secs_f64()))
+    })
+    .await?
+}
+
+/// `c` generations submitted at once to one decoder through the log: (each one's committed
+/// tokens, aggregate tok/s over the records after each one's first visible batch, from the
+/// first of those batches to the last record).
+async fn logged_batched(
+    client: &LogClient,
+    model: &dyn Model,
+    prompt: &[u32],
+    n: u32,
+    c: usize,
+    tag: &str,
+) -> anyhow::Result<(Vec<Vec<u32>>, f64)> {
+    let mut tasks = Vec::new();
+    for i in 0..c {
+        let sub = client
+            .submit(pb::SubmitRequest {
+                tenant: "bench".into(),
+                request_id: format!("{tag}-{i}"),
+                binding: Some(binding(model, prompt, n)),
+            })
+            .await?;
+        let gid = sub.generation.context("no generation")?.generation_id;
+        let client = client.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut w = client.watch(gid, 0).await?;
+            let mut first: Option<(Instant, usize)> = None;
+            let mut logged = Vec::new();
+            while let Some(ev) = w.message().await? {
+                if !ev.records.is_empty() {
+                    first.get_or_insert((Instant::now(), ev.records.len()));
+                }
+                logged.extend(ev.records.iter().map(|r| r.token_id));
+                if ev.terminal.is_some() {
+                    break;
+                }
+            }
+            let (t, first_batch) = first.context("no record became visible")?;
+            anyhow::Ok((logged, t, first_batch, Instant::now()))
+        }));
+    }
+    let mut runs = Vec::new();
+    for t in tasks {
+        runs.push(t.await??);
+    }
+    let start = runs.iter().map(|r| r.1).min().context("no generation")?;
+    let end = runs.iter().map(|r| r.3).max().context("no generation")?;
+    let visible: usize = runs.iter().map(|r| r.0.len().saturating_sub(r.2)).sum();
+    let rate = visible as f64 / (end - start).as_secs_f64().max(1e-9);
+    Ok((runs.into_iter().map(|r| r.0).collect(), rate))
+}
+
 /// One generation through the worker and the log, watched like a client: (committed tokens,
 /// seconds from the first visible batch of records to the last, size of that first batch).
 async fn logged_decode(
@@ -188,7 +277,7 @@ pub async fn decode(a: DecodeArgs) -> anyhow::Result<()> {
     let client = LogClient::new(addrs.clone())?;
     wait_for_leader(&client).await?;
     let mut cfg = WorkerConfig::new("bench-decoder".into(), name.clone());
-    cfg.capacity = 1;
+    cfg.capacity = a.concurrency.iter().copied().max().unwrap_or(1).max(1);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let worker = tokio::spawn(Worker::new(cfg, LogClient::new(addrs)?, model.clone()).run(stop_rx));
 
@@ -223,15 +312,42 @@ pub async fn decode(a: DecodeArgs) -> anyhow::Result<()> {
         (raw_n, raw_s, log_n, log_s) = (raw_n + raw.len(), raw_s + secs, log_n + visible, log_s + lsecs);
         raw_tokens = raw;
     }
-    let _ = stop_tx.send(true);
-    let _ = worker.await;
     let (raw_rate, log_rate) = (raw_n as f64 / raw_s, log_n as f64 / log_s.max(1e-9));
-    println!("raw candle decode         {raw_rate:>8.1} tok/s  ({raw_n} tokens in {raw_s:.2} s, prefill excluded)");
+    println!("raw model decode          {raw_rate:>8.1} tok/s  ({raw_n} tokens in {raw_s:.2} s, prefill excluded)");
     println!("decoder -> 3-node log     {log_rate:>8.1} tok/s  ({log_n} tokens committed after the first visible batch, visible at the client)");
     println!(
         "ratio log / raw           {:>8.3}x  (goal >= 0.95)",
         log_rate / raw_rate
     );
+
+    // Batching: aggregate tok/s with c generations at once, against c = 1 in the same run.
+    if !a.concurrency.is_empty() {
+        println!(
+            "batching ({} tokens each, same greedy prompt; aggregate tok/s):",
+            a.tokens
+        );
+        println!("  concurrency   model alone (x c=1)    through the log (x c=1)   log/alone");
+        let (mut raw1, mut log1) = (None, None);
+        for &c in a.concurrency.iter().filter(|&&c| c > 0) {
+            let (raw_out, secs) = raw_batched(&model, &prompt, a.tokens, c).await?;
+            let raw_agg = raw_out.iter().map(Vec::len).sum::<usize>() as f64 / secs.max(1e-9);
+            let (log_out, log_agg) =
+                logged_batched(&client, model.as_ref(), &prompt, a.tokens, c, &format!("batch-{c}")).await?;
+            let (r1, l1) = (*raw1.get_or_insert(raw_agg), *log1.get_or_insert(log_agg));
+            println!(
+                "  {c:>11}   {raw_agg:>8.1} ({:>5.2}x)       {log_agg:>8.1} ({:>5.2}x)          {:.3}",
+                raw_agg / r1,
+                log_agg / l1,
+                log_agg / raw_agg
+            );
+            if raw_out.iter().chain(&log_out).any(|t| *t != raw_tokens) {
+                println!("  WARNING: a batched generation differs from the generation alone (same greedy prompt)");
+            }
+        }
+        println!("  goal: 8 concurrent generations through the log >= 4x one alone");
+    }
+    let _ = stop_tx.send(true);
+    let _ = worker.await;
 
     // Re-prefill time vs prefix length, exact and fast.
     println!("re-prefill (prompt {} tokens + committed prefix):", prompt.len());
