@@ -60,13 +60,24 @@ fn meta<'a>(ct: &'a gguf_file::Content, key: &str) -> Result<&'a gguf_file::Valu
         .ok_or_else(|| Error::Unsupported(format!("the GGUF file has no {key}")))
 }
 
-fn meta_u32(ct: &gguf_file::Content, key: &str) -> Result<usize> {
+fn meta_usize(ct: &gguf_file::Content, key: &str) -> Result<usize> {
     Ok(meta(ct, key)?.to_u32()? as usize)
 }
 
-impl LlamaWeights {
-    /// Reads the weights of a `llama` GGUF file onto `device`.
-    pub(crate) fn from_gguf<R: Read + Seek>(ct: &gguf_file::Content, r: &mut R, device: &Device) -> Result<Self> {
+/// The hyper-parameters of a `llama` GGUF file, checked; both engines read them here.
+pub(crate) struct LlamaShape {
+    pub(crate) n_head: usize,
+    pub(crate) n_kv_head: usize,
+    pub(crate) n_layers: usize,
+    pub(crate) hidden: usize,
+    pub(crate) ffn: usize,
+    pub(crate) rope_dim: usize,
+    pub(crate) eps: f32,
+    pub(crate) rope_base: f32,
+}
+
+impl LlamaShape {
+    pub(crate) fn from_gguf(ct: &gguf_file::Content) -> Result<Self> {
         let experts = ct
             .metadata
             .get("llama.expert_count")
@@ -77,22 +88,44 @@ impl LlamaWeights {
                 "mixture-of-experts models ({experts} experts) are not supported"
             )));
         }
-        let n_head = meta_u32(ct, "llama.attention.head_count")?;
-        let n_kv_head = meta_u32(ct, "llama.attention.head_count_kv")?;
-        let n_layers = meta_u32(ct, "llama.block_count")?;
-        let hidden = meta_u32(ct, "llama.embedding_length")?;
-        let rope_dim = meta_u32(ct, "llama.rope.dimension_count")?;
-        let eps = meta(ct, "llama.attention.layer_norm_rms_epsilon")?.to_f32()? as f64;
-        let rope_base = ct
-            .metadata
-            .get("llama.rope.freq_base")
-            .and_then(|v| v.to_f32().ok())
-            .unwrap_or(10_000.0);
-        if n_head == 0 || n_kv_head == 0 || n_head % n_kv_head != 0 || hidden % n_head != 0 {
+        let shape = LlamaShape {
+            n_head: meta_usize(ct, "llama.attention.head_count")?,
+            n_kv_head: meta_usize(ct, "llama.attention.head_count_kv")?,
+            n_layers: meta_usize(ct, "llama.block_count")?,
+            hidden: meta_usize(ct, "llama.embedding_length")?,
+            ffn: meta_usize(ct, "llama.feed_forward_length")?,
+            rope_dim: meta_usize(ct, "llama.rope.dimension_count")?,
+            eps: meta(ct, "llama.attention.layer_norm_rms_epsilon")?.to_f32()?,
+            rope_base: ct
+                .metadata
+                .get("llama.rope.freq_base")
+                .and_then(|v| v.to_f32().ok())
+                .unwrap_or(10_000.0),
+        };
+        let (h, kv, hidden) = (shape.n_head, shape.n_kv_head, shape.hidden);
+        if h == 0 || kv == 0 || h % kv != 0 || hidden % h != 0 {
             return Err(Error::Unsupported(format!(
-                "head counts {n_head} / {n_kv_head} do not fit a hidden size of {hidden}"
+                "head counts {h} / {kv} do not fit a hidden size of {hidden}"
             )));
         }
+        Ok(shape)
+    }
+}
+
+impl LlamaWeights {
+    /// Reads the weights of a `llama` GGUF file onto `device`.
+    pub(crate) fn from_gguf<R: Read + Seek>(ct: &gguf_file::Content, r: &mut R, device: &Device) -> Result<Self> {
+        let LlamaShape {
+            n_head,
+            n_kv_head,
+            n_layers,
+            hidden,
+            rope_dim,
+            eps,
+            rope_base,
+            ..
+        } = LlamaShape::from_gguf(ct)?;
+        let eps = eps as f64;
         let (cos, sin) = rotary_tables(rope_dim, rope_base, device)?;
         let tensor = |r: &mut R, name: &str| ct.tensor(r, name, device);
         let embed_q = tensor(r, "token_embd.weight")?;

@@ -198,22 +198,7 @@ async fn logged_batched(
             .await?;
         let gid = sub.generation.context("no generation")?.generation_id;
         let client = client.clone();
-        tasks.push(tokio::spawn(async move {
-            let mut w = client.watch(gid, 0).await?;
-            let mut first: Option<(Instant, usize)> = None;
-            let mut logged = Vec::new();
-            while let Some(ev) = w.message().await? {
-                if !ev.records.is_empty() {
-                    first.get_or_insert((Instant::now(), ev.records.len()));
-                }
-                logged.extend(ev.records.iter().map(|r| r.token_id));
-                if ev.terminal.is_some() {
-                    break;
-                }
-            }
-            let (t, first_batch) = first.context("no record became visible")?;
-            anyhow::Ok((logged, t, first_batch, Instant::now()))
-        }));
+        tasks.push(tokio::spawn(async move { watch_to_end(&client, gid).await }));
     }
     let mut runs = Vec::new();
     for t in tasks {
@@ -243,6 +228,13 @@ async fn logged_decode(
         })
         .await?;
     let gid = sub.generation.context("no generation")?.generation_id;
+    let (logged, t, first_batch, end) = watch_to_end(client, gid).await?;
+    Ok((logged, (end - t).as_secs_f64(), first_batch))
+}
+
+/// Follows a generation's committed records to its end, like a client: (its tokens, when the
+/// first batch of records became visible, that batch's size, when the generation ended).
+async fn watch_to_end(client: &LogClient, gid: u64) -> anyhow::Result<(Vec<u32>, Instant, usize, Instant)> {
     let mut w = client.watch(gid, 0).await?;
     let mut first: Option<(Instant, usize)> = None;
     let mut logged = Vec::new();
@@ -256,7 +248,7 @@ async fn logged_decode(
         }
     }
     let (t, first_batch) = first.context("no record became visible")?;
-    Ok((logged, t.elapsed().as_secs_f64(), first_batch))
+    Ok((logged, t, first_batch, Instant::now()))
 }
 
 pub async fn decode(a: DecodeArgs) -> anyhow::Result<()> {

@@ -31,6 +31,7 @@ use candle_core::Device;
 
 use crate::cache::{f32s_from_bytes, f32s_to_bytes, BlockKind, CacheBlock};
 use crate::error::{Error, Result};
+use crate::llama::LlamaShape;
 use crate::model::{check_feed, Logits, Sequence};
 use quant::{dot_f32, Matrix, SyncPtr};
 
@@ -65,16 +66,6 @@ pub(crate) struct CpuWeights {
     max_positions: usize,
 }
 
-fn meta<'a>(ct: &'a gguf_file::Content, key: &str) -> Result<&'a gguf_file::Value> {
-    ct.metadata
-        .get(key)
-        .ok_or_else(|| Error::Unsupported(format!("the GGUF file has no {key}")))
-}
-
-fn meta_usize(ct: &gguf_file::Content, key: &str) -> Result<usize> {
-    Ok(meta(ct, key)?.to_u32()? as usize)
-}
-
 fn matrix<R: Read + Seek>(ct: &gguf_file::Content, r: &mut R, name: &str) -> Result<Matrix> {
     let t = ct.tensor(r, name, &Device::Cpu)?;
     let (rows, cols) = t.shape().dims2()?;
@@ -100,33 +91,16 @@ fn vector<R: Read + Seek>(ct: &gguf_file::Content, r: &mut R, name: &str, len: u
 impl CpuWeights {
     /// Reads the weights of a `llama` GGUF file; positions up to `max_positions`.
     pub(crate) fn from_gguf<R: Read + Seek>(ct: &gguf_file::Content, r: &mut R, max_positions: usize) -> Result<Self> {
-        let experts = ct
-            .metadata
-            .get("llama.expert_count")
-            .and_then(|v| v.to_u32().ok())
-            .unwrap_or(0);
-        if experts > 1 {
-            return Err(Error::Unsupported(format!(
-                "mixture-of-experts models ({experts} experts) are not supported"
-            )));
-        }
-        let n_head = meta_usize(ct, "llama.attention.head_count")?;
-        let n_kv_head = meta_usize(ct, "llama.attention.head_count_kv")?;
-        let n_layers = meta_usize(ct, "llama.block_count")?;
-        let hidden = meta_usize(ct, "llama.embedding_length")?;
-        let ffn = meta_usize(ct, "llama.feed_forward_length")?;
-        let rope_dim = meta_usize(ct, "llama.rope.dimension_count")?;
-        let eps = meta(ct, "llama.attention.layer_norm_rms_epsilon")?.to_f32()?;
-        let rope_base = ct
-            .metadata
-            .get("llama.rope.freq_base")
-            .and_then(|v| v.to_f32().ok())
-            .unwrap_or(10_000.0);
-        if n_head == 0 || n_kv_head == 0 || n_head % n_kv_head != 0 || hidden % n_head != 0 {
-            return Err(Error::Unsupported(format!(
-                "head counts {n_head} / {n_kv_head} do not fit a hidden size of {hidden}"
-            )));
-        }
+        let LlamaShape {
+            n_head,
+            n_kv_head,
+            n_layers,
+            hidden,
+            ffn,
+            rope_dim,
+            eps,
+            rope_base,
+        } = LlamaShape::from_gguf(ct)?;
         let head_dim = hidden / n_head;
         if rope_dim != head_dim || head_dim % 2 != 0 {
             return Err(Error::Unsupported(format!(
