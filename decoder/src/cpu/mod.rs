@@ -285,9 +285,11 @@ pub(crate) fn forward(w: &CpuWeights, items: &mut [(&mut CpuSequence, &[u32])]) 
             let span = r * hidden..(r + 1) * hidden;
             rms_norm(&x[span.clone()], &layer.attn_norm, w.eps, &mut xn[span]);
         }
-        layer.wq.matmul(&xn, n, &mut q);
-        layer.wk.matmul(&xn, n, &mut k);
-        layer.wv.matmul(&xn, n, &mut v);
+        // One quantization of the normed rows for the three products that read them.
+        let xq = quant::quantize(&xn, hidden);
+        layer.wq.matmul_quantized(&xn, &xq, n, &mut q);
+        layer.wk.matmul_quantized(&xn, &xq, n, &mut k);
+        layer.wv.matmul_quantized(&xn, &xq, n, &mut v);
         for (r, &(_, pos)) in rows.iter().enumerate() {
             let (cos, sin) = (
                 &w.cos[pos * half..(pos + 1) * half],
@@ -362,8 +364,9 @@ pub(crate) fn forward(w: &CpuWeights, items: &mut [(&mut CpuSequence, &[u32])]) 
             let span = r * hidden..(r + 1) * hidden;
             rms_norm(&x[span.clone()], &layer.ffn_norm, w.eps, &mut xn[span]);
         }
-        layer.gate.matmul(&xn, n, &mut g);
-        layer.up.matmul(&xn, n, &mut u);
+        let xq = quant::quantize(&xn, hidden);
+        layer.gate.matmul_quantized(&xn, &xq, n, &mut g);
+        layer.up.matmul_quantized(&xn, &xq, n, &mut u);
         for (g, &u) in g.iter_mut().zip(&u) {
             *g = *g / (1.0 + exp(-*g)) * u;
         }

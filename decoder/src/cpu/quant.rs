@@ -83,6 +83,17 @@ pub(crate) fn quantize_row(x: &[f32], out: &mut QuantRow) {
     out.s.resize(padded(out.qs.len()), 0.0);
 }
 
+/// Every row of `x` (rows of `cols` elements) quantized on its own ([`quantize_row`]).
+pub(crate) fn quantize(x: &[f32], cols: usize) -> Vec<QuantRow> {
+    x.chunks_exact(cols)
+        .map(|row| {
+            let mut q = QuantRow::default();
+            quantize_row(row, &mut q);
+            q
+        })
+        .collect()
+}
+
 /// A weight matrix of `rows` rows of `cols` elements (row `c` makes output column `c`).
 pub(crate) struct Matrix {
     pub(crate) rows: usize,
@@ -214,11 +225,11 @@ impl Matrix {
 
     /// `out[r * cols.len() + j] = x_r · row (cols.start + j)` for the 1 or [`ROWS`] activation
     /// rows `x_r` (`xq[r]` quantized, [`quantize_row`]).
-    fn dots(&self, xs: &[&[f32]], xq: &[&QuantRow], cols: std::ops::Range<usize>, out: &mut [f32]) {
+    fn dots(&self, xs: &[&[f32]], xq: &[QuantRow], cols: std::ops::Range<usize>, out: &mut [f32]) {
         let kb = self.kb();
         let width = cols.len();
         let mut one = [0f32; ROWS];
-        let n = xq.len();
+        let n = xs.len();
         for (j, c) in cols.enumerate() {
             let b = c * kb..(c + 1) * kb;
             match &self.data {
@@ -254,25 +265,27 @@ impl Matrix {
     /// over weight rows on candle's CPU pool; see the module comment for why the numbers do not
     /// depend on `m` or the threads.
     pub(crate) fn matmul(&self, x: &[f32], m: usize, y: &mut [f32]) {
+        let xq = match self.data {
+            Data::F32(_) => Vec::new(),
+            _ => quantize(x, self.cols),
+        };
+        self.matmul_quantized(x, &xq, m, y)
+    }
+
+    /// [`Matrix::matmul`] with `x` already quantized ([`quantize`]), for several matrices
+    /// applied to the same activations (Q, K and V; gate and up). An f32 matrix ignores `xq`.
+    pub(crate) fn matmul_quantized(&self, x: &[f32], xq: &[QuantRow], m: usize, y: &mut [f32]) {
         assert_eq!(x.len(), m * self.cols, "activation rows of {} elements", self.cols);
         assert_eq!(y.len(), m * self.rows, "output rows of {} elements", self.rows);
-        let quantized: Vec<QuantRow> = match self.data {
-            Data::F32(_) => (0..m).map(|_| QuantRow::default()).collect(),
-            _ => x
-                .chunks_exact(self.cols)
-                .map(|row| {
-                    let mut q = QuantRow::default();
-                    quantize_row(row, &mut q);
-                    q
-                })
-                .collect(),
-        };
         // What the kernels rely on (they index without checks).
         let kb = self.kb();
-        assert!(quantized
-            .iter()
-            .all(|q| matches!(self.data, Data::F32(_))
-                || (q.qs.len() == kb && q.d.len() == kb && q.s.len() == padded(kb))));
+        assert!(
+            matches!(self.data, Data::F32(_))
+                || (xq.len() == m
+                    && xq
+                        .iter()
+                        .all(|q| q.qs.len() == kb && q.d.len() == kb && q.s.len() == padded(kb)))
+        );
         let out = SyncPtr(y.as_mut_ptr());
         let n = self.rows;
         // Work items: chunks of 16 weight rows, each multiplied with every activation row (up
@@ -292,8 +305,8 @@ impl Matrix {
                     .map(|f| f..f + ROWS)
                     .chain((full..m).map(|r| r..r + 1));
                 for group in groups {
-                    let xq: Vec<&QuantRow> = quantized[group.clone()].iter().collect();
-                    self.dots(&rows[group.clone()], &xq, cols.clone(), &mut tmp);
+                    let xq = if xq.is_empty() { &[][..] } else { &xq[group.clone()] };
+                    self.dots(&rows[group.clone()], xq, cols.clone(), &mut tmp);
                     for (i, r) in group.enumerate() {
                         // SAFETY: every (row, column) of `y` belongs to exactly one work item,
                         // and `y` outlives the pool call.
@@ -377,7 +390,7 @@ pub(crate) struct Q8_0Col<'a> {
 }
 
 /// `out[r] = col · xs[r]`, for 1 or [`ROWS`] rows.
-fn dot_q4_1(col: &Q4_1Col, xs: &[&QuantRow], out: &mut [f32]) {
+fn dot_q4_1(col: &Q4_1Col, xs: &[QuantRow], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if simd() {
         // SAFETY: AVX2, F16C and FMA are present.
@@ -386,7 +399,7 @@ fn dot_q4_1(col: &Q4_1Col, xs: &[&QuantRow], out: &mut [f32]) {
     portable::dot_q4_1(col, xs, out)
 }
 
-fn dot_q8_0(col: &Q8_0Col, xs: &[&QuantRow], out: &mut [f32]) {
+fn dot_q8_0(col: &Q8_0Col, xs: &[QuantRow], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if simd() {
         // SAFETY: AVX2, F16C and FMA are present.
@@ -436,7 +449,7 @@ pub(crate) mod portable {
         reduce_lanes(acc)
     }
 
-    pub(crate) fn dot_q4_1(col: &Q4_1Col, xs: &[&QuantRow], out: &mut [f32]) {
+    pub(crate) fn dot_q4_1(col: &Q4_1Col, xs: &[QuantRow], out: &mut [f32]) {
         for (x, out) in xs.iter().zip(out) {
             let mut acc = [0f32; 8];
             for b in 0..col.qs.len() {
@@ -449,7 +462,7 @@ pub(crate) mod portable {
         }
     }
 
-    pub(crate) fn dot_q8_0(col: &Q8_0Col, xs: &[&QuantRow], out: &mut [f32]) {
+    pub(crate) fn dot_q8_0(col: &Q8_0Col, xs: &[QuantRow], out: &mut [f32]) {
         for (x, out) in xs.iter().zip(out) {
             let mut acc = [0f32; 8];
             for b in 0..col.qs.len() {
@@ -524,7 +537,7 @@ mod avx2_kernels {
     }
 
     #[target_feature(enable = "avx2,f16c,fma")]
-    pub(super) unsafe fn dot_q4_1(col: &Q4_1Col, xs: &[&QuantRow], out: &mut [f32]) {
+    pub(super) unsafe fn dot_q4_1(col: &Q4_1Col, xs: &[QuantRow], out: &mut [f32]) {
         // Checked once per product by `Matrix::matmul`.
         let kb = col.qs.len();
         debug_assert!(col.d.len() == kb && col.m.len() == padded(kb) && out.len() == xs.len());
@@ -581,7 +594,7 @@ mod avx2_kernels {
     }
 
     #[target_feature(enable = "avx2,f16c,fma")]
-    pub(super) unsafe fn dot_q8_0(col: &Q8_0Col, xs: &[&QuantRow], out: &mut [f32]) {
+    pub(super) unsafe fn dot_q8_0(col: &Q8_0Col, xs: &[QuantRow], out: &mut [f32]) {
         // Checked once per product by `Matrix::matmul`.
         let kb = col.qs.len();
         debug_assert!(col.d.len() == kb && out.len() == xs.len());
@@ -767,7 +780,7 @@ mod tests {
                 Matrix::q8_0(rows, cols, &q8_0_bytes(rows, cols, 6)).unwrap(),
             ];
             for n in [1, ROWS] {
-                let xs: Vec<&QuantRow> = quantized[..n].iter().collect();
+                let xs = &quantized[..n];
                 for w in &ms {
                     let kb = w.kb();
                     for c in 0..w.rows {
@@ -780,16 +793,16 @@ mod tests {
                                     d: &d[b],
                                     m: &m[c * padded(kb)..(c + 1) * padded(kb)],
                                 };
-                                unsafe { avx2_kernels::dot_q4_1(&col, &xs, &mut fast[..n]) };
-                                portable::dot_q4_1(&col, &xs, &mut slow[..n]);
+                                unsafe { avx2_kernels::dot_q4_1(&col, xs, &mut fast[..n]) };
+                                portable::dot_q4_1(&col, xs, &mut slow[..n]);
                             }
                             Data::Q8_0 { qs, d } => {
                                 let col = Q8_0Col {
                                     qs: &qs[b.clone()],
                                     d: &d[b],
                                 };
-                                unsafe { avx2_kernels::dot_q8_0(&col, &xs, &mut fast[..n]) };
-                                portable::dot_q8_0(&col, &xs, &mut slow[..n]);
+                                unsafe { avx2_kernels::dot_q8_0(&col, xs, &mut fast[..n]) };
+                                portable::dot_q8_0(&col, xs, &mut slow[..n]);
                             }
                             Data::F32(_) => unreachable!(),
                         }
