@@ -10,7 +10,7 @@ static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use clap::{Parser, Subcommand};
 
-use cmd::{bench, certs, decoder, dev, gateway, generate, keys, node, status};
+use cmd::{bench, certs, decoder, dev, gateway, generate, keys, node, stage, status};
 
 #[derive(Parser)]
 #[command(
@@ -45,6 +45,9 @@ enum Cmd {
     Generate(generate::GenerateArgs),
     /// Run a decoder: a model that takes generations from the log and writes their tokens.
     Decoder(decoder::DecoderArgs),
+    /// Run one stage of a pipeline: a layer range of a model, driven by a pipeline head
+    /// (`tokenlog decoder --pipeline ADDR,ADDR,...`), for a model split across processes.
+    Stage(stage::StageArgs),
     /// Run one node of the replicated log.
     Node(node::NodeArgs),
     /// Show a cluster's leader, term, indexes, members and generations by state.
@@ -81,6 +84,7 @@ fn main() -> anyhow::Result<()> {
             Cmd::Gateway(a) => gateway::run(a).await,
             Cmd::Generate(a) => generate::run(a).await,
             Cmd::Node(a) => node::run(a).await,
+            Cmd::Stage(a) => stage::run(a).await,
             Cmd::Status(a) => status::status(a).await,
             Cmd::Verify(a) => status::verify(a).await,
             Cmd::Members(a) => status::members(a).await,

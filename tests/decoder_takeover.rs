@@ -629,11 +629,15 @@ async fn a_failed_model_step_ends_the_process_and_another_decoder_continues() {
     }
 
     // The plant: the failed decoder lingers and its renewer keeps the lease; nobody continues.
+    // A longer lease here: the plant is seen when the renewer keeps the lease for 3 s, and a
+    // 600 ms lease can lapse on a slow machine's late renewals alone (a commit stalled by the
+    // disk), which would look like the fix.
     let env = [
         ("TOKENLOG_FAILPOINTS", "model-error=10"),
         ("TOKENLOG_PLANT_ZOMBIE_DECODER", "1"),
     ];
-    let mut zombie = cluster.start_decoder_env("dec-zombie", &args, &env);
+    let zombie_args = ["--fake-step-ms", "20", "--lease-ms", "3000", "--capacity", "1"];
+    let mut zombie = cluster.start_decoder_env("dec-zombie", &zombie_args, &env);
     let prompt = [1, 1, 2, 3];
     let id = submit(&client, "zombie", &prompt).await;
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -653,8 +657,11 @@ async fn a_failed_model_step_ends_the_process_and_another_decoder_continues() {
     let after = owner(&client, id).await;
     assert_eq!(before.0, "dec-zombie");
     assert_eq!(
-        after, before,
-        "under the plant the lease stays with the failed decoder, nothing moves"
+        after,
+        before,
+        "under the plant the lease stays with the failed decoder, nothing moves\nzombie's log:\n{}\ndec-c's log:\n{}",
+        zombie.log_text(),
+        d2.log_text()
     );
     drop(d2);
 }

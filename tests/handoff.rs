@@ -19,6 +19,8 @@ use tokenlog_proto::raftlog as pb;
 use tokenlog_raftlog::client::LogClient;
 
 const MAX_TOKENS: u32 = 150;
+/// Tokens of each real-model generation in the handoff test.
+const REAL_MAX_TOKENS: u32 = 128;
 
 fn fake() -> FakeModel {
     // What `tokenlog decoder --fake` loads.
@@ -252,6 +254,31 @@ async fn a_draining_decoder_hands_every_generation_over_with_its_cache() {
         "{b_log}"
     );
     assert!(!b_log.contains("generation taken"), "b re-prefilled nothing: {b_log}");
+}
+
+/// A decoder with a handoff listener told to stop while it holds nothing re-registers without
+/// the listener before it exits, like a draining one: until its registration lapses (5 s or
+/// more) no other decoder would pick it as a destination. (It used to exit still offering it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_decoder_holding_nothing_stops_offering_handoffs() {
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    let flags = ["--handoff-listen", "127.0.0.1:0", "--fake-step-ms", "25"];
+    let mut a = cluster.start_decoder("idle-ho-a", &flags);
+    let client = cluster.client();
+    let a_id = a.id.clone();
+    wait_until("a to register its handoff listener", async || {
+        takes_handoffs(&client, &a_id).await
+    })
+    .await;
+    a.signal("-TERM");
+    let status = a.wait_exit(Duration::from_secs(30)).expect("a exits");
+    assert!(status.success(), "{}", a.log_text());
+    assert!(
+        !takes_handoffs(&client, &a.id).await,
+        "a stopped decoder still offers handoffs:\n{}",
+        a.log_text()
+    );
 }
 
 /// One failure point of a planned handoff (CONTRACT §8, points 1-6), as a scenario: which side
@@ -614,7 +641,10 @@ async fn the_real_model_hands_over_between_processes_and_stays_exact() {
                 .unwrap()
         })
         .collect();
-    let (longest, b) = drain_and_check(&cluster, model.as_ref(), &prompts, 32, a, || {
+    // Long enough that both are still decoding when `a` is stopped: b's start (a process, the
+    // model's load, a registration) takes a few seconds, and a batched pair decodes ~20 tok/s
+    // each here.
+    let (longest, b) = drain_and_check(&cluster, model.as_ref(), &prompts, REAL_MAX_TOKENS, a, || {
         cluster.start_real_decoder("real-ho-b", &path, &flags)
     })
     .await;

@@ -35,6 +35,10 @@ pub enum Error {
     #[error("invalid argument: {0}")]
     Invalid(String),
 
+    /// A pipeline stage could not be reached, broke its stream or refused a pass.
+    #[error("pipeline stage: {0}")]
+    Stage(String),
+
     /// Fetching or verifying the default model failed.
     #[error("fetch: {0}")]
     Fetch(String),

@@ -79,37 +79,16 @@ impl GgufModel {
             )));
         }
         let dev = device.device()?;
-        let mut file = File::open(path).map_err(|e| Error::io(path, e))?;
-        let content = gguf_file::Content::read(&mut file).map_err(|e| e.with_path(path))?;
-        let architecture = content
-            .metadata
-            .get("general.architecture")
-            .and_then(|v| v.to_string().ok())
-            .cloned()
-            .unwrap_or_default();
-        if architecture != "llama" {
-            return Err(Error::Unsupported(format!(
-                "architecture {architecture:?}; only llama-family GGUF files are supported"
-            )));
-        }
-        let context_length = content
-            .metadata
-            .get("llama.context_length")
-            .and_then(|v| v.to_u32().ok())
-            .map_or(MAX_SEQ_LEN, |n| n as usize);
-        let dtype_class = dtype_class(&content);
-        let tokenizer = Tokenizer::from_gguf(&metadata_of(&content))?;
-        // candle's rotary tables stop at MAX_SEQ_LEN; the CPU engine's are sized the same.
-        let max_context = context_length.min(MAX_SEQ_LEN);
+        let LlamaFile {
+            mut file,
+            content,
+            tokenizer,
+            identity,
+            max_context,
+        } = LlamaFile::open(path)?;
         let weights = match engine {
             GgufEngine::Cpu => Weights::Cpu(Arc::new(CpuWeights::from_gguf(&content, &mut file, max_context)?)),
             GgufEngine::Candle => Weights::Candle(Arc::new(LlamaWeights::from_gguf(&content, &mut file, &dev)?)),
-        };
-        let identity = ModelIdentity {
-            weights_sha256: identity::weights_sha256(path)?,
-            tokenizer_sha256: identity::tokenizer_sha256(&tokenizer)?,
-            architecture,
-            dtype_class,
         };
         Ok(GgufModel {
             weights,
@@ -135,6 +114,58 @@ impl GgufModel {
             Weights::Cpu(_) => GgufEngine::Cpu,
             Weights::Candle(_) => GgufEngine::Candle,
         }
+    }
+}
+
+/// A llama-family GGUF file with its header read: the tensors' index, the tokenizer of its
+/// metadata, the identity a generation on it is bound to, and its usable context. A whole
+/// model, a pipeline stage and a pipeline head read it the same way, so all three get the same
+/// identity.
+pub(crate) struct LlamaFile {
+    pub file: File,
+    pub content: gguf_file::Content,
+    pub tokenizer: Tokenizer,
+    pub identity: ModelIdentity,
+    pub max_context: usize,
+}
+
+impl LlamaFile {
+    pub(crate) fn open(path: &Path) -> Result<Self> {
+        let mut file = File::open(path).map_err(|e| Error::io(path, e))?;
+        let content = gguf_file::Content::read(&mut file).map_err(|e| e.with_path(path))?;
+        let architecture = content
+            .metadata
+            .get("general.architecture")
+            .and_then(|v| v.to_string().ok())
+            .cloned()
+            .unwrap_or_default();
+        if architecture != "llama" {
+            return Err(Error::Unsupported(format!(
+                "architecture {architecture:?}; only llama-family GGUF files are supported"
+            )));
+        }
+        let context_length = content
+            .metadata
+            .get("llama.context_length")
+            .and_then(|v| v.to_u32().ok())
+            .map_or(MAX_SEQ_LEN, |n| n as usize);
+        let dtype_class = dtype_class(&content);
+        let tokenizer = Tokenizer::from_gguf(&metadata_of(&content))?;
+        // candle's rotary tables stop at MAX_SEQ_LEN; the CPU engine's are sized the same.
+        let max_context = context_length.min(MAX_SEQ_LEN);
+        let identity = ModelIdentity {
+            weights_sha256: identity::weights_sha256(path)?,
+            tokenizer_sha256: identity::tokenizer_sha256(&tokenizer)?,
+            architecture,
+            dtype_class,
+        };
+        Ok(LlamaFile {
+            file,
+            content,
+            tokenizer,
+            identity,
+            max_context,
+        })
     }
 }
 

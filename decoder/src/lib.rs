@@ -19,6 +19,9 @@
 //!   batched CPU forward pass, invariant to batching (`cpu::quant`: the weight formats and
 //!   matrix products); `llama`: its candle forward pass (CUDA); `kv`: the KV-cache sequence
 //!   every candle model shares.
+//! - [`stage`]: a pipeline stage, a layer range of a GGUF model on the CPU engine, and its
+//!   `decoder.v1.Stage` service; [`pipeline`]: `PipelineModel`, a pipeline head's [`Model`]
+//!   whose layers run in stage processes (the same bits as the whole model).
 //! - [`gguf_meta`]: a candle-free reader of a GGUF file's metadata (the tokenizer's source).
 //! - [`safetensors_model`]: [`SafetensorsModel`], a llama-family model folder in Hugging Face
 //!   layout (`config.json`, `*.safetensors`, `tokenizer.json`).
@@ -77,10 +80,14 @@ pub mod limits;
 mod llama;
 pub mod model;
 pub mod panics;
+#[cfg(feature = "model")]
+pub mod pipeline;
 pub mod resume;
 #[cfg(feature = "model")]
 pub mod safetensors_model;
 pub mod sampler;
+#[cfg(feature = "model")]
+pub mod stage;
 pub mod stop;
 #[cfg(feature = "model")]
 pub mod threads;

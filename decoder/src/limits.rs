@@ -56,9 +56,22 @@ pub const MOVE_SETTLE_MAX: Duration = Duration::from_millis(50);
 /// How long a draining decoder (SIGTERM with a handoff listener) tries to hand its generations
 /// to other decoders before it releases the rest, by default.
 pub const DRAIN_MS_DEFAULT: u64 = 10_000;
+/// The longest a stopping decoder with nothing to drain waits for its last registration (the
+/// one without its handoff listener) before it exits anyway.
+pub const STOP_REGISTER_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Positions of a joining generation's prefill (prompt, or prompt and committed prefix) fed per
 /// batched step beside the running generations' single tokens: a long prompt costs the others
 /// a few short stalls instead of one long one. Only for sequences whose logits do not depend
 /// on the grouping ([`crate::Sequence::grouping_invariant`]); others prefill in one call.
 pub const PREFILL_CHUNK_TOKENS: usize = 32;
+
+/// Pipeline stages (`crate::stage`, `crate::pipeline`): the largest message on a head's stream
+/// to a stage (a prefill's rows: 2048 positions of a 4096-wide model are 32 MiB), the items of
+/// one request, and the sequences a stage keeps for one head.
+pub const STAGE_MESSAGE_BYTES_MAX: usize = 64 << 20;
+pub const STAGE_ITEMS_MAX: usize = 256;
+pub const STAGE_SEQUENCES_MAX: usize = 1024;
+/// The longest a head waits for a stage's answer to one pass (then the pass fails: the head's
+/// step fails, as a whole decoder's failed model step does).
+pub const STAGE_ANSWER_TIMEOUT: Duration = Duration::from_secs(60);

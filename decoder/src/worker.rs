@@ -314,7 +314,9 @@ pub struct Worker {
     drain_until: Option<Instant>,
     /// Generations a drain tried to hand over and kept: not tried again, released at its end.
     drain_kept: std::collections::BTreeSet<u64>,
-    /// The drain's registration (without the handoff listener) went out.
+    /// Stopping (`stop` was seen): registrations from here on name no handoff listener.
+    stopping: bool,
+    /// The stopping registration (without the handoff listener) went out.
     drain_registered: bool,
 }
 
@@ -397,6 +399,7 @@ impl Worker {
             handing_out: 0,
             drain_until: None,
             drain_kept: Default::default(),
+            stopping: false,
             drain_registered: false,
         }
     }
@@ -490,11 +493,11 @@ impl Worker {
             }
             // A drain that just began registers at once, without its handoff listener: other
             // decoders stop choosing it as a destination.
-            let drain_began = self.drain_until.is_some() && !self.drain_registered;
+            let drain_began = self.stopping && !self.drain_registered;
             if drain_began
                 || last_register.elapsed() >= Duration::from_millis(self.cfg.lease_ms).max(REGISTER_PERIOD_MIN)
             {
-                self.drain_registered = self.drain_until.is_some();
+                self.drain_registered = self.stopping;
                 self.register().await;
                 last_register = Instant::now();
             }
@@ -554,6 +557,18 @@ impl Worker {
         while !self.in_flight.is_empty() && self.stream.is_some() {
             self.collect(true).await;
         }
+        // Stopping with nothing to drain (no generation held): the loop ended before the
+        // registration without the listener went out. It goes out now, so that no decoder picks
+        // this one as a destination until its registration lapses.
+        if self.stopping && !self.drain_registered && !self.cfg.handoff_addr.is_empty() {
+            self.drain_registered = true;
+            if tokio::time::timeout(crate::limits::STOP_REGISTER_TIMEOUT, self.register())
+                .await
+                .is_err()
+            {
+                tracing::warn!("the log did not take the stopping registration in time: other decoders may still offer handoffs here until it lapses");
+            }
+        }
         Ok(())
     }
 
@@ -572,6 +587,7 @@ impl Worker {
             Some(t) => t,
             None => {
                 self.port.accepting.store(false, std::sync::atomic::Ordering::Release);
+                self.stopping = true;
                 if self.cfg.handoff_addr.is_empty() || self.cfg.drain_ms == 0 || self.active.is_empty() {
                     return false;
                 }
@@ -835,8 +851,8 @@ impl Worker {
             ttl_ms: (self.cfg.lease_ms * REGISTRATION_TTL_LEASES).max(REGISTRATION_TTL_MIN_MS),
             chat_template: self.cfg.chat_template.clone(),
             context_tokens: self.model.max_context() as u32,
-            // None while draining (nor for a model whose cache cannot move).
-            handoff_addr: if self.port.cache_format.is_some() && self.drain_until.is_none() {
+            // None once stopping (nor for a model whose cache cannot move).
+            handoff_addr: if self.port.cache_format.is_some() && !self.stopping {
                 self.cfg.handoff_addr.clone()
             } else {
                 String::new()

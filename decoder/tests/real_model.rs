@@ -397,3 +397,82 @@ fn an_exported_kv_cache_continues_the_sampled_run_exactly() {
         assert_eq!(rest, whole[k..], "continued after {k} tokens");
     }
 }
+
+/// Pipeline stages (issue 16): the model split into 2 and into 3 stages (each a layer range on
+/// the CPU engine, the rows between them moved as they are) gives the whole model's logits to
+/// the bit: for a prompt prefill, for single steps, and for two sequences in one batched pass
+/// per stage, one prefilling while the other steps.
+#[test]
+fn a_model_split_into_stages_computes_the_whole_models_bits() {
+    use tokenlog_decoder::stage::{StageInput, StageModel, StageOutput};
+    let m = common::real_model();
+    let prompts = [
+        chat(&*m, "Name three colours."),
+        chat(&*m, "Tell me about lighthouses."),
+    ];
+    let (tokens0, want0) = alone(&*m, &prompts[0], 6);
+    let (_, want1) = alone(&*m, &prompts[1], 0);
+    for split in [vec![0..15, 15..30], vec![0..10, 10..20, 20..30]] {
+        let stages: Vec<StageModel> = split
+            .iter()
+            .map(|r| StageModel::load(m.path(), r.clone()).unwrap())
+            .collect();
+        assert!(stages[0].is_first() && stages.last().unwrap().is_last());
+        let mut seqs: Vec<_> = stages.iter().map(|s| [s.new_sequence(), s.new_sequence()]).collect();
+        // One pass through every stage: per item, its tokens; the last stage's logits.
+        let mut pass = |feeds: &[(usize, &[u32])]| -> Vec<Vec<f32>> {
+            let mut rows: Vec<Vec<f32>> = Vec::new();
+            for (k, stage) in stages.iter().enumerate() {
+                let [a, b] = &mut seqs[k];
+                let mut pair = [Some(a), Some(b)];
+                let mut items: Vec<(&mut tokenlog_decoder::stage::StageSequence, StageInput)> = Vec::new();
+                for (j, (seq, toks)) in feeds.iter().enumerate() {
+                    let input = match k {
+                        0 => StageInput::Tokens(toks),
+                        _ => StageInput::Hidden(&rows[j]),
+                    };
+                    items.push((pair[*seq].take().unwrap(), input));
+                }
+                let out = stage.forward(&mut items);
+                rows = out
+                    .into_iter()
+                    .map(|o| match o.unwrap() {
+                        StageOutput::Hidden(h) => h,
+                        StageOutput::Logits(l) => l,
+                    })
+                    .collect();
+            }
+            rows
+        };
+        let got = pass(&[(0, &prompts[0])]);
+        assert!(bits(&got[0]) == bits(&want0[0]), "{split:?}: the prompt's prefill");
+        // The second sequence prefills in the same passes as the first one's first step.
+        let got = pass(&[(0, &tokens0[..1]), (1, &prompts[1])]);
+        assert!(bits(&got[0]) == bits(&want0[1]), "{split:?}: step 1 beside a prefill");
+        assert!(bits(&got[1]) == bits(&want1[0]), "{split:?}: a prefill beside a step");
+        for (i, &t) in tokens0.iter().enumerate().skip(1) {
+            let got = pass(&[(0, &[t])]);
+            assert!(bits(&got[0]) == bits(&want0[i + 1]), "{split:?}: step {}", i + 1);
+        }
+    }
+    // What a stage refuses, it says.
+    let middle = StageModel::load(m.path(), 10..20).unwrap();
+    let mut s = middle.new_sequence();
+    let e = middle
+        .forward(&mut [(&mut s, StageInput::Tokens(&[1, 2]))])
+        .pop()
+        .unwrap()
+        .unwrap_err();
+    assert!(e.to_string().contains("takes the rows"), "{e}");
+    let e = middle
+        .forward(&mut [(&mut s, StageInput::Hidden(&[0.5; 7]))])
+        .pop()
+        .unwrap()
+        .unwrap_err();
+    assert!(e.to_string().contains("whole rows"), "{e}");
+    for (start, end) in [(20, 10), (0, 31), (5, 5)] {
+        let bad = std::ops::Range { start, end };
+        let e = StageModel::load(m.path(), bad.clone()).err().expect("refused");
+        assert!(e.to_string().contains("layers"), "{bad:?}: {e}");
+    }
+}

@@ -4,7 +4,8 @@
 //! - [`tokenlog`]: `tokenlog.v1`, the gateway's client-facing Generation service.
 //! - [`raftlog`]: `raftlog.v1`, the client API of the replicated token-and-ownership log, served
 //!   by every node.
-//! - [`decoder`]: `decoder.v1`, decoder to decoder (a planned handoff's cache transfer).
+//! - [`decoder`]: `decoder.v1`, decoder to decoder (a planned handoff's cache transfer) and a
+//!   pipeline head to its stages (`Stage`).
 //! - [`raft`]: `raft.v1`, node-to-node Raft transport (openraft messages as opaque bytes).
 //! - [`etcd`]: the one etcd v3 call (`KV/Put`) that `tokenlog bench log` measures against.
 
@@ -18,7 +19,7 @@ pub mod raftlog {
     tonic::include_proto!("raftlog.v1");
 }
 
-/// `decoder.v1`: decoder to decoder (a planned handoff's cache transfer).
+/// `decoder.v1`: decoder to decoder (a planned handoff's cache transfer), head to stage.
 pub mod decoder {
     include!(concat!(env!("OUT_DIR"), "/decoder/decoder.v1.rs"));
 }

@@ -33,6 +33,8 @@ pub fn allowed(path: &str) -> Option<&'static [Role]> {
         ) => &[Decoder],
         // A planned handoff's cache, decoder to decoder.
         ("decoder.v1.Handoff", "Transfer") => &[Decoder],
+        // A pipeline head drives its stages (both run with decoder certificates).
+        ("decoder.v1.Stage", "Describe" | "Forward") => &[Decoder],
         // What a gateway does for its clients.
         ("raftlog.v1.Log", "Submit" | "Cancel") => &[Gateway],
         // Models and their decoders: a gateway resolves names, a decoder finds handoff peers.

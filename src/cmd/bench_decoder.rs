@@ -75,6 +75,7 @@ pub(crate) fn dargs(fake: bool, model: Option<std::path::PathBuf>, threads: usiz
         cluster: vec![],
         model,
         fake,
+        pipeline: vec![],
         fake_step_ms: 0,
         model_name: None,
         device: "cpu".into(),

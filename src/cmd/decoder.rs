@@ -27,6 +27,13 @@ pub struct DecoderArgs {
     /// Use the deterministic fake model instead (instant; for tests).
     #[arg(long, conflicts_with = "model")]
     pub fake: bool,
+    /// Run as a pipeline head: the model's layers run in these stage processes (`tokenlog
+    /// stage`), in pipeline order (comma-separated ADDRs; the first holds layer 0, the last
+    /// ends the model). This process loads only --model's header (tokenizer, identity), drives
+    /// the stages, samples and appends; its output equals a whole decoder's, bit for bit. A
+    /// stage that fails fails the step: the decoder exits and its generations are taken over.
+    #[arg(long, value_delimiter = ',', conflicts_with = "fake")]
+    pub pipeline: Vec<String>,
     /// Per-step delay of the fake model (ms), to make a slow decoder.
     #[arg(long, default_value_t = 0)]
     pub fake_step_ms: u64,
@@ -194,6 +201,32 @@ pub fn load_model(a: &DecoderArgs) -> anyhow::Result<(Arc<dyn Model>, String)> {
         Some(p) => p.clone(),
         None => fetch::ensure_default_model(&fetch::repo_models_dir()).context("fetching the default model")?,
     };
+    if !a.pipeline.is_empty() {
+        if a.device != "cpu" {
+            anyhow::bail!(
+                "a pipeline's stages run on the CPU (--device {} with --pipeline)",
+                a.device
+            );
+        }
+        eprintln!("connecting to the pipeline's stages {} ...", a.pipeline.join(", "));
+        let client = LogClient::with_tls(a.cluster.clone(), a.tls.load()?)?;
+        let channel_for: tokenlog_decoder::pipeline::ChannelFor =
+            Box::new(move |addr: &str| client.peer_channel(addr).map_err(|e| e.to_string()));
+        let model = tokenlog_decoder::pipeline::PipelineModel::connect(&path, &a.pipeline, channel_for)
+            .with_context(|| format!("connecting to the pipeline {}", a.pipeline.join(",")))?;
+        for (i, s) in model.stages().iter().enumerate() {
+            eprintln!(
+                "pipeline stage {}: {} ({}) layers {}..{}",
+                i + 1,
+                s.stage_id,
+                s.addr,
+                s.layers.start,
+                s.layers.end
+            );
+        }
+        let name = a.model_name.clone().unwrap_or_else(|| model_name_of(&path));
+        return Ok((Arc::new(model), name));
+    }
     eprintln!("loading {} on {} ...", path.display(), a.device);
     let model = tokenlog_decoder::load_model(&path, device(&a.device)?)
         .with_context(|| format!("loading {}", path.display()))?;

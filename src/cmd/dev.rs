@@ -57,6 +57,7 @@ pub async fn run(a: DevArgs) -> anyhow::Result<()> {
         cluster: vec![a.listen.to_string()],
         model: a.model.clone(),
         fake: a.fake,
+        pipeline: vec![],
         fake_step_ms: 0,
         model_name: None,
         device: "cpu".into(),

@@ -13,4 +13,5 @@ pub mod gateway;
 pub mod generate;
 pub mod keys;
 pub mod node;
+pub mod stage;
 pub mod status;

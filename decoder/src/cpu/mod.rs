@@ -47,13 +47,21 @@ struct Layer {
     down: Matrix,
 }
 
-/// The weights of a model on the CPU, shared by all its sequences.
+/// The weights of a model on the CPU, shared by all its sequences: the whole model, or one
+/// pipeline stage's contiguous range of its layers ([`CpuWeights::from_gguf_layers`]).
 pub(crate) struct CpuWeights {
-    embed: Matrix,
-    /// `None`: tied to the embeddings.
+    /// The token embeddings: on the first stage, and on the last one when the output head is
+    /// tied to them.
+    embed: Option<Matrix>,
+    /// The output head when the file has its own (`None`: tied to the embeddings).
     output: Option<Matrix>,
+    /// The layers `first_layer..first_layer + layers.len()` of `total_layers`.
     layers: Vec<Layer>,
-    norm: Vec<f32>,
+    first_layer: usize,
+    total_layers: usize,
+    /// The final norm: on the last stage.
+    norm: Option<Vec<f32>>,
+    vocab: usize,
     n_head: usize,
     n_kv_head: usize,
     head_dim: usize,
@@ -91,6 +99,17 @@ fn vector<R: Read + Seek>(ct: &gguf_file::Content, r: &mut R, name: &str, len: u
 impl CpuWeights {
     /// Reads the weights of a `llama` GGUF file; positions up to `max_positions`.
     pub(crate) fn from_gguf<R: Read + Seek>(ct: &gguf_file::Content, r: &mut R, max_positions: usize) -> Result<Self> {
+        Self::from_gguf_layers(ct, r, max_positions, None)
+    }
+
+    /// [`CpuWeights::from_gguf`] of the layers `layers` only (`None`: all of them): the first
+    /// stage also holds the embeddings, the last the final norm and the output head.
+    pub(crate) fn from_gguf_layers<R: Read + Seek>(
+        ct: &gguf_file::Content,
+        r: &mut R,
+        max_positions: usize,
+        layers: Option<std::ops::Range<usize>>,
+    ) -> Result<Self> {
         let LlamaShape {
             n_head,
             n_kv_head,
@@ -101,20 +120,39 @@ impl CpuWeights {
             eps,
             rope_base,
         } = LlamaShape::from_gguf(ct)?;
+        let range = layers.unwrap_or(0..n_layers);
+        if range.start >= range.end || range.end > n_layers {
+            return Err(Error::Invalid(format!(
+                "layers {}..{} of a model of {n_layers} layers (a range is A..B with A < B <= {n_layers})",
+                range.start, range.end
+            )));
+        }
+        let (first, last) = (range.start == 0, range.end == n_layers);
         let head_dim = hidden / n_head;
         if rope_dim != head_dim || head_dim % 2 != 0 {
             return Err(Error::Unsupported(format!(
                 "rotary dimension {rope_dim} with heads of {head_dim}"
             )));
         }
-        let embed = matrix(ct, r, "token_embd.weight")?;
-        let output = match ct.tensor_infos.contains_key("output.weight") {
+        let tied = !ct.tensor_infos.contains_key("output.weight");
+        let vocab = match ct.tensor_infos.get("token_embd.weight") {
+            Some(info) => info.shape.dims2()?.0,
+            None => return Err(Error::Invalid("the file has no token_embd.weight".into())),
+        };
+        let embed = match first || (last && tied) {
+            true => Some(matrix(ct, r, "token_embd.weight")?),
+            false => None,
+        };
+        let output = match last && !tied {
             true => Some(matrix(ct, r, "output.weight")?),
             false => None,
         };
-        let norm = vector(ct, r, "output_norm.weight", hidden)?;
-        let mut layers = Vec::with_capacity(n_layers);
-        for i in 0..n_layers {
+        let norm = match last {
+            true => Some(vector(ct, r, "output_norm.weight", hidden)?),
+            false => None,
+        };
+        let mut layers = Vec::with_capacity(range.len());
+        for i in range.clone() {
             let mut m = |what: &str, rows: usize, cols: usize| -> Result<Matrix> {
                 let m = matrix(ct, r, &format!("blk.{i}.{what}.weight"))?;
                 if (m.rows, m.cols) != (rows, cols) {
@@ -138,10 +176,8 @@ impl CpuWeights {
                 ffn_norm: vector(ct, r, &format!("blk.{i}.ffn_norm.weight"), hidden)?,
             });
         }
-        if embed.cols != hidden
-            || output
-                .as_ref()
-                .is_some_and(|o| o.cols != hidden || o.rows != embed.rows)
+        if embed.as_ref().is_some_and(|e| e.cols != hidden || e.rows != vocab)
+            || output.as_ref().is_some_and(|o| o.cols != hidden || o.rows != vocab)
         {
             return Err(Error::Invalid("embedding and output sizes do not match".into()));
         }
@@ -162,7 +198,10 @@ impl CpuWeights {
             embed,
             output,
             layers,
+            first_layer: range.start,
+            total_layers: n_layers,
             norm,
+            vocab,
             n_head,
             n_kv_head,
             head_dim,
@@ -176,7 +215,34 @@ impl CpuWeights {
     }
 
     pub(crate) fn vocab_size(&self) -> usize {
-        self.embed.rows
+        self.vocab
+    }
+
+    /// The layers it holds, of [`CpuWeights::total_layers`].
+    pub(crate) fn layer_range(&self) -> std::ops::Range<usize> {
+        self.first_layer..self.first_layer + self.layers.len()
+    }
+
+    pub(crate) fn total_layers(&self) -> usize {
+        self.total_layers
+    }
+
+    pub(crate) fn hidden(&self) -> usize {
+        self.hidden
+    }
+
+    pub(crate) fn max_positions(&self) -> usize {
+        self.max_positions
+    }
+
+    /// Whether it takes token ids (it holds the first layer and the embeddings).
+    pub(crate) fn is_first(&self) -> bool {
+        self.first_layer == 0
+    }
+
+    /// Whether it gives logits (it holds the last layer, the final norm and the output head).
+    pub(crate) fn is_last(&self) -> bool {
+        self.first_layer + self.layers.len() == self.total_layers
     }
 
     fn kv_width(&self) -> usize {
@@ -236,6 +302,11 @@ impl CpuSequence {
         }
     }
 
+    /// Positions fed so far.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
     fn check(&self, tokens: &[u32]) -> Result<()> {
         check_feed(tokens, self.len, self.max_context, self.w.vocab_size())
     }
@@ -246,29 +317,128 @@ impl CpuSequence {
     }
 }
 
+/// What one item feeds a stage: token ids (a first stage) or the rows the stage before it
+/// gave (`rows × hidden` values).
+pub(crate) enum Feed<'a> {
+    Tokens(&'a [u32]),
+    Hidden(&'a [f32]),
+}
+
+/// What a stage gives for one item: the rows of every fed position after its layers (to the
+/// next stage), or the logits of the last one (a last stage).
+pub(crate) enum Fed {
+    Hidden(Vec<f32>),
+    Logits(Logits),
+}
+
 /// Feeds every item's tokens to its sequence in one pass and returns each item's logits of its
 /// last position. Each item must have passed [`CpuSequence::check`] and all must share the
-/// weights `w`.
+/// weights `w` (a whole model).
 pub(crate) fn forward(w: &CpuWeights, items: &mut [(&mut CpuSequence, &[u32])]) -> Vec<Logits> {
+    assert!(w.is_first() && w.is_last(), "a whole model");
+    let mut feeds: Vec<(&mut CpuSequence, Feed)> = items.iter_mut().map(|(s, t)| (&mut **s, Feed::Tokens(t))).collect();
+    forward_stage(w, &mut feeds)
+        .into_iter()
+        .map(|f| match f {
+            Fed::Logits(l) => l,
+            Fed::Hidden(_) => unreachable!("a last stage gives logits"),
+        })
+        .collect()
+}
+
+/// One stage's pass over every item (a whole model is one stage): the embeddings of the
+/// tokens or the given rows, through its layers (each item's sequence keeps its keys and
+/// values), and, on a last stage, the final norm and output head of each item's last row.
+/// Tokens need a first stage and rows a later one; each item must have passed the checks of
+/// its kind (`check_feed`, or a whole number of rows in the context).
+pub(crate) fn forward_stage(w: &CpuWeights, items: &mut [(&mut CpuSequence, Feed)]) -> Vec<Fed> {
+    let hidden = w.hidden;
+    let counts: Vec<usize> = items
+        .iter()
+        .map(|(_, f)| match f {
+            Feed::Tokens(t) => t.len(),
+            Feed::Hidden(h) => h.len() / hidden,
+        })
+        .collect();
+    let n: usize = counts.iter().sum();
+    let mut x = vec![0f32; n * hidden];
+    {
+        let mut r = 0;
+        for (_, feed) in items.iter() {
+            match feed {
+                Feed::Tokens(tokens) => {
+                    let embed = w
+                        .embed
+                        .as_ref()
+                        .filter(|_| w.is_first())
+                        .expect("tokens go to a first stage");
+                    for &t in tokens.iter() {
+                        embed.row_into(t as usize, &mut x[r * hidden..(r + 1) * hidden]);
+                        r += 1;
+                    }
+                }
+                Feed::Hidden(h) => {
+                    assert!(!w.is_first(), "rows go to a later stage");
+                    x[r * hidden..r * hidden + h.len()].copy_from_slice(h);
+                    r += h.len() / hidden;
+                }
+            }
+        }
+    }
+    let mut seqs: Vec<(&mut CpuSequence, usize)> = items
+        .iter_mut()
+        .zip(&counts)
+        .map(|((s, _), &c)| (&mut **s, c))
+        .collect();
+    run_layers(w, &mut seqs, &mut x);
+    if !w.is_last() {
+        let mut out = Vec::with_capacity(counts.len());
+        let mut r = 0;
+        for &c in &counts {
+            out.push(Fed::Hidden(x[r * hidden..(r + c) * hidden].to_vec()));
+            r += c;
+        }
+        return out;
+    }
+    // The last row of every item, normed, through the output head.
+    let norm = w.norm.as_ref().expect("a last stage holds the final norm");
+    let mut last = vec![0f32; counts.len() * hidden];
+    {
+        let mut r = 0;
+        for (i, &c) in counts.iter().enumerate() {
+            r += c;
+            rms_norm(
+                &x[(r - 1) * hidden..r * hidden],
+                norm,
+                w.eps,
+                &mut last[i * hidden..(i + 1) * hidden],
+            );
+        }
+    }
+    let head = w
+        .output
+        .as_ref()
+        .or(w.embed.as_ref())
+        .expect("a last stage holds the output head");
+    let vocab = head.rows;
+    let mut logits = vec![0f32; counts.len() * vocab];
+    head.matmul(&last, counts.len(), &mut logits);
+    logits.chunks_exact(vocab).map(|l| Fed::Logits(l.to_vec())).collect()
+}
+
+/// The layers of `w` over the rows `x` (`rows × hidden`, item after item, `count` rows each):
+/// each item's sequence gets the keys and values of its rows, and its length grows by them.
+fn run_layers(w: &CpuWeights, items: &mut [(&mut CpuSequence, usize)], x: &mut [f32]) {
     let (hidden, d, hq, hkv) = (w.hidden, w.head_dim, w.n_head, w.n_kv_head);
     let kvw = w.kv_width();
     // Row r: its item and its position.
     let mut rows: Vec<(usize, usize)> = Vec::new();
-    for (i, (s, tokens)) in items.iter().enumerate() {
-        assert!(!tokens.is_empty() && s.len + tokens.len() <= s.max_context);
-        rows.extend((0..tokens.len()).map(|j| (i, s.len + j)));
+    for (i, (s, count)) in items.iter().enumerate() {
+        assert!(*count > 0 && s.len + count <= s.max_context);
+        rows.extend((0..*count).map(|j| (i, s.len + j)));
     }
     let n = rows.len();
-    let mut x = vec![0f32; n * hidden];
-    {
-        let mut r = 0;
-        for (_, tokens) in items.iter() {
-            for &t in tokens.iter() {
-                w.embed.row_into(t as usize, &mut x[r * hidden..(r + 1) * hidden]);
-                r += 1;
-            }
-        }
-    }
+    assert_eq!(x.len(), n * hidden);
     let mut xn = vec![0f32; n * hidden];
     let mut q = vec![0f32; n * hidden];
     let mut k = vec![0f32; n * kvw];
@@ -305,11 +475,11 @@ pub(crate) fn forward(w: &CpuWeights, items: &mut [(&mut CpuSequence, &[u32])]) 
         // Append this call's keys and values; the attention below then only reads.
         {
             let mut r = 0;
-            for (s, tokens) in items.iter_mut() {
-                let span = r * kvw..(r + tokens.len()) * kvw;
+            for (s, count) in items.iter_mut() {
+                let span = r * kvw..(r + *count) * kvw;
                 s.keys[l].extend_from_slice(&k[span.clone()]);
                 s.values[l].extend_from_slice(&v[span]);
-                r += tokens.len();
+                r += *count;
             }
         }
         let caches: Vec<(&[f32], &[f32])> = items
@@ -375,28 +545,9 @@ pub(crate) fn forward(w: &CpuWeights, items: &mut [(&mut CpuSequence, &[u32])]) 
             *x += o;
         }
     }
-    // The last row of every item, normed, through the output head.
-    let mut last = vec![0f32; items.len() * hidden];
-    {
-        let mut r = 0;
-        for (i, (_, tokens)) in items.iter().enumerate() {
-            r += tokens.len();
-            rms_norm(
-                &x[(r - 1) * hidden..r * hidden],
-                &w.norm,
-                w.eps,
-                &mut last[i * hidden..(i + 1) * hidden],
-            );
-        }
+    for (s, count) in items.iter_mut() {
+        s.len += *count;
     }
-    let head = w.output.as_ref().unwrap_or(&w.embed);
-    let vocab = head.rows;
-    let mut logits = vec![0f32; items.len() * vocab];
-    head.matmul(&last, items.len(), &mut logits);
-    for (s, tokens) in items.iter_mut() {
-        s.len += tokens.len();
-    }
-    logits.chunks_exact(vocab).map(<[f32]>::to_vec).collect()
 }
 
 /// Feeds a batch of sequences of one model at once: each item's result is its logits, or why

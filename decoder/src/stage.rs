@@ -1,0 +1,443 @@
+//! Pipeline stages (issue 16): a model too large for one process runs as a pipeline of stage
+//! processes (`tokenlog stage`), each holding a contiguous range of its layers, driven by a
+//! pipeline head ([`crate::pipeline`]) that samples and appends to the log like any decoder.
+//!
+//! A stage runs tokenlog's CPU forward pass ([`crate::cpu`]) over its layers only: the first
+//! stage also holds the embeddings and takes token ids, the last the final norm and output head
+//! and gives logits, every other one takes and gives the rows between layers (`f32`, moved as
+//! they are). Every operation of that pass is per row and in a fixed order, so the split model
+//! computes the same bits as the whole one: a pipeline's generation equals a whole decoder's,
+//! and either can take over the other's (the model identity is the file's, as for a whole
+//! model).
+//!
+//! The service (`decoder.v1.Stage`): `Describe` says which layers of which weights a stage
+//! holds; `Forward` is a head's stream, one batched pass per request. The sequences (keys and
+//! values of the stage's layers) belong to the stream: a head that dies frees them.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
+
+use tokenlog_proto::decoder as dpb;
+use tonic::{Request, Response, Status};
+
+use crate::cache::{f32s_from_bytes, f32s_to_bytes};
+use crate::cpu::{forward_stage, CpuSequence, CpuWeights, Fed, Feed};
+use crate::error::{Error, Result};
+use crate::gguf_model::LlamaFile;
+use crate::limits::{STAGE_ITEMS_MAX, STAGE_MESSAGE_BYTES_MAX, STAGE_SEQUENCES_MAX};
+use crate::model::check_feed;
+
+/// Parses a layer range as the command line writes it: `A..B` (B exclusive).
+pub fn parse_layers(s: &str) -> std::result::Result<Range<usize>, String> {
+    let (a, b) = s
+        .split_once("..")
+        .ok_or_else(|| format!("{s:?} is not a layer range A..B (B exclusive, e.g. 0..10)"))?;
+    let num = |x: &str| {
+        x.trim()
+            .parse::<usize>()
+            .map_err(|_| format!("{x:?} in {s:?} is not a layer number"))
+    };
+    let (a, b) = (num(a)?, num(b)?);
+    if a >= b {
+        return Err(format!("the layer range {a}..{b} is empty (B is exclusive)"));
+    }
+    Ok(a..b)
+}
+
+/// One stage's weights: a layer range of a llama GGUF model on the CPU.
+pub struct StageModel {
+    w: Arc<CpuWeights>,
+    weights_sha256: String,
+    max_context: usize,
+}
+
+/// What an item feeds a stage.
+pub enum StageInput<'a> {
+    /// Token ids, to a first stage.
+    Tokens(&'a [u32]),
+    /// The rows the previous stage gave (`positions × hidden`).
+    Hidden(&'a [f32]),
+}
+
+/// What a stage gives for an item.
+#[derive(Debug, PartialEq)]
+pub enum StageOutput {
+    /// The rows of every fed position after this stage's layers (to the next stage).
+    Hidden(Vec<f32>),
+    /// The logits of the last fed position (a last stage).
+    Logits(Vec<f32>),
+}
+
+/// A sequence's keys and values for a stage's layers.
+pub struct StageSequence(CpuSequence);
+
+impl StageSequence {
+    /// Positions fed so far.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Drops its keys and values.
+    pub fn reset(&mut self) {
+        crate::Sequence::reset(&mut self.0)
+    }
+}
+
+impl StageModel {
+    /// Loads the layers `layers` of the GGUF file at `path` (and the embeddings for a first
+    /// stage, the final norm and output head for a last one).
+    pub fn load(path: &Path, layers: Range<usize>) -> Result<Self> {
+        let LlamaFile {
+            mut file,
+            content,
+            identity,
+            max_context,
+            ..
+        } = LlamaFile::open(path)?;
+        let w = CpuWeights::from_gguf_layers(&content, &mut file, max_context, Some(layers))?;
+        Ok(StageModel {
+            w: Arc::new(w),
+            weights_sha256: identity.weights_sha256,
+            max_context,
+        })
+    }
+
+    pub fn layers(&self) -> Range<usize> {
+        self.w.layer_range()
+    }
+
+    pub fn total_layers(&self) -> usize {
+        self.w.total_layers()
+    }
+
+    pub fn hidden(&self) -> usize {
+        self.w.hidden()
+    }
+
+    pub fn is_first(&self) -> bool {
+        self.w.is_first()
+    }
+
+    pub fn is_last(&self) -> bool {
+        self.w.is_last()
+    }
+
+    pub fn weights_sha256(&self) -> &str {
+        &self.weights_sha256
+    }
+
+    pub fn new_sequence(&self) -> StageSequence {
+        StageSequence(CpuSequence::new(self.w.clone(), self.max_context))
+    }
+
+    pub fn describe(&self, stage_id: &str) -> dpb::DescribeResponse {
+        let r = self.layers();
+        dpb::DescribeResponse {
+            weights_sha256: self.weights_sha256.clone(),
+            first_layer: r.start as u32,
+            end_layer: r.end as u32,
+            total_layers: self.total_layers() as u32,
+            hidden: self.hidden() as u32,
+            vocab: self.w.vocab_size() as u32,
+            max_positions: self.w.max_positions().min(self.max_context) as u32,
+            stage_id: stage_id.to_string(),
+        }
+    }
+
+    /// Why `input` cannot be fed to `seq` (the kind this stage takes, the vocabulary, whole
+    /// rows, the context).
+    fn check(&self, seq: &StageSequence, input: &StageInput) -> Result<()> {
+        match (input, self.is_first()) {
+            (StageInput::Tokens(t), true) => check_feed(t, seq.len(), self.max_context, self.w.vocab_size()),
+            (StageInput::Hidden(h), false) => {
+                let hidden = self.hidden();
+                if h.is_empty() || h.len() % hidden != 0 {
+                    return Err(Error::Invalid(format!(
+                        "{} values are not whole rows of {hidden}",
+                        h.len()
+                    )));
+                }
+                let needed = seq.len() + h.len() / hidden;
+                if needed > self.max_context {
+                    return Err(Error::ContextFull {
+                        needed,
+                        max: self.max_context,
+                    });
+                }
+                Ok(())
+            }
+            (StageInput::Tokens(_), false) => Err(Error::Invalid(format!(
+                "token ids sent to the stage of layers {:?}, which takes the rows of the stage before it",
+                self.layers()
+            ))),
+            (StageInput::Hidden(_), true) => Err(Error::Invalid(
+                "rows sent to a first stage, which takes token ids".into(),
+            )),
+        }
+    }
+
+    /// Feeds every item in one batched pass; per item its output, or why it was refused (that
+    /// sequence is then reset; the others go on).
+    pub fn forward(&self, items: &mut [(&mut StageSequence, StageInput)]) -> Vec<Result<StageOutput>> {
+        let mut results: Vec<Option<Result<StageOutput>>> = Vec::with_capacity(items.len());
+        let mut ok: Vec<(&mut CpuSequence, Feed)> = Vec::with_capacity(items.len());
+        for (seq, input) in items.iter_mut() {
+            match self.check(seq, input) {
+                Ok(()) => {
+                    results.push(None);
+                    let feed = match input {
+                        StageInput::Tokens(t) => Feed::Tokens(t),
+                        StageInput::Hidden(h) => Feed::Hidden(h),
+                    };
+                    ok.push((&mut seq.0, feed));
+                }
+                Err(e) => {
+                    seq.reset();
+                    results.push(Some(Err(e)));
+                }
+            }
+        }
+        let mut out = match ok.is_empty() {
+            true => Vec::new(),
+            false => forward_stage(&self.w, &mut ok),
+        }
+        .into_iter();
+        results
+            .into_iter()
+            .map(|r| {
+                r.unwrap_or_else(|| {
+                    Ok(match out.next().expect("one per fed item") {
+                        Fed::Hidden(h) => StageOutput::Hidden(h),
+                        Fed::Logits(l) => StageOutput::Logits(l),
+                    })
+                })
+            })
+            .collect()
+    }
+}
+
+/// The `decoder.v1.Stage` service of a stage process.
+#[derive(Clone)]
+pub struct StageService {
+    model: Arc<StageModel>,
+    stage_id: String,
+}
+
+impl StageService {
+    pub fn new(model: Arc<StageModel>, stage_id: String) -> Self {
+        StageService { model, stage_id }
+    }
+
+    pub fn server(self) -> dpb::stage_server::StageServer<StageService> {
+        dpb::stage_server::StageServer::new(self)
+            .max_decoding_message_size(STAGE_MESSAGE_BYTES_MAX)
+            .max_encoding_message_size(STAGE_MESSAGE_BYTES_MAX)
+    }
+}
+
+/// One request of a head's stream, against that stream's sequences: the releases first, then
+/// one batched pass over the items (on a blocking thread), answered in order.
+fn serve_request(
+    model: &StageModel,
+    seqs: &mut HashMap<u64, StageSequence>,
+    req: dpb::ForwardRequest,
+) -> std::result::Result<dpb::ForwardResponse, Status> {
+    for id in &req.release {
+        seqs.remove(id);
+    }
+    if req.items.len() > STAGE_ITEMS_MAX {
+        return Err(Status::invalid_argument(format!(
+            "{} items in one request; at most {STAGE_ITEMS_MAX}",
+            req.items.len()
+        )));
+    }
+    let mut seen = std::collections::HashSet::new();
+    if let Some(dup) = req.items.iter().find(|i| !seen.insert(i.sequence)) {
+        return Err(Status::invalid_argument(format!(
+            "sequence {} twice in one request",
+            dup.sequence
+        )));
+    }
+    // Per item: why it is refused before the pass, or its sequence (taken out of the map
+    // while the pass runs) and its input.
+    let mut refused: Vec<Option<String>> = Vec::with_capacity(req.items.len());
+    let mut taken: Vec<(u64, StageSequence, Vec<f32>)> = Vec::new();
+    for item in &req.items {
+        let mut seq = match item.start {
+            0 => {
+                // A sequence begins (or begins again): whatever the stage held of it goes.
+                seqs.remove(&item.sequence);
+                if seqs.len() + taken.len() >= STAGE_SEQUENCES_MAX {
+                    refused.push(Some(format!(
+                        "the stage holds {STAGE_SEQUENCES_MAX} sequences for this head, its most"
+                    )));
+                    continue;
+                }
+                model.new_sequence()
+            }
+            start => match seqs.remove(&item.sequence) {
+                Some(s) if s.len() == start as usize => s,
+                Some(s) => {
+                    refused.push(Some(format!(
+                        "the stage holds {} positions of sequence {}, not {start}: feed it again from 0",
+                        s.len(),
+                        item.sequence
+                    )));
+                    continue;
+                }
+                None => {
+                    refused.push(Some(format!(
+                        "the stage holds no positions of sequence {} (a new stage, or it was dropped): feed it again from 0",
+                        item.sequence
+                    )));
+                    continue;
+                }
+            },
+        };
+        let rows = match (model.is_first(), item.hidden.is_empty()) {
+            (true, _) => Vec::new(),
+            (false, _) => match f32s_from_bytes(&item.hidden) {
+                Ok(r) => r,
+                Err(e) => {
+                    seq.reset();
+                    refused.push(Some(e.to_string()));
+                    continue;
+                }
+            },
+        };
+        refused.push(None);
+        taken.push((item.sequence, seq, rows));
+    }
+    let outputs = {
+        let mut items: Vec<(&mut StageSequence, StageInput)> = Vec::with_capacity(taken.len());
+        let tokens: Vec<&[u32]> = req
+            .items
+            .iter()
+            .zip(&refused)
+            .filter(|(_, r)| r.is_none())
+            .map(|(i, _)| i.tokens.as_slice())
+            .collect();
+        for ((_, seq, rows), tokens) in taken.iter_mut().zip(tokens) {
+            let input = match model.is_first() {
+                true => StageInput::Tokens(tokens),
+                false => StageInput::Hidden(rows.as_slice()),
+            };
+            items.push((seq, input));
+        }
+        model.forward(&mut items)
+    };
+    let mut outputs = outputs.into_iter();
+    let mut taken = taken.into_iter();
+    let mut results = Vec::with_capacity(req.items.len());
+    for (item, why) in req.items.iter().zip(refused) {
+        let mut r = dpb::StageResult {
+            sequence: item.sequence,
+            ..Default::default()
+        };
+        match why {
+            Some(why) => r.error = why,
+            None => {
+                let (id, seq, _) = taken.next().expect("one per fed item");
+                match outputs.next().expect("one per fed item") {
+                    Ok(StageOutput::Hidden(h)) => {
+                        r.hidden = f32s_to_bytes(&h);
+                        seqs.insert(id, seq);
+                    }
+                    Ok(StageOutput::Logits(l)) => {
+                        r.logits = f32s_to_bytes(&l);
+                        seqs.insert(id, seq);
+                    }
+                    // The sequence was reset: it is dropped here.
+                    Err(e) => r.error = e.to_string(),
+                }
+            }
+        }
+        results.push(r);
+    }
+    Ok(dpb::ForwardResponse { results })
+}
+
+type ForwardStream =
+    std::pin::Pin<Box<dyn futures::Stream<Item = std::result::Result<dpb::ForwardResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl dpb::stage_server::Stage for StageService {
+    async fn describe(
+        &self,
+        _req: Request<dpb::DescribeRequest>,
+    ) -> std::result::Result<Response<dpb::DescribeResponse>, Status> {
+        Ok(Response::new(self.model.describe(&self.stage_id)))
+    }
+
+    type ForwardStream = ForwardStream;
+
+    async fn forward(
+        &self,
+        req: Request<tonic::Streaming<dpb::ForwardRequest>>,
+    ) -> std::result::Result<Response<ForwardStream>, Status> {
+        let mut inbound = req.into_inner();
+        let (out, out_rx) = tokio::sync::mpsc::channel(1);
+        let model = self.model.clone();
+        tokio::spawn(async move {
+            let mut seqs: HashMap<u64, StageSequence> = HashMap::new();
+            loop {
+                let req = match inbound.message().await {
+                    Ok(Some(r)) => r,
+                    // The head ended its stream (or died): its sequences go with it.
+                    Ok(None) => break,
+                    Err(s) => {
+                        tracing::debug!(status = %s, "a head's stream broke");
+                        break;
+                    }
+                };
+                let m = model.clone();
+                // A panic here is a bug: the binary's hook ends the process (a head then sees
+                // its stream break).
+                let mut held = std::mem::take(&mut seqs);
+                let answer = tokio::task::spawn_blocking(move || {
+                    let r = serve_request(&m, &mut held, req);
+                    (r, held)
+                })
+                .await;
+                let answer = match answer {
+                    Ok((r, s)) => {
+                        seqs = s;
+                        r
+                    }
+                    Err(e) => Err(Status::internal(format!("the stage's pass failed: {e}"))),
+                };
+                let failed = answer.is_err();
+                if out.send(answer).await.is_err() || failed {
+                    break;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(tokio_stream_of(out_rx))))
+    }
+}
+
+/// The receiver as a stream of answers.
+fn tokio_stream_of<T: Send + 'static>(mut rx: tokio::sync::mpsc::Receiver<T>) -> impl futures::Stream<Item = T> + Send {
+    futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_layers;
+
+    #[test]
+    fn layer_ranges_parse_and_bad_ones_say_why() {
+        assert_eq!(parse_layers("0..10"), Ok(0..10));
+        assert_eq!(parse_layers(" 10 .. 30 "), Ok(10..30));
+        for bad in ["10", "3..3", "5..2", "a..4", "0..", "..4"] {
+            let e = parse_layers(bad).unwrap_err();
+            assert!(e.contains(bad.trim()) || e.contains("empty"), "{bad}: {e}");
+        }
+    }
+}

@@ -1,0 +1,102 @@
+//! `tokenlog stage`: one stage of a pipeline (issue 16). Loads a layer range of a llama GGUF
+//! model on the CPU and serves `decoder.v1.Stage` for pipeline heads (`tokenlog decoder
+//! --pipeline ...`), until SIGINT/SIGTERM.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context;
+use tokenlog_decoder::stage::{parse_layers, StageModel, StageService};
+use tokenlog_decoder::{fetch, threads};
+
+#[derive(clap::Args, Clone)]
+pub struct StageArgs {
+    /// The model: a llama GGUF file. Default: the bundled SmolLM2-135M-Instruct (Q4_1, 30
+    /// layers), fetched into ./models on first use. Every stage of a pipeline and its head use
+    /// the same file.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// The layers this stage holds, `A..B` (B exclusive). The stage holding layer 0 also holds
+    /// the embeddings and takes token ids; the one ending the model also holds the final norm
+    /// and output head and gives logits; the others take and give the rows between layers.
+    #[arg(long, value_parser = parse_layers)]
+    pub layers: std::ops::Range<usize>,
+    /// Serve the stage on ADDR (port 0 picks a free port; the bound address is printed).
+    #[arg(long, default_value = "127.0.0.1:7301")]
+    pub listen: std::net::SocketAddr,
+    /// Name of this stage process in the head's messages (default: stage-A-B-pid).
+    #[arg(long)]
+    pub stage_id: Option<String>,
+    /// Model threads.
+    #[arg(long, default_value_t = 1)]
+    pub threads: usize,
+    /// Over mutual TLS when given: the stage serves with its decoder certificate and only
+    /// decoders (pipeline heads) may call it.
+    #[command(flatten)]
+    pub tls: crate::process::TlsArgs,
+}
+
+pub async fn run(a: StageArgs) -> anyhow::Result<()> {
+    threads::init_cpu_threads(a.threads);
+    let path = match &a.model {
+        Some(p) => p.clone(),
+        None => fetch::ensure_default_model(&fetch::repo_models_dir()).context("fetching the default model")?,
+    };
+    let layers = a.layers.clone();
+    eprintln!(
+        "loading layers {}..{} of {} ...",
+        layers.start,
+        layers.end,
+        path.display()
+    );
+    let model = tokio::task::spawn_blocking({
+        let path = path.clone();
+        move || StageModel::load(&path, layers)
+    })
+    .await?
+    .with_context(|| {
+        format!(
+            "loading layers {}..{} of {}",
+            a.layers.start,
+            a.layers.end,
+            path.display()
+        )
+    })?;
+    let id = a
+        .stage_id
+        .clone()
+        .unwrap_or_else(|| format!("stage-{}-{}-{}", a.layers.start, a.layers.end, std::process::id()));
+    let tls = a.tls.load()?;
+    let listener = tokio::net::TcpListener::bind(a.listen)
+        .await
+        .with_context(|| format!("binding --listen {}", a.listen))?;
+    let bound = listener.local_addr()?;
+    let what = match (model.is_first(), model.is_last()) {
+        (true, true) => "token ids -> logits",
+        (true, false) => "token ids -> rows",
+        (false, true) => "rows -> logits",
+        (false, false) => "rows -> rows",
+    };
+    eprintln!(
+        "stage {id} serves layers {}..{} of {} ({what}) on {bound}",
+        a.layers.start,
+        a.layers.end,
+        model.total_layers()
+    );
+    use tokenlog_raftlog::limits::{KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT};
+    let mut b = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+        .tcp_keepalive(Some(KEEPALIVE_INTERVAL));
+    if let Some(t) = &tls {
+        b = b.tls_config(t.decoder_server_config()?)?;
+    }
+    let svc = tokenlog_raftlog::auth::Guarded::new(StageService::new(Arc::new(model), id).server(), tls.is_some());
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    b.add_service(svc)
+        .serve_with_incoming_shutdown(incoming, crate::process::shutdown_signal())
+        .await
+        .context("serving the stage")?;
+    eprintln!("stage stopped");
+    Ok(())
+}

@@ -1,0 +1,288 @@
+//! Pipeline stages (issue 16) between real processes over a real 3-node log: the bundled model
+//! split into 3 `tokenlog stage` processes, driven by a pipeline head (`tokenlog decoder
+//! --pipeline ...`) that leases, samples and appends like any decoder. The output equals the
+//! whole model's bit for bit (sampled, exact mode); a dead stage fails the head, whose
+//! generations a new pipeline continues exactly; a whole decoder continues a pipeline's
+//! generation exactly too.
+
+// See tests/decoder_takeover.rs: the serial guard is held across awaits on purpose.
+#![allow(clippy::await_holding_lock)]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{bin, serial, Cluster, Decoder};
+use futures::StreamExt;
+use tokenlog_decoder::worker::identity_to_pb;
+use tokenlog_decoder::{generate, Model, SamplingConfig, StopConfig};
+use tokenlog_proto::raftlog as pb;
+use tokenlog_raftlog::client::LogClient;
+
+const MAX_TOKENS: u32 = 96;
+
+fn sampling(seed: u64) -> SamplingConfig {
+    SamplingConfig {
+        temperature: 0.8,
+        top_p: 0.95,
+        seed,
+        ..Default::default()
+    }
+}
+
+fn expected(model: &dyn Model, prompt: &[u32], seed: u64) -> Vec<u32> {
+    let stop = StopConfig {
+        max_tokens: MAX_TOKENS,
+        stop_strings: vec![],
+        eos_token_ids: vec![],
+    };
+    generate(model, prompt, &sampling(seed), &stop).unwrap().tokens
+}
+
+async fn submit(client: &LogClient, model: &dyn Model, rid: &str, prompt: &[u32], seed: u64) -> u64 {
+    let s = sampling(seed);
+    let binding = pb::Binding {
+        model: Some(identity_to_pb(model.identity())),
+        prompt_token_ids: prompt.to_vec(),
+        sampling: Some(pb::SamplingConfig {
+            temperature: s.temperature,
+            top_p: s.top_p,
+            seed: s.seed,
+            repetition_penalty: 1.0,
+            rng_version: tokenlog_decoder::RNG_VERSION,
+            ..Default::default()
+        }),
+        stop: Some(pb::StopConfig {
+            max_tokens: MAX_TOKENS,
+            ..Default::default()
+        }),
+        mode: pb::ResumeMode::Exact as i32,
+        ..Default::default()
+    };
+    client
+        .submit(pb::SubmitRequest {
+            tenant: "t".into(),
+            request_id: rid.into(),
+            binding: Some(binding),
+        })
+        .await
+        .unwrap()
+        .generation
+        .unwrap()
+        .generation_id
+}
+
+/// Every committed record of a generation from seq 0 until it is terminal, like a client:
+/// each once, in order. The tokens and their epochs.
+async fn follow(client: &LogClient, id: u64) -> (Vec<u32>, Vec<u64>) {
+    let (mut toks, mut epochs) = (Vec::new(), Vec::new());
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        let mut stream = client.watch(id, toks.len() as u32).await.unwrap();
+        while let Ok(Some(item)) = tokio::time::timeout(Duration::from_secs(30), stream.next()).await {
+            let ev = item.unwrap();
+            for r in ev.records {
+                assert_eq!(r.seq as usize, toks.len(), "gap or duplicate in the committed stream");
+                toks.push(r.token_id);
+                epochs.push(r.epoch);
+            }
+            if ev.terminal.is_some() {
+                return (toks, epochs);
+            }
+        }
+        assert!(Instant::now() < deadline, "generation {id} did not finish");
+    }
+}
+
+async fn frontier(client: &LogClient, id: u64) -> u32 {
+    client
+        .get(pb::GetRequest {
+            generation_id: id,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .generation
+        .unwrap()
+        .frontier
+}
+
+async fn wait_frontier(client: &LogClient, id: u64, at_least: u32) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while frontier(client, id).await < at_least {
+        assert!(
+            Instant::now() < deadline,
+            "generation {id} never reached {at_least} records"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A `tokenlog stage` process of `layers` on a free port, and the address it serves on.
+fn start_stage(dir: &Path, model: &Path, name: &str, layers: &str) -> (Decoder, String) {
+    let log = dir.join(format!("{name}.log"));
+    let child = Command::new(bin())
+        .args(["stage", "--model", model.to_str().unwrap(), "--layers", layers])
+        .args(["--listen", "127.0.0.1:0", "--stage-id", name, "--threads", "1"])
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .expect("spawn tokenlog stage");
+    let mut stage = Decoder {
+        child: Some(child),
+        id: name.to_string(),
+        log,
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let text = stage.log_text();
+        if let Some(addr) = text
+            .lines()
+            .find(|l| l.starts_with(&format!("stage {name} serves")))
+            .and_then(|l| l.rsplit(" on ").next())
+        {
+            return (stage, addr.trim().to_string());
+        }
+        assert!(
+            stage.wait_exit(Duration::ZERO).is_none(),
+            "stage {name} exited:\n{text}"
+        );
+        assert!(Instant::now() < deadline, "stage {name} did not start:\n{text}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn model_path() -> PathBuf {
+    tokenlog_decoder::fetch::ensure_default_model(&tokenlog_decoder::fetch::repo_models_dir()).unwrap()
+}
+
+/// A pipeline head over `stages` (their addresses, in order).
+fn start_head(cluster: &Cluster, id: &str, model: &Path, stages: &[String]) -> Decoder {
+    let list = stages.join(",");
+    cluster.start_real_decoder(
+        id,
+        model,
+        &["--pipeline", &list, "--capacity", "2", "--lease-ms", "1500"],
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pipeline_of_stage_processes_decodes_exactly_and_survives_a_dead_stage() {
+    let _serial = serial();
+    let path = model_path();
+    tokenlog_decoder::threads::init_cpu_threads(1);
+    let model = tokenlog_decoder::load_model(&path, tokenlog_decoder::DeviceSpec::Cpu).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = Cluster::start(20_000);
+    let client = cluster.client();
+    let ranges = ["0..10", "10..20", "20..30"];
+    let mut stages: Vec<(Decoder, String)> = ranges
+        .iter()
+        .enumerate()
+        .map(|(i, r)| start_stage(dir.path(), &path, &format!("s{}", i + 1), r))
+        .collect();
+    let addrs = |stages: &[(Decoder, String)]| stages.iter().map(|s| s.1.clone()).collect::<Vec<_>>();
+    let mut h1 = start_head(&cluster, "head-1", &path, &addrs(&stages));
+    common::wait_for_model(&client).await;
+    let h1_log = h1.log_text();
+    for r in ranges {
+        assert!(
+            h1_log.contains(&format!("layers {}", r)),
+            "the head names its stages:\n{h1_log}"
+        );
+    }
+    let chat = |q: &str| {
+        model
+            .tokenizer()
+            .encode_chat(&[tokenlog_decoder::ChatMessage::user(q)])
+            .unwrap()
+    };
+    let prompts = [
+        chat("Tell me about lighthouses."),
+        chat("Name a few rivers."),
+        chat("Write a haiku about snow."),
+    ];
+    let (g1, g2) = (
+        submit(&client, model.as_ref(), "p1", &prompts[0], 11).await,
+        submit(&client, model.as_ref(), "p2", &prompts[1], 12).await,
+    );
+    let follows: Vec<_> = [g1, g2]
+        .into_iter()
+        .map(|id| {
+            let c = client.clone();
+            tokio::spawn(async move { follow(&c, id).await })
+        })
+        .collect();
+
+    // The middle stage dies mid-generation: the head's step fails and the head exits.
+    wait_frontier(&client, g1, 20).await;
+    stages[1].0.kill9();
+    let status = h1
+        .wait_exit(Duration::from_secs(30))
+        .unwrap_or_else(|| panic!("the head runs on without its middle stage:\n{}", h1.log_text()));
+    assert_eq!(status.code(), Some(1), "an error exit: {}", h1.log_text());
+    assert!(h1.log_text().contains("stage"), "{}", h1.log_text());
+
+    // A new middle stage and a new head: both generations continue from their committed
+    // prefixes, re-prefilled through the pipeline, exactly.
+    stages[1] = start_stage(dir.path(), &path, "s2b", "10..20");
+    let mut h2 = start_head(&cluster, "head-2", &path, &addrs(&stages));
+    for ((id, f), (p, seed)) in [g1, g2].into_iter().zip(follows).zip(prompts.iter().zip([11, 12])) {
+        let (toks, epochs) = f.await.unwrap();
+        assert_eq!(
+            toks,
+            expected(model.as_ref(), p, seed),
+            "generation {id}: the whole model's tokens"
+        );
+        let switch = epochs.iter().position(|&e| e != 1).expect("head-2 wrote the rest");
+        assert!(switch >= 20 || id == g2, "generation {id}: {epochs:?}");
+        assert!(epochs[switch..].iter().all(|&e| e == 2), "generation {id}: {epochs:?}");
+    }
+
+    // A whole decoder continues a pipeline's generation exactly: the head is killed mid-way.
+    let g3 = submit(&client, model.as_ref(), "p3", &prompts[2], 13).await;
+    let f3 = {
+        let c = client.clone();
+        tokio::spawn(async move { follow(&c, g3).await })
+    };
+    wait_frontier(&client, g3, 10).await;
+    h2.kill9();
+    let whole = cluster.start_real_decoder("whole", &path, &["--lease-ms", "1500"]);
+    let (toks, epochs) = f3.await.unwrap();
+    assert_eq!(
+        toks,
+        expected(model.as_ref(), &prompts[2], 13),
+        "the whole model's tokens"
+    );
+    assert!(epochs[0] == 1 && *epochs.last().unwrap() == 2, "{epochs:?}");
+    assert!(whole.log_text().contains("generation taken"), "{}", whole.log_text());
+}
+
+/// A head whose stages do not make the model (a gap, the wrong order, a missing end) refuses to
+/// start and says which layer is missing; it never registers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_refuses_stages_that_do_not_make_the_model() {
+    let _serial = serial();
+    let path = model_path();
+    let dir = tempfile::tempdir().unwrap();
+    let (_a, a) = start_stage(dir.path(), &path, "a", "0..10");
+    let (_b, b) = start_stage(dir.path(), &path, "b", "10..20");
+    let (_c, c) = start_stage(dir.path(), &path, "c", "20..30");
+    for (stages, says) in [
+        (vec![a.clone(), c.clone()], "needs layer 10 next"),
+        (vec![b.clone(), a.clone(), c.clone()], "needs layer 0 next"),
+        (vec![a.clone(), b.clone()], "the last stage must end the model"),
+    ] {
+        let out = Command::new(bin())
+            .args(["decoder", "--model", path.to_str().unwrap(), "--cluster", "127.0.0.1:1"])
+            .args(["--pipeline", &stages.join(",")])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stages:?}: {err}");
+        assert!(err.contains(says), "{stages:?}: {err}");
+    }
+}
