@@ -33,8 +33,12 @@ fn sampling(seed: u64) -> SamplingConfig {
 }
 
 fn expected(model: &dyn Model, prompt: &[u32], seed: u64) -> Vec<u32> {
+    expected_n(model, prompt, seed, MAX_TOKENS)
+}
+
+fn expected_n(model: &dyn Model, prompt: &[u32], seed: u64, max_tokens: u32) -> Vec<u32> {
     let stop = StopConfig {
-        max_tokens: MAX_TOKENS,
+        max_tokens,
         stop_strings: vec![],
         eos_token_ids: vec![],
     };
@@ -42,6 +46,10 @@ fn expected(model: &dyn Model, prompt: &[u32], seed: u64) -> Vec<u32> {
 }
 
 async fn submit(client: &LogClient, model: &dyn Model, rid: &str, prompt: &[u32], seed: u64) -> u64 {
+    submit_n(client, model, rid, prompt, seed, MAX_TOKENS).await
+}
+
+async fn submit_n(client: &LogClient, model: &dyn Model, rid: &str, prompt: &[u32], seed: u64, max_tokens: u32) -> u64 {
     let s = sampling(seed);
     let binding = pb::Binding {
         model: Some(identity_to_pb(model.identity())),
@@ -55,7 +63,7 @@ async fn submit(client: &LogClient, model: &dyn Model, rid: &str, prompt: &[u32]
             ..Default::default()
         }),
         stop: Some(pb::StopConfig {
-            max_tokens: MAX_TOKENS,
+            max_tokens,
             ..Default::default()
         }),
         mode: pb::ResumeMode::Exact as i32,
@@ -285,4 +293,75 @@ async fn a_head_refuses_stages_that_do_not_make_the_model() {
         assert_eq!(out.status.code(), Some(1), "{stages:?}: {err}");
         assert!(err.contains(says), "{stages:?}: {err}");
     }
+}
+
+/// Issue 16's first must-show, with a hot spare and a full re-feed (not yet the dead block
+/// alone): a generation of 64 sampled tokens (exact mode) through 3 stage processes; the middle
+/// stage is killed after 20 tokens; the head splices the spare of its layers in and goes on.
+/// All 64 tokens equal the whole model's run, the client saw each once, and the generation never
+/// left its head (one epoch).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_spare_replaces_a_killed_middle_stage_and_the_generation_stays_with_its_head() {
+    let _serial = serial();
+    let path = model_path();
+    tokenlog_decoder::threads::init_cpu_threads(1);
+    let model = tokenlog_decoder::load_model(&path, tokenlog_decoder::DeviceSpec::Cpu).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = Cluster::start(20_000);
+    let client = cluster.client();
+    let mut stages: Vec<(Decoder, String)> = ["0..10", "10..20", "20..30"]
+        .iter()
+        .enumerate()
+        .map(|(i, r)| start_stage(dir.path(), &path, &format!("s{}", i + 1), r))
+        .collect();
+    let (_spare, spare) = start_stage(dir.path(), &path, "spare", "10..20");
+    let list: Vec<String> = stages.iter().map(|s| s.1.clone()).collect();
+    let mut head = cluster.start_real_decoder(
+        "head",
+        &path,
+        &[
+            "--pipeline",
+            &list.join(","),
+            "--pipeline-spares",
+            &spare,
+            "--lease-ms",
+            "1500",
+        ],
+    );
+    common::wait_for_model(&client).await;
+    let prompt = model
+        .tokenizer()
+        .encode_chat(&[tokenlog_decoder::ChatMessage::user("Tell me about lighthouses.")])
+        .unwrap();
+    let id = submit_n(&client, model.as_ref(), "spare", &prompt, 21, 64).await;
+    let f = {
+        let c = client.clone();
+        tokio::spawn(async move { follow(&c, id).await })
+    };
+    wait_frontier(&client, id, 20).await;
+    let killed_at = frontier(&client, id).await;
+    let t0 = Instant::now();
+    stages[1].0.kill9();
+    wait_frontier(&client, id, killed_at + 1).await;
+    eprintln!(
+        "kill -9 of the middle stage -> next committed token: {:?}",
+        t0.elapsed()
+    );
+    let (toks, epochs) = f.await.unwrap();
+    let want = expected_n(model.as_ref(), &prompt, 21, 64);
+    assert_eq!(toks, want, "the whole model's 64 tokens");
+    assert!(
+        epochs.iter().all(|&e| e == 1),
+        "the generation never left its head: {epochs:?}"
+    );
+    assert!(
+        head.wait_exit(Duration::ZERO).is_none(),
+        "the head still runs:\n{}",
+        head.log_text()
+    );
+    assert!(
+        head.log_text().contains("spliced a spare in its place"),
+        "{}",
+        head.log_text()
+    );
 }

@@ -7,9 +7,15 @@
 //! since a split model computes the same bits as the whole one, either continues the other's
 //! generation exactly.
 //!
-//! A stage that cannot be reached, answers late or breaks its stream fails the pass: the head's
-//! step fails as a whole decoder's failed model step does (the process ends, its leases end,
-//! another decoder takes the generation over). Spares and splicing come later.
+//! A stage that cannot be reached, answers late or breaks its stream fails the pass. With hot
+//! spares (`--pipeline-spares`: stage processes with their layers loaded, idle), the head
+//! splices the first spare of the dead stage's layer range in its place and feeds every
+//! sequence again from position 0 through the whole pipeline (each sequence keeps the tokens
+//! fed so far; the numbers are the same bits in one prefill as step by step), then the pass
+//! goes on: the generations never leave the head, no lease changes hands. Without a spare the
+//! head's step fails as a whole decoder's failed model step does (the process ends, its leases
+//! end, another decoder takes the generation over). Not yet: rebuilding only the dead stage's
+//! layers from the rows its predecessor kept, and the composition as a record in the log.
 //!
 //! The stages' streams live on one I/O thread of their own (a small runtime), so the model's
 //! calls, which the worker makes on blocking threads, stay synchronous.
@@ -41,11 +47,24 @@ pub struct StageInfo {
     pub layers: std::ops::Range<usize>,
 }
 
-/// One pass: per item its sequence, first position and tokens; the sequences to free first.
+/// One item of a pass: a sequence, its first position, its tokens, what it was fed before
+/// (to feed again after a splice) and the splice count its stages' state dates from.
+struct JobItem {
+    id: u64,
+    start: u32,
+    tokens: Vec<u32>,
+    history: Vec<u32>,
+    synced: u64,
+}
+
+/// Per item its logits or why not, and the splice count the stages' state now dates from.
+type PassResult = std::result::Result<(Vec<std::result::Result<Logits, String>>, u64), String>;
+
+/// One pass: its items and the sequences to free first.
 struct Job {
-    items: Vec<(u64, u32, Vec<u32>)>,
+    items: Vec<JobItem>,
     release: Vec<u64>,
-    reply: std::sync::mpsc::SyncSender<std::result::Result<Vec<std::result::Result<Logits, String>>, String>>,
+    reply: std::sync::mpsc::SyncSender<PassResult>,
 }
 
 struct Inner {
@@ -55,10 +74,7 @@ struct Inner {
 }
 
 impl Inner {
-    fn pass(
-        &self,
-        items: Vec<(u64, u32, Vec<u32>)>,
-    ) -> std::result::Result<Vec<std::result::Result<Logits, String>>, String> {
+    fn pass(&self, items: Vec<JobItem>) -> PassResult {
         let release = std::mem::take(&mut *self.released.lock().expect("lock"));
         let (reply, answer) = std::sync::mpsc::sync_channel(1);
         self.jobs
@@ -94,7 +110,14 @@ impl PipelineModel {
     /// generations are bound to), asks each stage at `addrs` (in pipeline order) what it holds,
     /// checks that they run the file's weights and cover its layers in order, each layer once,
     /// and opens a stream to each.
-    pub fn connect(path: &std::path::Path, addrs: &[String], channel_for: ChannelFor) -> Result<Self> {
+    ///
+    /// `spares`: hot spare stages, tried in order when a stage of their layer range fails.
+    pub fn connect(
+        path: &std::path::Path,
+        addrs: &[String],
+        spares: &[String],
+        channel_for: ChannelFor,
+    ) -> Result<Self> {
         if addrs.is_empty() {
             return Err(Error::Invalid("a pipeline needs at least one stage".into()));
         }
@@ -109,6 +132,7 @@ impl PipelineModel {
         let (jobs, job_rx) = tokio::sync::mpsc::unbounded_channel();
         let want = identity.weights_sha256.clone();
         let addrs = addrs.to_vec();
+        let spares = spares.to_vec();
         std::thread::Builder::new()
             .name("pipeline-io".into())
             .spawn(move || {
@@ -128,9 +152,17 @@ impl PipelineModel {
                         }
                     };
                     let max = conns.iter().map(|c| c.1).min().unwrap_or(0);
-                    let mut conns: Vec<Conn> = conns.into_iter().map(|c| c.0).collect();
+                    let conns: Vec<Conn> = conns.into_iter().map(|c| c.0).collect();
                     let _ = ready_tx.send(Ok((conns.iter().map(|c| c.info.clone()).collect::<Vec<_>>(), max)));
-                    serve_jobs(&mut conns, job_rx, vocab).await;
+                    let mut pipe = Pipe {
+                        conns,
+                        spares,
+                        channel_for,
+                        weights_sha256: want,
+                        vocab,
+                        splices: 0,
+                    };
+                    serve_jobs(&mut pipe, job_rx).await;
                 });
             })
             .map_err(|e| Error::Stage(format!("starting the pipeline's I/O thread: {e}")))?;
@@ -158,6 +190,57 @@ impl PipelineModel {
     }
 }
 
+/// Describes the stage at `addr`, checks it runs `weights_sha256` with `vocab` entries, and
+/// opens its stream; the stream, its description.
+async fn open_stage(
+    addr: &str,
+    channel_for: &ChannelFor,
+    weights_sha256: &str,
+    vocab: usize,
+) -> std::result::Result<(Conn, dpb::DescribeResponse), String> {
+    let channel = channel_for(addr).map_err(|e| format!("stage {addr}: {e}"))?;
+    let mut c = dpb::stage_client::StageClient::new(channel)
+        .max_decoding_message_size(STAGE_MESSAGE_BYTES_MAX)
+        .max_encoding_message_size(STAGE_MESSAGE_BYTES_MAX);
+    let d = tokio::time::timeout(Duration::from_secs(10), c.describe(dpb::DescribeRequest {}))
+        .await
+        .map_err(|_| format!("stage {addr} did not answer Describe within 10 s"))?
+        .map_err(|s| format!("stage {addr}: {}", s.message()))?
+        .into_inner();
+    if d.weights_sha256 != weights_sha256 {
+        return Err(format!(
+            "stage {addr} runs weights {} and this head's model file is {weights_sha256}",
+            d.weights_sha256
+        ));
+    }
+    if d.vocab as usize != vocab {
+        return Err(format!(
+            "stage {addr} has a vocabulary of {} and the model file's tokenizer {vocab}",
+            d.vocab
+        ));
+    }
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    let rx = c
+        .forward(futures::stream::poll_fn({
+            let mut rx: tokio::sync::mpsc::Receiver<dpb::ForwardRequest> = rx;
+            move |cx| rx.poll_recv(cx)
+        }))
+        .await
+        .map_err(|s| format!("stage {addr}: opening its stream: {}", s.message()))?
+        .into_inner();
+    let conn = Conn {
+        info: StageInfo {
+            addr: addr.to_string(),
+            stage_id: d.stage_id.clone(),
+            layers: d.first_layer as usize..d.end_layer as usize,
+        },
+        tx,
+        rx,
+        broken: None,
+    };
+    Ok((conn, d))
+}
+
 /// Describes every stage, checks the pipeline and opens the streams; each stage's stream and
 /// its most positions.
 async fn open_stages(
@@ -168,24 +251,9 @@ async fn open_stages(
 ) -> std::result::Result<Vec<(Conn, usize)>, String> {
     let mut out = Vec::with_capacity(addrs.len());
     let mut next_layer = 0u32;
-    let mut total = None;
-    let mut hidden = None;
+    let mut shape = None;
     for (i, addr) in addrs.iter().enumerate() {
-        let channel = channel_for(addr).map_err(|e| format!("stage {addr}: {e}"))?;
-        let mut c = dpb::stage_client::StageClient::new(channel)
-            .max_decoding_message_size(STAGE_MESSAGE_BYTES_MAX)
-            .max_encoding_message_size(STAGE_MESSAGE_BYTES_MAX);
-        let d = tokio::time::timeout(Duration::from_secs(10), c.describe(dpb::DescribeRequest {}))
-            .await
-            .map_err(|_| format!("stage {addr} did not answer Describe within 10 s"))?
-            .map_err(|s| format!("stage {addr}: {}", s.message()))?
-            .into_inner();
-        if d.weights_sha256 != weights_sha256 {
-            return Err(format!(
-                "stage {addr} runs weights {} and this head's model file is {weights_sha256}",
-                d.weights_sha256
-            ));
-        }
+        let (conn, d) = open_stage(addr, channel_for, weights_sha256, vocab).await?;
         if d.first_layer != next_layer {
             return Err(format!(
                 "stage {} ({addr}) holds layers {}..{}, and the pipeline needs layer {next_layer} next",
@@ -194,51 +262,107 @@ async fn open_stages(
                 d.end_layer
             ));
         }
-        if *total.get_or_insert(d.total_layers) != d.total_layers || *hidden.get_or_insert(d.hidden) != d.hidden {
+        if *shape.get_or_insert((d.total_layers, d.hidden)) != (d.total_layers, d.hidden) {
             return Err(format!("stage {addr} describes another model's shape"));
         }
-        if d.vocab as usize != vocab {
-            return Err(format!(
-                "stage {addr} has a vocabulary of {} and the model file's tokenizer {vocab}",
-                d.vocab
-            ));
-        }
         next_layer = d.end_layer;
-        let (tx, rx) = tokio::sync::mpsc::channel(1);
-        let rx = c
-            .forward(futures::stream::poll_fn({
-                let mut rx: tokio::sync::mpsc::Receiver<dpb::ForwardRequest> = rx;
-                move |cx| rx.poll_recv(cx)
-            }))
-            .await
-            .map_err(|s| format!("stage {addr}: opening its stream: {}", s.message()))?
-            .into_inner();
-        out.push((
-            Conn {
-                info: StageInfo {
-                    addr: addr.clone(),
-                    stage_id: d.stage_id,
-                    layers: d.first_layer as usize..d.end_layer as usize,
-                },
-                tx,
-                rx,
-                broken: None,
-            },
-            d.max_positions as usize,
-        ));
+        out.push((conn, d.max_positions as usize));
     }
-    if Some(next_layer) != total {
+    let total = shape.map_or(0, |s| s.0);
+    if next_layer != total {
         return Err(format!(
-            "the stages cover layers 0..{next_layer} of {}: the last stage must end the model",
-            total.unwrap_or(0)
+            "the stages cover layers 0..{next_layer} of {total}: the last stage must end the model"
         ));
     }
     Ok(out)
 }
 
-async fn serve_jobs(conns: &mut [Conn], mut jobs: tokio::sync::mpsc::UnboundedReceiver<Job>, vocab: usize) {
+/// The I/O thread's pipeline: the stages' streams and the spares not used yet.
+struct Pipe {
+    conns: Vec<Conn>,
+    spares: Vec<String>,
+    channel_for: ChannelFor,
+    weights_sha256: String,
+    vocab: usize,
+    /// Splices so far: a sequence whose stages' state dates from an earlier count is fed again
+    /// from position 0.
+    splices: u64,
+}
+
+impl Pipe {
+    /// Replaces every broken stage with a spare of its layer range; whether it replaced at
+    /// least one and every broken one.
+    async fn splice(&mut self) -> bool {
+        let t0 = std::time::Instant::now();
+        let mut replaced = 0;
+        for k in 0..self.conns.len() {
+            let Some(why) = self.conns[k].broken.clone() else {
+                continue;
+            };
+            let layers = self.conns[k].info.layers.clone();
+            let mut rest = Vec::new();
+            let mut spliced = false;
+            for addr in std::mem::take(&mut self.spares) {
+                if spliced {
+                    rest.push(addr);
+                    continue;
+                }
+                match open_stage(&addr, &self.channel_for, &self.weights_sha256, self.vocab).await {
+                    Ok((conn, _)) if conn.info.layers == layers => {
+                        tracing::warn!(
+                            failed = %self.conns[k].info.addr,
+                            why,
+                            spare = %addr,
+                            layers = ?layers,
+                            ms = t0.elapsed().as_millis() as u64,
+                            "a pipeline stage failed: spliced a spare in its place"
+                        );
+                        self.conns[k] = conn;
+                        spliced = true;
+                    }
+                    // A spare of other layers stays a spare.
+                    Ok(_) => rest.push(addr),
+                    Err(e) => {
+                        tracing::warn!(spare = %addr, error = e, "a spare stage cannot be used now");
+                        rest.push(addr);
+                    }
+                }
+            }
+            self.spares = rest;
+            if !spliced {
+                tracing::error!(failed = %self.conns[k].info.addr, why, layers = ?layers, "a pipeline stage failed and no spare of its layers answers");
+                return false;
+            }
+            replaced += 1;
+        }
+        if replaced > 0 {
+            self.splices += 1;
+        }
+        replaced > 0
+    }
+}
+
+async fn serve_jobs(pipe: &mut Pipe, mut jobs: tokio::sync::mpsc::UnboundedReceiver<Job>) {
     while let Some(job) = jobs.recv().await {
-        let r = run_pass(conns, job.items, job.release, vocab).await;
+        let r = loop {
+            // A sequence whose stages' state predates the last splice is fed again from 0.
+            let items: Vec<(u64, u32, Vec<u32>)> = job
+                .items
+                .iter()
+                .map(|i| match i.start > 0 && i.synced < pipe.splices {
+                    true => (i.id, 0, [i.history.as_slice(), i.tokens.as_slice()].concat()),
+                    false => (i.id, i.start, i.tokens.clone()),
+                })
+                .collect();
+            match run_pass(&mut pipe.conns, items, job.release.clone(), pipe.vocab).await {
+                Ok(r) => break Ok((r, pipe.splices)),
+                Err(e) => {
+                    if !pipe.splice().await {
+                        break Err(e);
+                    }
+                }
+            }
+        };
         let _ = job.reply.send(r);
     }
 }
@@ -337,6 +461,10 @@ struct PipelineSequence {
     inner: Arc<Inner>,
     id: u64,
     len: usize,
+    /// The tokens fed so far (fed again after a splice).
+    history: Vec<u32>,
+    /// The splice count its stages' state dates from.
+    synced: u64,
     max_context: usize,
     vocab: usize,
 }
@@ -348,6 +476,23 @@ impl Drop for PipelineSequence {
     }
 }
 
+impl PipelineSequence {
+    fn job_item(&self, tokens: &[u32]) -> JobItem {
+        JobItem {
+            id: self.id,
+            start: self.len as u32,
+            tokens: tokens.to_vec(),
+            history: self.history.clone(),
+            synced: self.synced,
+        }
+    }
+
+    fn fed(&mut self, tokens: &[u32]) {
+        self.len += tokens.len();
+        self.history.extend_from_slice(tokens);
+    }
+}
+
 impl Sequence for PipelineSequence {
     fn prefill(&mut self, tokens: &[u32]) -> Result<Logits> {
         if let Err(e) = check_feed(tokens, self.len, self.max_context, self.vocab) {
@@ -356,11 +501,14 @@ impl Sequence for PipelineSequence {
         }
         let r = self
             .inner
-            .pass(vec![(self.id, self.len as u32, tokens.to_vec())])
-            .and_then(|mut r| r.pop().expect("one item"));
+            .pass(vec![self.job_item(tokens)])
+            .and_then(|(mut r, synced)| {
+                self.synced = synced;
+                r.pop().expect("one item")
+            });
         match r {
             Ok(l) => {
-                self.len += tokens.len();
+                self.fed(tokens);
                 Ok(l)
             }
             Err(e) => {
@@ -377,6 +525,7 @@ impl Sequence for PipelineSequence {
     /// The stages begin it afresh at its next feed (from position 0).
     fn reset(&mut self) {
         self.len = 0;
+        self.history.clear();
     }
 
     fn grouping_invariant(&self) -> bool {
@@ -410,6 +559,8 @@ impl Model for PipelineModel {
             inner: self.inner.clone(),
             id: self.inner.next_id.fetch_add(1, Ordering::Relaxed),
             len: 0,
+            history: Vec::new(),
+            synced: 0,
             max_context: self.max_context,
             vocab: self.vocab,
         }))
@@ -430,7 +581,7 @@ impl Model for PipelineModel {
             match check_feed(t, s.len, s.max_context, s.vocab) {
                 Ok(()) => {
                     results.push(None);
-                    fed.push((s.id, s.len as u32, t.to_vec()));
+                    fed.push(s.job_item(t));
                 }
                 Err(e) => {
                     s.reset();
@@ -438,19 +589,24 @@ impl Model for PipelineModel {
                 }
             }
         }
-        let mut answers: Box<dyn Iterator<Item = std::result::Result<Logits, String>>> = match fed.is_empty() {
-            true => Box::new(std::iter::empty()),
-            false => match self.inner.pass(fed.clone()) {
-                Ok(r) => Box::new(r.into_iter()),
-                Err(e) => Box::new(std::iter::repeat_n(Err(e), fed.len())),
-            },
-        };
+        let n = fed.len();
+        let (mut answers, synced): (Box<dyn Iterator<Item = std::result::Result<Logits, String>>>, _) =
+            match fed.is_empty() {
+                true => (Box::new(std::iter::empty()), None),
+                false => match self.inner.pass(fed) {
+                    Ok((r, synced)) => (Box::new(r.into_iter()), Some(synced)),
+                    Err(e) => (Box::new(std::iter::repeat_n(Err(e), n)), None),
+                },
+            };
         seqs.iter_mut()
             .zip(results)
             .map(|((s, t), r)| {
                 r.unwrap_or_else(|| match answers.next().expect("one per fed item") {
                     Ok(l) => {
-                        s.len += t.len();
+                        if let Some(synced) = synced {
+                            s.synced = synced;
+                        }
+                        s.fed(t);
                         Ok(l)
                     }
                     Err(e) => {

@@ -108,6 +108,12 @@ impl StageModel {
         })
     }
 
+    /// The number of layers of the model in the GGUF file at `path` (its header only).
+    pub fn layer_count(path: &Path) -> Result<usize> {
+        let f = LlamaFile::open(path)?;
+        Ok(crate::llama::LlamaShape::from_gguf(&f.content)?.n_layers)
+    }
+
     pub fn layers(&self) -> Range<usize> {
         self.w.layer_range()
     }

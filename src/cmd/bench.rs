@@ -45,6 +45,9 @@ pub enum BenchCmd {
     /// the longest gap between two committed tokens after each kill (p50/p99) against a stretch
     /// without a kill, and whether any election turned into a takeover.
     LeaderKill(crate::cmd::bench_leader::LeaderKillArgs),
+    /// Greedy decode through a pipeline of `tokenlog stage` processes (3 by default) against
+    /// the whole model, alone and batched; the rate ratio, and whether the tokens are the same.
+    Stages(crate::cmd::bench_stages::StagesArgs),
 }
 
 #[derive(clap::Args, Clone)]
@@ -87,6 +90,7 @@ pub async fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Restart(a) => crate::cmd::bench_restart::restart(a).await,
         BenchCmd::Decoders(a) => crate::cmd::bench_decoders::decoders(a).await,
         BenchCmd::LeaderKill(a) => crate::cmd::bench_leader::leader_kill(a).await,
+        BenchCmd::Stages(a) => crate::cmd::bench_stages::stages(a).await,
     }
 }
 

@@ -76,6 +76,7 @@ pub(crate) fn dargs(fake: bool, model: Option<std::path::PathBuf>, threads: usiz
         model,
         fake,
         pipeline: vec![],
+        pipeline_spares: vec![],
         fake_step_ms: 0,
         model_name: None,
         device: "cpu".into(),
@@ -145,7 +146,7 @@ async fn raw_decode(model: &std::sync::Arc<dyn Model>, prompt: &[u32], n: u32) -
 
 /// `c` generations of the model alone, decoded together (one batched forward pass per step):
 /// (each one's tokens, seconds of decoding, prefills excluded).
-async fn raw_batched(
+pub(crate) async fn raw_batched(
     model: &std::sync::Arc<dyn Model>,
     prompt: &[u32],
     n: u32,

@@ -31,9 +31,16 @@ pub struct DecoderArgs {
     /// stage`), in pipeline order (comma-separated ADDRs; the first holds layer 0, the last
     /// ends the model). This process loads only --model's header (tokenizer, identity), drives
     /// the stages, samples and appends; its output equals a whole decoder's, bit for bit. A
-    /// stage that fails fails the step: the decoder exits and its generations are taken over.
+    /// stage that fails fails the step (see --pipeline-spares): the decoder exits and its
+    /// generations are taken over.
     #[arg(long, value_delimiter = ',', conflicts_with = "fake")]
     pub pipeline: Vec<String>,
+    /// Hot spare stages of a pipeline head (comma-separated ADDRs of idle `tokenlog stage`
+    /// processes): when a stage fails, the first spare of its layer range takes its place and
+    /// every generation is fed again through the pipeline from its prompt and the tokens fed
+    /// so far, without leaving this decoder. Without one, a failed stage fails the step.
+    #[arg(long, value_delimiter = ',', requires = "pipeline")]
+    pub pipeline_spares: Vec<String>,
     /// Per-step delay of the fake model (ms), to make a slow decoder.
     #[arg(long, default_value_t = 0)]
     pub fake_step_ms: u64,
@@ -212,8 +219,9 @@ pub fn load_model(a: &DecoderArgs) -> anyhow::Result<(Arc<dyn Model>, String)> {
         let client = LogClient::with_tls(a.cluster.clone(), a.tls.load()?)?;
         let channel_for: tokenlog_decoder::pipeline::ChannelFor =
             Box::new(move |addr: &str| client.peer_channel(addr).map_err(|e| e.to_string()));
-        let model = tokenlog_decoder::pipeline::PipelineModel::connect(&path, &a.pipeline, channel_for)
-            .with_context(|| format!("connecting to the pipeline {}", a.pipeline.join(",")))?;
+        let model =
+            tokenlog_decoder::pipeline::PipelineModel::connect(&path, &a.pipeline, &a.pipeline_spares, channel_for)
+                .with_context(|| format!("connecting to the pipeline {}", a.pipeline.join(",")))?;
         for (i, s) in model.stages().iter().enumerate() {
             eprintln!(
                 "pipeline stage {}: {} ({}) layers {}..{}",

@@ -58,6 +58,7 @@ pub async fn run(a: DevArgs) -> anyhow::Result<()> {
         model: a.model.clone(),
         fake: a.fake,
         pipeline: vec![],
+        pipeline_spares: vec![],
         fake_step_ms: 0,
         model_name: None,
         device: "cpu".into(),
