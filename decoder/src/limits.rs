@@ -75,3 +75,7 @@ pub const STAGE_SEQUENCES_MAX: usize = 1024;
 /// The longest a head waits for a stage's answer to one pass (then the pass fails: the head's
 /// step fails, as a whole decoder's failed model step does).
 pub const STAGE_ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
+/// What a pipeline head keeps of its sequences' passes (each stage's input rows, the tokens),
+/// in all, so that a spare spliced in for one stage rebuilds only that stage; a sequence past
+/// the bound is fed again in full instead.
+pub const PIPELINE_KEPT_BYTES_MAX: usize = 1 << 30;

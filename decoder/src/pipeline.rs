@@ -9,20 +9,23 @@
 //!
 //! A stage that cannot be reached, answers late or breaks its stream fails the pass. With hot
 //! spares (`--pipeline-spares`: stage processes with their layers loaded, idle), the head
-//! splices the first spare of the dead stage's layer range in its place and feeds every
-//! sequence again from position 0 through the whole pipeline (each sequence keeps the tokens
-//! fed so far; the numbers are the same bits in one prefill as step by step), then the pass
-//! goes on: the generations never leave the head, no lease changes hands. Without a spare the
-//! head's step fails as a whole decoder's failed model step does (the process ends, its leases
-//! end, another decoder takes the generation over). Not yet: rebuilding only the dead stage's
-//! layers from the rows its predecessor kept, and the composition as a record in the log.
+//! splices the first spare of the dead stage's layer range in its place and rebuilds only that
+//! stage's layers: the head relays every row between stages, so it keeps what each stage was
+//! fed (within `PIPELINE_KEPT_BYTES_MAX`) and feeds the spare that, all positions of a sequence
+//! in one prefill, which gives the same bits as the steps did (grouping invariance; the spare's
+//! output is checked against what the old stage gave). A sequence not kept is fed again in full
+//! from its history. Then the pass goes on: the generations never leave the head, no lease
+//! changes hands. Without a spare the head's step fails as a whole decoder's failed model step
+//! does (the process ends, its leases end, another decoder takes the generation over). Not
+//! yet: the composition as a record in the log with a pipeline epoch.
 //!
 //! The stages' streams live on one I/O thread of their own (a small runtime), so the model's
 //! calls, which the worker makes on blocking threads, stay synchronous.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokenlog_proto::decoder as dpb;
 use tonic::transport::Channel;
@@ -31,7 +34,7 @@ use crate::cache::f32s_from_bytes;
 use crate::error::{Error, Result};
 use crate::gguf_model::LlamaFile;
 use crate::identity::ModelIdentity;
-use crate::limits::{STAGE_ANSWER_TIMEOUT, STAGE_MESSAGE_BYTES_MAX};
+use crate::limits::{PIPELINE_KEPT_BYTES_MAX, STAGE_ANSWER_TIMEOUT, STAGE_ITEMS_MAX, STAGE_MESSAGE_BYTES_MAX};
 use crate::model::{check_feed, Logits, Model, Sequence};
 use crate::tokenizer::Tokenizer;
 
@@ -47,18 +50,17 @@ pub struct StageInfo {
     pub layers: std::ops::Range<usize>,
 }
 
-/// One item of a pass: a sequence, its first position, its tokens, what it was fed before
-/// (to feed again after a splice) and the splice count its stages' state dates from.
+/// One item of a pass: a sequence, its first position, its tokens, and what it was fed before
+/// (fed again when a splice could not rebuild it).
 struct JobItem {
     id: u64,
     start: u32,
     tokens: Vec<u32>,
     history: Vec<u32>,
-    synced: u64,
 }
 
-/// Per item its logits or why not, and the splice count the stages' state now dates from.
-type PassResult = std::result::Result<(Vec<std::result::Result<Logits, String>>, u64), String>;
+/// Per item its logits or why not.
+type PassResult = std::result::Result<Vec<std::result::Result<Logits, String>>, String>;
 
 /// One pass: its items and the sequences to free first.
 struct Job {
@@ -160,7 +162,10 @@ impl PipelineModel {
                         channel_for,
                         weights_sha256: want,
                         vocab,
-                        splices: 0,
+                        live: HashSet::new(),
+                        kept: HashMap::new(),
+                        kept_bytes: 0,
+                        stale: HashSet::new(),
                     };
                     serve_jobs(&mut pipe, job_rx).await;
                 });
@@ -277,25 +282,46 @@ async fn open_stages(
     Ok(out)
 }
 
-/// The I/O thread's pipeline: the stages' streams and the spares not used yet.
+/// What the head kept of one sequence's passes: its tokens, and the rows every stage after the
+/// first was fed, for all its positions (a spare spliced in for one stage rebuilds that stage's
+/// layers from them alone).
+struct Kept {
+    tokens: Vec<u32>,
+    /// Per stage `1..n`: the rows it was fed, as on the wire.
+    inputs: Vec<Vec<u8>>,
+}
+
+impl Kept {
+    fn bytes(&self) -> usize {
+        self.tokens.len() * 4 + self.inputs.iter().map(Vec::len).sum::<usize>()
+    }
+}
+
+/// The I/O thread's pipeline: the stages' streams, the spares not used yet, and what it kept
+/// of every sequence to rebuild a spliced stage.
 struct Pipe {
     conns: Vec<Conn>,
     spares: Vec<String>,
     channel_for: ChannelFor,
     weights_sha256: String,
     vocab: usize,
-    /// Splices so far: a sequence whose stages' state dates from an earlier count is fed again
-    /// from position 0.
-    splices: u64,
+    /// Sequences the stages hold (seen at position 0, not released).
+    live: HashSet<u64>,
+    /// Sequences whose every position is kept (`PIPELINE_KEPT_BYTES_MAX` in all).
+    kept: HashMap<u64, Kept>,
+    kept_bytes: usize,
+    /// Sequences a splice could not rebuild: fed again in full from their history at their
+    /// next pass.
+    stale: HashSet<u64>,
 }
 
 impl Pipe {
-    /// Replaces every broken stage with a spare of its layer range; whether it replaced at
-    /// least one and every broken one.
+    /// Replaces every broken stage with a spare of its layer range and rebuilds that stage's
+    /// layers of every kept sequence; whether it replaced at least one and every broken one.
     async fn splice(&mut self) -> bool {
-        let t0 = std::time::Instant::now();
         let mut replaced = 0;
         for k in 0..self.conns.len() {
+            let t0 = Instant::now();
             let Some(why) = self.conns[k].broken.clone() else {
                 continue;
             };
@@ -333,29 +359,160 @@ impl Pipe {
                 tracing::error!(failed = %self.conns[k].info.addr, why, layers = ?layers, "a pipeline stage failed and no spare of its layers answers");
                 return false;
             }
+            let t1 = Instant::now();
+            let (rebuilt, positions) = self.rebuild(k).await;
+            tracing::warn!(
+                layers = ?layers,
+                sequences = rebuilt,
+                positions,
+                in_full = self.stale.len(),
+                splice_ms = (t1 - t0).as_millis() as u64,
+                rebuild_ms = t1.elapsed().as_millis() as u64,
+                "the spare rebuilt its layers from the rows kept; the rest is fed again in full"
+            );
             replaced += 1;
         }
-        if replaced > 0 {
-            self.splices += 1;
-        }
         replaced > 0
+    }
+
+    /// Feeds the new stage `k` what its predecessor fed the old one, for every kept sequence
+    /// (in requests of bounded size), and checks that it gives what the old one gave; every
+    /// live sequence it could not rebuild so is marked stale. The sequences and positions
+    /// rebuilt.
+    async fn rebuild(&mut self, k: usize) -> (usize, usize) {
+        let last = self.conns.len() - 1;
+        // Requests of at most STAGE_ITEMS_MAX sequences and about half the message bound.
+        let mut batches: Vec<Vec<u64>> = vec![Vec::new()];
+        let mut bytes = 0;
+        for (id, kept) in &self.kept {
+            let size = kept.bytes();
+            let b = batches.last_mut().expect("one");
+            if !b.is_empty() && (b.len() >= STAGE_ITEMS_MAX || bytes + size > STAGE_MESSAGE_BYTES_MAX / 2) {
+                batches.push(Vec::new());
+                bytes = 0;
+            }
+            batches.last_mut().expect("one").push(*id);
+            bytes += size;
+        }
+        let mut ok: HashSet<u64> = HashSet::new();
+        let mut positions = 0;
+        for batch in batches.into_iter().filter(|b| !b.is_empty()) {
+            let req = dpb::ForwardRequest {
+                items: batch
+                    .iter()
+                    .map(|id| {
+                        let kept = &self.kept[id];
+                        dpb::StageItem {
+                            sequence: *id,
+                            start: 0,
+                            tokens: if k == 0 { kept.tokens.clone() } else { Vec::new() },
+                            hidden: if k == 0 { Vec::new() } else { kept.inputs[k - 1].clone() },
+                        }
+                    })
+                    .collect(),
+                release: Vec::new(),
+            };
+            // The spare failing too leaves it broken: the next pass splices again.
+            let Ok(answer) = ask(&mut self.conns[k], req).await else {
+                break;
+            };
+            for r in answer.results {
+                let kept = &self.kept[&r.sequence];
+                // The same bits as the old stage gave: the next stage's kept input.
+                if r.error.is_empty() && (k == last || r.hidden == kept.inputs[k]) {
+                    positions += kept.tokens.len();
+                    ok.insert(r.sequence);
+                } else {
+                    tracing::error!(
+                        sequence = r.sequence,
+                        error = r.error,
+                        "a rebuilt stage did not give the rows the old one gave: feeding the sequence again in full"
+                    );
+                }
+            }
+        }
+        for id in &self.live {
+            if !ok.contains(id) {
+                self.stale.insert(*id);
+            }
+        }
+        (ok.len(), positions)
+    }
+
+    /// What a pass fed each item, kept for a later rebuild (within the bound); the failed
+    /// ones and the released ones forgotten.
+    fn keep(&mut self, items: &[(u64, u32, Vec<u32>)], fed: &[(bool, Vec<Vec<u8>>)], release: &[u64]) {
+        for id in release {
+            self.live.remove(id);
+            self.stale.remove(id);
+            if let Some(k) = self.kept.remove(id) {
+                self.kept_bytes -= k.bytes();
+            }
+        }
+        let inputs = self.conns.len() - 1;
+        for ((id, start, tokens), (ok, rows)) in items.iter().zip(fed) {
+            if *start == 0 {
+                if let Some(k) = self.kept.remove(id) {
+                    self.kept_bytes -= k.bytes();
+                }
+                self.live.insert(*id);
+                self.stale.remove(id);
+                self.kept.insert(
+                    *id,
+                    Kept {
+                        tokens: Vec::new(),
+                        inputs: vec![Vec::new(); inputs],
+                    },
+                );
+            }
+            if !ok {
+                // The head resets it: its next feed starts at 0.
+                if let Some(k) = self.kept.remove(id) {
+                    self.kept_bytes -= k.bytes();
+                }
+                continue;
+            }
+            let add = tokens.len() * 4 + rows.iter().map(Vec::len).sum::<usize>();
+            if self.kept_bytes + add <= PIPELINE_KEPT_BYTES_MAX {
+                if let Some(k) = self.kept.get_mut(id) {
+                    k.tokens.extend_from_slice(tokens);
+                    for (kept, r) in k.inputs.iter_mut().zip(rows) {
+                        kept.extend_from_slice(r);
+                    }
+                    self.kept_bytes += add;
+                }
+            } else if let Some(k) = self.kept.remove(id) {
+                // Over the bound: not kept any more (a splice feeds it again in full).
+                self.kept_bytes -= k.bytes();
+            }
+        }
     }
 }
 
 async fn serve_jobs(pipe: &mut Pipe, mut jobs: tokio::sync::mpsc::UnboundedReceiver<Job>) {
     while let Some(job) = jobs.recv().await {
         let r = loop {
-            // A sequence whose stages' state predates the last splice is fed again from 0.
+            // A sequence a splice could not rebuild is fed again from 0, its history first.
             let items: Vec<(u64, u32, Vec<u32>)> = job
                 .items
                 .iter()
-                .map(|i| match i.start > 0 && i.synced < pipe.splices {
+                .map(|i| match i.start > 0 && pipe.stale.contains(&i.id) {
                     true => (i.id, 0, [i.history.as_slice(), i.tokens.as_slice()].concat()),
                     false => (i.id, i.start, i.tokens.clone()),
                 })
                 .collect();
-            match run_pass(&mut pipe.conns, items, job.release.clone(), pipe.vocab).await {
-                Ok(r) => break Ok((r, pipe.splices)),
+            match run_pass(&mut pipe.conns, &items, job.release.clone(), pipe.vocab).await {
+                Ok(r) => {
+                    let (logits, fed): (Vec<_>, Vec<_>) = r
+                        .into_iter()
+                        .map(|(l, rows)| {
+                            let ok = l.is_ok();
+                            (l, (ok, rows))
+                        })
+                        .unzip();
+                    pipe.keep(&items, &fed, &job.release);
+                    break Ok(logits);
+                }
                 Err(e) => {
                     if !pipe.splice().await {
                         break Err(e);
@@ -395,15 +552,19 @@ async fn ask(conn: &mut Conn, req: dpb::ForwardRequest) -> std::result::Result<d
     answer
 }
 
+/// Per item of a pass: its logits or why not, and the rows each stage after the first was fed.
+type PassItems = Vec<(std::result::Result<Logits, String>, Vec<Vec<u8>>)>;
+
 /// One pass through every stage. An item a stage refuses drops out (its error names the
 /// stage); the others go on.
 async fn run_pass(
     conns: &mut [Conn],
-    items: Vec<(u64, u32, Vec<u32>)>,
+    items: &[(u64, u32, Vec<u32>)],
     release: Vec<u64>,
     vocab: usize,
-) -> std::result::Result<Vec<std::result::Result<Logits, String>>, String> {
+) -> std::result::Result<PassItems, String> {
     let mut results: Vec<Option<std::result::Result<Logits, String>>> = vec![None; items.len()];
+    let mut fed: Vec<Vec<Vec<u8>>> = vec![Vec::new(); items.len()];
     // The items still going, with the rows the last stage gave each.
     let mut going: Vec<(usize, Vec<u8>)> = (0..items.len()).map(|i| (i, Vec::new())).collect();
     let last = conns.len() - 1;
@@ -413,14 +574,17 @@ async fn run_pass(
         }
         let req = dpb::ForwardRequest {
             items: going
-                .iter_mut()
+                .iter()
                 .map(|(i, rows)| {
                     let (sequence, start, tokens) = &items[*i];
+                    if k > 0 {
+                        fed[*i].push(rows.clone());
+                    }
                     dpb::StageItem {
                         sequence: *sequence,
                         start: *start,
                         tokens: if k == 0 { tokens.clone() } else { Vec::new() },
-                        hidden: std::mem::take(rows),
+                        hidden: rows.clone(),
                     }
                 })
                 .collect(),
@@ -452,7 +616,8 @@ async fn run_pass(
     }
     Ok(results
         .into_iter()
-        .map(|r| r.unwrap_or_else(|| Err("no stage answered for it".into())))
+        .zip(fed)
+        .map(|(r, rows)| (r.unwrap_or_else(|| Err("no stage answered for it".into())), rows))
         .collect())
 }
 
@@ -461,10 +626,8 @@ struct PipelineSequence {
     inner: Arc<Inner>,
     id: u64,
     len: usize,
-    /// The tokens fed so far (fed again after a splice).
+    /// The tokens fed so far (fed again when a splice could not rebuild it).
     history: Vec<u32>,
-    /// The splice count its stages' state dates from.
-    synced: u64,
     max_context: usize,
     vocab: usize,
 }
@@ -483,7 +646,6 @@ impl PipelineSequence {
             start: self.len as u32,
             tokens: tokens.to_vec(),
             history: self.history.clone(),
-            synced: self.synced,
         }
     }
 
@@ -502,10 +664,7 @@ impl Sequence for PipelineSequence {
         let r = self
             .inner
             .pass(vec![self.job_item(tokens)])
-            .and_then(|(mut r, synced)| {
-                self.synced = synced;
-                r.pop().expect("one item")
-            });
+            .and_then(|mut r| r.pop().expect("one item"));
         match r {
             Ok(l) => {
                 self.fed(tokens);
@@ -560,7 +719,6 @@ impl Model for PipelineModel {
             id: self.inner.next_id.fetch_add(1, Ordering::Relaxed),
             len: 0,
             history: Vec::new(),
-            synced: 0,
             max_context: self.max_context,
             vocab: self.vocab,
         }))
@@ -590,22 +748,18 @@ impl Model for PipelineModel {
             }
         }
         let n = fed.len();
-        let (mut answers, synced): (Box<dyn Iterator<Item = std::result::Result<Logits, String>>>, _) =
-            match fed.is_empty() {
-                true => (Box::new(std::iter::empty()), None),
-                false => match self.inner.pass(fed) {
-                    Ok((r, synced)) => (Box::new(r.into_iter()), Some(synced)),
-                    Err(e) => (Box::new(std::iter::repeat_n(Err(e), n)), None),
-                },
-            };
+        let mut answers: Box<dyn Iterator<Item = std::result::Result<Logits, String>>> = match fed.is_empty() {
+            true => Box::new(std::iter::empty()),
+            false => match self.inner.pass(fed) {
+                Ok(r) => Box::new(r.into_iter()),
+                Err(e) => Box::new(std::iter::repeat_n(Err(e), n)),
+            },
+        };
         seqs.iter_mut()
             .zip(results)
             .map(|((s, t), r)| {
                 r.unwrap_or_else(|| match answers.next().expect("one per fed item") {
                     Ok(l) => {
-                        if let Some(synced) = synced {
-                            s.synced = synced;
-                        }
                         s.fed(t);
                         Ok(l)
                     }

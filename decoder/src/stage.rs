@@ -83,6 +83,11 @@ impl StageSequence {
         self.len() == 0
     }
 
+    /// Forgets positions `n..`; the first `n` stay as they were.
+    pub fn truncate(&mut self, n: usize) {
+        self.0.truncate(n)
+    }
+
     /// Drops its keys and values.
     pub fn reset(&mut self) {
         crate::Sequence::reset(&mut self.0)
@@ -287,11 +292,16 @@ fn serve_request(
                 }
                 model.new_sequence()
             }
+            // A start behind what the stage holds rewinds it (a pass that failed at a later
+            // stage is sent again: this stage had already fed it).
             start => match seqs.remove(&item.sequence) {
-                Some(s) if s.len() == start as usize => s,
+                Some(mut s) if s.len() >= start as usize => {
+                    s.truncate(start as usize);
+                    s
+                }
                 Some(s) => {
                     refused.push(Some(format!(
-                        "the stage holds {} positions of sequence {}, not {start}: feed it again from 0",
+                        "the stage holds {} positions of sequence {}, fewer than {start}: feed it again from 0",
                         s.len(),
                         item.sequence
                     )));

@@ -455,6 +455,23 @@ fn a_model_split_into_stages_computes_the_whole_models_bits() {
             assert!(bits(&got[0]) == bits(&want0[i + 1]), "{split:?}: step {}", i + 1);
         }
     }
+    // A rewound sequence (a pass sent again after a later stage failed) gives the same rows.
+    let first = StageModel::load(m.path(), 0..10).unwrap();
+    let mut s = first.new_sequence();
+    first.forward(&mut [(&mut s, StageInput::Tokens(&prompts[0]))]);
+    let once = first
+        .forward(&mut [(&mut s, StageInput::Tokens(&tokens0[..2]))])
+        .pop()
+        .unwrap()
+        .unwrap();
+    s.truncate(prompts[0].len());
+    assert_eq!(s.len(), prompts[0].len());
+    let again = first
+        .forward(&mut [(&mut s, StageInput::Tokens(&tokens0[..2]))])
+        .pop()
+        .unwrap()
+        .unwrap();
+    assert!(once == again, "rewound and fed again: the same rows");
     // What a stage refuses, it says.
     let middle = StageModel::load(m.path(), 10..20).unwrap();
     let mut s = middle.new_sequence();

@@ -307,6 +307,17 @@ impl CpuSequence {
         self.len
     }
 
+    /// Forgets positions `n..` (their keys and values); the first `n` stay as they were.
+    pub(crate) fn truncate(&mut self, n: usize) {
+        let kvw = self.w.kv_width();
+        if n < self.len {
+            for t in self.keys.iter_mut().chain(self.values.iter_mut()) {
+                t.truncate(n * kvw);
+            }
+            self.len = n;
+        }
+    }
+
     fn check(&self, tokens: &[u32]) -> Result<()> {
         check_feed(tokens, self.len, self.max_context, self.w.vocab_size())
     }
