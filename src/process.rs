@@ -304,3 +304,18 @@ impl TlsArgs {
         Ok(Some(Arc::new(tls)))
     }
 }
+
+/// The gRPC server a decoder-role process serves peers with (a handoff listener, a pipeline
+/// stage): HTTP/2 and TCP keepalive, and, with `tls`, mutual TLS under its decoder
+/// certificate. Wrap the service in `auth::Guarded` so that only decoders may call it.
+pub fn decoder_peer_server(tls: &tokenlog_raftlog::tls::ClientTls) -> anyhow::Result<tonic::transport::Server> {
+    use tokenlog_raftlog::limits::{KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT};
+    let mut b = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+        .tcp_keepalive(Some(KEEPALIVE_INTERVAL));
+    if let Some(t) = tls {
+        b = b.tls_config(t.decoder_server_config()?)?;
+    }
+    Ok(b)
+}

@@ -550,35 +550,8 @@ async fn real_takeover(path: &std::path::Path, rid: &str, gens: usize) {
     // Only a is up: it takes every generation (and decodes them in one batch).
     let mut ids = Vec::new();
     for (i, (prompt, params, _)) in runs.iter().enumerate() {
-        let binding = pb::Binding {
-            model: Some(identity_to_pb(model.identity())),
-            prompt_token_ids: prompt.clone(),
-            sampling: Some(pb::SamplingConfig {
-                temperature: params.temperature,
-                top_p: params.top_p,
-                seed: params.seed,
-                repetition_penalty: 1.0,
-                rng_version: tokenlog_decoder::RNG_VERSION,
-                ..Default::default()
-            }),
-            stop: Some(pb::StopConfig {
-                max_tokens: N,
-                ..Default::default()
-            }),
-            mode: pb::ResumeMode::Exact as i32,
-            ..Default::default()
-        };
-        let id = client
-            .submit(pb::SubmitRequest {
-                tenant: "t".into(),
-                request_id: format!("{rid}-{i}"),
-                binding: Some(binding),
-            })
-            .await
-            .unwrap()
-            .generation
-            .unwrap()
-            .generation_id;
+        let binding = common::sampled_binding(model, prompt, params, N);
+        let id = common::submit_binding(&client, &format!("{rid}-{i}"), binding).await;
         ids.push(id);
     }
     for &id in &ids {

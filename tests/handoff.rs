@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 
 use common::{serial, Cluster};
 use futures::StreamExt;
-use tokenlog_decoder::worker::identity_to_pb;
 use tokenlog_decoder::{generate, FakeConfig, FakeModel, Model, SamplingConfig, StopConfig};
 use tokenlog_proto::raftlog as pb;
 use tokenlog_raftlog::client::LogClient;
@@ -50,36 +49,12 @@ fn expected(model: &dyn Model, prompt: &[u32], max_tokens: u32) -> Vec<u32> {
 }
 
 async fn submit(client: &LogClient, model: &dyn Model, rid: &str, prompt: &[u32], max_tokens: u32) -> u64 {
-    let s = sampling();
-    let binding = pb::Binding {
-        model: Some(identity_to_pb(model.identity())),
-        prompt_token_ids: prompt.to_vec(),
-        sampling: Some(pb::SamplingConfig {
-            temperature: s.temperature,
-            top_p: s.top_p,
-            seed: s.seed,
-            repetition_penalty: 1.0,
-            rng_version: tokenlog_decoder::RNG_VERSION,
-            ..Default::default()
-        }),
-        stop: Some(pb::StopConfig {
-            max_tokens,
-            ..Default::default()
-        }),
-        mode: pb::ResumeMode::Exact as i32,
-        ..Default::default()
-    };
-    client
-        .submit(pb::SubmitRequest {
-            tenant: "t".into(),
-            request_id: rid.into(),
-            binding: Some(binding),
-        })
-        .await
-        .unwrap()
-        .generation
-        .unwrap()
-        .generation_id
+    common::submit_binding(
+        client,
+        rid,
+        common::sampled_binding(model, prompt, &sampling(), max_tokens),
+    )
+    .await
 }
 
 /// Follows a generation from seq 0 until it is terminal, like a client: every record once, in

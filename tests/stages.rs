@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 
 use common::{bin, serial, Cluster, Decoder};
 use futures::StreamExt;
-use tokenlog_decoder::worker::identity_to_pb;
 use tokenlog_decoder::{generate, Model, SamplingConfig, StopConfig};
 use tokenlog_proto::raftlog as pb;
 use tokenlog_raftlog::client::LogClient;
@@ -50,36 +49,12 @@ async fn submit(client: &LogClient, model: &dyn Model, rid: &str, prompt: &[u32]
 }
 
 async fn submit_n(client: &LogClient, model: &dyn Model, rid: &str, prompt: &[u32], seed: u64, max_tokens: u32) -> u64 {
-    let s = sampling(seed);
-    let binding = pb::Binding {
-        model: Some(identity_to_pb(model.identity())),
-        prompt_token_ids: prompt.to_vec(),
-        sampling: Some(pb::SamplingConfig {
-            temperature: s.temperature,
-            top_p: s.top_p,
-            seed: s.seed,
-            repetition_penalty: 1.0,
-            rng_version: tokenlog_decoder::RNG_VERSION,
-            ..Default::default()
-        }),
-        stop: Some(pb::StopConfig {
-            max_tokens,
-            ..Default::default()
-        }),
-        mode: pb::ResumeMode::Exact as i32,
-        ..Default::default()
-    };
-    client
-        .submit(pb::SubmitRequest {
-            tenant: "t".into(),
-            request_id: rid.into(),
-            binding: Some(binding),
-        })
-        .await
-        .unwrap()
-        .generation
-        .unwrap()
-        .generation_id
+    common::submit_binding(
+        client,
+        rid,
+        common::sampled_binding(model, prompt, &sampling(seed), max_tokens),
+    )
+    .await
 }
 
 /// Every committed record of a generation from seq 0 until it is terminal, like a client:
@@ -186,6 +161,24 @@ fn model_path() -> PathBuf {
     tokenlog_decoder::fetch::ensure_default_model(&tokenlog_decoder::fetch::repo_models_dir()).unwrap()
 }
 
+/// The model file, the model loaded here, the log, the stages and their addresses.
+type Setup = (PathBuf, std::sync::Arc<dyn Model>, Cluster, Vec<(Decoder, String)>);
+
+/// The bundled model (loaded in this process, for the expected tokens), a fresh 3-node log and
+/// stage processes of `ranges` named `s1`, `s2`, ...
+fn setup(dir: &Path, ranges: &[&str]) -> Setup {
+    let path = model_path();
+    tokenlog_decoder::threads::init_cpu_threads(1);
+    let model = tokenlog_decoder::load_model(&path, tokenlog_decoder::DeviceSpec::Cpu).unwrap();
+    let cluster = Cluster::start(20_000);
+    let stages = ranges
+        .iter()
+        .enumerate()
+        .map(|(i, r)| start_stage(dir, &path, &format!("s{}", i + 1), r))
+        .collect();
+    (path, model, cluster, stages)
+}
+
 /// A pipeline head over `stages` (their addresses, in order).
 fn start_head(cluster: &Cluster, id: &str, model: &Path, stages: &[String]) -> Decoder {
     let list = stages.join(",");
@@ -199,18 +192,10 @@ fn start_head(cluster: &Cluster, id: &str, model: &Path, stages: &[String]) -> D
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pipeline_of_stage_processes_decodes_exactly_and_survives_a_dead_stage() {
     let _serial = serial();
-    let path = model_path();
-    tokenlog_decoder::threads::init_cpu_threads(1);
-    let model = tokenlog_decoder::load_model(&path, tokenlog_decoder::DeviceSpec::Cpu).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let cluster = Cluster::start(20_000);
-    let client = cluster.client();
     let ranges = ["0..10", "10..20", "20..30"];
-    let mut stages: Vec<(Decoder, String)> = ranges
-        .iter()
-        .enumerate()
-        .map(|(i, r)| start_stage(dir.path(), &path, &format!("s{}", i + 1), r))
-        .collect();
+    let (path, model, cluster, mut stages) = setup(dir.path(), &ranges);
+    let client = cluster.client();
     let addrs = |stages: &[(Decoder, String)]| stages.iter().map(|s| s.1.clone()).collect::<Vec<_>>();
     let mut h1 = start_head(&cluster, "head-1", &path, &addrs(&stages));
     common::wait_for_model(&client).await;
@@ -314,24 +299,17 @@ async fn a_head_refuses_stages_that_do_not_make_the_model() {
     }
 }
 
-/// Issue 16's first must-show, with a hot spare and only the dead stage's layers rebuilt: a generation of 64 sampled tokens (exact mode) through 3 stage processes; the middle
-/// stage is killed after 20 tokens; the head splices the spare of its layers in and goes on.
+/// Issue 16's first must-show, with a hot spare and only the dead stage's layers rebuilt: a
+/// generation of 64 sampled tokens (exact mode) through 3 stage processes; the middle stage is
+/// killed after 20 tokens; the head splices the spare of its layers in and goes on.
 /// All 64 tokens equal the whole model's run, the client saw each once, and the generation never
 /// left its head (one epoch).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_spare_replaces_a_killed_middle_stage_and_the_generation_stays_with_its_head() {
     let _serial = serial();
-    let path = model_path();
-    tokenlog_decoder::threads::init_cpu_threads(1);
-    let model = tokenlog_decoder::load_model(&path, tokenlog_decoder::DeviceSpec::Cpu).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let cluster = Cluster::start(20_000);
+    let (path, model, cluster, mut stages) = setup(dir.path(), &["0..10", "10..20", "20..30"]);
     let client = cluster.client();
-    let mut stages: Vec<(Decoder, String)> = ["0..10", "10..20", "20..30"]
-        .iter()
-        .enumerate()
-        .map(|(i, r)| start_stage(dir.path(), &path, &format!("s{}", i + 1), r))
-        .collect();
     let (_spare, spare) = start_stage(dir.path(), &path, "spare", "10..20");
     let list: Vec<String> = stages.iter().map(|s| s.1.clone()).collect();
     let mut head = cluster.start_real_decoder(

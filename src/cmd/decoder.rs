@@ -379,14 +379,7 @@ async fn serve_handoff(
     port: tokenlog_decoder::handoff::HandoffPort,
     tls: tokenlog_raftlog::tls::ClientTls,
 ) -> anyhow::Result<()> {
-    use tokenlog_raftlog::limits::{KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT};
-    let mut b = tonic::transport::Server::builder()
-        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
-        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
-        .tcp_keepalive(Some(KEEPALIVE_INTERVAL));
-    if let Some(t) = &tls {
-        b = b.tls_config(t.decoder_server_config()?)?;
-    }
+    let mut b = crate::process::decoder_peer_server(&tls)?;
     let svc = tokenlog_raftlog::auth::Guarded::new(port.service(), tls.is_some());
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     tokio::spawn(async move {

@@ -561,3 +561,46 @@ pub async fn owned_generations(client: &LogClient, n: usize, decoder: &str) -> V
     }
     out
 }
+
+/// The binding of a sampled generation of `model` in exact mode (what the real-model process
+/// tests submit).
+pub fn sampled_binding(
+    model: &dyn tokenlog_decoder::Model,
+    prompt: &[u32],
+    s: &tokenlog_decoder::SamplingConfig,
+    max_tokens: u32,
+) -> pb::Binding {
+    pb::Binding {
+        model: Some(tokenlog_decoder::worker::identity_to_pb(model.identity())),
+        prompt_token_ids: prompt.to_vec(),
+        sampling: Some(pb::SamplingConfig {
+            temperature: s.temperature,
+            top_p: s.top_p,
+            seed: s.seed,
+            repetition_penalty: 1.0,
+            rng_version: tokenlog_decoder::RNG_VERSION,
+            ..Default::default()
+        }),
+        stop: Some(pb::StopConfig {
+            max_tokens,
+            ..Default::default()
+        }),
+        mode: pb::ResumeMode::Exact as i32,
+        ..Default::default()
+    }
+}
+
+/// Submits `binding` as request `rid` of tenant `t`; the generation's id.
+pub async fn submit_binding(client: &LogClient, rid: &str, binding: pb::Binding) -> u64 {
+    client
+        .submit(pb::SubmitRequest {
+            tenant: "t".into(),
+            request_id: rid.into(),
+            binding: Some(binding),
+        })
+        .await
+        .unwrap()
+        .generation
+        .unwrap()
+        .generation_id
+}
