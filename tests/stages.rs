@@ -355,3 +355,27 @@ async fn a_hot_spare_replaces_a_killed_middle_stage_and_the_generation_stays_wit
     assert!(log.contains("sequences=1") && log.contains("in_full=0"), "{log}");
     assert!(!log.contains("feeding the sequence again in full"), "{log}");
 }
+
+/// A stage without TLS refuses to listen beyond loopback (anyone reaching it could read every
+/// generation's rows), unless told `--insecure`; it says what to give instead.
+#[test]
+fn a_stage_without_tls_refuses_to_listen_beyond_loopback() {
+    let out = Command::new(bin())
+        .args([
+            "stage",
+            "--model",
+            "/nonexistent.gguf",
+            "--layers",
+            "0..10",
+            "--listen",
+            "0.0.0.0:0",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("refusing to serve a stage in plain text") && err.contains("--tls-ca"),
+        "{err}"
+    );
+}

@@ -34,9 +34,22 @@ pub struct StageArgs {
     /// decoders (pipeline heads) may call it.
     #[command(flatten)]
     pub tls: crate::process::TlsArgs,
+    /// Serve plain text beyond loopback (anyone who reaches the port could read the rows of
+    /// every generation and feed the stage). Without TLS a stage listens on loopback only,
+    /// unless this is given.
+    #[arg(long, conflicts_with = "tls_ca")]
+    pub insecure: bool,
 }
 
 pub async fn run(a: StageArgs) -> anyhow::Result<()> {
+    let tls = a.tls.load()?;
+    if tls.is_none() && !a.insecure && !a.listen.ip().is_loopback() {
+        anyhow::bail!(
+            "refusing to serve a stage in plain text on {}: anyone who reaches it could read the rows of every generation and feed it. \
+             Give --tls-ca, --tls-cert and --tls-key (a decoder certificate from `tokenlog certs`), or --insecure",
+            a.listen
+        );
+    }
     threads::init_cpu_threads(a.threads);
     let path = match &a.model {
         Some(p) => p.clone(),
@@ -66,7 +79,6 @@ pub async fn run(a: StageArgs) -> anyhow::Result<()> {
         .stage_id
         .clone()
         .unwrap_or_else(|| format!("stage-{}-{}-{}", a.layers.start, a.layers.end, std::process::id()));
-    let tls = a.tls.load()?;
     let listener = tokio::net::TcpListener::bind(a.listen)
         .await
         .with_context(|| format!("binding --listen {}", a.listen))?;
