@@ -226,10 +226,7 @@ async fn open_stage(
     }
     let (tx, rx) = tokio::sync::mpsc::channel(1);
     let rx = c
-        .forward(futures::stream::poll_fn({
-            let mut rx: tokio::sync::mpsc::Receiver<dpb::ForwardRequest> = rx;
-            move |cx| rx.poll_recv(cx)
-        }))
+        .forward(tokio_stream::wrappers::ReceiverStream::new(rx))
         .await
         .map_err(|s| format!("stage {addr}: opening its stream: {}", s.message()))?
         .into_inner();

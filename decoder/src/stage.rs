@@ -434,13 +434,10 @@ impl dpb::stage_server::Stage for StageService {
                 }
             }
         });
-        Ok(Response::new(Box::pin(tokio_stream_of(out_rx))))
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(
+            out_rx,
+        ))))
     }
-}
-
-/// The receiver as a stream of answers.
-fn tokio_stream_of<T: Send + 'static>(mut rx: tokio::sync::mpsc::Receiver<T>) -> impl futures::Stream<Item = T> + Send {
-    futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
 }
 
 #[cfg(test)]
