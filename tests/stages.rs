@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use common::{bin, serial, Cluster, Decoder};
 use futures::StreamExt;
 use tokenlog_decoder::{generate, Model, SamplingConfig, StopConfig};
+use tokenlog_proto::decoder as dpb;
 use tokenlog_proto::raftlog as pb;
 use tokenlog_raftlog::client::LogClient;
 
@@ -105,10 +106,15 @@ async fn wait_frontier(client: &LogClient, id: u64, at_least: u32) {
 
 /// A `tokenlog stage` process of `layers` on a free port, and the address it serves on.
 fn start_stage(dir: &Path, model: &Path, name: &str, layers: &str) -> (Decoder, String) {
+    start_stage_with(dir, model, name, layers, &[])
+}
+
+fn start_stage_with(dir: &Path, model: &Path, name: &str, layers: &str, extra: &[&str]) -> (Decoder, String) {
     let log = dir.join(format!("{name}.log"));
     let child = Command::new(bin())
         .args(["stage", "--model", model.to_str().unwrap(), "--layers", layers])
         .args(["--listen", "127.0.0.1:0", "--stage-id", name, "--threads", "1"])
+        .args(extra)
         .env("RUST_LOG", "info")
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log).unwrap())
@@ -354,6 +360,164 @@ async fn a_hot_spare_replaces_a_killed_middle_stage_and_the_generation_stays_wit
     assert!(log.contains("the spare rebuilt its layers"), "{log}");
     assert!(log.contains("sequences=1") && log.contains("in_full=0"), "{log}");
     assert!(!log.contains("feeding the sequence again in full"), "{log}");
+}
+
+/// What a stage answers to one request of a head stamped `(head, epoch)`: the stream's first
+/// message (a stale head's work, as a paused or partitioned old head would send it).
+async fn ask_stage(addr: &str, head: &str, epoch: u64) -> Result<dpb::ForwardResponse, tonic::Status> {
+    let mut c = dpb::stage_client::StageClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    let req = dpb::ForwardRequest {
+        items: vec![dpb::StageItem {
+            sequence: 1,
+            start: 0,
+            tokens: vec![1, 2, 3],
+            hidden: vec![],
+        }],
+        release: vec![],
+        head: head.into(),
+        pipeline_epoch: epoch,
+    };
+    let mut answers = c.forward(futures::stream::iter(vec![req])).await?.into_inner();
+    match answers.message().await {
+        Ok(Some(r)) => Ok(r),
+        Ok(None) => Err(tonic::Status::unknown("the stage ended its stream without an answer")),
+        Err(s) => Err(s),
+    }
+}
+
+/// Issue 16's second must-show: a paused old stage resumed after the splice is rejected by
+/// epoch and changes nothing. Stages started with the log's addresses; the middle stage is
+/// paused (SIGSTOP) after 20 of 64 sampled tokens; the head's keepalive gives up on it, the
+/// head splices its hot spare in with one write to the log (a new pipeline epoch), and the
+/// generation finishes with the whole model's tokens. The old stage is continued (SIGCONT):
+/// work stamped with the old epoch, or with the current one (whose composition does not name
+/// it), is refused with FAILED_PRECONDITION; a live stage refuses the old epoch too; the
+/// composition and the generation are as they were, and the pipeline decodes on exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_stage_spliced_out_is_refused_by_epoch_when_it_resumes_and_changes_nothing() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let path = model_path();
+    tokenlog_decoder::threads::init_cpu_threads(1);
+    let model = tokenlog_decoder::load_model(&path, tokenlog_decoder::DeviceSpec::Cpu).unwrap();
+    let cluster = Cluster::start(20_000);
+    let client = cluster.client();
+    let nodes = cluster.addrs.join(",");
+    let with_log = ["--cluster", nodes.as_str()];
+    let stages: Vec<(Decoder, String)> = [("s1", "0..10"), ("s2", "10..20"), ("s3", "20..30")]
+        .iter()
+        .map(|(n, r)| start_stage_with(dir.path(), &path, n, r, &with_log))
+        .collect();
+    let (_spare, spare) = start_stage_with(dir.path(), &path, "spare", "10..20", &with_log);
+    let list: Vec<String> = stages.iter().map(|s| s.1.clone()).collect();
+    // A lease longer than the keepalive's detection: the generation stays with its head.
+    let mut head = cluster.start_real_decoder(
+        "head",
+        &path,
+        &[
+            "--pipeline",
+            &list.join(","),
+            "--pipeline-spares",
+            &spare,
+            "--lease-ms",
+            "6000",
+        ],
+    );
+    common::wait_for_model(&client).await;
+    let first = client.get_pipeline("head", true).await.unwrap();
+    let ids = |p: &pb::PipelineInfo| p.stages.iter().map(|s| s.stage_id.clone()).collect::<Vec<_>>();
+    assert_eq!(ids(&first), ["s1", "s2", "s3"], "{first:?}");
+
+    let prompt = model
+        .tokenizer()
+        .encode_chat(&[tokenlog_decoder::ChatMessage::user("Tell me about lighthouses.")])
+        .unwrap();
+    let id = submit_n(&client, model.as_ref(), "paused", &prompt, 31, 64).await;
+    let f = {
+        let c = client.clone();
+        tokio::spawn(async move { follow(&c, id).await })
+    };
+    wait_frontier(&client, id, 20).await;
+    stages[1].0.signal("-STOP");
+    let (toks, epochs) = f.await.unwrap();
+    assert_eq!(
+        toks,
+        expected_n(model.as_ref(), &prompt, 31, 64),
+        "the whole model's 64 tokens"
+    );
+    assert!(
+        epochs.iter().all(|&e| e == 1),
+        "the generation never left its head: {epochs:?}"
+    );
+    let log = without_ansi(&head.log_text());
+    assert!(log.contains("spliced a spare in its place"), "{log}");
+    let spliced = client.get_pipeline("head", true).await.unwrap();
+    assert!(spliced.epoch > first.epoch, "{first:?} -> {spliced:?}");
+    assert_eq!(ids(&spliced), ["s1", "spare", "s3"], "{spliced:?}");
+
+    // The old stage comes back; what a stale head (or a replayed message) would send it.
+    stages[1].0.signal("-CONT");
+    let gen_before = client
+        .get(pb::GetRequest {
+            generation_id: id,
+            linearizable: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .generation
+        .unwrap();
+    for (who, addr, epoch, says) in [
+        (
+            "the resumed stage, old epoch",
+            stages[1].1.as_str(),
+            first.epoch,
+            "is stale",
+        ),
+        (
+            "the resumed stage, current epoch",
+            stages[1].1.as_str(),
+            spliced.epoch,
+            "does not name this stage",
+        ),
+        ("a live stage, old epoch", stages[0].1.as_str(), first.epoch, "is stale"),
+    ] {
+        let e = ask_stage(addr, "head", epoch).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{who}: {e:?}");
+        assert!(e.message().contains(says), "{who}: {}", e.message());
+    }
+    assert!(
+        without_ansi(&stages[1].0.log_text()).contains("refused a head's request"),
+        "{}",
+        stages[1].0.log_text()
+    );
+    // Nothing changed: the composition, the generation; and the pipeline decodes on exactly.
+    assert_eq!(client.get_pipeline("head", true).await.unwrap(), spliced);
+    let gen_after = client
+        .get(pb::GetRequest {
+            generation_id: id,
+            linearizable: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .generation
+        .unwrap();
+    assert_eq!(gen_after, gen_before);
+    let id2 = submit_n(&client, model.as_ref(), "after", &prompt, 32, 16).await;
+    let (toks, _) = follow(&client, id2).await;
+    assert_eq!(
+        toks,
+        expected_n(model.as_ref(), &prompt, 32, 16),
+        "the spliced pipeline decodes on"
+    );
+    assert!(
+        head.wait_exit(Duration::ZERO).is_none(),
+        "the head still runs:\n{}",
+        head.log_text()
+    );
 }
 
 /// A stage without TLS refuses to listen beyond loopback (anyone reaching it could read every

@@ -88,6 +88,7 @@ pub mod safetensors_model;
 pub mod sampler;
 #[cfg(feature = "model")]
 pub mod stage;
+pub mod stage_fence;
 pub mod stop;
 #[cfg(feature = "model")]
 pub mod threads;

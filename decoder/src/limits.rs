@@ -75,6 +75,12 @@ pub const STAGE_SEQUENCES_MAX: usize = 1024;
 /// The longest a head waits for a stage's answer to one pass (then the pass fails: the head's
 /// step fails, as a whole decoder's failed model step does).
 pub const STAGE_ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
+/// A stage's knowledge that a head's composition at an epoch names it (read from the log) is
+/// trusted for this long without another read; a stage reads the compositions of the heads it
+/// serves every `STAGE_FENCE_REFRESH`, so a busy pipeline reads nothing per pass, and a stage
+/// that was paused (or cut off) for longer reads the log again before its next pass.
+pub const STAGE_FENCE_FRESH: Duration = Duration::from_millis(500);
+pub const STAGE_FENCE_REFRESH: Duration = Duration::from_millis(150);
 /// What a pipeline head keeps of its sequences' passes (each stage's input rows, the tokens),
 /// in all, so that a spare spliced in for one stage rebuilds only that stage; a sequence past
 /// the bound is fed again in full instead.

@@ -16,8 +16,16 @@
 //! output is checked against what the old stage gave). A sequence not kept is fed again in full
 //! from its history. Then the pass goes on: the generations never leave the head, no lease
 //! changes hands. Without a spare the head's step fails as a whole decoder's failed model step
-//! does (the process ends, its leases end, another decoder takes the generation over). Not
-//! yet: the composition as a record in the log with a pipeline epoch.
+//! does (the process ends, its leases end, another decoder takes the generation over).
+//!
+//! The composition is a record in the log (`SetPipeline`, keyed by the head's decoder id):
+//! the head writes it when it connects and again at every splice, each time against the epoch
+//! it last wrote, and every write gives a new pipeline epoch. Every request to a stage is
+//! stamped with the head and that epoch; a stage serves it only if the log's record is at that
+//! epoch and names the stage ([`crate::stage_fence`]), and the head takes answers of its
+//! current epoch only. A stage spliced out (paused, cut off, slow) is refused by epoch when it
+//! comes back; a splice whose write the log refuses (another incarnation of the head wrote
+//! since) or cannot take fails the pass.
 //!
 //! The stages' streams live on one I/O thread of their own (a small runtime), so the model's
 //! calls, which the worker makes on blocking threads, stay synchronous.
@@ -28,6 +36,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokenlog_proto::decoder as dpb;
+use tokenlog_proto::raftlog as lpb;
+use tokenlog_raftlog::client::{ClientError, LogClient};
 use tonic::transport::Channel;
 
 use crate::cache::f32s_from_bytes;
@@ -96,6 +106,7 @@ pub struct PipelineModel {
     max_context: usize,
     vocab: usize,
     stages: Vec<StageInfo>,
+    epoch: u64,
 }
 
 /// One stage's open stream.
@@ -107,19 +118,53 @@ struct Conn {
     broken: Option<String>,
 }
 
+/// How a head connects to its stages ([`PipelineModel::connect`]).
+pub struct PipelineConfig {
+    /// The stages' addresses, in pipeline order.
+    pub stages: Vec<String>,
+    /// Hot spare stages, tried in order when a stage of their layer range fails (one that does
+    /// not answer now is skipped and stays a spare).
+    pub spares: Vec<String>,
+    pub channel_for: ChannelFor,
+    /// The head's decoder id, which every request to a stage names.
+    pub head: String,
+    /// Where the head writes its composition (`None`: nowhere; the epoch starts at 1 and grows
+    /// at every splice, and only stages without a log accept it).
+    pub log: Option<LogClient>,
+    /// What the head keeps of its sequences' passes, in all (0: nothing, and a splice feeds
+    /// every sequence through the whole pipeline again). At most `PIPELINE_KEPT_BYTES_MAX`.
+    pub keep_bytes: usize,
+}
+
+impl PipelineConfig {
+    /// Stages and spares at these addresses, under `channel_for`, for head `head`: no log, the
+    /// most kept.
+    pub fn new(stages: &[String], spares: &[String], channel_for: ChannelFor, head: &str) -> Self {
+        PipelineConfig {
+            stages: stages.to_vec(),
+            spares: spares.to_vec(),
+            channel_for,
+            head: head.to_string(),
+            log: None,
+            keep_bytes: PIPELINE_KEPT_BYTES_MAX,
+        }
+    }
+}
+
 impl PipelineModel {
     /// Reads the model file's header at `path` (a llama GGUF file: the tokenizer and the identity
-    /// generations are bound to), asks each stage at `addrs` (in pipeline order) what it holds,
+    /// generations are bound to), asks each stage of `cfg` (in pipeline order) what it holds,
     /// checks that they run the file's weights and cover its layers in order, each layer once,
-    /// and opens a stream to each.
-    ///
-    /// `spares`: hot spare stages, tried in order when a stage of their layer range fails.
-    pub fn connect(
-        path: &std::path::Path,
-        addrs: &[String],
-        spares: &[String],
-        channel_for: ChannelFor,
-    ) -> Result<Self> {
+    /// opens a stream to each, and records the composition in the log.
+    pub fn connect(path: &std::path::Path, cfg: PipelineConfig) -> Result<Self> {
+        let PipelineConfig {
+            stages: addrs,
+            spares,
+            channel_for,
+            head,
+            log,
+            keep_bytes,
+        } = cfg;
         if addrs.is_empty() {
             return Err(Error::Invalid("a pipeline needs at least one stage".into()));
         }
@@ -133,8 +178,7 @@ impl PipelineModel {
         let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
         let (jobs, job_rx) = tokio::sync::mpsc::unbounded_channel();
         let want = identity.weights_sha256.clone();
-        let addrs = addrs.to_vec();
-        let spares = spares.to_vec();
+        let keep_bytes = keep_bytes.min(PIPELINE_KEPT_BYTES_MAX);
         std::thread::Builder::new()
             .name("pipeline-io".into())
             .spawn(move || {
@@ -155,7 +199,6 @@ impl PipelineModel {
                     };
                     let max = conns.iter().map(|c| c.1).min().unwrap_or(0);
                     let conns: Vec<Conn> = conns.into_iter().map(|c| c.0).collect();
-                    let _ = ready_tx.send(Ok((conns.iter().map(|c| c.info.clone()).collect::<Vec<_>>(), max)));
                     let mut pipe = Pipe {
                         conns,
                         spares,
@@ -165,13 +208,36 @@ impl PipelineModel {
                         live: HashSet::new(),
                         kept: HashMap::new(),
                         kept_bytes: 0,
+                        keep_bytes,
                         stale: HashSet::new(),
+                        head,
+                        log,
+                        epoch: 0,
                     };
+                    // The composition's first record: against what the log holds for this head
+                    // (an earlier incarnation's, when the decoder id is given again).
+                    let first = async {
+                        if let Some(log) = &pipe.log {
+                            pipe.epoch = match log.get_pipeline(&pipe.head, true).await {
+                                Ok(p) => p.epoch,
+                                Err(ClientError::Status(s)) if s.code() == tonic::Code::NotFound => 0,
+                                Err(e) => return Err(format!("reading the head's pipeline in the log: {e}")),
+                            };
+                        }
+                        let stages: Vec<StageInfo> = pipe.conns.iter().map(|c| c.info.clone()).collect();
+                        pipe.compose(&stages).await
+                    };
+                    if let Err(e) = first.await {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                    let infos = pipe.conns.iter().map(|c| c.info.clone()).collect::<Vec<_>>();
+                    let _ = ready_tx.send(Ok((infos, max, pipe.epoch)));
                     serve_jobs(&mut pipe, job_rx).await;
                 });
             })
             .map_err(|e| Error::Stage(format!("starting the pipeline's I/O thread: {e}")))?;
-        let (stages, stage_max) = ready_rx
+        let (stages, stage_max, epoch) = ready_rx
             .recv()
             .map_err(|_| Error::Stage("the pipeline's I/O thread ended".into()))?
             .map_err(Error::Stage)?;
@@ -186,12 +252,18 @@ impl PipelineModel {
             max_context: max_context.min(stage_max),
             vocab,
             stages,
+            epoch,
         })
     }
 
-    /// The stages, in pipeline order.
+    /// The stages, in pipeline order, as connected.
     pub fn stages(&self) -> &[StageInfo] {
         &self.stages
+    }
+
+    /// The pipeline epoch of the composition connected (splices move it on).
+    pub fn first_epoch(&self) -> u64 {
+        self.epoch
     }
 }
 
@@ -304,54 +376,112 @@ struct Pipe {
     vocab: usize,
     /// Sequences the stages hold (seen at position 0, not released).
     live: HashSet<u64>,
-    /// Sequences whose every position is kept (`PIPELINE_KEPT_BYTES_MAX` in all).
+    /// Sequences whose every position is kept (`keep_bytes` in all).
     kept: HashMap<u64, Kept>,
     kept_bytes: usize,
+    keep_bytes: usize,
     /// Sequences a splice could not rebuild: fed again in full from their history at their
     /// next pass.
     stale: HashSet<u64>,
+    /// The head's decoder id, which every request names.
+    head: String,
+    /// Where the composition is recorded (`None`: nowhere).
+    log: Option<LogClient>,
+    /// The current composition's pipeline epoch, which every request carries.
+    epoch: u64,
 }
 
 impl Pipe {
+    /// Records `stages` as the head's composition, against the epoch it last wrote; the new
+    /// epoch becomes the current one.
+    async fn compose(&mut self, stages: &[StageInfo]) -> std::result::Result<(), String> {
+        let Some(log) = &self.log else {
+            self.epoch += 1;
+            return Ok(());
+        };
+        let req = lpb::SetPipelineRequest {
+            head: self.head.clone(),
+            expect_epoch: self.epoch,
+            stages: stages
+                .iter()
+                .map(|s| lpb::PipelineStage {
+                    stage_id: s.stage_id.clone(),
+                    addr: s.addr.clone(),
+                    first_layer: s.layers.start as u32,
+                    end_layer: s.layers.end as u32,
+                })
+                .collect(),
+        };
+        let p = log
+            .set_pipeline(req)
+            .await
+            .map_err(|e| format!("recording the pipeline's composition in the log: {e}"))?
+            .pipeline
+            .ok_or("the log answered SetPipeline without the record")?;
+        tracing::info!(
+            head = %self.head,
+            from = self.epoch,
+            epoch = p.epoch,
+            stages = ?stages.iter().map(|s| s.stage_id.as_str()).collect::<Vec<_>>(),
+            "the pipeline's composition is recorded in the log"
+        );
+        self.epoch = p.epoch;
+        Ok(())
+    }
+
     /// Replaces every broken stage with a spare of its layer range and rebuilds that stage's
     /// layers of every kept sequence; whether it replaced at least one and every broken one.
-    async fn splice(&mut self) -> bool {
+    /// `resumes_at`: the positions the failed pass would have fed up to (logged: the token it
+    /// gives is the first one a bench can wait for).
+    async fn splice(&mut self, resumes_at: usize) -> bool {
         let mut replaced = 0;
         for k in 0..self.conns.len() {
             let t0 = Instant::now();
+            // When the failure was noticed, on the wall clock (a bench that killed the stage
+            // splits its time by it).
+            let noticed = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_micros() as u64);
             let Some(why) = self.conns[k].broken.clone() else {
                 continue;
             };
             let layers = self.conns[k].info.layers.clone();
-            let mut rest = Vec::new();
             let mut spliced = false;
-            for addr in std::mem::take(&mut self.spares) {
-                if spliced {
-                    rest.push(addr);
-                    continue;
-                }
+            // The spares in order; the one spliced in leaves the list, the others stay spares.
+            let mut i = 0;
+            while i < self.spares.len() {
+                let addr = self.spares[i].clone();
                 match open_stage(&addr, &self.channel_for, &self.weights_sha256, self.vocab).await {
                     Ok((conn, _)) if conn.info.layers == layers => {
+                        // One fenced write: from its answer on, the failed stage is refused.
+                        let mut stages: Vec<StageInfo> = self.conns.iter().map(|c| c.info.clone()).collect();
+                        stages[k] = conn.info.clone();
+                        let from = self.epoch;
+                        if let Err(e) = self.compose(&stages).await {
+                            tracing::error!(spare = %addr, error = e, "the log did not take the splice: the pass fails");
+                            return false;
+                        }
                         tracing::warn!(
                             failed = %self.conns[k].info.addr,
                             why,
                             spare = %addr,
                             layers = ?layers,
+                            from_epoch = from,
+                            pipeline_epoch = self.epoch,
                             ms = t0.elapsed().as_millis() as u64,
                             "a pipeline stage failed: spliced a spare in its place"
                         );
                         self.conns[k] = conn;
+                        self.spares.remove(i);
                         spliced = true;
+                        break;
                     }
                     // A spare of other layers stays a spare.
-                    Ok(_) => rest.push(addr),
-                    Err(e) => {
-                        tracing::warn!(spare = %addr, error = e, "a spare stage cannot be used now");
-                        rest.push(addr);
-                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!(spare = %addr, error = e, "a spare stage cannot be used now"),
                 }
+                i += 1;
             }
-            self.spares = rest;
             if !spliced {
                 tracing::error!(failed = %self.conns[k].info.addr, why, layers = ?layers, "a pipeline stage failed and no spare of its layers answers");
                 return false;
@@ -363,8 +493,10 @@ impl Pipe {
                 sequences = rebuilt,
                 positions,
                 in_full = self.stale.len(),
-                splice_ms = (t1 - t0).as_millis() as u64,
-                rebuild_ms = t1.elapsed().as_millis() as u64,
+                noticed_unix_us = noticed,
+                resumes_at,
+                splice_us = (t1 - t0).as_micros() as u64,
+                rebuild_us = t1.elapsed().as_micros() as u64,
                 "the spare rebuilt its layers from the rows kept; the rest is fed again in full"
             );
             replaced += 1;
@@ -408,6 +540,8 @@ impl Pipe {
                     })
                     .collect(),
                 release: Vec::new(),
+                head: self.head.clone(),
+                pipeline_epoch: self.epoch,
             };
             // The spare failing too leaves it broken: the next pass splices again.
             let Ok(answer) = ask(&mut self.conns[k], req).await else {
@@ -470,7 +604,7 @@ impl Pipe {
                 continue;
             }
             let add = tokens.len() * 4 + rows.iter().map(Vec::len).sum::<usize>();
-            if self.kept_bytes + add <= PIPELINE_KEPT_BYTES_MAX {
+            if self.kept_bytes + add <= self.keep_bytes {
                 if let Some(k) = self.kept.get_mut(id) {
                     k.tokens.extend_from_slice(tokens);
                     for (kept, r) in k.inputs.iter_mut().zip(rows) {
@@ -498,7 +632,15 @@ async fn serve_jobs(pipe: &mut Pipe, mut jobs: tokio::sync::mpsc::UnboundedRecei
                     false => (i.id, i.start, i.tokens.clone()),
                 })
                 .collect();
-            match run_pass(&mut pipe.conns, &items, job.release.clone(), pipe.vocab).await {
+            match run_pass(
+                &mut pipe.conns,
+                &items,
+                job.release.clone(),
+                pipe.vocab,
+                (&pipe.head, pipe.epoch),
+            )
+            .await
+            {
                 Ok(r) => {
                     let (logits, fed): (Vec<_>, Vec<_>) = r
                         .into_iter()
@@ -511,7 +653,13 @@ async fn serve_jobs(pipe: &mut Pipe, mut jobs: tokio::sync::mpsc::UnboundedRecei
                     break Ok(logits);
                 }
                 Err(e) => {
-                    if !pipe.splice().await {
+                    let resumes_at = job
+                        .items
+                        .iter()
+                        .map(|i| i.start as usize + i.tokens.len())
+                        .max()
+                        .unwrap_or(0);
+                    if !pipe.splice(resumes_at).await {
                         break Err(e);
                     }
                 }
@@ -528,6 +676,7 @@ async fn ask(conn: &mut Conn, req: dpb::ForwardRequest) -> std::result::Result<d
         return Err(why.clone());
     }
     let ids: Vec<u64> = req.items.iter().map(|i| i.sequence).collect();
+    let epoch = req.pipeline_epoch;
     let addr = conn.info.addr.clone();
     let answer = async {
         conn.tx
@@ -538,6 +687,10 @@ async fn ask(conn: &mut Conn, req: dpb::ForwardRequest) -> std::result::Result<d
             Err(_) => Err(format!("stage {addr} did not answer within {STAGE_ANSWER_TIMEOUT:?}")),
             Ok(Err(s)) => Err(format!("stage {addr}: {}", s.message())),
             Ok(Ok(None)) => Err(format!("stage {addr} ended its stream")),
+            Ok(Ok(Some(r))) if r.pipeline_epoch != epoch => Err(format!(
+                "stage {addr} answered for pipeline epoch {}, and the request was of epoch {epoch}",
+                r.pipeline_epoch
+            )),
             Ok(Ok(Some(r))) if r.results.iter().map(|r| r.sequence).eq(ids.iter().copied()) => Ok(r),
             Ok(Ok(Some(_))) => Err(format!("stage {addr} answered for other sequences than it was asked")),
         }
@@ -559,6 +712,7 @@ async fn run_pass(
     items: &[(u64, u32, Vec<u32>)],
     release: Vec<u64>,
     vocab: usize,
+    (head, epoch): (&str, u64),
 ) -> std::result::Result<PassItems, String> {
     let mut results: Vec<Option<std::result::Result<Logits, String>>> = vec![None; items.len()];
     let mut fed: Vec<Vec<Vec<u8>>> = vec![Vec::new(); items.len()];
@@ -586,6 +740,8 @@ async fn run_pass(
                 })
                 .collect(),
             release: release.clone(),
+            head: head.to_string(),
+            pipeline_epoch: epoch,
         };
         let answer = ask(conn, req).await?;
         let mut next = Vec::with_capacity(going.len());

@@ -12,7 +12,10 @@
 //!
 //! The service (`decoder.v1.Stage`): `Describe` says which layers of which weights a stage
 //! holds; `Forward` is a head's stream, one batched pass per request. The sequences (keys and
-//! values of the stage's layers) belong to the stream: a head that dies frees them.
+//! values of the stage's layers) belong to the stream: a head that dies frees them. Every
+//! request is admitted by the stage's [`crate::stage_fence::Fence`] first (the head's pipeline
+//! epoch against its composition in the log); a refused one changes nothing and ends the
+//! stream.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -28,6 +31,8 @@ use crate::error::{Error, Result};
 use crate::gguf_model::LlamaFile;
 use crate::limits::{STAGE_ITEMS_MAX, STAGE_MESSAGE_BYTES_MAX, STAGE_SEQUENCES_MAX};
 use crate::model::check_feed;
+use crate::stage_fence::Fence;
+use tokenlog_raftlog::client::LogClient;
 
 /// Parses a layer range as the command line writes it: `A..B` (B exclusive).
 pub fn parse_layers(s: &str) -> std::result::Result<Range<usize>, String> {
@@ -238,11 +243,16 @@ impl StageModel {
 pub struct StageService {
     model: Arc<StageModel>,
     stage_id: String,
+    fence: Arc<Fence>,
 }
 
 impl StageService {
-    pub fn new(model: Arc<StageModel>, stage_id: String) -> Self {
-        StageService { model, stage_id }
+    /// `log`: the log's client, which fences every request by its head's composition in the
+    /// log (`None`: by the newest epoch seen from each head only). Spawns the fence's refresher
+    /// on the current runtime.
+    pub fn new(model: Arc<StageModel>, stage_id: String, log: Option<LogClient>) -> Self {
+        let fence = Fence::new(log, stage_id.clone(), model.layers());
+        StageService { model, stage_id, fence }
     }
 
     pub fn server(self) -> dpb::stage_server::StageServer<StageService> {
@@ -376,7 +386,10 @@ fn serve_request(
         }
         results.push(r);
     }
-    Ok(dpb::ForwardResponse { results })
+    Ok(dpb::ForwardResponse {
+        results,
+        pipeline_epoch: req.pipeline_epoch,
+    })
 }
 
 type ForwardStream =
@@ -400,8 +413,12 @@ impl dpb::stage_server::Stage for StageService {
         let mut inbound = req.into_inner();
         let (out, out_rx) = tokio::sync::mpsc::channel(1);
         let model = self.model.clone();
+        let fence = self.fence.clone();
+        let stage_id = self.stage_id.clone();
         tokio::spawn(async move {
             let mut seqs: HashMap<u64, StageSequence> = HashMap::new();
+            // The stream's head (its first request's) and its interest in the head's record.
+            let mut head: Option<(String, crate::stage_fence::StreamGuard)> = None;
             loop {
                 let req = match inbound.message().await {
                     Ok(Some(r)) => r,
@@ -412,6 +429,33 @@ impl dpb::stage_server::Stage for StageService {
                         break;
                     }
                 };
+                if let Some((h, _)) = &head {
+                    if *h != req.head {
+                        let _ = out
+                            .send(Err(Status::invalid_argument(format!(
+                                "this stream belongs to head {h:?}, and a request names head {:?}",
+                                req.head
+                            ))))
+                            .await;
+                        break;
+                    }
+                }
+                // Fenced before anything is touched: a refused request changes nothing, not
+                // even its releases; the stream ends and its sequences go.
+                if let Err(status) = fence.admit(&req.head, req.pipeline_epoch).await {
+                    tracing::warn!(
+                        stage = %stage_id,
+                        head = %req.head,
+                        pipeline_epoch = req.pipeline_epoch,
+                        status = %status.message(),
+                        "refused a head's request"
+                    );
+                    let _ = out.send(Err(status)).await;
+                    break;
+                }
+                if head.is_none() {
+                    head = Some((req.head.clone(), fence.stream_opened(&req.head)));
+                }
                 let m = model.clone();
                 // A panic here is a bug: the binary's hook ends the process (a head then sees
                 // its stream break).

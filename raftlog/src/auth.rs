@@ -31,6 +31,9 @@ pub fn allowed(path: &str) -> Option<&'static [Role]> {
             "Register" | "Session" | "PublishTokenizer" | "PendingWork" | "Acquire" | "Renew" | "BindPrompt" | "Append"
             | "AppendStream" | "Finish" | "Release" | "Handoff",
         ) => &[Decoder],
+        // A pipeline head writes its composition; its stages (decoder certificates too) read it.
+        ("raftlog.v1.Log", "SetPipeline") => &[Decoder],
+        ("raftlog.v1.Log", "GetPipeline") => &[Decoder, Admin],
         // A planned handoff's cache, decoder to decoder.
         ("decoder.v1.Handoff", "Transfer") => &[Decoder],
         // A pipeline head drives its stages (both run with decoder certificates).
@@ -151,6 +154,8 @@ mod tests {
             "ChainHeads",
             "Verify",
             "StateDigest",
+            "SetPipeline",
+            "GetPipeline",
         ];
         for m in log {
             let roles = allowed(&format!("/raftlog.v1.Log/{m}")).unwrap_or_else(|| panic!("{m} has no roles"));
@@ -166,6 +171,7 @@ mod tests {
         assert_eq!(allowed("/raft.v1.RaftTransport"), None);
         assert_eq!(allowed("nonsense"), None);
         assert_eq!(allowed("/raftlog.v1.Log/Append"), Some(&[Decoder][..]));
+        assert_eq!(allowed("/raftlog.v1.Log/SetPipeline"), Some(&[Decoder][..]));
         assert_eq!(allowed("/raftlog.v1.Log/Submit"), Some(&[Gateway][..]));
         assert_eq!(allowed("/raftlog.v1.Log/ChangeMembership"), Some(&[Admin][..]));
         for m in ["Check", "Watch"] {

@@ -331,6 +331,31 @@ impl LogClient {
         .await
     }
 
+    /// Writes a pipeline head's composition against the epoch it last saw (0: none).
+    pub async fn set_pipeline(&self, req: pb::SetPipelineRequest) -> Result<pb::SetPipelineResponse, ClientError> {
+        self.call(|mut c| {
+            let req = req.clone();
+            async move { c.set_pipeline(req).await }
+        })
+        .await
+    }
+
+    /// A pipeline head's composition (NOT_FOUND: it has none).
+    pub async fn get_pipeline(&self, head: &str, linearizable: bool) -> Result<pb::PipelineInfo, ClientError> {
+        let req = pb::GetPipelineRequest {
+            head: head.to_string(),
+            linearizable,
+        };
+        let r = self
+            .call(|mut c| {
+                let req = req.clone();
+                async move { c.get_pipeline(req).await }
+            })
+            .await?;
+        r.pipeline
+            .ok_or_else(|| ClientError::Status(Status::internal("GetPipeline answered without a pipeline")))
+    }
+
     pub async fn publish_tokenizer(
         &self,
         req: pb::PublishTokenizerRequest,

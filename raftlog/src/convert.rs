@@ -184,6 +184,40 @@ pub fn reject_reason_to_pb(r: RejectReason) -> pb::RejectReason {
         RejectReason::Invalid => pb::RejectReason::Invalid,
         RejectReason::ModelMismatch => pb::RejectReason::ModelMismatch,
         RejectReason::HandoffConflict => pb::RejectReason::HandoffConflict,
+        RejectReason::PipelineConflict => pb::RejectReason::PipelineConflict,
+    }
+}
+
+impl From<Pipeline> for pb::PipelineInfo {
+    fn from(p: Pipeline) -> Self {
+        pb::PipelineInfo {
+            head: p.head,
+            epoch: p.epoch,
+            stages: p.stages.into_iter().map(Into::into).collect(),
+            set_log_ms: p.set_log_ms,
+        }
+    }
+}
+
+impl From<PipelineStage> for pb::PipelineStage {
+    fn from(s: PipelineStage) -> Self {
+        pb::PipelineStage {
+            stage_id: s.stage_id,
+            addr: s.addr,
+            first_layer: s.first_layer,
+            end_layer: s.end_layer,
+        }
+    }
+}
+
+impl From<pb::PipelineStage> for PipelineStage {
+    fn from(s: pb::PipelineStage) -> Self {
+        PipelineStage {
+            stage_id: s.stage_id,
+            addr: s.addr,
+            first_layer: s.first_layer,
+            end_layer: s.end_layer,
+        }
     }
 }
 

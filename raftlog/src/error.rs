@@ -85,7 +85,8 @@ fn rejection_code(r: RejectReason) -> Code {
         | RejectReason::RecordConflict
         | RejectReason::Terminal
         | RejectReason::LeaseHeld
-        | RejectReason::HandoffConflict => Code::FailedPrecondition,
+        | RejectReason::HandoffConflict
+        | RejectReason::PipelineConflict => Code::FailedPrecondition,
     }
 }
 

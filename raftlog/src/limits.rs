@@ -58,6 +58,13 @@ pub const RETENTION_MS_MIN: u64 = 500;
 /// the generation is retained); a publish past the count is refused with `Limit`.
 pub const TOKENIZER_PACKAGE_BYTES_MAX: usize = 16 << 20;
 pub const TOKENIZERS_MAX: usize = 64;
+/// Pipeline compositions (`Command::SetPipeline`, one per pipeline head): stages per pipeline,
+/// bytes of a stage's name and address, and heads with a record in the whole log (at the bound,
+/// records of heads without a live registration make room first).
+pub const PIPELINE_STAGES_MAX: usize = 64;
+pub const STAGE_ID_BYTES_MAX: usize = 256;
+pub const STAGE_ADDR_BYTES_MAX: usize = 256;
+pub const PIPELINES_MAX: usize = DECODERS_MAX;
 /// A planned handoff still in one phase before its ownership commit after this much log time is
 /// aborted by `Tick` (the source keeps the generation).
 pub const HANDOFF_PHASE_MS_MAX: u64 = 10_000;

@@ -325,6 +325,46 @@ impl Log for LogService {
         }
     }
 
+    async fn set_pipeline(
+        &self,
+        req: Request<pb::SetPipelineRequest>,
+    ) -> Result<TonicResponse<pb::SetPipelineResponse>, Status> {
+        let r = req.into_inner();
+        let (resp, log_index) = self
+            .ctx
+            .write(Command::SetPipeline {
+                head: r.head,
+                expect_epoch: r.expect_epoch,
+                stages: r.stages.into_iter().map(Into::into).collect(),
+            })
+            .await?;
+        match resp {
+            Response::Pipeline(Ok(p)) => Ok(TonicResponse::new(pb::SetPipelineResponse {
+                pipeline: Some(p.into()),
+                log_index,
+            })),
+            Response::Pipeline(Err(rej)) => Err(LogError::Rejected(rej).into()),
+            other => Err(LogError::Internal(format!("unexpected answer {other:?}")).into()),
+        }
+    }
+
+    async fn get_pipeline(
+        &self,
+        req: Request<pb::GetPipelineRequest>,
+    ) -> Result<TonicResponse<pb::GetPipelineResponse>, Status> {
+        let r = req.into_inner();
+        if r.linearizable {
+            self.ctx.linearize().await?;
+        }
+        let p = self.ctx.sm.read().pipelines.get(&r.head).cloned();
+        match p {
+            Some(p) => Ok(TonicResponse::new(pb::GetPipelineResponse {
+                pipeline: Some(p.into()),
+            })),
+            None => Err(LogError::NotFound(format!("head {:?} has no pipeline in the log", r.head)).into()),
+        }
+    }
+
     async fn publish_tokenizer(
         &self,
         req: Request<pb::PublishTokenizerRequest>,

@@ -210,11 +210,53 @@ impl From<MachineV4> for Machine {
     }
 }
 
+/// A [`Machine`] as snapshot format 5 encoded it: without the pipeline compositions.
+#[derive(Deserialize)]
+struct MachineV5 {
+    log: LogStateV5,
+    applied: Option<LogId>,
+    membership: StoredMembership,
+}
+
+/// The serialized fields of [`LogState`] in format 5, in their order.
+#[derive(Deserialize)]
+struct LogStateV5 {
+    generations: std::collections::BTreeMap<GenerationId, Generation>,
+    next_generation: GenerationId,
+    log_ms: u64,
+    decoders: std::collections::BTreeMap<String, DecoderInfo>,
+    tokenizers: std::collections::BTreeMap<String, TokenizerPackage>,
+    sessions: std::collections::BTreeMap<String, u64>,
+    handoffs: std::collections::BTreeMap<GenerationId, Handoff>,
+    next_handoff: u64,
+}
+
+impl From<MachineV5> for Machine {
+    fn from(m: MachineV5) -> Machine {
+        Machine {
+            log: LogState {
+                generations: m.log.generations,
+                next_generation: m.log.next_generation,
+                log_ms: m.log.log_ms,
+                decoders: m.log.decoders,
+                tokenizers: m.log.tokenizers,
+                sessions: m.log.sessions,
+                handoffs: m.log.handoffs,
+                next_handoff: m.log.next_handoff,
+                ..LogState::default()
+            },
+            applied: m.applied,
+            membership: m.membership,
+        }
+    }
+}
+
 /// Loads and checks a snapshot file: checksum, decoding, the meta against the body, every chain.
 pub fn load_snapshot(file: &SnapshotFile, problems: &mut Vec<String>) -> Option<(SnapshotMeta, Machine)> {
     let loaded = match file.format() {
         Ok(3) => file.load::<MachineV3>().map(|(meta, m)| (meta, Machine::from(m))),
         Ok(4) => file.load::<MachineV4>().map(|(meta, m)| (meta, Machine::from(m))),
+        Ok(5) => file.load::<MachineV5>().map(|(meta, m)| (meta, Machine::from(m))),
         _ => file.load::<Machine>(),
     };
     let (meta, mut m): (SnapshotMeta, Machine) = match loaded {
@@ -620,5 +662,88 @@ mod tests {
         assert_eq!(loaded.log.tokenizers["t"], TokenizerPackage(vec![7]));
         assert_eq!(loaded.log.sessions["d1"], 5);
         assert!(loaded.log.handoffs.is_empty());
+    }
+
+    /// A format 5 data dir (no pipeline compositions) loads: everything as it was, no pipelines;
+    /// written again it is the current format and keeps the compositions added since.
+    #[test]
+    fn a_format_5_snapshot_still_loads() {
+        #[derive(Serialize)]
+        struct V5 {
+            generations: std::collections::BTreeMap<GenerationId, Generation>,
+            next_generation: GenerationId,
+            log_ms: u64,
+            decoders: std::collections::BTreeMap<String, DecoderInfo>,
+            tokenizers: std::collections::BTreeMap<String, TokenizerPackage>,
+            sessions: std::collections::BTreeMap<String, u64>,
+            handoffs: std::collections::BTreeMap<GenerationId, Handoff>,
+            next_handoff: u64,
+            applied: Option<LogId>,
+            membership: StoredMembership,
+        }
+        let v5 = V5 {
+            generations: Default::default(),
+            next_generation: 4,
+            log_ms: 11,
+            decoders: [(
+                "d1".to_string(),
+                DecoderInfo {
+                    model_name: "m".into(),
+                    handoff_addr: "127.0.0.1:9".into(),
+                    ..Default::default()
+                },
+            )]
+            .into(),
+            tokenizers: Default::default(),
+            sessions: [("d1".to_string(), 6)].into(),
+            handoffs: Default::default(),
+            next_handoff: 8,
+            applied: None,
+            membership: StoredMembership::default(),
+        };
+        let meta = Machine {
+            log: LogState::default(),
+            applied: None,
+            membership: StoredMembership::default(),
+        }
+        .meta();
+        let d = tempfile::tempdir().unwrap();
+        let dir = SnapshotDir::open(d.path()).unwrap();
+        let path = dir.write(&meta, &v5).unwrap().path().to_path_buf();
+        let file = as_written_by(&path, b"TLSNAP05");
+        assert_eq!(file.format().unwrap(), 5);
+        let mut problems = Vec::new();
+        let (_, loaded) = load_snapshot(&file, &mut problems).expect("loads");
+        assert!(problems.is_empty(), "{problems:?}");
+        assert_eq!(
+            (loaded.log.next_generation, loaded.log.log_ms, loaded.log.next_handoff),
+            (4, 11, 8)
+        );
+        assert_eq!(loaded.log.decoders["d1"].handoff_addr, "127.0.0.1:9");
+        assert_eq!(loaded.log.sessions["d1"], 6);
+        assert!(loaded.log.pipelines.is_empty() && loaded.log.next_pipeline_epoch == 0);
+        let mut m = loaded;
+        m.log.next_pipeline_epoch = 1;
+        m.log.pipelines.insert(
+            "h".into(),
+            Pipeline {
+                head: "h".into(),
+                epoch: 1,
+                stages: vec![PipelineStage {
+                    stage_id: "s".into(),
+                    addr: "a".into(),
+                    first_layer: 0,
+                    end_layer: 30,
+                }],
+                set_log_ms: 11,
+            },
+        );
+        let f = dir.write(&m.meta(), &m).unwrap();
+        assert_eq!(f.format().unwrap(), crate::snapshot::FORMAT);
+        let (_, again) = load_snapshot(&f, &mut problems).expect("loads");
+        assert_eq!(
+            (again.log.pipelines, again.log.next_pipeline_epoch),
+            (m.log.pipelines, 1)
+        );
     }
 }

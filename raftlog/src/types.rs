@@ -364,6 +364,50 @@ pub enum Command {
         info: DecoderInfo,
         ttl_ms: u64,
     },
+    /// A pipeline head (decoder `head`) names its stages (issue 16): which stage process serves
+    /// which layer range. Applied only if the head's record is still at `expect_epoch` (0: it
+    /// has none): the record then gets a new pipeline epoch, unique in the log. Stages serve
+    /// work stamped with their head's current epoch only, so a stage spliced out (paused,
+    /// partitioned, replaced) cannot take part in the pipeline again.
+    SetPipeline {
+        head: String,
+        expect_epoch: u64,
+        stages: Vec<PipelineStage>,
+    },
+}
+
+/// One stage of a pipeline's composition.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PipelineStage {
+    /// The stage process's name (`tokenlog stage --stage-id`): a stage serves a head only if
+    /// the head's current composition names it, for the layers it holds.
+    pub stage_id: String,
+    /// Where the head reaches it (`host:port`), for operators.
+    pub addr: String,
+    pub first_layer: u32,
+    /// Exclusive.
+    pub end_layer: u32,
+}
+
+/// A pipeline head's composition as the log holds it ([`Command::SetPipeline`]): dropped when
+/// the head's registration lapses.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pipeline {
+    pub head: String,
+    /// Unique in the log and growing: every composition of every head gets the next one.
+    pub epoch: u64,
+    /// In pipeline order: the first holds layer 0, each begins where the one before ends.
+    pub stages: Vec<PipelineStage>,
+    pub set_log_ms: u64,
+}
+
+impl Pipeline {
+    /// Whether stage `stage_id` holding `layers` is part of this composition.
+    pub fn has_stage(&self, stage_id: &str, first_layer: u32, end_layer: u32) -> bool {
+        self.stages
+            .iter()
+            .any(|s| s.stage_id == stage_id && s.first_layer == first_layer && s.end_layer == end_layer)
+    }
 }
 
 /// A planned handoff's phases (CONTRACT §7) in the order they happen. `Aborted` ends an attempt
@@ -563,6 +607,8 @@ pub enum RejectReason {
     ModelMismatch,
     /// A handoff step out of order, of another attempt, or by the wrong side.
     HandoffConflict,
+    /// A pipeline composition written against an epoch that is not the head's current one.
+    PipelineConflict,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -650,6 +696,8 @@ pub enum Response {
     Session(Result<u32, Rejection>),
     /// [`Command::Handoff`]: the attempt after the step (with the generation after it).
     Handoff(Result<(Handoff, GenerationView), Rejection>),
+    /// [`Command::SetPipeline`]: the head's record after it.
+    Pipeline(Result<Pipeline, Rejection>),
 }
 
 impl std::fmt::Display for Request {
@@ -671,6 +719,7 @@ impl std::fmt::Display for Request {
             Command::SessionOpened { .. } => "session-opened",
             Command::SessionLost { .. } => "session-lost",
             Command::Handoff { .. } => "handoff",
+            Command::SetPipeline { .. } => "set-pipeline",
         };
         write!(f, "{name}@{}", self.log_ms)
     }

@@ -77,6 +77,7 @@ pub(crate) fn dargs(fake: bool, model: Option<std::path::PathBuf>, threads: usiz
         fake,
         pipeline: vec![],
         pipeline_spares: vec![],
+        pipeline_keep_mib: 1024,
         fake_step_ms: 0,
         model_name: None,
         device: "cpu".into(),

@@ -8,7 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use tokenlog_decoder::pipeline::{ChannelFor, PipelineModel};
+use tokenlog_decoder::pipeline::{ChannelFor, PipelineConfig, PipelineModel};
 use tokenlog_decoder::stage::parse_layers;
 use tokenlog_decoder::{fetch, Model};
 
@@ -33,10 +33,23 @@ pub struct StagesArgs {
     /// Rounds per concurrency (the whole model first in even rounds, the pipeline in odd ones).
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..))]
     pub rounds: u64,
+    /// Instead of the decode rates: kill -9 the middle stage of a pipeline head that decodes
+    /// through a 3-node log this many times, with a hot spare each time, once with the rows
+    /// kept (only the dead stage's layers rebuilt) and once with nothing kept (every generation
+    /// fed through the whole pipeline again); kill -> next visible token, split into
+    /// detection, splice, rebuild and first step.
+    #[arg(long, default_value_t = 0)]
+    pub kills: usize,
+    /// Records committed before each kill (with --kills).
+    #[arg(long, default_value_t = 20)]
+    pub after: u32,
+    /// First loopback port for the 3 log nodes (with --kills; spares listen from +100).
+    #[arg(long, default_value_t = 27_500)]
+    pub base_port: u16,
 }
 
 /// Kills the stage processes when the bench ends, however it ends.
-struct Stages(Vec<Child>);
+pub(crate) struct Stages(pub(crate) Vec<Child>);
 
 impl Drop for Stages {
     fn drop(&mut self) {
@@ -55,11 +68,27 @@ fn start_stage(
     stages: &mut Stages,
 ) -> anyhow::Result<String> {
     let name = format!("bench-stage-{}-{}", layers.start, layers.end);
+    start_stage_at(dir, model, layers, &name, "127.0.0.1:0", &[], stages)
+}
+
+/// Starts a `tokenlog stage` named `name` of `layers` listening on `listen`, with `extra`
+/// arguments; waits until it serves and returns its address.
+pub(crate) fn start_stage_at(
+    dir: &Path,
+    model: &Path,
+    layers: &std::ops::Range<usize>,
+    name: &str,
+    listen: &str,
+    extra: &[&str],
+    stages: &mut Stages,
+) -> anyhow::Result<String> {
     let log = dir.join(format!("{name}.log"));
     let child = Command::new(std::env::current_exe()?)
         .args(["stage", "--model", &model.to_string_lossy()])
         .args(["--layers", &format!("{}..{}", layers.start, layers.end)])
-        .args(["--listen", "127.0.0.1:0", "--stage-id", &name, "--threads", "1"])
+        .args(["--listen", listen, "--stage-id", name, "--threads", "1"])
+        .args(extra)
+        .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log)?)
         .spawn()
@@ -99,6 +128,9 @@ pub async fn stages(a: StagesArgs) -> anyhow::Result<()> {
             (0..k).map(|i| i * n / k..(i + 1) * n / k).collect()
         }
     };
+    if a.kills > 0 {
+        return crate::cmd::bench_stage_kills::kills(&a, &path, whole.as_ref(), &name, &split).await;
+    }
     let dir = tempfile::tempdir()?;
     let mut procs = Stages(Vec::new());
     let mut addrs = Vec::new();
@@ -113,7 +145,10 @@ pub async fn stages(a: StagesArgs) -> anyhow::Result<()> {
     let pipeline: std::sync::Arc<dyn Model> = {
         let (p, a) = (path.clone(), addrs.clone());
         std::sync::Arc::new(
-            tokio::task::spawn_blocking(move || PipelineModel::connect(&p, &a, &[], channel_for)).await??,
+            tokio::task::spawn_blocking(move || {
+                PipelineModel::connect(&p, PipelineConfig::new(&a, &[], channel_for, "bench-head"))
+            })
+            .await??,
         )
     };
     let prompt = prompt_ids(whole.as_ref())?;

@@ -30,17 +30,25 @@ pub struct DecoderArgs {
     /// Run as a pipeline head: the model's layers run in these stage processes (`tokenlog
     /// stage`), in pipeline order (comma-separated ADDRs; the first holds layer 0, the last
     /// ends the model). This process loads only --model's header (tokenizer, identity), drives
-    /// the stages, samples and appends; its output equals a whole decoder's, bit for bit. A
+    /// the stages, samples and appends; its output equals a whole decoder's, bit for bit. The
+    /// composition is recorded in the log under this decoder's id, at a pipeline epoch that
+    /// every splice moves on; stages started with --cluster serve only the current one. A
     /// stage that fails fails the step (see --pipeline-spares): the decoder exits and its
     /// generations are taken over.
     #[arg(long, value_delimiter = ',', conflicts_with = "fake")]
     pub pipeline: Vec<String>,
     /// Hot spare stages of a pipeline head (comma-separated ADDRs of idle `tokenlog stage`
-    /// processes): when a stage fails, the first spare of its layer range takes its place and
-    /// every generation is fed again through the pipeline from its prompt and the tokens fed
-    /// so far, without leaving this decoder. Without one, a failed stage fails the step.
+    /// processes): when a stage fails, the first spare of its layer range takes its place (one
+    /// write to the log: a new pipeline epoch, which fences the failed stage) and rebuilds its
+    /// layers from the rows this head kept of every generation, without leaving this decoder.
+    /// Without one, a failed stage fails the step.
     #[arg(long, value_delimiter = ',', requires = "pipeline")]
     pub pipeline_spares: Vec<String>,
+    /// What a pipeline head keeps of the rows it relays between stages, in MiB in all (at most
+    /// 1024): a spare rebuilds its layers from them. A generation past the bound (or every one,
+    /// with 0) is fed through the whole pipeline again after a splice.
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(0..=1024))]
+    pub pipeline_keep_mib: u64,
     /// Per-step delay of the fake model (ms), to make a slow decoder.
     #[arg(long, default_value_t = 0)]
     pub fake_step_ms: u64,
@@ -217,11 +225,21 @@ pub fn load_model(a: &DecoderArgs) -> anyhow::Result<(Arc<dyn Model>, String)> {
         }
         eprintln!("connecting to the pipeline's stages {} ...", a.pipeline.join(", "));
         let client = LogClient::with_tls(a.cluster.clone(), a.tls.load()?)?;
+        // The head's composition is recorded in the log under its decoder id.
+        let head = a.decoder_id.clone().context("a pipeline head needs its decoder id")?;
+        let log = client.clone();
         let channel_for: tokenlog_decoder::pipeline::ChannelFor =
             Box::new(move |addr: &str| client.peer_channel(addr).map_err(|e| e.to_string()));
-        let model =
-            tokenlog_decoder::pipeline::PipelineModel::connect(&path, &a.pipeline, &a.pipeline_spares, channel_for)
-                .with_context(|| format!("connecting to the pipeline {}", a.pipeline.join(",")))?;
+        let mut cfg =
+            tokenlog_decoder::pipeline::PipelineConfig::new(&a.pipeline, &a.pipeline_spares, channel_for, &head);
+        cfg.log = Some(log);
+        cfg.keep_bytes = (a.pipeline_keep_mib as usize).saturating_mul(1 << 20);
+        let model = tokenlog_decoder::pipeline::PipelineModel::connect(&path, cfg)
+            .with_context(|| format!("connecting to the pipeline {}", a.pipeline.join(",")))?;
+        eprintln!(
+            "pipeline of head {head} recorded in the log at pipeline epoch {}",
+            model.first_epoch()
+        );
         for (i, s) in model.stages().iter().enumerate() {
             eprintln!(
                 "pipeline stage {}: {} ({}) layers {}..{}",
@@ -256,9 +274,10 @@ fn model_name_of(path: &std::path::Path) -> String {
     base.map_or_else(|| "model".into(), |n| n.to_string_lossy().to_lowercase())
 }
 
-pub async fn run(a: DecoderArgs) -> anyhow::Result<()> {
+pub async fn run(mut a: DecoderArgs) -> anyhow::Result<()> {
+    // Known before the model: a pipeline head records its composition under it.
+    let id = a.decoder_id.get_or_insert_with(default_id).clone();
     let (model, name) = load_model(&a)?;
-    let id = a.decoder_id.clone().unwrap_or_else(default_id);
     eprintln!("decoder {id} serves {name} ({:?})", model.identity());
     let mut cfg = WorkerConfig::new(id, name);
     cfg.capacity = a.capacity;

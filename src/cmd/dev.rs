@@ -59,6 +59,7 @@ pub async fn run(a: DevArgs) -> anyhow::Result<()> {
         fake: a.fake,
         pipeline: vec![],
         pipeline_spares: vec![],
+        pipeline_keep_mib: 1024,
         fake_step_ms: 0,
         model_name: None,
         device: "cpu".into(),

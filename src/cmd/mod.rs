@@ -6,6 +6,7 @@ pub mod bench_decoders;
 pub mod bench_drain;
 pub mod bench_leader;
 pub mod bench_restart;
+pub mod bench_stage_kills;
 pub mod bench_stages;
 pub mod certs;
 pub mod decoder;

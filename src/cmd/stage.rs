@@ -24,9 +24,17 @@ pub struct StageArgs {
     /// Serve the stage on ADDR (port 0 picks a free port; the bound address is printed).
     #[arg(long, default_value = "127.0.0.1:7301")]
     pub listen: std::net::SocketAddr,
-    /// Name of this stage process in the head's messages (default: stage-A-B-pid).
+    /// Name of this stage process, as a head's composition in the log names it (default:
+    /// stage-A-B-pid; unique among the stages of one pipeline).
     #[arg(long)]
     pub stage_id: Option<String>,
+    /// Addresses of log nodes (comma-separated). With them the stage serves a head's work only
+    /// at the pipeline epoch of the head's current composition in the log, and only if that
+    /// composition names this stage (--stage-id) for its layers: a stage spliced out while it
+    /// was paused or cut off is refused when it comes back. Without them, it refuses only epochs
+    /// older than the newest it saw from each head (benches, single-machine tests).
+    #[arg(long, value_delimiter = ',')]
+    pub cluster: Vec<String>,
     /// Model threads.
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
@@ -95,8 +103,18 @@ pub async fn run(a: StageArgs) -> anyhow::Result<()> {
         a.layers.end,
         model.total_layers()
     );
+    let log = match a.cluster.is_empty() {
+        true => {
+            eprintln!("no --cluster: fencing by the newest pipeline epoch seen from each head only");
+            None
+        }
+        false => Some(tokenlog_raftlog::client::LogClient::with_tls(
+            a.cluster.clone(),
+            tls.clone(),
+        )?),
+    };
     let mut b = crate::process::decoder_peer_server(&tls)?;
-    let svc = tokenlog_raftlog::auth::Guarded::new(StageService::new(Arc::new(model), id).server(), tls.is_some());
+    let svc = tokenlog_raftlog::auth::Guarded::new(StageService::new(Arc::new(model), id, log).server(), tls.is_some());
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     b.add_service(svc)
         .serve_with_incoming_shutdown(incoming, crate::process::shutdown_signal())

@@ -262,6 +262,14 @@ impl LogState {
             }
             assert!(h.attempt <= self.next_handoff && h.handoff_epoch == h.source_epoch + 1);
         }
+        for (head, p) in &self.pipelines {
+            assert!(
+                *head == p.head && p.epoch >= 1 && p.epoch <= self.next_pipeline_epoch,
+                "pipeline of {head}: epoch {} of {} given",
+                p.epoch,
+                self.next_pipeline_epoch
+            );
+        }
     }
 }
 

@@ -20,6 +20,7 @@ mod append;
 mod handoff;
 mod index;
 mod ownership;
+mod pipeline;
 mod upkeep;
 
 use index::check_generation;
@@ -89,6 +90,11 @@ pub struct LogState {
     pub handoffs: BTreeMap<GenerationId, Handoff>,
     /// Handoff attempts so far: the next attempt's id is one more.
     pub next_handoff: u64,
+    /// Each pipeline head's composition ([`Command::SetPipeline`]), by the head's decoder id;
+    /// dropped when the head's registration lapses.
+    pub pipelines: BTreeMap<String, Pipeline>,
+    /// Pipeline epochs given so far (to every head): the next composition's epoch is one more.
+    pub next_pipeline_epoch: u64,
     /// The generations whose attempt is in flight (before its ownership commit, not aborted).
     /// Derived from `handoffs`; not serialized.
     #[serde(skip)]
@@ -316,6 +322,11 @@ impl LogState {
                 Response::Session(Ok(self.session_lost(decoder, *session, changes)))
             }
             Command::Handoff { generation, step } => Response::Handoff(self.handoff(*generation, step, changes)),
+            Command::SetPipeline {
+                head,
+                expect_epoch,
+                stages,
+            } => Response::Pipeline(self.set_pipeline(head, *expect_epoch, stages)),
             Command::Batch(_) => unreachable!("apply_command unpacks batches"),
         }
     }

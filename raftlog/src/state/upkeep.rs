@@ -125,6 +125,8 @@ impl LogState {
             // A decoder that stopped registering is gone (or cut off, and then its stream broke
             // too); what it still holds ends by its leases. Keeps the table bounded.
             self.sessions.remove(d);
+            // A head gone: its stages serve nobody under its name any more.
+            self.pipelines.remove(d);
         }
         if !lapsed.is_empty() {
             changes.decoders_changed();

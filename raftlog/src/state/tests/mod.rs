@@ -1,6 +1,7 @@
 //! Pure apply tests: no I/O, no clock. Each test drives `LogState::apply` with stamped commands.
 //! Here: the helpers, submit, log time, determinism; `fencing`: ownership and appends;
-//! `upkeep`: ticks, retention, pending work, registrations; `handoff`: planned handoff.
+//! `upkeep`: ticks, retention, pending work, registrations; `handoff`: planned handoff;
+//! `pipeline`: pipeline compositions.
 
 use super::*;
 
@@ -125,6 +126,7 @@ fn reason<T: std::fmt::Debug>(r: Result<T, Rejection>) -> RejectReason {
 
 mod fencing;
 mod handoff;
+mod pipeline;
 mod upkeep;
 
 #[test]
