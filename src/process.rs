@@ -34,12 +34,14 @@ pub fn abort_on_panic() {
     }));
 }
 
-/// Logs to stderr; `RUST_LOG` overrides the default filter.
+/// Logs to stderr, in colour only on a terminal (a log file or a pipe gets plain text, which
+/// `grep` and the tests read as written); `RUST_LOG` overrides the default filter.
 pub fn init_tracing() {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,openraft=warn".into()),
         )
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .init();
 }

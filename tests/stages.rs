@@ -80,17 +80,22 @@ async fn follow(client: &LogClient, id: u64) -> (Vec<u32>, Vec<u64>) {
     }
 }
 
-async fn frontier(client: &LogClient, id: u64) -> u32 {
+/// A generation as the leader has it (linearizable).
+async fn generation(client: &LogClient, id: u64) -> pb::GenerationInfo {
     client
         .get(pb::GetRequest {
             generation_id: id,
+            linearizable: true,
             ..Default::default()
         })
         .await
         .unwrap()
         .generation
         .unwrap()
-        .frontier
+}
+
+async fn frontier(client: &LogClient, id: u64) -> u32 {
+    generation(client, id).await.frontier
 }
 
 async fn wait_frontier(client: &LogClient, id: u64, at_least: u32) {
@@ -142,25 +147,6 @@ fn start_stage_with(dir: &Path, model: &Path, name: &str, layers: &str, extra: &
         assert!(Instant::now() < deadline, "stage {name} did not start:\n{text}");
         std::thread::sleep(Duration::from_millis(50));
     }
-}
-
-/// `text` without its terminal colour codes (the decoder's log is coloured).
-fn without_ansi(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut chars = text.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            // ESC [ ... up to a letter.
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }
 
 fn model_path() -> PathBuf {
@@ -354,7 +340,7 @@ async fn a_hot_spare_replaces_a_killed_middle_stage_and_the_generation_stays_wit
         "the head still runs:\n{}",
         head.log_text()
     );
-    let log = without_ansi(&head.log_text());
+    let log = head.log_text();
     assert!(log.contains("spliced a spare in its place"), "{log}");
     // Only the dead stage's layers were rebuilt, from the rows the head kept.
     assert!(log.contains("the spare rebuilt its layers"), "{log}");
@@ -451,7 +437,7 @@ async fn a_paused_stage_spliced_out_is_refused_by_epoch_when_it_resumes_and_chan
         epochs.iter().all(|&e| e == 1),
         "the generation never left its head: {epochs:?}"
     );
-    let log = without_ansi(&head.log_text());
+    let log = head.log_text();
     assert!(log.contains("spliced a spare in its place"), "{log}");
     let spliced = client.get_pipeline("head", true).await.unwrap();
     assert!(spliced.epoch > first.epoch, "{first:?} -> {spliced:?}");
@@ -459,16 +445,7 @@ async fn a_paused_stage_spliced_out_is_refused_by_epoch_when_it_resumes_and_chan
 
     // The old stage comes back; what a stale head (or a replayed message) would send it.
     stages[1].0.signal("-CONT");
-    let gen_before = client
-        .get(pb::GetRequest {
-            generation_id: id,
-            linearizable: true,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .generation
-        .unwrap();
+    let gen_before = generation(&client, id).await;
     for (who, addr, epoch, says) in [
         (
             "the resumed stage, old epoch",
@@ -489,22 +466,13 @@ async fn a_paused_stage_spliced_out_is_refused_by_epoch_when_it_resumes_and_chan
         assert!(e.message().contains(says), "{who}: {}", e.message());
     }
     assert!(
-        without_ansi(&stages[1].0.log_text()).contains("refused a head's request"),
+        stages[1].0.log_text().contains("refused a head's request"),
         "{}",
         stages[1].0.log_text()
     );
     // Nothing changed: the composition, the generation; and the pipeline decodes on exactly.
     assert_eq!(client.get_pipeline("head", true).await.unwrap(), spliced);
-    let gen_after = client
-        .get(pb::GetRequest {
-            generation_id: id,
-            linearizable: true,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .generation
-        .unwrap();
+    let gen_after = generation(&client, id).await;
     assert_eq!(gen_after, gen_before);
     let id2 = submit_n(&client, model.as_ref(), "after", &prompt, 32, 16).await;
     let (toks, _) = follow(&client, id2).await;

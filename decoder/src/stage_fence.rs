@@ -23,8 +23,8 @@ use tonic::{Code, Status};
 
 use crate::limits::{STAGE_FENCE_FRESH, STAGE_FENCE_REFRESH};
 
-/// What the stage last learned of one head's composition.
-#[derive(Clone, Debug)]
+/// What the stage last learned of one head's composition (nothing yet: epoch 0, no member).
+#[derive(Clone, Debug, Default)]
 struct Known {
     /// The newest epoch of the head's composition the stage knows.
     epoch: u64,
@@ -83,13 +83,9 @@ impl Fence {
             }
             match (&self.log, k) {
                 (None, _) => {
-                    let k = known.entry(head.to_string()).or_insert(Known {
-                        epoch,
-                        member: true,
-                        verified: None,
-                        streams: 0,
-                    });
+                    let k = known.entry(head.to_string()).or_default();
                     k.epoch = epoch;
+                    k.member = true;
                     return Ok(());
                 }
                 (Some(_), Some(k))
@@ -142,6 +138,13 @@ impl Fence {
         Ok(())
     }
 
+    /// Whether composition `p` names this stage for the layers it holds.
+    fn named_by(&self, p: &tokenlog_proto::raftlog::PipelineInfo) -> bool {
+        p.stages.iter().any(|s| {
+            s.stage_id == self.stage_id && s.first_layer == self.layers.start && s.end_layer == self.layers.end
+        })
+    }
+
     fn stale(&self, head: &str, epoch: u64, current: u64) -> Status {
         Status::failed_precondition(format!(
             "stage {}: pipeline epoch {epoch} of head {head:?} is stale: its composition is at epoch {current} (fenced)",
@@ -152,12 +155,7 @@ impl Fence {
     /// What a read of the log at `read_at` said (never moves the epoch backwards).
     fn learn(&self, head: &str, epoch: u64, member: bool, read_at: Instant) {
         let mut known = self.known.lock().expect("lock");
-        let k = known.entry(head.to_string()).or_insert(Known {
-            epoch: 0,
-            member: false,
-            verified: None,
-            streams: 0,
-        });
+        let k = known.entry(head.to_string()).or_default();
         if epoch > k.epoch {
             k.epoch = epoch;
             k.member = member;
@@ -174,13 +172,7 @@ impl Fence {
     /// A stream of `head` begins (the refresher keeps its head's record fresh until it ends).
     pub fn stream_opened(self: &Arc<Self>, head: &str) -> StreamGuard {
         let mut known = self.known.lock().expect("lock");
-        let k = known.entry(head.to_string()).or_insert(Known {
-            epoch: 0,
-            member: false,
-            verified: None,
-            streams: 0,
-        });
-        k.streams += 1;
+        known.entry(head.to_string()).or_default().streams += 1;
         StreamGuard {
             fence: self.clone(),
             head: head.to_string(),
@@ -223,12 +215,7 @@ async fn refresh(fence: std::sync::Weak<Fence>) {
             let read_at = Instant::now();
             let log = f.log.as_ref().expect("refreshes with a log only");
             match log.get_pipeline(&head, true).await {
-                Ok(p) => {
-                    let member = p.stages.iter().any(|s| {
-                        s.stage_id == f.stage_id && s.first_layer == f.layers.start && s.end_layer == f.layers.end
-                    });
-                    f.learn(&head, p.epoch, member, read_at);
-                }
+                Ok(p) => f.learn(&head, p.epoch, f.named_by(&p), read_at),
                 Err(ClientError::Status(s)) if s.code() == Code::NotFound => f.learn(&head, 0, false, read_at),
                 // The log does not answer: what the stage knows goes stale by itself.
                 Err(e) => tracing::debug!(head, error = %e, "reading a head's pipeline"),

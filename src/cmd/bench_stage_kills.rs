@@ -44,25 +44,7 @@ struct Splice {
     in_full: u64,
 }
 
-/// `text` without its terminal colour codes (the decoder's log is coloured).
-fn without_ansi(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut chars = text.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
-
-/// A `key=value` field of a log line.
+/// A `key=value` field of a log line (plain text: the head's stderr is a file).
 fn field(line: &str, key: &str) -> Option<u64> {
     let at = line.find(&format!(" {key}="))? + key.len() + 2;
     line[at..].split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
@@ -70,7 +52,8 @@ fn field(line: &str, key: &str) -> Option<u64> {
 
 /// The head's splices so far, in order.
 fn splices(log: &Path) -> Vec<Splice> {
-    without_ansi(&std::fs::read_to_string(log).unwrap_or_default())
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
         .lines()
         .filter(|l| l.contains("the spare rebuilt its layers"))
         .filter_map(|l| {
@@ -87,7 +70,7 @@ fn splices(log: &Path) -> Vec<Splice> {
 
 /// The last lines of a log.
 fn tail(log: &Path) -> String {
-    let text = without_ansi(&std::fs::read_to_string(log).unwrap_or_default());
+    let text = std::fs::read_to_string(log).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(30)..].join("\n")
 }
