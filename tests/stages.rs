@@ -114,10 +114,16 @@ fn start_stage(dir: &Path, model: &Path, name: &str, layers: &str) -> (Decoder, 
     start_stage_with(dir, model, name, layers, &[])
 }
 
+/// `layers` "cold": a cold spare (`--cold`).
 fn start_stage_with(dir: &Path, model: &Path, name: &str, layers: &str, extra: &[&str]) -> (Decoder, String) {
     let log = dir.join(format!("{name}.log"));
+    let held = match layers {
+        "cold" => vec!["--cold"],
+        l => vec!["--layers", l],
+    };
     let child = Command::new(bin())
-        .args(["stage", "--model", model.to_str().unwrap(), "--layers", layers])
+        .args(["stage", "--model", model.to_str().unwrap()])
+        .args(held)
         .args(["--listen", "127.0.0.1:0", "--stage-id", name, "--threads", "1"])
         .args(extra)
         .env("RUST_LOG", "info")
@@ -135,7 +141,10 @@ fn start_stage_with(dir: &Path, model: &Path, name: &str, layers: &str, extra: &
         let text = stage.log_text();
         if let Some(addr) = text
             .lines()
-            .find(|l| l.starts_with(&format!("stage {name} serves")))
+            .find(|l| {
+                l.starts_with(&format!("stage {name} serves"))
+                    || l.starts_with(&format!("stage {name} is a cold spare"))
+            })
             .and_then(|l| l.rsplit(" on ").next())
         {
             return (stage, addr.trim().to_string());
@@ -375,7 +384,7 @@ async fn ask_stage(addr: &str, head: &str, epoch: u64) -> Result<dpb::ForwardRes
 
 /// Issue 16's second must-show: a paused old stage resumed after the splice is rejected by
 /// epoch and changes nothing. Stages started with the log's addresses; the middle stage is
-/// paused (SIGSTOP) after 20 of 64 sampled tokens; the head's keepalive gives up on it, the
+/// paused (SIGSTOP) after 20 of 64 sampled tokens; its registration in the log lapses, the
 /// head splices its hot spare in with one write to the log (a new pipeline epoch), and the
 /// generation finishes with the whole model's tokens. The old stage is continued (SIGCONT):
 /// work stamped with the old epoch, or with the current one (whose composition does not name
@@ -439,6 +448,8 @@ async fn a_paused_stage_spliced_out_is_refused_by_epoch_when_it_resumes_and_chan
     );
     let log = head.log_text();
     assert!(log.contains("spliced a spare in its place"), "{log}");
+    // Detected by its registration in the log lapsing (its stream stayed open).
+    assert!(log.contains("its registration in the log lapsed"), "{log}");
     let spliced = client.get_pipeline("head", true).await.unwrap();
     assert!(spliced.epoch > first.epoch, "{first:?} -> {spliced:?}");
     assert_eq!(ids(&spliced), ["s1", "spare", "s3"], "{spliced:?}");
@@ -481,6 +492,104 @@ async fn a_paused_stage_spliced_out_is_refused_by_epoch_when_it_resumes_and_chan
         expected_n(model.as_ref(), &prompt, 32, 16),
         "the spliced pipeline decodes on"
     );
+    assert!(
+        head.wait_exit(Duration::ZERO).is_none(),
+        "the head still runs:\n{}",
+        head.log_text()
+    );
+}
+
+/// Spares in the log: a cold spare (`tokenlog stage --cold`, registered in the log, no layers
+/// loaded) is found there by a head that was given no spares when its middle stage is killed
+/// after 20 of 64 sampled tokens; it loads the dead stage's layers, is spliced in and rebuilds
+/// them; the 64 tokens equal the whole model's and never left their head. The log then lists
+/// the spare with its layers, the dead stage's registration lapses, and `tokenlog status`
+/// shows the composition.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cold_spare_registered_in_the_log_replaces_a_killed_middle_stage() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let path = model_path();
+    tokenlog_decoder::threads::init_cpu_threads(1);
+    let model = tokenlog_decoder::load_model(&path, tokenlog_decoder::DeviceSpec::Cpu).unwrap();
+    let cluster = Cluster::start(20_000);
+    let client = cluster.client();
+    let nodes = cluster.addrs.join(",");
+    let with_log = ["--cluster", nodes.as_str()];
+    let mut stages: Vec<(Decoder, String)> = [("s1", "0..10"), ("s2", "10..20"), ("s3", "20..30")]
+        .iter()
+        .map(|(n, r)| start_stage_with(dir.path(), &path, n, r, &with_log))
+        .collect();
+    let (_cold, cold_addr) = start_stage_with(dir.path(), &path, "cold", "cold", &with_log);
+    let registered = |r: &pb::ListStagesResponse, id: &str| r.stages.iter().find(|s| s.stage_id == id).cloned();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let cold = loop {
+        let r = client.list_stages(true).await.unwrap();
+        if let (Some(c), 4) = (registered(&r, "cold"), r.stages.len()) {
+            break c;
+        }
+        assert!(Instant::now() < deadline, "the stages did not register: {r:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        (cold.first_layer, cold.end_layer, cold.addr.as_str()),
+        (0, 0, cold_addr.as_str())
+    );
+    let list: Vec<String> = stages.iter().map(|s| s.1.clone()).collect();
+    let mut head = cluster.start_real_decoder("head", &path, &["--pipeline", &list.join(","), "--lease-ms", "6000"]);
+    common::wait_for_model(&client).await;
+    let prompt = model
+        .tokenizer()
+        .encode_chat(&[tokenlog_decoder::ChatMessage::user("Tell me about lighthouses.")])
+        .unwrap();
+    let id = submit_n(&client, model.as_ref(), "cold", &prompt, 41, 64).await;
+    let f = {
+        let c = client.clone();
+        tokio::spawn(async move { follow(&c, id).await })
+    };
+    wait_frontier(&client, id, 20).await;
+    stages[1].0.kill9();
+    let (toks, epochs) = f.await.unwrap();
+    assert_eq!(
+        toks,
+        expected_n(model.as_ref(), &prompt, 41, 64),
+        "the whole model's 64 tokens"
+    );
+    assert!(
+        epochs.iter().all(|&e| e == 1),
+        "the generation never left its head: {epochs:?}"
+    );
+    let log = head.log_text();
+    assert!(
+        log.contains("spliced a spare in its place") && log.contains("cold=true"),
+        "{log}"
+    );
+    assert!(
+        log.contains("in_full=0"),
+        "only the dead stage's layers were rebuilt: {log}"
+    );
+    let p = client.get_pipeline("head", true).await.unwrap();
+    let ids: Vec<&str> = p.stages.iter().map(|s| s.stage_id.as_str()).collect();
+    assert_eq!(ids, ["s1", "cold", "s3"], "{p:?}");
+    // The spare now registers its layers; the dead stage's registration lapses.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = client.list_stages(true).await.unwrap();
+        let c = registered(&r, "cold").expect("the spare stays registered");
+        if (c.first_layer, c.end_layer) == (10, 20) && registered(&r, "s2").is_none() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{r:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let out = Command::new(bin())
+        .args(["status", "--cluster", &nodes])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("pipelines") && text.contains("head head"), "{text}");
+    assert!(text.contains(&format!("cold 10..20 at {cold_addr}")), "{text}");
     assert!(
         head.wait_exit(Duration::ZERO).is_none(),
         "the head still runs:\n{}",

@@ -81,6 +81,18 @@ pub const STAGE_ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
 /// that was paused (or cut off) for longer reads the log again before its next pass.
 pub const STAGE_FENCE_FRESH: Duration = Duration::from_millis(500);
 pub const STAGE_FENCE_REFRESH: Duration = Duration::from_millis(150);
+/// A stage process's registration in the log (`tokenlog stage --cluster`) lives this long
+/// from its latest renewal; the stage renews it every quarter of it. A head splices out a
+/// stage whose registration lapsed (a paused, cut-off or dead stage) without waiting for its
+/// stream to time out; heads read the registrations every `STAGE_LEASE_POLL`.
+pub const STAGE_REGISTRATION_TTL: Duration = Duration::from_millis(1_000);
+pub const STAGE_LEASE_POLL: Duration = Duration::from_millis(100);
+/// How long a head whose stage failed looks for a spare in the log (every `STAGE_LEASE_POLL`)
+/// before its step fails: a supervisor that restarts the dead stage, or a spare that starts,
+/// is found meanwhile.
+pub const STAGE_SPARE_WAIT: Duration = Duration::from_secs(3);
+/// The longest a head waits for a cold spare to load the layers it asked for.
+pub const STAGE_LOAD_TIMEOUT: Duration = Duration::from_secs(120);
 /// What a pipeline head keeps of its sequences' passes (each stage's input rows, the tokens),
 /// in all, so that a spare spliced in for one stage rebuilds only that stage; a sequence past
 /// the bound is fed again in full instead.

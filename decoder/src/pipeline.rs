@@ -7,10 +7,12 @@
 //! since a split model computes the same bits as the whole one, either continues the other's
 //! generation exactly.
 //!
-//! A stage that cannot be reached, answers late or breaks its stream fails the pass. With hot
-//! spares (`--pipeline-spares`: stage processes with their layers loaded, idle), the head
-//! splices the first spare of the dead stage's layer range in its place and rebuilds only that
-//! stage's layers: the head relays every row between stages, so it keeps what each stage was
+//! A stage that cannot be reached, answers late, breaks its stream or whose registration in the
+//! log lapsed (a watcher reads them every `STAGE_LEASE_POLL`) fails the pass. The head then
+//! splices a spare of the dead stage's layer range in its place: one given to it
+//! (`--pipeline-spares`: stage processes with their layers loaded, idle), else one registered
+//! in the log that no composition names (hot ones of those layers first, then cold ones, which
+//! it asks to `Load` the range first), and rebuilds only that stage's layers: the head relays every row between stages, so it keeps what each stage was
 //! fed (within `PIPELINE_KEPT_BYTES_MAX`) and feeds the spare that, all positions of a sequence
 //! in one prefill, which gives the same bits as the steps did (grouping invariance; the spare's
 //! output is checked against what the old stage gave). A sequence not kept is fed again in full
@@ -44,7 +46,10 @@ use crate::cache::f32s_from_bytes;
 use crate::error::{Error, Result};
 use crate::gguf_model::LlamaFile;
 use crate::identity::ModelIdentity;
-use crate::limits::{PIPELINE_KEPT_BYTES_MAX, STAGE_ANSWER_TIMEOUT, STAGE_ITEMS_MAX, STAGE_MESSAGE_BYTES_MAX};
+use crate::limits::{
+    PIPELINE_KEPT_BYTES_MAX, STAGE_ANSWER_TIMEOUT, STAGE_ITEMS_MAX, STAGE_LEASE_POLL, STAGE_LOAD_TIMEOUT,
+    STAGE_MESSAGE_BYTES_MAX, STAGE_SPARE_WAIT,
+};
 use crate::model::{check_feed, Logits, Model, Sequence};
 use crate::tokenizer::Tokenizer;
 
@@ -114,8 +119,53 @@ struct Conn {
     info: StageInfo,
     tx: tokio::sync::mpsc::Sender<dpb::ForwardRequest>,
     rx: tonic::Streaming<dpb::ForwardResponse>,
-    /// Why the stream is unusable (it broke, or answered out of turn).
+    /// Why the stream is unusable (it broke, answered out of turn, or its registration in the
+    /// log lapsed).
     broken: Option<String>,
+    /// The stages' registrations in the log, as the head's watcher reads them (`None`: no log).
+    registry: Option<Registry>,
+}
+
+/// What the head's watcher last read of the stages' registrations in the log.
+#[derive(Debug, Default)]
+pub struct Registered {
+    /// The live registrations, by stage id.
+    pub live: HashMap<String, lpb::StageRegistration>,
+    /// Every stage id seen registered since the head started: a stage that never registered
+    /// (one without `--cluster`) is not watched.
+    pub ever: HashSet<String>,
+}
+
+type Registry = tokio::sync::watch::Receiver<Arc<Registered>>;
+
+impl Registered {
+    /// Why stage `id` is dead to the log: it was registered and its registration lapsed.
+    fn lapsed(&self, id: &str) -> bool {
+        self.ever.contains(id) && !self.live.contains_key(id)
+    }
+}
+
+/// Reads the stages' registrations every `STAGE_LEASE_POLL` (any node's view: a stale one
+/// only delays a splice, which the pipeline epoch fences anyway) until the head's model is
+/// gone.
+async fn watch_registrations(log: LogClient, tx: tokio::sync::watch::Sender<Arc<Registered>>) {
+    let mut ever = HashSet::new();
+    while !tx.is_closed() {
+        if let Ok(r) = log.list_stages(false).await {
+            let live: HashMap<String, lpb::StageRegistration> = r
+                .stages
+                .into_iter()
+                .filter(|s| s.expiry_log_ms > r.log_ms)
+                .map(|s| (s.stage_id.clone(), s))
+                .collect();
+            ever.extend(live.keys().cloned());
+            tx.send_replace(Arc::new(Registered {
+                live,
+                ever: ever.clone(),
+            }));
+        }
+        tokio::time::sleep(STAGE_LEASE_POLL).await;
+    }
 }
 
 /// How a head connects to its stages ([`PipelineModel::connect`]).
@@ -190,7 +240,13 @@ impl PipelineModel {
                     }
                 };
                 rt.block_on(async move {
-                    let conns = match open_stages(&addrs, &channel_for, &want, vocab).await {
+                    // The watcher ends when the pipe (every receiver) is gone.
+                    let registry = log.as_ref().map(|log| {
+                        let (tx, rx) = tokio::sync::watch::channel(Arc::new(Registered::default()));
+                        tokio::spawn(watch_registrations(log.clone(), tx));
+                        rx
+                    });
+                    let conns = match open_stages(&addrs, &channel_for, &want, vocab, &registry).await {
                         Ok(c) => c,
                         Err(e) => {
                             let _ = ready_tx.send(Err(e));
@@ -213,6 +269,7 @@ impl PipelineModel {
                         head,
                         log,
                         epoch: 0,
+                        registry,
                     };
                     // The composition's first record: against what the log holds for this head
                     // (an earlier incarnation's, when the decoder id is given again).
@@ -274,11 +331,9 @@ async fn open_stage(
     channel_for: &ChannelFor,
     weights_sha256: &str,
     vocab: usize,
+    registry: Option<Registry>,
 ) -> std::result::Result<(Conn, dpb::DescribeResponse), String> {
-    let channel = channel_for(addr).map_err(|e| format!("stage {addr}: {e}"))?;
-    let mut c = dpb::stage_client::StageClient::new(channel)
-        .max_decoding_message_size(STAGE_MESSAGE_BYTES_MAX)
-        .max_encoding_message_size(STAGE_MESSAGE_BYTES_MAX);
+    let mut c = stage_client(addr, channel_for)?;
     let d = tokio::time::timeout(Duration::from_secs(10), c.describe(dpb::DescribeRequest {}))
         .await
         .map_err(|_| format!("stage {addr} did not answer Describe within 10 s"))?
@@ -311,8 +366,38 @@ async fn open_stage(
         tx,
         rx,
         broken: None,
+        registry,
     };
     Ok((conn, d))
+}
+
+fn stage_client(
+    addr: &str,
+    channel_for: &ChannelFor,
+) -> std::result::Result<dpb::stage_client::StageClient<Channel>, String> {
+    let channel = channel_for(addr).map_err(|e| format!("stage {addr}: {e}"))?;
+    Ok(dpb::stage_client::StageClient::new(channel)
+        .max_decoding_message_size(STAGE_MESSAGE_BYTES_MAX)
+        .max_encoding_message_size(STAGE_MESSAGE_BYTES_MAX))
+}
+
+/// Asks the cold spare at `addr` to load `layers`; how long it took.
+async fn load_cold(
+    addr: &str,
+    channel_for: &ChannelFor,
+    layers: &std::ops::Range<usize>,
+) -> std::result::Result<Duration, String> {
+    let mut c = stage_client(addr, channel_for)?;
+    let t0 = Instant::now();
+    let req = dpb::LoadRequest {
+        first_layer: layers.start as u32,
+        end_layer: layers.end as u32,
+    };
+    tokio::time::timeout(STAGE_LOAD_TIMEOUT, c.load(req))
+        .await
+        .map_err(|_| format!("the cold spare {addr} did not load layers {layers:?} within {STAGE_LOAD_TIMEOUT:?}"))?
+        .map_err(|s| format!("the cold spare {addr}: {}", s.message()))?;
+    Ok(t0.elapsed())
 }
 
 /// Describes every stage, checks the pipeline and opens the streams; each stage's stream and
@@ -322,12 +407,13 @@ async fn open_stages(
     channel_for: &ChannelFor,
     weights_sha256: &str,
     vocab: usize,
+    registry: &Option<Registry>,
 ) -> std::result::Result<Vec<(Conn, usize)>, String> {
     let mut out = Vec::with_capacity(addrs.len());
     let mut next_layer = 0u32;
     let mut shape = None;
     for (i, addr) in addrs.iter().enumerate() {
-        let (conn, d) = open_stage(addr, channel_for, weights_sha256, vocab).await?;
+        let (conn, d) = open_stage(addr, channel_for, weights_sha256, vocab, registry.clone()).await?;
         if d.first_layer != next_layer {
             return Err(format!(
                 "stage {} ({addr}) holds layers {}..{}, and the pipeline needs layer {next_layer} next",
@@ -389,6 +475,16 @@ struct Pipe {
     log: Option<LogClient>,
     /// The current composition's pipeline epoch, which every request carries.
     epoch: u64,
+    /// The stages' registrations in the log (`None`: no log).
+    registry: Option<Registry>,
+}
+
+/// A spare a splice may use: where it is, and whether it must load the layers first.
+struct Spare {
+    addr: String,
+    cold: bool,
+    /// Where it was found: given to the head, or registered in the log.
+    from_log: bool,
 }
 
 impl Pipe {
@@ -447,43 +543,89 @@ impl Pipe {
             };
             let layers = self.conns[k].info.layers.clone();
             let mut spliced = false;
-            // The spares in order; the one spliced in leaves the list, the others stay spares.
-            let mut i = 0;
-            while i < self.spares.len() {
-                let addr = self.spares[i].clone();
-                match open_stage(&addr, &self.channel_for, &self.weights_sha256, self.vocab).await {
-                    Ok((conn, _)) if conn.info.layers == layers => {
-                        // One fenced write: from its answer on, the failed stage is refused.
-                        let mut stages: Vec<StageInfo> = self.conns.iter().map(|c| c.info.clone()).collect();
-                        stages[k] = conn.info.clone();
-                        let from = self.epoch;
-                        if let Err(e) = self.compose(&stages).await {
-                            tracing::error!(spare = %addr, error = e, "the log did not take the splice: the pass fails");
-                            return false;
+            let mut load_us = 0;
+            // With a log, a spare may register meanwhile (a supervisor restarting the dead
+            // stage, a spare starting): the head looks again until STAGE_SPARE_WAIT is over.
+            let wait_until = Instant::now()
+                + if self.log.is_some() {
+                    STAGE_SPARE_WAIT
+                } else {
+                    Duration::ZERO
+                };
+            let mut round = 0u64;
+            while !spliced {
+                let first_round = round == 0;
+                round += 1;
+                for spare in self.spares_for(&layers).await {
+                    if spare.cold {
+                        match load_cold(&spare.addr, &self.channel_for, &layers).await {
+                            Ok(d) => load_us = d.as_micros() as u64,
+                            Err(e) => {
+                                if first_round {
+                                    tracing::warn!(spare = %spare.addr, error = e, "a cold spare cannot be used now");
+                                }
+                                continue;
+                            }
                         }
-                        tracing::warn!(
-                            failed = %self.conns[k].info.addr,
-                            why,
-                            spare = %addr,
-                            layers = ?layers,
-                            from_epoch = from,
-                            pipeline_epoch = self.epoch,
-                            ms = t0.elapsed().as_millis() as u64,
-                            "a pipeline stage failed: spliced a spare in its place"
-                        );
-                        self.conns[k] = conn;
-                        self.spares.remove(i);
-                        spliced = true;
-                        break;
                     }
-                    // A spare of other layers stays a spare.
-                    Ok(_) => {}
-                    Err(e) => tracing::warn!(spare = %addr, error = e, "a spare stage cannot be used now"),
+                    match open_stage(
+                        &spare.addr,
+                        &self.channel_for,
+                        &self.weights_sha256,
+                        self.vocab,
+                        self.registry.clone(),
+                    )
+                    .await
+                    {
+                        Ok((conn, _)) if conn.info.layers == layers => {
+                            // One fenced write: from its answer on, the failed stage is refused.
+                            let mut stages: Vec<StageInfo> = self.conns.iter().map(|c| c.info.clone()).collect();
+                            stages[k] = conn.info.clone();
+                            let from = self.epoch;
+                            if let Err(e) = self.compose(&stages).await {
+                                tracing::error!(spare = %spare.addr, error = e, "the log did not take the splice: the pass fails");
+                                return false;
+                            }
+                            tracing::warn!(
+                                failed = %self.conns[k].info.addr,
+                                why,
+                                spare = %spare.addr,
+                                spare_id = %conn.info.stage_id,
+                                cold = spare.cold,
+                                from_log = spare.from_log,
+                                layers = ?layers,
+                                from_epoch = from,
+                                pipeline_epoch = self.epoch,
+                                ms = t0.elapsed().as_millis() as u64,
+                                "a pipeline stage failed: spliced a spare in its place"
+                            );
+                            self.conns[k] = conn;
+                            // The one spliced in is a spare no more; the others stay.
+                            self.spares.retain(|a| *a != spare.addr);
+                            spliced = true;
+                            break;
+                        }
+                        // A spare of other layers stays a spare.
+                        Ok(_) => {}
+                        Err(e) if first_round => {
+                            tracing::warn!(spare = %spare.addr, error = e, "a spare stage cannot be used now")
+                        }
+                        Err(_) => {}
+                    }
                 }
-                i += 1;
+                if spliced || Instant::now() >= wait_until {
+                    break;
+                }
+                tokio::time::sleep(STAGE_LEASE_POLL).await;
             }
             if !spliced {
-                tracing::error!(failed = %self.conns[k].info.addr, why, layers = ?layers, "a pipeline stage failed and no spare of its layers answers");
+                tracing::error!(
+                    failed = %self.conns[k].info.addr,
+                    why,
+                    layers = ?layers,
+                    waited_ms = round.saturating_sub(1) * STAGE_LEASE_POLL.as_millis() as u64,
+                    "a pipeline stage failed and no spare of its layers answers"
+                );
                 return false;
             }
             let t1 = Instant::now();
@@ -495,6 +637,7 @@ impl Pipe {
                 in_full = self.stale.len(),
                 noticed_unix_us = noticed,
                 resumes_at,
+                load_us,
                 splice_us = (t1 - t0).as_micros() as u64,
                 rebuild_us = t1.elapsed().as_micros() as u64,
                 "the spare rebuilt its layers from the rows kept; the rest is fed again in full"
@@ -502,6 +645,72 @@ impl Pipe {
             replaced += 1;
         }
         replaced > 0
+    }
+
+    /// The spares a splice of `layers` tries, in order: those given to the head (each checked
+    /// when it is opened), then the stages registered in the log for the same weights that no
+    /// composition names: hot ones of exactly these layers first, then cold ones (which load
+    /// them first).
+    async fn spares_for(&self, layers: &std::ops::Range<usize>) -> Vec<Spare> {
+        let mut out: Vec<Spare> = self
+            .spares
+            .iter()
+            .map(|a| Spare {
+                addr: a.clone(),
+                cold: false,
+                from_log: false,
+            })
+            .collect();
+        let Some(log) = &self.log else {
+            return out;
+        };
+        // Through the leader: a spare that lapsed a moment ago is not tried.
+        let r = match log.list_stages(true).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(error = %e, "the log cannot list the registered spares now");
+                return out;
+            }
+        };
+        let mine: HashSet<&str> = self.conns.iter().map(|c| c.info.stage_id.as_str()).collect();
+        let others: HashSet<&str> = r
+            .pipelines
+            .iter()
+            .filter(|p| p.head != self.head)
+            .flat_map(|p| p.stages.iter().map(|s| s.stage_id.as_str()))
+            .collect();
+        let mut found: Vec<(u8, &lpb::StageRegistration)> = r
+            .stages
+            .iter()
+            .filter(|s| {
+                s.expiry_log_ms > r.log_ms
+                    && s.weights_sha256 == self.weights_sha256
+                    && !mine.contains(s.stage_id.as_str())
+                    && !self.spares.contains(&s.addr)
+            })
+            .filter_map(|s| {
+                let cold = s.first_layer == s.end_layer;
+                let fits = (s.first_layer as usize, s.end_layer as usize) == (layers.start, layers.end);
+                let shared = others.contains(s.stage_id.as_str());
+                // Hot and idle first; then cold; last a stage of these layers that another
+                // head's composition names (a stage serves several heads, each fenced by its
+                // own epoch; the composition may be a dead head's that has not lapsed yet).
+                match (cold, fits, shared) {
+                    (false, true, false) => Some((0, s)),
+                    (true, _, false) => Some((1, s)),
+                    (false, true, true) => Some((2, s)),
+                    _ => None,
+                }
+            })
+            .collect();
+        // Then by name: every head tries them in the same order.
+        found.sort_by(|a, b| (a.0, &a.1.stage_id).cmp(&(b.0, &b.1.stage_id)));
+        out.extend(found.into_iter().map(|(_, s)| Spare {
+            addr: s.addr.clone(),
+            cold: s.first_layer == s.end_layer,
+            from_log: true,
+        }));
+        out
     }
 
     /// Feeds the new stage `k` what its predecessor fed the old one, for every kept sequence
@@ -678,6 +887,23 @@ async fn ask(conn: &mut Conn, req: dpb::ForwardRequest) -> std::result::Result<d
     let ids: Vec<u64> = req.items.iter().map(|i| i.sequence).collect();
     let epoch = req.pipeline_epoch;
     let addr = conn.info.addr.clone();
+    let stage_id = conn.info.stage_id.clone();
+    let mut registry = conn.registry.clone();
+    // A stage whose registration in the log lapsed is dead to the head: the pass fails at once
+    // (the splice follows) instead of waiting out the stream's timeouts.
+    let lapsed = async {
+        let Some(r) = registry.as_mut() else {
+            return std::future::pending().await;
+        };
+        loop {
+            if r.borrow_and_update().lapsed(&stage_id) {
+                return;
+            }
+            if r.changed().await.is_err() {
+                return std::future::pending().await;
+            }
+        }
+    };
     let answer = async {
         conn.tx
             .send(req)
@@ -694,8 +920,11 @@ async fn ask(conn: &mut Conn, req: dpb::ForwardRequest) -> std::result::Result<d
             Ok(Ok(Some(r))) if r.results.iter().map(|r| r.sequence).eq(ids.iter().copied()) => Ok(r),
             Ok(Ok(Some(_))) => Err(format!("stage {addr} answered for other sequences than it was asked")),
         }
-    }
-    .await;
+    };
+    let answer = tokio::select! {
+        a = answer => a,
+        () = lapsed => Err(format!("stage {addr} ({stage_id}): its registration in the log lapsed")),
+    };
     if let Err(e) = &answer {
         conn.broken = Some(e.clone());
     }

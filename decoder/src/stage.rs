@@ -19,7 +19,7 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use tokenlog_proto::decoder as dpb;
@@ -29,7 +29,7 @@ use crate::cache::{f32s_from_bytes, f32s_to_bytes};
 use crate::cpu::{forward_stage, CpuSequence, CpuWeights, Fed, Feed};
 use crate::error::{Error, Result};
 use crate::gguf_model::LlamaFile;
-use crate::limits::{STAGE_ITEMS_MAX, STAGE_MESSAGE_BYTES_MAX, STAGE_SEQUENCES_MAX};
+use crate::limits::{STAGE_ITEMS_MAX, STAGE_MESSAGE_BYTES_MAX, STAGE_REGISTRATION_TTL, STAGE_SEQUENCES_MAX};
 use crate::model::check_feed;
 use crate::stage_fence::Fence;
 use tokenlog_raftlog::client::LogClient;
@@ -238,21 +238,180 @@ impl StageModel {
     }
 }
 
-/// The `decoder.v1.Stage` service of a stage process.
+/// The `decoder.v1.Stage` service of a stage process: hot (its layers loaded at start) or
+/// cold (a spare that loads the layer range a head asks of it, once, with `Load`).
 #[derive(Clone)]
 pub struct StageService {
-    model: Arc<StageModel>,
+    shared: Arc<Shared>,
+}
+
+struct Shared {
     stage_id: String,
+    log: Option<LogClient>,
+    /// The model file a cold stage loads its layers from.
+    path: Option<PathBuf>,
+    /// What a cold stage says of itself (no layers).
+    cold: dpb::DescribeResponse,
+    loaded: std::sync::OnceLock<Loaded>,
+    /// One `Load` at a time.
+    loading: tokio::sync::Mutex<()>,
+    /// The layers held (for the registration), `None` before a cold stage loads.
+    layers: tokio::sync::watch::Sender<Option<Range<usize>>>,
+}
+
+struct Loaded {
+    model: Arc<StageModel>,
     fence: Arc<Fence>,
 }
 
 impl StageService {
-    /// `log`: the log's client, which fences every request by its head's composition in the
-    /// log (`None`: by the newest epoch seen from each head only). Spawns the fence's refresher
-    /// on the current runtime.
+    /// A hot stage serving `model`. `log`: the log's client, which fences every request by its
+    /// head's composition in the log (`None`: by the newest epoch seen from each head only).
+    /// Spawns the fence's refresher on the current runtime.
     pub fn new(model: Arc<StageModel>, stage_id: String, log: Option<LogClient>) -> Self {
-        let fence = Fence::new(log, stage_id.clone(), model.layers());
-        StageService { model, stage_id, fence }
+        let svc = StageService {
+            shared: Arc::new(Shared {
+                cold: model.describe(&stage_id),
+                stage_id,
+                log,
+                path: None,
+                loaded: std::sync::OnceLock::new(),
+                loading: tokio::sync::Mutex::new(()),
+                layers: tokio::sync::watch::Sender::new(None),
+            }),
+        };
+        svc.install(model);
+        svc
+    }
+
+    /// A cold stage of the model file at `path` (its header read now, its layers on `Load`).
+    pub fn cold(path: &Path, stage_id: String, log: Option<LogClient>) -> Result<Self> {
+        let f = LlamaFile::open(path)?;
+        let shape = crate::llama::LlamaShape::from_gguf(&f.content)?;
+        let cold = dpb::DescribeResponse {
+            weights_sha256: f.identity.weights_sha256.clone(),
+            first_layer: 0,
+            end_layer: 0,
+            total_layers: shape.n_layers as u32,
+            hidden: shape.hidden as u32,
+            vocab: f.tokenizer.vocab_size() as u32,
+            max_positions: f.max_context as u32,
+            stage_id: stage_id.clone(),
+        };
+        Ok(StageService {
+            shared: Arc::new(Shared {
+                stage_id,
+                log,
+                path: Some(path.to_path_buf()),
+                cold,
+                loaded: std::sync::OnceLock::new(),
+                loading: tokio::sync::Mutex::new(()),
+                layers: tokio::sync::watch::Sender::new(None),
+            }),
+        })
+    }
+
+    fn install(&self, model: Arc<StageModel>) {
+        let fence = Fence::new(self.shared.log.clone(), self.shared.stage_id.clone(), model.layers());
+        let layers = model.layers();
+        if self.shared.loaded.set(Loaded { model, fence }).is_ok() {
+            self.shared.layers.send_replace(Some(layers));
+        }
+    }
+
+    pub fn stage_id(&self) -> &str {
+        &self.shared.stage_id
+    }
+
+    /// The weights it serves (or will, a cold stage).
+    pub fn weights_sha256(&self) -> &str {
+        &self.shared.cold.weights_sha256
+    }
+
+    /// The layers it holds (`None`: a cold stage that has loaded none yet), watched.
+    pub fn layers(&self) -> tokio::sync::watch::Receiver<Option<Range<usize>>> {
+        self.shared.layers.subscribe()
+    }
+
+    fn describe_now(&self) -> dpb::DescribeResponse {
+        match self.shared.loaded.get() {
+            Some(l) => l.model.describe(&self.shared.stage_id),
+            None => self.shared.cold.clone(),
+        }
+    }
+
+    /// Loads `layers` (a cold stage; a hot one, or one loaded before, answers at once for the
+    /// layers it holds and refuses others).
+    pub async fn load(&self, layers: Range<usize>) -> std::result::Result<dpb::DescribeResponse, Status> {
+        let _one = self.shared.loading.lock().await;
+        if let Some(l) = self.shared.loaded.get() {
+            return match l.model.layers() == layers {
+                true => Ok(self.describe_now()),
+                false => Err(Status::failed_precondition(format!(
+                    "stage {} holds layers {:?}, not {layers:?}",
+                    self.shared.stage_id,
+                    l.model.layers()
+                ))),
+            };
+        }
+        let total = self.shared.cold.total_layers as usize;
+        if layers.is_empty() || layers.end > total {
+            return Err(Status::invalid_argument(format!(
+                "layers {layers:?} are not a non-empty range of the model's {total}"
+            )));
+        }
+        let path = self.shared.path.clone().expect("a stage without layers is cold");
+        let t0 = std::time::Instant::now();
+        let r = layers.clone();
+        let model = tokio::task::spawn_blocking(move || StageModel::load(&path, r))
+            .await
+            .map_err(|e| Status::internal(format!("loading the layers failed: {e}")))?
+            .map_err(|e| Status::internal(format!("loading layers {layers:?}: {e}")))?;
+        tracing::info!(
+            stage = %self.shared.stage_id,
+            layers = ?layers,
+            load_us = t0.elapsed().as_micros() as u64,
+            "a cold stage loaded its layers"
+        );
+        self.install(Arc::new(model));
+        Ok(self.describe_now())
+    }
+
+    /// Registers the stage in the log at `addr` until the process ends: now, every quarter of
+    /// `STAGE_REGISTRATION_TTL`, and at once when its layers change (a cold stage that loaded).
+    /// A registration the log cannot take now is retried; the stage serves on meanwhile.
+    pub async fn keep_registered(self, log: LogClient, addr: String) {
+        let mut layers = self.layers();
+        let ttl = STAGE_REGISTRATION_TTL;
+        let mut failing = false;
+        loop {
+            let held = layers.borrow_and_update().clone().unwrap_or(0..0);
+            let reg = tokenlog_proto::raftlog::StageRegistration {
+                stage_id: self.shared.stage_id.clone(),
+                addr: addr.clone(),
+                weights_sha256: self.shared.cold.weights_sha256.clone(),
+                first_layer: held.start as u32,
+                end_layer: held.end as u32,
+                expiry_log_ms: 0,
+            };
+            match log.register_stage(reg, ttl.as_millis() as u64).await {
+                Ok(_) if failing => {
+                    failing = false;
+                    tracing::info!(stage = %self.shared.stage_id, "the stage is registered in the log again");
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    if !failing {
+                        tracing::warn!(stage = %self.shared.stage_id, error = %e, "the log did not take the stage's registration (retrying)");
+                    }
+                    failing = true;
+                }
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(ttl / 4) => {}
+                _ = layers.changed() => {}
+            }
+        }
     }
 
     pub fn server(self) -> dpb::stage_server::StageServer<StageService> {
@@ -401,7 +560,23 @@ impl dpb::stage_server::Stage for StageService {
         &self,
         _req: Request<dpb::DescribeRequest>,
     ) -> std::result::Result<Response<dpb::DescribeResponse>, Status> {
-        Ok(Response::new(self.model.describe(&self.stage_id)))
+        Ok(Response::new(self.describe_now()))
+    }
+
+    async fn load(
+        &self,
+        req: Request<dpb::LoadRequest>,
+    ) -> std::result::Result<Response<dpb::DescribeResponse>, Status> {
+        let r = req.into_inner();
+        if r.end_layer <= r.first_layer {
+            return Err(Status::invalid_argument(format!(
+                "the layer range {}..{} is empty",
+                r.first_layer, r.end_layer
+            )));
+        }
+        self.load(r.first_layer as usize..r.end_layer as usize)
+            .await
+            .map(Response::new)
     }
 
     type ForwardStream = ForwardStream;
@@ -410,11 +585,17 @@ impl dpb::stage_server::Stage for StageService {
         &self,
         req: Request<tonic::Streaming<dpb::ForwardRequest>>,
     ) -> std::result::Result<Response<ForwardStream>, Status> {
+        let Some(loaded) = self.shared.loaded.get() else {
+            return Err(Status::failed_precondition(format!(
+                "stage {} is a cold spare and holds no layers yet: Load them first",
+                self.shared.stage_id
+            )));
+        };
         let mut inbound = req.into_inner();
         let (out, out_rx) = tokio::sync::mpsc::channel(1);
-        let model = self.model.clone();
-        let fence = self.fence.clone();
-        let stage_id = self.stage_id.clone();
+        let model = loaded.model.clone();
+        let fence = loaded.fence.clone();
+        let stage_id = self.shared.stage_id.clone();
         tokio::spawn(async move {
             let mut seqs: HashMap<u64, StageSequence> = HashMap::new();
             // The stream's head (its first request's) and its interest in the head's record.

@@ -81,6 +81,11 @@ enum Command {
         /// the fake one; slower, so use fewer clients and shorter generations.
         #[arg(long)]
         real_model: bool,
+        /// Decoder 1 is a pipeline head over 3 stage processes registered in the log, with 3
+        /// cold spares (implies --real-model); `all` then also takes the kill-stage,
+        /// pause-stage and kill-head nemeses.
+        #[arg(long)]
+        pipeline: bool,
         /// Keep the default node and decoder configuration instead of a stress configuration
         /// drawn from each seed (snapshots every 20-500 entries, retention 2-5 s, leases of
         /// 300-2,000 ms, an unowned deadline of 3-6 s, a model step of 1-10 ms).
@@ -184,12 +189,14 @@ fn run(cli: Cli) -> Result<ExitCode> {
             out,
             netns,
             real_model,
+            pipeline,
             no_stress,
             stall_ms,
         } => {
             let opts = RunOpts {
                 netns,
-                real_model,
+                real_model: real_model || pipeline,
+                pipeline,
                 stress: !no_stress,
                 stall_ms,
             };
@@ -373,6 +380,7 @@ fn sim_runs(
 struct RunOpts {
     netns: bool,
     real_model: bool,
+    pipeline: bool,
     stress: bool,
     stall_ms: u64,
 }
@@ -390,7 +398,10 @@ fn fault_runs(
     opts: RunOpts,
 ) -> Result<ExitCode> {
     use jepsen_style_tests::harness::{self, RunConfig};
-    let faults = harness::parse_faults(nemesis)?;
+    let mut faults = harness::parse_faults(nemesis)?;
+    if opts.pipeline && nemesis == "all" {
+        faults.extend(harness::Fault::PIPELINE);
+    }
     let bin = tokenlog_bin(bin)?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let mut all_ok = true;
@@ -402,6 +413,7 @@ fn fault_runs(
         cfg.plant = plant;
         cfg.netns = opts.netns;
         cfg.real_model = opts.real_model;
+        cfg.pipeline = opts.pipeline;
         cfg.stall_ms = opts.stall_ms;
         if opts.real_model {
             cfg.max_tokens = (8, 24);

@@ -118,6 +118,35 @@ async fn seeded_runs_with_every_nemesis_show_no_violation() {
     assert!(hard.zero().is_empty(), "never reached: {:?} ({hard:?})", hard.zero());
 }
 
+/// Issue 16's nemeses: decoder 1 is a pipeline head over 3 stage processes (the real model;
+/// 3 cold spares in the log), the other a whole decoder; stages the pipeline uses are killed
+/// and paused, the head is killed, log nodes are killed. Every checker passes, and the head
+/// spliced spares in (its generations stayed with it through the stage faults).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pipeline_run_under_stage_and_head_nemeses_shows_no_violation() {
+    let mut cfg = config(31);
+    cfg.real_model = true;
+    cfg.pipeline = true;
+    cfg.clients = 4;
+    cfg.max_tokens = (8, 24);
+    cfg.time = Duration::from_secs(20);
+    cfg.faults = vec![Fault::KillStage, Fault::PauseStage, Fault::KillHead, Fault::KillNode];
+    let (s, _) = run_clean(&cfg).await;
+    for f in ["kill-stage", "pause-stage", "kill-head"] {
+        assert!(s.faults.get(f).is_some_and(|&n| n > 0), "{f} ran: {:?}", s.faults);
+    }
+    assert!(s.requests > 0 && s.tokens_seen > 0);
+    for (name, v) in &s.verdicts {
+        assert!(v.checked > 0, "{name} checked nothing");
+    }
+    let head = std::fs::read_to_string(cfg.out.join("decoder1.log")).unwrap();
+    assert!(
+        head.contains("spliced a spare in its place"),
+        "the head spliced a spare in (report in {})",
+        cfg.out.display()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn planted_missing_epoch_fence_is_caught() {
     let s = first_caught(

@@ -34,10 +34,13 @@ pub fn allowed(path: &str) -> Option<&'static [Role]> {
         // A pipeline head writes its composition; its stages (decoder certificates too) read it.
         ("raftlog.v1.Log", "SetPipeline") => &[Decoder],
         ("raftlog.v1.Log", "GetPipeline") => &[Decoder, Admin],
+        // Stage processes run with decoder certificates; heads and operators read the list.
+        ("raftlog.v1.Log", "RegisterStage") => &[Decoder],
+        ("raftlog.v1.Log", "ListStages") => &[Decoder, Admin],
         // A planned handoff's cache, decoder to decoder.
         ("decoder.v1.Handoff", "Transfer") => &[Decoder],
         // A pipeline head drives its stages (both run with decoder certificates).
-        ("decoder.v1.Stage", "Describe" | "Forward") => &[Decoder],
+        ("decoder.v1.Stage", "Describe" | "Load" | "Forward") => &[Decoder],
         // What a gateway does for its clients.
         ("raftlog.v1.Log", "Submit" | "Cancel") => &[Gateway],
         // Models and their decoders: a gateway resolves names, a decoder finds handoff peers.
@@ -156,6 +159,8 @@ mod tests {
             "StateDigest",
             "SetPipeline",
             "GetPipeline",
+            "RegisterStage",
+            "ListStages",
         ];
         for m in log {
             let roles = allowed(&format!("/raftlog.v1.Log/{m}")).unwrap_or_else(|| panic!("{m} has no roles"));

@@ -356,6 +356,31 @@ impl LogClient {
             .ok_or_else(|| ClientError::Status(Status::internal("GetPipeline answered without a pipeline")))
     }
 
+    /// Registers (or renews) a stage process for `ttl_ms` of log time; its expiry.
+    pub async fn register_stage(&self, stage: pb::StageRegistration, ttl_ms: u64) -> Result<u64, ClientError> {
+        let req = pb::RegisterStageRequest {
+            stage: Some(stage),
+            ttl_ms,
+        };
+        let r = self
+            .call(|mut c| {
+                let req = req.clone();
+                async move { c.register_stage(req).await }
+            })
+            .await?;
+        Ok(r.expiry_log_ms)
+    }
+
+    /// Every live stage registration and every pipeline composition.
+    pub async fn list_stages(&self, linearizable: bool) -> Result<pb::ListStagesResponse, ClientError> {
+        let req = pb::ListStagesRequest { linearizable };
+        self.call(|mut c| {
+            let req = req.clone();
+            async move { c.list_stages(req).await }
+        })
+        .await
+    }
+
     pub async fn publish_tokenizer(
         &self,
         req: pb::PublishTokenizerRequest,

@@ -221,6 +221,32 @@ impl From<pb::PipelineStage> for PipelineStage {
     }
 }
 
+impl StageRegistration {
+    /// As the wire carries it, named `stage_id`.
+    pub fn to_pb(&self, stage_id: &str) -> pb::StageRegistration {
+        pb::StageRegistration {
+            stage_id: stage_id.to_string(),
+            addr: self.addr.clone(),
+            weights_sha256: self.weights_sha256.clone(),
+            first_layer: self.first_layer,
+            end_layer: self.end_layer,
+            expiry_log_ms: self.expiry_log_ms,
+        }
+    }
+}
+
+impl From<pb::StageRegistration> for StageRegistration {
+    fn from(s: pb::StageRegistration) -> Self {
+        StageRegistration {
+            addr: s.addr,
+            weights_sha256: s.weights_sha256,
+            first_layer: s.first_layer,
+            end_layer: s.end_layer,
+            expiry_log_ms: 0,
+        }
+    }
+}
+
 impl From<Rejection> for pb::Rejection {
     fn from(r: Rejection) -> Self {
         pb::Rejection {

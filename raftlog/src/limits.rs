@@ -65,6 +65,9 @@ pub const PIPELINE_STAGES_MAX: usize = 64;
 pub const STAGE_ID_BYTES_MAX: usize = 256;
 pub const STAGE_ADDR_BYTES_MAX: usize = 256;
 pub const PIPELINES_MAX: usize = DECODERS_MAX;
+/// Stage registrations (`Command::RegisterStage`) the log holds at once; a new stage past it is
+/// refused with `Limit` (lapsed ones are dropped by `Tick`).
+pub const STAGES_MAX: usize = 1_024;
 /// A planned handoff still in one phase before its ownership commit after this much log time is
 /// aborted by `Tick` (the source keeps the generation).
 pub const HANDOFF_PHASE_MS_MAX: u64 = 10_000;

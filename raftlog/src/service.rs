@@ -365,6 +365,48 @@ impl Log for LogService {
         }
     }
 
+    async fn register_stage(
+        &self,
+        req: Request<pb::RegisterStageRequest>,
+    ) -> Result<TonicResponse<pb::RegisterStageResponse>, Status> {
+        let r = req.into_inner();
+        let stage = r
+            .stage
+            .ok_or_else(|| Status::from(LogError::Invalid("a stage registration names its stage".into())))?;
+        let stage_id = stage.stage_id.clone();
+        let (resp, log_index) = self
+            .ctx
+            .write(Command::RegisterStage {
+                stage_id,
+                info: stage.into(),
+                ttl_ms: r.ttl_ms,
+            })
+            .await?;
+        match resp {
+            Response::Registered(Ok(expiry_log_ms)) => Ok(TonicResponse::new(pb::RegisterStageResponse {
+                expiry_log_ms,
+                log_index,
+            })),
+            Response::Registered(Err(rej)) => Err(LogError::Rejected(rej).into()),
+            other => Err(LogError::Internal(format!("unexpected answer {other:?}")).into()),
+        }
+    }
+
+    async fn list_stages(
+        &self,
+        req: Request<pb::ListStagesRequest>,
+    ) -> Result<TonicResponse<pb::ListStagesResponse>, Status> {
+        if req.into_inner().linearizable {
+            self.ctx.linearize().await?;
+        }
+        let sm = self.ctx.sm.read();
+        Ok(TonicResponse::new(pb::ListStagesResponse {
+            stages: sm.stages.iter().map(|(id, r)| r.to_pb(id)).collect(),
+            pipelines: sm.pipelines.values().cloned().map(Into::into).collect(),
+            log_ms: sm.log_ms,
+        }))
+    }
+
     async fn publish_tokenizer(
         &self,
         req: Request<pb::PublishTokenizerRequest>,

@@ -251,12 +251,58 @@ impl From<MachineV5> for Machine {
     }
 }
 
+/// A [`Machine`] as snapshot format 6 encoded it: without the stage registrations.
+#[derive(Deserialize)]
+struct MachineV6 {
+    log: LogStateV6,
+    applied: Option<LogId>,
+    membership: StoredMembership,
+}
+
+/// The serialized fields of [`LogState`] in format 6, in their order.
+#[derive(Deserialize)]
+struct LogStateV6 {
+    generations: std::collections::BTreeMap<GenerationId, Generation>,
+    next_generation: GenerationId,
+    log_ms: u64,
+    decoders: std::collections::BTreeMap<String, DecoderInfo>,
+    tokenizers: std::collections::BTreeMap<String, TokenizerPackage>,
+    sessions: std::collections::BTreeMap<String, u64>,
+    handoffs: std::collections::BTreeMap<GenerationId, Handoff>,
+    next_handoff: u64,
+    pipelines: std::collections::BTreeMap<String, Pipeline>,
+    next_pipeline_epoch: u64,
+}
+
+impl From<MachineV6> for Machine {
+    fn from(m: MachineV6) -> Machine {
+        Machine {
+            log: LogState {
+                generations: m.log.generations,
+                next_generation: m.log.next_generation,
+                log_ms: m.log.log_ms,
+                decoders: m.log.decoders,
+                tokenizers: m.log.tokenizers,
+                sessions: m.log.sessions,
+                handoffs: m.log.handoffs,
+                next_handoff: m.log.next_handoff,
+                pipelines: m.log.pipelines,
+                next_pipeline_epoch: m.log.next_pipeline_epoch,
+                ..LogState::default()
+            },
+            applied: m.applied,
+            membership: m.membership,
+        }
+    }
+}
+
 /// Loads and checks a snapshot file: checksum, decoding, the meta against the body, every chain.
 pub fn load_snapshot(file: &SnapshotFile, problems: &mut Vec<String>) -> Option<(SnapshotMeta, Machine)> {
     let loaded = match file.format() {
         Ok(3) => file.load::<MachineV3>().map(|(meta, m)| (meta, Machine::from(m))),
         Ok(4) => file.load::<MachineV4>().map(|(meta, m)| (meta, Machine::from(m))),
         Ok(5) => file.load::<MachineV5>().map(|(meta, m)| (meta, Machine::from(m))),
+        Ok(6) => file.load::<MachineV6>().map(|(meta, m)| (meta, Machine::from(m))),
         _ => file.load::<Machine>(),
     };
     let (meta, mut m): (SnapshotMeta, Machine) = match loaded {
@@ -745,5 +791,91 @@ mod tests {
             (again.log.pipelines, again.log.next_pipeline_epoch),
             (m.log.pipelines, 1)
         );
+    }
+
+    /// A format 6 data dir (no stage registrations) loads: its pipelines as they were, no
+    /// stages; written again it is the current format and keeps the stages added since.
+    #[test]
+    fn a_format_6_snapshot_still_loads() {
+        #[derive(Serialize)]
+        struct V6 {
+            generations: std::collections::BTreeMap<GenerationId, Generation>,
+            next_generation: GenerationId,
+            log_ms: u64,
+            decoders: std::collections::BTreeMap<String, DecoderInfo>,
+            tokenizers: std::collections::BTreeMap<String, TokenizerPackage>,
+            sessions: std::collections::BTreeMap<String, u64>,
+            handoffs: std::collections::BTreeMap<GenerationId, Handoff>,
+            next_handoff: u64,
+            pipelines: std::collections::BTreeMap<String, Pipeline>,
+            next_pipeline_epoch: u64,
+            applied: Option<LogId>,
+            membership: StoredMembership,
+        }
+        let pipeline = Pipeline {
+            head: "h".into(),
+            epoch: 3,
+            stages: vec![PipelineStage {
+                stage_id: "s".into(),
+                addr: "a".into(),
+                first_layer: 0,
+                end_layer: 30,
+            }],
+            set_log_ms: 9,
+        };
+        let v6 = V6 {
+            generations: Default::default(),
+            next_generation: 5,
+            log_ms: 12,
+            decoders: Default::default(),
+            tokenizers: Default::default(),
+            sessions: Default::default(),
+            handoffs: Default::default(),
+            next_handoff: 2,
+            pipelines: [("h".to_string(), pipeline.clone())].into(),
+            next_pipeline_epoch: 3,
+            applied: None,
+            membership: StoredMembership::default(),
+        };
+        let meta = Machine {
+            log: LogState::default(),
+            applied: None,
+            membership: StoredMembership::default(),
+        }
+        .meta();
+        let d = tempfile::tempdir().unwrap();
+        let dir = SnapshotDir::open(d.path()).unwrap();
+        let path = dir.write(&meta, &v6).unwrap().path().to_path_buf();
+        let file = as_written_by(&path, b"TLSNAP06");
+        assert_eq!(file.format().unwrap(), 6);
+        let mut problems = Vec::new();
+        let (_, loaded) = load_snapshot(&file, &mut problems).expect("loads");
+        assert!(problems.is_empty(), "{problems:?}");
+        assert_eq!(
+            (loaded.log.next_generation, loaded.log.log_ms, loaded.log.next_handoff),
+            (5, 12, 2)
+        );
+        assert_eq!(
+            (&loaded.log.pipelines["h"], loaded.log.next_pipeline_epoch),
+            (&pipeline, 3)
+        );
+        assert!(loaded.log.stages.is_empty());
+        let mut m = loaded;
+        m.log.stages.insert(
+            "s2".into(),
+            StageRegistration {
+                addr: "b".into(),
+                weights_sha256: "w".into(),
+                first_layer: 10,
+                end_layer: 20,
+                expiry_log_ms: 99,
+            },
+        );
+        m.log.rebuild_index();
+        let f = dir.write(&m.meta(), &m).unwrap();
+        assert_eq!(f.format().unwrap(), crate::snapshot::FORMAT);
+        let (_, again) = load_snapshot(&f, &mut problems).expect("loads");
+        assert_eq!(again.log.stages, m.log.stages);
+        assert!(again.log.tick_due(99, u64::MAX), "the stage's expiry is indexed again");
     }
 }

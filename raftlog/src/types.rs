@@ -374,6 +374,39 @@ pub enum Command {
         expect_epoch: u64,
         stages: Vec<PipelineStage>,
     },
+    /// A stage process (`tokenlog stage --cluster ...`) announces itself for `ttl_ms` of log
+    /// time (issue 16): where it is, which weights, and the layers it holds, or none yet (a
+    /// cold spare, which loads the range a head asks of it). Renewed while it lives; a stage
+    /// whose registration lapses is dead to the heads (they splice it out) and to the spares
+    /// list. Registration is liveness only: what a stage serves is fenced by the pipeline
+    /// epoch, not by this record.
+    RegisterStage {
+        stage_id: String,
+        info: StageRegistration,
+        ttl_ms: u64,
+    },
+}
+
+/// A stage process as its registration describes it ([`Command::RegisterStage`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageRegistration {
+    /// Where heads reach it (`host:port`).
+    pub addr: String,
+    /// The weights it serves (of its model file), as a decoder's `ModelIdentity` names them.
+    pub weights_sha256: String,
+    /// The layers it holds; `0..0`: none yet (a cold spare).
+    pub first_layer: u32,
+    /// Exclusive.
+    pub end_layer: u32,
+    /// Set by apply: when the registration lapses.
+    pub expiry_log_ms: u64,
+}
+
+impl StageRegistration {
+    /// Whether it holds no layers yet (a cold spare).
+    pub fn is_cold(&self) -> bool {
+        self.first_layer == self.end_layer
+    }
 }
 
 /// One stage of a pipeline's composition.
@@ -720,6 +753,7 @@ impl std::fmt::Display for Request {
             Command::SessionLost { .. } => "session-lost",
             Command::Handoff { .. } => "handoff",
             Command::SetPipeline { .. } => "set-pipeline",
+            Command::RegisterStage { .. } => "register-stage",
         };
         write!(f, "{name}@{}", self.log_ms)
     }

@@ -2,12 +2,14 @@
 //! token (issue 16's goal: p99 <= 500 ms with a hot spare and only the dead stage's layers
 //! rebuilt, on CPU, SmolLM2 in 3 stages).
 //!
-//! A 3-node log, the stages (`tokenlog stage --cluster ...`, fenced by the log), and a pipeline
-//! head (`tokenlog decoder --pipeline ...`) with hot spares of the middle layers; one greedy
-//! generation at a time. After `--after` records the bench kills the current middle stage; the
-//! head splices the next spare in (one write to the log) and rebuilds. Twice: with the rows
-//! kept (the spare rebuilds its own layers) and with nothing kept (every position is fed through
-//! every stage again). The head logs when it noticed, how long the splice and the rebuild took,
+//! A 3-node log, the stages (`tokenlog stage --cluster ...`, fenced by and registered in the
+//! log), and a pipeline head (`tokenlog decoder --pipeline ...`); one greedy generation at a
+//! time. After `--after` records the bench kills the current middle stage; the head splices a
+//! spare in (one write to the log) and rebuilds. Four ways: a hot spare (given to the head)
+//! with the rows kept (the spare rebuilds its own layers); with nothing kept (every position
+//! is fed through every stage again); a cold spare found in the log, which loads the layers
+//! when spliced in; and SIGSTOP instead of kill -9 (the stage's stream stays open: detected by
+//! its registration in the log lapsing). The head logs when it noticed, how long the splice and the rebuild took,
 //! and the positions of the pass that failed; the bench waits for the token that pass gives (the
 //! first one the dead stage could not have computed) and splits kill -> visible into detection
 //! (kill -> noticed), splice, rebuild and first step (the rest: the pass again, sampling, the
@@ -39,6 +41,7 @@ fn unix_us() -> u64 {
 struct Splice {
     noticed_us: u64,
     splice_us: u64,
+    load_us: u64,
     rebuild_us: u64,
     resumes_at: u64,
     in_full: u64,
@@ -60,6 +63,7 @@ fn splices(log: &Path) -> Vec<Splice> {
             Some(Splice {
                 noticed_us: field(l, "noticed_unix_us")?,
                 splice_us: field(l, "splice_us")?,
+                load_us: field(l, "load_us")?,
                 rebuild_us: field(l, "rebuild_us")?,
                 resumes_at: field(l, "resumes_at")?,
                 in_full: field(l, "in_full")?,
@@ -75,11 +79,23 @@ fn tail(log: &Path) -> String {
     lines[lines.len().saturating_sub(30)..].join("\n")
 }
 
+/// One way of failing the middle stage and replacing it.
+struct Mode {
+    label: &'static str,
+    keep_mib: u64,
+    /// The spare is a cold one, registered in the log (not given to the head).
+    cold: bool,
+    /// SIGSTOP instead of kill -9.
+    pause: bool,
+}
+
 /// One kill: kill -> visible, and its parts (µs).
 struct Timing {
     total: u64,
     detect: u64,
     splice: u64,
+    /// The part of the splice a cold spare spent loading its layers.
+    load: u64,
     rebuild: u64,
     first_step: u64,
     /// Generations fed again in full (not rebuilt from kept rows).
@@ -116,7 +132,7 @@ pub async fn kills(
             around.push(start_stage_at(
                 dir.path(),
                 path,
-                r,
+                Some(r),
                 &format!("s{i}"),
                 "127.0.0.1:0",
                 &with_log,
@@ -127,7 +143,7 @@ pub async fn kills(
     let ranges: Vec<String> = split.iter().map(|r| format!("{}..{}", r.start, r.end)).collect();
     println!(
         "bench stages --kills {}: model {name}, stages {} (processes on loopback, 1 thread each, fenced by a 3-node log), \
-         kill -9 of the middle stage ({}) after {} records, a hot spare each time; greedy, prompt {} tokens",
+         the middle stage ({}) fails after {} records, a new spare each time; greedy, prompt {} tokens",
         a.kills,
         ranges.join(" "),
         ranges[mid],
@@ -135,18 +151,41 @@ pub async fn kills(
         prompt.len()
     );
     let modes = [
-        ("rows kept: the spare rebuilds its own layers", 1024u64),
-        ("nothing kept: every position through every stage again", 0),
+        Mode {
+            label: "kill -9, hot spare, rows kept: the spare rebuilds its own layers",
+            keep_mib: 1024,
+            cold: false,
+            pause: false,
+        },
+        Mode {
+            label: "kill -9, hot spare, nothing kept: every position through every stage again",
+            keep_mib: 0,
+            cold: false,
+            pause: false,
+        },
+        Mode {
+            label: "kill -9, cold spare registered in the log (loads the layers when spliced in), rows kept",
+            keep_mib: 1024,
+            cold: true,
+            pause: false,
+        },
+        Mode {
+            label: "SIGSTOP (the stream stays open; detected by its registration lapsing), hot spare, rows kept",
+            keep_mib: 1024,
+            cold: false,
+            pause: true,
+        },
     ];
-    for (m, (label, keep_mib)) in modes.iter().enumerate() {
-        println!("\n{label} (--pipeline-keep-mib {keep_mib})");
+    for (m, mode) in modes.iter().enumerate() {
+        let keep_mib = mode.keep_mib;
+        println!("\n{} (--pipeline-keep-mib {keep_mib})", mode.label);
         let spare_addr = |i: usize| format!("127.0.0.1:{}", a.base_port as usize + 100 + m * a.kills + i);
         // chain.0[0]: the middle stage; chain.0[i + 1]: spare i (started before kill i).
         let mut chain = Stages(Vec::new());
         let mid_addr = start_stage_at(
             dir.path(),
             path,
-            &split[mid],
+            Some(&split[mid]),
             &format!("mid-{m}"),
             "127.0.0.1:0",
             &with_log,
@@ -154,13 +193,21 @@ pub async fn kills(
         )?;
         let mut stages = around.clone();
         stages.insert(mid, mid_addr);
-        let spares: Vec<String> = (0..a.kills).map(spare_addr).collect();
+        // Cold spares are found in the log, hot ones are given to the head.
+        let spares: Vec<String> = match mode.cold {
+            true => Vec::new(),
+            false => (0..a.kills).map(spare_addr).collect(),
+        };
         let head_id = format!("bench-head-{m}");
         let head_log = dir.path().join(format!("{head_id}.log"));
         let mut head = Stages(vec![Command::new(std::env::current_exe()?)
             .args(["decoder", "--cluster", &cluster, "--decoder-id", &head_id])
             .args(["--model", &path.to_string_lossy()])
-            .args(["--pipeline", &stages.join(","), "--pipeline-spares", &spares.join(",")])
+            .args(["--pipeline", &stages.join(",")])
+            .args(match spares.is_empty() {
+                true => vec![],
+                false => vec!["--pipeline-spares".to_string(), spares.join(",")],
+            })
             .args(["--pipeline-keep-mib", &keep_mib.to_string()])
             .args(["--capacity", "1", "--lease-ms", "5000", "--threads", "1"])
             .env("RUST_LOG", "warn")
@@ -185,18 +232,31 @@ pub async fn kills(
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        let mut hist: Vec<Histogram<u64>> = (0..5).map(|_| Histogram::new(3)).collect::<Result<_, _>>()?;
+        let mut hist: Vec<Histogram<u64>> = (0..6).map(|_| Histogram::new(3)).collect::<Result<_, _>>()?;
         let mut left_head = 0;
         for k in 0..a.kills {
+            let spare = format!("spare-{m}-{k}");
             start_stage_at(
                 dir.path(),
                 path,
-                &split[mid],
-                &format!("spare-{m}-{k}"),
+                (!mode.cold).then_some(&split[mid]),
+                &spare,
                 &spare_addr(k),
                 &with_log,
                 &mut chain,
             )?;
+            // A spare the head finds in the log must be there before the kill.
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while !client
+                .list_stages(true)
+                .await
+                .is_ok_and(|r| r.stages.iter().any(|s| s.stage_id == spare))
+            {
+                if Instant::now() > deadline {
+                    bail!("spare {spare} did not register in the log within 30 s");
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
             let t = kill_round(
                 &client,
                 model,
@@ -207,31 +267,37 @@ pub async fn kills(
                 k,
                 &head_log,
                 &mut left_head,
+                mode.pause,
             )
             .await?;
             println!(
-                "kill {:>2}: next token visible after {:>7.1} ms = detection {:>6.1} + splice {:>6.1} + rebuild {:>6.1} + first step {:>6.1} (fed again in full: {})",
+                "kill {:>2}: next token visible after {:>7.1} ms = detection {:>6.1} + splice {:>6.1} (load {:>6.1}) + rebuild {:>6.1} + first step {:>6.1} (fed again in full: {})",
                 k + 1,
                 t.total as f64 / 1e3,
                 t.detect as f64 / 1e3,
                 t.splice as f64 / 1e3,
+                t.load as f64 / 1e3,
                 t.rebuild as f64 / 1e3,
                 t.first_step as f64 / 1e3,
                 t.in_full
             );
             for (h, v) in hist
                 .iter_mut()
-                .zip([t.total, t.detect, t.splice, t.rebuild, t.first_step])
+                .zip([t.total, t.detect, t.splice, t.load, t.rebuild, t.first_step])
             {
                 h.record(v.max(1))?;
             }
         }
         let q = |h: &Histogram<u64>, p: f64| h.value_at_quantile(p) as f64 / 1e3;
         println!("over {} kills (ms):        p50      p99", a.kills);
-        for (h, what) in hist
-            .iter()
-            .zip(["kill -> next token", "detection", "splice", "rebuild", "first step"])
-        {
+        for (h, what) in hist.iter().zip([
+            "kill -> next token",
+            "detection",
+            "splice",
+            "  of it: load",
+            "rebuild",
+            "first step",
+        ]) {
             println!("  {what:<20} {:>8.1} {:>8.1}", q(h, 0.5), q(h, 0.99));
         }
         println!("generations that left their head (a new epoch): {left_head}");
@@ -252,6 +318,7 @@ async fn kill_round(
     k: usize,
     head_log: &Path,
     left_head: &mut usize,
+    pause: bool,
 ) -> anyhow::Result<Timing> {
     let sub = client
         .submit(pb::SubmitRequest {
@@ -269,8 +336,22 @@ async fn kill_round(
     }
     let before = splices(head_log).len();
     let killed = unix_us();
-    chain.0[k].kill().context("kill -9 of the middle stage")?;
-    let _ = chain.0[k].wait();
+    match pause {
+        false => {
+            chain.0[k].kill().context("kill -9 of the middle stage")?;
+            let _ = chain.0[k].wait();
+        }
+        // Stopped, not dead: its connections stay open and its registration lapses. It is
+        // killed when the round is over.
+        true => {
+            let st = Command::new("kill")
+                .args(["-STOP", &chain.0[k].id().to_string()])
+                .status()?;
+            if !st.success() {
+                bail!("kill -STOP of the middle stage failed");
+            }
+        }
+    }
     // The records as they become visible, until the head logged this splice and the token of
     // the pass that failed arrived.
     let mut arrivals: Vec<(u64, u64)> = Vec::new();
@@ -304,6 +385,10 @@ async fn kill_round(
             }
         }
     };
+    if pause {
+        let _ = chain.0[k].kill();
+        let _ = chain.0[k].wait();
+    }
     let _ = client
         .cancel(pb::CancelRequest {
             tenant: "bench".into(),
@@ -327,6 +412,7 @@ async fn kill_round(
         total: visible.saturating_sub(killed),
         detect: splice.noticed_us.saturating_sub(killed),
         splice: splice.splice_us,
+        load: splice.load_us,
         rebuild: splice.rebuild_us,
         first_step: visible.saturating_sub(rebuilt),
         in_full: splice.in_full,

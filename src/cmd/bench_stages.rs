@@ -68,24 +68,28 @@ fn start_stage(
     stages: &mut Stages,
 ) -> anyhow::Result<String> {
     let name = format!("bench-stage-{}-{}", layers.start, layers.end);
-    start_stage_at(dir, model, layers, &name, "127.0.0.1:0", &[], stages)
+    start_stage_at(dir, model, Some(layers), &name, "127.0.0.1:0", &[], stages)
 }
 
-/// Starts a `tokenlog stage` named `name` of `layers` listening on `listen`, with `extra`
-/// arguments; waits until it serves and returns its address.
+/// Starts a `tokenlog stage` named `name` of `layers` (`None`: a cold spare) listening on
+/// `listen`, with `extra` arguments; waits until it serves and returns its address.
 pub(crate) fn start_stage_at(
     dir: &Path,
     model: &Path,
-    layers: &std::ops::Range<usize>,
+    layers: Option<&std::ops::Range<usize>>,
     name: &str,
     listen: &str,
     extra: &[&str],
     stages: &mut Stages,
 ) -> anyhow::Result<String> {
     let log = dir.join(format!("{name}.log"));
+    let held = match layers {
+        Some(l) => vec!["--layers".to_string(), format!("{}..{}", l.start, l.end)],
+        None => vec!["--cold".to_string()],
+    };
     let child = Command::new(std::env::current_exe()?)
         .args(["stage", "--model", &model.to_string_lossy()])
-        .args(["--layers", &format!("{}..{}", layers.start, layers.end)])
+        .args(&held)
         .args(["--listen", listen, "--stage-id", name, "--threads", "1"])
         .args(extra)
         .env("RUST_LOG", "warn")
@@ -99,7 +103,10 @@ pub(crate) fn start_stage_at(
         let text = std::fs::read_to_string(&log).unwrap_or_default();
         if let Some(addr) = text
             .lines()
-            .find(|l| l.starts_with(&format!("stage {name} serves")))
+            .find(|l| {
+                l.starts_with(&format!("stage {name} serves"))
+                    || l.starts_with(&format!("stage {name} is a cold spare"))
+            })
             .and_then(|l| l.rsplit(" on ").next())
         {
             return Ok(addr.trim().to_string());

@@ -33,15 +33,18 @@ pub struct DecoderArgs {
     /// the stages, samples and appends; its output equals a whole decoder's, bit for bit. The
     /// composition is recorded in the log under this decoder's id, at a pipeline epoch that
     /// every splice moves on; stages started with --cluster serve only the current one. A
-    /// stage that fails fails the step (see --pipeline-spares): the decoder exits and its
-    /// generations are taken over.
+    /// stage that fails and has no spare (see --pipeline-spares) fails the step: the decoder
+    /// exits and its generations are taken over.
     #[arg(long, value_delimiter = ',', conflicts_with = "fake")]
     pub pipeline: Vec<String>,
     /// Hot spare stages of a pipeline head (comma-separated ADDRs of idle `tokenlog stage`
     /// processes): when a stage fails, the first spare of its layer range takes its place (one
     /// write to the log: a new pipeline epoch, which fences the failed stage) and rebuilds its
     /// layers from the rows this head kept of every generation, without leaving this decoder.
-    /// Without one, a failed stage fails the step.
+    /// After these, the head tries the stages registered in the log (`tokenlog stage
+    /// --cluster`) for the same weights that no pipeline uses: hot ones of those layers, then
+    /// cold ones (`--cold`), which load the layers first. A stage whose registration lapses (a
+    /// paused or cut-off one) fails too. Without any spare, a failed stage fails the step.
     #[arg(long, value_delimiter = ',', requires = "pipeline")]
     pub pipeline_spares: Vec<String>,
     /// What a pipeline head keeps of the rows it relays between stages, in MiB in all (at most

@@ -19,8 +19,13 @@ pub struct StageArgs {
     /// The layers this stage holds, `A..B` (B exclusive). The stage holding layer 0 also holds
     /// the embeddings and takes token ids; the one ending the model also holds the final norm
     /// and output head and gives logits; the others take and give the rows between layers.
-    #[arg(long, value_parser = parse_layers)]
-    pub layers: std::ops::Range<usize>,
+    #[arg(long, value_parser = parse_layers, required_unless_present = "cold", conflicts_with = "cold")]
+    pub layers: Option<std::ops::Range<usize>>,
+    /// Start as a cold spare: load no layers now, only the model file's header; register in the
+    /// log (--cluster) as a spare of the model, and load the layer range the first head that
+    /// splices it in asks for (`Load`). From then on it is a stage of those layers.
+    #[arg(long, requires = "cluster")]
+    pub cold: bool,
     /// Serve the stage on ADDR (port 0 picks a free port; the bound address is printed).
     #[arg(long, default_value = "127.0.0.1:7301")]
     pub listen: std::net::SocketAddr,
@@ -33,8 +38,14 @@ pub struct StageArgs {
     /// composition names this stage (--stage-id) for its layers: a stage spliced out while it
     /// was paused or cut off is refused when it comes back. Without them, it refuses only epochs
     /// older than the newest it saw from each head (benches, single-machine tests).
+    /// With them the stage also registers in the log (renewed every 250 ms, lapsing after 1 s):
+    /// heads splice out a stage whose registration lapsed, and find spares there.
     #[arg(long, value_delimiter = ',')]
     pub cluster: Vec<String>,
+    /// The address heads reach this stage at, as its registration in the log says (default:
+    /// the bound address; required when --listen is a wildcard address).
+    #[arg(long)]
+    pub advertise: Option<String>,
     /// Model threads.
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
@@ -63,46 +74,23 @@ pub async fn run(a: StageArgs) -> anyhow::Result<()> {
         Some(p) => p.clone(),
         None => fetch::ensure_default_model(&fetch::repo_models_dir()).context("fetching the default model")?,
     };
-    let layers = a.layers.clone();
-    eprintln!(
-        "loading layers {}..{} of {} ...",
-        layers.start,
-        layers.end,
-        path.display()
-    );
-    let model = tokio::task::spawn_blocking({
-        let path = path.clone();
-        move || StageModel::load(&path, layers)
-    })
-    .await?
-    .with_context(|| {
-        format!(
-            "loading layers {}..{} of {}",
-            a.layers.start,
-            a.layers.end,
-            path.display()
-        )
-    })?;
-    let id = a
-        .stage_id
-        .clone()
-        .unwrap_or_else(|| format!("stage-{}-{}-{}", a.layers.start, a.layers.end, std::process::id()));
+    let id = a.stage_id.clone().unwrap_or_else(|| match &a.layers {
+        Some(l) => format!("stage-{}-{}-{}", l.start, l.end, std::process::id()),
+        None => format!("stage-cold-{}", std::process::id()),
+    });
     let listener = tokio::net::TcpListener::bind(a.listen)
         .await
         .with_context(|| format!("binding --listen {}", a.listen))?;
     let bound = listener.local_addr()?;
-    let what = match (model.is_first(), model.is_last()) {
-        (true, true) => "token ids -> logits",
-        (true, false) => "token ids -> rows",
-        (false, true) => "rows -> logits",
-        (false, false) => "rows -> rows",
+    let advertise = match (&a.advertise, bound.ip().is_unspecified()) {
+        (Some(x), _) => x.clone(),
+        (None, false) => bound.to_string(),
+        (None, true) if a.cluster.is_empty() => bound.to_string(),
+        (None, true) => anyhow::bail!(
+            "--listen {} is a wildcard address: give --advertise HOST:PORT, where heads reach this stage (its registration in the log says it)",
+            a.listen
+        ),
     };
-    eprintln!(
-        "stage {id} serves layers {}..{} of {} ({what}) on {bound}",
-        a.layers.start,
-        a.layers.end,
-        model.total_layers()
-    );
     let log = match a.cluster.is_empty() {
         true => {
             eprintln!("no --cluster: fencing by the newest pipeline epoch seen from each head only");
@@ -113,8 +101,51 @@ pub async fn run(a: StageArgs) -> anyhow::Result<()> {
             tls.clone(),
         )?),
     };
+    let svc = match a.layers.clone() {
+        Some(layers) => {
+            eprintln!(
+                "loading layers {}..{} of {} ...",
+                layers.start,
+                layers.end,
+                path.display()
+            );
+            let model = tokio::task::spawn_blocking({
+                let path = path.clone();
+                let layers = layers.clone();
+                move || StageModel::load(&path, layers)
+            })
+            .await?
+            .with_context(|| format!("loading layers {}..{} of {}", layers.start, layers.end, path.display()))?;
+            let what = match (model.is_first(), model.is_last()) {
+                (true, true) => "token ids -> logits",
+                (true, false) => "token ids -> rows",
+                (false, true) => "rows -> logits",
+                (false, false) => "rows -> rows",
+            };
+            eprintln!(
+                "stage {id} serves layers {}..{} of {} ({what}) on {bound}",
+                layers.start,
+                layers.end,
+                model.total_layers()
+            );
+            StageService::new(Arc::new(model), id.clone(), log.clone())
+        }
+        None => {
+            let svc = StageService::cold(&path, id.clone(), log.clone())
+                .with_context(|| format!("reading the header of {}", path.display()))?;
+            eprintln!(
+                "stage {id} is a cold spare of {} (it loads the layers the first head asks for) on {bound}",
+                path.display()
+            );
+            svc
+        }
+    };
+    if let Some(log) = &log {
+        eprintln!("registering in the log as {advertise}");
+        tokio::spawn(svc.clone().keep_registered(log.clone(), advertise));
+    }
     let mut b = crate::process::decoder_peer_server(&tls)?;
-    let svc = tokenlog_raftlog::auth::Guarded::new(StageService::new(Arc::new(model), id, log).server(), tls.is_some());
+    let svc = tokenlog_raftlog::auth::Guarded::new(svc.server(), tls.is_some());
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     b.add_service(svc)
         .serve_with_incoming_shutdown(incoming, crate::process::shutdown_signal())

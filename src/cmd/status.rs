@@ -33,7 +33,36 @@ pub async fn status(a: StatusArgs) -> anyhow::Result<()> {
                 .map(|r| r.into_inner()),
         ));
     }
+    // Pipelines and stage processes (issue 16); an empty view when the log cannot list them.
+    let stages = client.list_stages(true).await.unwrap_or_default();
+    let layers = |a: u32, b: u32| match a == b {
+        true => "cold".to_string(),
+        false => format!("{a}..{b}"),
+    };
     if a.json {
+        let pipelines: Vec<_> = stages
+            .pipelines
+            .iter()
+            .map(|p| {
+                serde_json::json!({
+                    "head": p.head, "epoch": p.epoch, "set_log_ms": p.set_log_ms,
+                    "stages": p.stages.iter().map(|s| serde_json::json!({
+                        "stage_id": s.stage_id, "addr": s.addr, "first_layer": s.first_layer, "end_layer": s.end_layer,
+                    })).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        let registered: Vec<_> = stages
+            .stages
+            .iter()
+            .map(|s| {
+                serde_json::json!({
+                    "stage_id": s.stage_id, "addr": s.addr, "weights_sha256": s.weights_sha256,
+                    "first_layer": s.first_layer, "end_layer": s.end_layer, "cold": s.first_layer == s.end_layer,
+                    "expiry_log_ms": s.expiry_log_ms,
+                })
+            })
+            .collect();
         let members: Vec<_> = views
             .iter()
             .map(|(m, v)| {
@@ -51,6 +80,7 @@ pub async fn status(a: StatusArgs) -> anyhow::Result<()> {
             "last_log_index": s.last_log_index, "commit_index": s.commit_index, "applied_index": s.applied_index,
             "snapshot_index": s.snapshot_index, "purged_index": s.purged_index, "log_ms": s.log_ms,
             "generations_by_state": s.generations_by_state, "members": members,
+            "pipelines": pipelines, "stages": registered,
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
@@ -84,6 +114,39 @@ pub async fn status(a: StatusArgs) -> anyhow::Result<()> {
         print!("  {state} {n}");
     }
     println!();
+    if !stages.pipelines.is_empty() {
+        println!("pipelines");
+        for p in &stages.pipelines {
+            let parts: Vec<String> = p
+                .stages
+                .iter()
+                .map(|s| format!("{} {} at {}", s.stage_id, layers(s.first_layer, s.end_layer), s.addr))
+                .collect();
+            println!("  head {:<20} epoch {:<6} {}", p.head, p.epoch, parts.join(", "));
+        }
+    }
+    if !stages.stages.is_empty() {
+        println!("stages");
+        let named: std::collections::HashSet<&str> = stages
+            .pipelines
+            .iter()
+            .flat_map(|p| p.stages.iter().map(|s| s.stage_id.as_str()))
+            .collect();
+        for st in &stages.stages {
+            println!(
+                "  {:<28} {:<8} {:<22} {:<6} lapses in {} ms",
+                st.stage_id,
+                layers(st.first_layer, st.end_layer),
+                st.addr,
+                if named.contains(st.stage_id.as_str()) {
+                    "in use"
+                } else {
+                    "spare"
+                },
+                st.expiry_log_ms.saturating_sub(stages.log_ms)
+            );
+        }
+    }
     Ok(())
 }
 

@@ -39,6 +39,14 @@ pub async fn start_cluster(cfg: &RunConfig) -> Result<Cluster> {
         eprintln!("partition left out: it needs --netns");
         faults.retain(|f| *f != Fault::Partition);
     }
+    anyhow::ensure!(
+        !cfg.pipeline || cfg.real_model,
+        "a pipeline run needs the real model (stages run its layers)"
+    );
+    if !cfg.pipeline && faults.iter().any(|f| Fault::PIPELINE.contains(f)) {
+        eprintln!("kill-stage, pause-stage and kill-head left out: they need a pipeline run");
+        faults.retain(|f| !Fault::PIPELINE.contains(f));
+    }
     if faults.contains(&Fault::DiskFull) && !super::smallfs::can_mount() {
         eprintln!("disk-full left out: it mounts a tmpfs, which needs root");
         faults.retain(|f| *f != Fault::DiskFull);
@@ -51,18 +59,22 @@ pub async fn start_cluster(cfg: &RunConfig) -> Result<Cluster> {
         .join(",");
     let cluster = node_addrs.join(",");
     let (mut nodes, node_dirs) = node_procs(cfg, &dir, net.as_ref(), &node_addrs, &peers);
-    let mut decoders = decoder_procs(cfg, &dir, &cluster);
+    let (mut stages, pipeline) = match cfg.pipeline {
+        true => stage_procs(cfg, &dir, &cluster),
+        false => (Vec::new(), Vec::new()),
+    };
+    let mut decoders = decoder_procs(cfg, &dir, &cluster, &pipeline);
     let (mut gateways, gateway_addrs) = gateway_procs(cfg, &dir, &cluster);
     let first_decoders = if cfg.standby_later { 1 } else { decoders.len() };
-    for p in nodes
-        .iter_mut()
-        .chain(gateways.iter_mut())
-        .chain(decoders.iter_mut().take(first_decoders))
-    {
+    for p in nodes.iter_mut().chain(gateways.iter_mut()).chain(stages.iter_mut()) {
         p.start()?;
     }
-    for p in nodes.iter().chain(gateways.iter()) {
+    // A pipeline head checks its stages when it starts: they listen first.
+    for p in nodes.iter().chain(gateways.iter()).chain(stages.iter()) {
         wait_for_port(p.ready_addr.as_deref().expect("set"), Duration::from_secs(30))?;
+    }
+    for p in decoders.iter_mut().take(first_decoders) {
+        p.start()?;
     }
     let log = LogClient::new(node_addrs.clone())?;
     wait_for_model(&log).await?;
@@ -75,6 +87,8 @@ pub async fn start_cluster(cfg: &RunConfig) -> Result<Cluster> {
         node_dirs,
         gateways,
         decoders,
+        stages,
+        log: Some(log.clone()),
         dir: dir.clone(),
     }));
 
@@ -185,12 +199,53 @@ pub fn skew_file(dir: &Path, i: usize) -> PathBuf {
     dir.join(format!("node{}.clock-skew", i + 1))
 }
 
-/// The decoders' process slots (decoder 1 with `cfg.decoder1_failpoints` on its first start).
-fn decoder_procs(cfg: &RunConfig, dir: &Path, cluster: &str) -> Vec<Proc> {
+/// A pipeline run's stages: `s1`..`s3` (layers 0..10, 10..20, 20..30 of the bundled model) and
+/// the cold spares `cold1`..`cold3`, each on a port of its own (kept across restarts), all
+/// registered in the log; and the addresses of `s1`..`s3`, in pipeline order.
+fn stage_procs(cfg: &RunConfig, dir: &Path, cluster: &str) -> (Vec<Proc>, Vec<String>) {
+    let mut procs = Vec::new();
+    let mut pipeline = Vec::new();
+    let held = [Some("0..10"), Some("10..20"), Some("20..30"), None, None, None];
+    for (i, layers) in held.iter().enumerate() {
+        let name = match layers {
+            Some(_) => format!("s{}", i + 1),
+            None => format!("cold{}", i - 2),
+        };
+        let addr = format!("127.0.0.1:{}", free_port());
+        let mut args: Vec<String> = vec!["stage".into()];
+        match layers {
+            Some(l) => args.extend(["--layers".into(), l.to_string()]),
+            None => args.push("--cold".into()),
+        }
+        args.extend([
+            "--listen".into(),
+            addr.clone(),
+            "--stage-id".into(),
+            name.clone(),
+            "--threads".into(),
+            "1".into(),
+            "--cluster".into(),
+            cluster.to_string(),
+        ]);
+        let mut p = Proc::new(&name, Role::Stage, &cfg.bin, args, dir);
+        p.ready_addr = Some(addr.clone());
+        if layers.is_some() {
+            pipeline.push(addr);
+        }
+        procs.push(p);
+    }
+    (procs, pipeline)
+}
+
+/// The decoders' process slots (decoder 1 with `cfg.decoder1_failpoints` on its first start;
+/// decoder 1 a head over `pipeline` when it is not empty).
+fn decoder_procs(cfg: &RunConfig, dir: &Path, cluster: &str, pipeline: &[String]) -> Vec<Proc> {
     let bin = &cfg.bin;
     let mut decoders = Vec::new();
     for i in 0..cfg.decoders {
-        let model: Vec<String> = if cfg.real_model {
+        let model: Vec<String> = if cfg.real_model && i == 0 && !pipeline.is_empty() {
+            vec!["--threads".into(), "1".into(), "--pipeline".into(), pipeline.join(",")]
+        } else if cfg.real_model {
             vec!["--threads".into(), "1".into()]
         } else {
             vec!["--fake".into(), "--fake-step-ms".into(), cfg.step_ms.to_string()]

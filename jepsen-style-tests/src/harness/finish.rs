@@ -352,6 +352,23 @@ async fn probe(
             p.problems.push(format!("decoder {id} does not serve: {e}"));
         }
     }
+    // A pipeline run's stages: each registered with the log again (it serves, and renews).
+    let stage_ids: Vec<String> = procs.lock().expect("lock").stages.iter().map(|s| s.name.clone()).collect();
+    for id in &stage_ids {
+        p.checked += 1;
+        let registered = poll(|| async {
+            let c = LogClient::new(node_addrs.to_vec()).map_err(|e| e.to_string())?;
+            let r = c.list_stages(true).await.map_err(|e| e.to_string())?;
+            match r.stages.iter().any(|s| s.stage_id == *id && s.expiry_log_ms > r.log_ms) {
+                true => Ok(()),
+                false => Err("not registered with the log".to_string()),
+            }
+        })
+        .await;
+        if let Err(e) = registered {
+            p.problems.push(format!("stage {id} does not serve: {e}"));
+        }
+    }
     if let Some(r) = reqs.iter().find(|r| r.finished) {
         for (i, addr) in gateway_addrs.iter().enumerate() {
             p.checked += 1;
@@ -404,7 +421,13 @@ where
 /// aborts on a panic, and this catches one that a hook let through).
 fn panics(procs: &super::nemesis::Procs) -> Vec<String> {
     let mut out = Vec::new();
-    for p in procs.nodes.iter().chain(&procs.gateways).chain(&procs.decoders) {
+    for p in procs
+        .nodes
+        .iter()
+        .chain(&procs.gateways)
+        .chain(&procs.decoders)
+        .chain(&procs.stages)
+    {
         for line in p.log_text().lines().filter(|l| l.contains("panicked at")) {
             out.push(format!(
                 "{} panicked: {}",

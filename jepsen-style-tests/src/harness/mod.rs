@@ -100,6 +100,10 @@ pub struct RunConfig {
     pub netns: bool,
     /// Decoders run the real SmolLM2 model (and gateways its tokenizer) instead of the fake.
     pub real_model: bool,
+    /// Decoder 1 is a pipeline head over 3 stage processes (layers 0..10, 10..20, 20..30, each
+    /// registered in the log) with 3 cold spares; the other decoders run the whole model. Needs
+    /// `real_model`; the stage nemeses (`Fault::PIPELINE`) need it.
+    pub pipeline: bool,
     /// `TOKENLOG_FAILPOINTS` for decoder 1's first incarnation (scenarios).
     pub decoder1_failpoints: Option<String>,
     /// Nodes build a snapshot (and purge the log behind it) every this many entries: small
@@ -144,6 +148,7 @@ impl RunConfig {
             step_ms: 10,
             netns: false,
             real_model: false,
+            pipeline: false,
             decoder1_failpoints: None,
             snapshot_every: 500,
             standby_later: false,
@@ -288,12 +293,17 @@ pub fn parse_faults(s: &str) -> Result<Vec<Fault>> {
         _ => s
             .split(',')
             .map(|n| {
-                Fault::ALL.into_iter().find(|f| f.name() == n.trim()).with_context(|| {
-                    format!(
-                        "unknown fault {n:?}; known: {}",
-                        Fault::ALL.map(|f| f.name()).join(", ")
-                    )
-                })
+                Fault::ALL
+                    .into_iter()
+                    .chain(Fault::PIPELINE)
+                    .find(|f| f.name() == n.trim())
+                    .with_context(|| {
+                        format!(
+                            "unknown fault {n:?}; known: {}, and in a pipeline run {}",
+                            Fault::ALL.map(|f| f.name()).join(", "),
+                            Fault::PIPELINE.map(|f| f.name()).join(", ")
+                        )
+                    })
             })
             .collect(),
     }

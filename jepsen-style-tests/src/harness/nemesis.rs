@@ -58,9 +58,24 @@ pub enum Fault {
     /// after longer than lease + deadline (the generations with records must fail explicitly;
     /// liveness checks both).
     DecodersDown,
+    /// kill -9 a stage that decoder 1's pipeline uses now, restart it after a while (it comes
+    /// back a spare): the head splices a spare in (hot, or a cold one that loads the layers)
+    /// and the generations stay with it. Pipeline runs only.
+    KillStage,
+    /// SIGSTOP a stage the pipeline uses for longer than its registration lives, then SIGCONT:
+    /// the head splices it out by its lapsed registration, and the resumed stage must be fenced
+    /// by the pipeline epoch. Pipeline runs only.
+    PauseStage,
+    /// kill -9 the pipeline head (decoder 1), restart it: its generations are taken over by a
+    /// whole decoder or by the head's next incarnation, which composes its pipeline again.
+    /// Pipeline runs only.
+    KillHead,
 }
 
 impl Fault {
+    /// The faults of a pipeline run's stages and head.
+    pub const PIPELINE: [Fault; 3] = [Fault::KillStage, Fault::PauseStage, Fault::KillHead];
+
     pub const ALL: [Fault; 14] = [
         Fault::KillNode,
         Fault::PauseNode,
@@ -94,6 +109,9 @@ impl Fault {
             Fault::DiskFull => "disk-full",
             Fault::Supervised => "supervised",
             Fault::DecodersDown => "decoders-down",
+            Fault::KillStage => "kill-stage",
+            Fault::PauseStage => "pause-stage",
+            Fault::KillHead => "kill-head",
         }
     }
 }
@@ -103,6 +121,11 @@ pub struct Procs {
     pub node_dirs: Vec<PathBuf>,
     pub gateways: Vec<Proc>,
     pub decoders: Vec<Proc>,
+    /// A pipeline run's stage processes (named by their stage ids): the first composition's,
+    /// then the cold spares.
+    pub stages: Vec<Proc>,
+    /// The log's client (the stage nemeses read which stages the pipeline uses now).
+    pub log: Option<tokenlog_raftlog::client::LogClient>,
     /// The run's directory (the `clock` nemesis's skew files).
     pub dir: PathBuf,
     /// Each node's data dir on a tmpfs of its own, once the `disk-full` nemesis moved it there
@@ -128,19 +151,26 @@ impl Procs {
         Ok(())
     }
 
-    /// Every process slot: nodes, gateways, decoders.
+    /// Every process slot: nodes, gateways, decoders, stages.
     pub fn all_mut(&mut self) -> impl Iterator<Item = &mut Proc> {
         self.nodes
             .iter_mut()
             .chain(self.gateways.iter_mut())
             .chain(self.decoders.iter_mut())
+            .chain(self.stages.iter_mut())
     }
 
-    /// Stops the decoders and gateways (the log's writers), so that the nodes come to rest;
-    /// returns the exits that had happened on their own, as [`Procs::stop_all`] does.
+    /// Stops the decoders, gateways and stages (the log's writers: stages renew their
+    /// registrations), so that the nodes come to rest; returns the exits that had happened on
+    /// their own, as [`Procs::stop_all`] does.
     pub fn stop_writers(&mut self) -> Vec<super::procs::SelfExit> {
         let mut out = Vec::new();
-        for p in self.gateways.iter_mut().chain(self.decoders.iter_mut()) {
+        for p in self
+            .gateways
+            .iter_mut()
+            .chain(self.decoders.iter_mut())
+            .chain(self.stages.iter_mut())
+        {
             p.kill9();
             out.append(&mut p.self_exits);
         }
@@ -212,7 +242,65 @@ async fn inject(
         Fault::DiskFull => disk_full(procs, rng).await,
         Fault::Supervised => supervised(procs, rng).await,
         Fault::DecodersDown => decoders_down(procs, rng).await,
+        Fault::KillStage | Fault::PauseStage => stage_fault(fault, procs, rng).await,
+        Fault::KillHead => kill_head(procs, rng).await,
     }
+}
+
+/// The stages decoder 1's pipeline uses now (the log's record of its head's composition), as
+/// indexes into `Procs::stages`; all of them when the log cannot say.
+async fn stages_in_use(procs: &Mutex<Procs>) -> Vec<usize> {
+    let (log, names) = {
+        let p = procs.lock().expect("lock");
+        (
+            p.log.clone(),
+            p.stages.iter().map(|s| s.name.clone()).collect::<Vec<_>>(),
+        )
+    };
+    let used: Option<Vec<String>> = match log {
+        Some(log) => log.list_stages(true).await.ok().map(|r| {
+            r.pipelines
+                .iter()
+                .filter(|p| p.head.starts_with("d1-"))
+                .max_by_key(|p| p.epoch)
+                .map(|p| p.stages.iter().map(|s| s.stage_id.clone()).collect())
+                .unwrap_or_default()
+        }),
+        None => None,
+    };
+    let all: Vec<usize> = (0..names.len()).collect();
+    match used {
+        Some(u) if !u.is_empty() => all.into_iter().filter(|&i| u.contains(&names[i])).collect(),
+        _ => all,
+    }
+}
+
+/// `KillStage` / `PauseStage`: one stage the pipeline uses now, killed (restarted after
+/// 0.5-2 s: a spare again) or paused for 1.5-3 s (past its registration's 1 s).
+async fn stage_fault(fault: Fault, procs: &Mutex<Procs>, rng: &mut StdRng) -> anyhow::Result<String> {
+    let used = stages_in_use(procs).await;
+    anyhow::ensure!(!used.is_empty(), "a stage fault in a run without stages");
+    let i = used[rng.random_range(0..used.len())];
+    let target = procs.lock().expect("lock").stages[i].name.clone();
+    if fault == Fault::KillStage {
+        procs.lock().expect("lock").stages[i].kill9();
+        tokio::time::sleep(ms(rng, 500, 2000)).await;
+        procs.lock().expect("lock").stages[i].start()?;
+    } else {
+        procs.lock().expect("lock").stages[i].pause();
+        tokio::time::sleep(ms(rng, 1500, 3000)).await;
+        procs.lock().expect("lock").stages[i].resume();
+    }
+    Ok(target)
+}
+
+/// `KillHead`: the pipeline head (decoder 1) killed and restarted after 0.2-1.5 s.
+async fn kill_head(procs: &Mutex<Procs>, rng: &mut StdRng) -> anyhow::Result<String> {
+    let target = procs.lock().expect("lock").decoders[0].name.clone();
+    procs.lock().expect("lock").decoders[0].kill9();
+    tokio::time::sleep(ms(rng, 200, 1500)).await;
+    procs.lock().expect("lock").decoders[0].start()?;
+    Ok(format!("{target} (the pipeline head)"))
 }
 
 /// `Clock`: a node's wall clock (the leader half the time) jumps by up to ±5 s, or drifts by up

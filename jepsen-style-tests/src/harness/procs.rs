@@ -1,4 +1,4 @@
-//! The processes of a run: 3 log nodes, gateways and decoders, each a real `tokenlog` process on
+//! The processes of a run: 3 log nodes, gateways, decoders and (a pipeline run) stages, each a real `tokenlog` process on
 //! loopback, killed with SIGKILL, paused with SIGSTOP, restarted with the same arguments.
 
 use std::path::{Path, PathBuf};
@@ -52,6 +52,8 @@ pub enum Role {
     Node,
     Gateway,
     Decoder,
+    /// A pipeline stage (`tokenlog stage`) of decoder 1's pipeline, or a spare.
+    Stage,
 }
 
 /// One process slot: what to run, and the running child if any.

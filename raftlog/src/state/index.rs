@@ -84,6 +84,8 @@ pub struct Indexes {
     pub(super) claimable: HashMap<ModelIdentity, BTreeSet<(u64, GenerationId)>>,
     /// Decoder registrations by expiry.
     pub(super) decoder_expiry: BTreeSet<(u64, String)>,
+    /// Stage registrations by expiry.
+    pub(super) stage_expiry: BTreeSet<(u64, String)>,
     /// Generations per state, in [`GenState::ALL`] order.
     pub(super) by_state: [u64; GenState::ALL.len()],
     /// Takeovers (grants after the first) summed over the generations in the table.
@@ -243,6 +245,14 @@ impl LogState {
         assert_eq!(ix.owned, owned, "owner index");
         assert_eq!(ix.owner_of.len(), owned.len(), "owner index");
         assert_eq!(ix.decoder_expiry.len(), self.decoders.len(), "decoder expiry index");
+        assert!(
+            ix.stage_expiry.len() == self.stages.len()
+                && self
+                    .stages
+                    .iter()
+                    .all(|(s, r)| ix.stage_expiry.contains(&(r.expiry_log_ms, s.clone()))),
+            "stage expiry index"
+        );
         let in_flight: BTreeSet<GenerationId> = self
             .handoffs
             .iter()

@@ -95,6 +95,9 @@ pub struct LogState {
     pub pipelines: BTreeMap<String, Pipeline>,
     /// Pipeline epochs given so far (to every head): the next composition's epoch is one more.
     pub next_pipeline_epoch: u64,
+    /// Live stage registrations by stage id ([`Command::RegisterStage`]); lapsed ones are
+    /// dropped by `Tick`.
+    pub stages: BTreeMap<String, StageRegistration>,
     /// The generations whose attempt is in flight (before its ownership commit, not aborted).
     /// Derived from `handoffs`; not serialized.
     #[serde(skip)]
@@ -327,6 +330,9 @@ impl LogState {
                 expect_epoch,
                 stages,
             } => Response::Pipeline(self.set_pipeline(head, *expect_epoch, stages)),
+            Command::RegisterStage { stage_id, info, ttl_ms } => {
+                Response::Registered(self.register_stage(stage_id, info, *ttl_ms))
+            }
             Command::Batch(_) => unreachable!("apply_command unpacks batches"),
         }
     }
@@ -349,6 +355,7 @@ impl LogState {
             .iter()
             .map(|(d, i)| (i.expiry_log_ms, d.clone()))
             .collect();
+        self.index.stage_expiry = self.stages.iter().map(|(s, r)| (r.expiry_log_ms, s.clone())).collect();
         self.handoffs_in_flight = self
             .handoffs
             .iter()

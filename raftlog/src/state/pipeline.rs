@@ -6,7 +6,7 @@
 
 use std::collections::HashSet;
 
-use super::{check_len, reject, LogState};
+use super::{check_lease_ms, check_len, reject, LogState};
 use crate::limits::*;
 use crate::types::*;
 
@@ -90,5 +90,52 @@ impl LogState {
         };
         self.pipelines.insert(head.to_string(), p.clone());
         Ok(p)
+    }
+
+    pub(super) fn register_stage(
+        &mut self,
+        stage_id: &str,
+        info: &StageRegistration,
+        ttl_ms: u64,
+    ) -> Result<u64, Rejection> {
+        check_lease_ms(ttl_ms)?;
+        check_len("stage id bytes", stage_id.len(), STAGE_ID_BYTES_MAX)?;
+        check_len("stage address bytes", info.addr.len(), STAGE_ADDR_BYTES_MAX)?;
+        check_len("weights digest bytes", info.weights_sha256.len(), STAGE_ADDR_BYTES_MAX)?;
+        if stage_id.is_empty() || info.addr.is_empty() || info.weights_sha256.is_empty() {
+            return Err(reject(
+                RejectReason::Invalid,
+                "a stage registration names the stage, its address and its weights",
+            ));
+        }
+        if info.end_layer < info.first_layer {
+            return Err(reject(
+                RejectReason::Invalid,
+                format!(
+                    "stage {stage_id:?} holds layers {}..{}: the range is reversed",
+                    info.first_layer, info.end_layer
+                ),
+            ));
+        }
+        let old = self.stages.get(stage_id).map(|r| r.expiry_log_ms);
+        if old.is_none() && self.stages.len() >= STAGES_MAX {
+            return Err(reject(
+                RejectReason::Limit,
+                format!("the log holds {STAGES_MAX} stage registrations"),
+            ));
+        }
+        if let Some(t) = old {
+            self.index.stage_expiry.remove(&(t, stage_id.to_string()));
+        }
+        let expiry_log_ms = self.log_ms + ttl_ms;
+        self.index.stage_expiry.insert((expiry_log_ms, stage_id.to_string()));
+        self.stages.insert(
+            stage_id.to_string(),
+            StageRegistration {
+                expiry_log_ms,
+                ..info.clone()
+            },
+        );
+        Ok(expiry_log_ms)
     }
 }

@@ -131,6 +131,13 @@ impl LogState {
         if !lapsed.is_empty() {
             changes.decoders_changed();
         }
+        while let Some((t, s)) = self.index.stage_expiry.first().cloned() {
+            if t > now {
+                break;
+            }
+            self.index.stage_expiry.pop_first();
+            self.stages.remove(&s);
+        }
         for id in self.abort_stalled_handoffs(now) {
             changes.touch(id);
         }
@@ -258,6 +265,7 @@ impl LogState {
     /// Whether a `Tick` would change anything at `now` (the leader asks before proposing one).
     pub fn tick_due(&self, now: u64, retention_ms: u64) -> bool {
         self.index.decoder_expiry.first().is_some_and(|(t, _)| *t <= now)
+            || self.index.stage_expiry.first().is_some_and(|(t, _)| *t <= now)
             || !self.deadline_due(now).is_empty()
             || !self.unowned_due(now).is_empty()
             || self.retention_due(now, retention_ms).next().is_some()

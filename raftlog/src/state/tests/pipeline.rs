@@ -133,3 +133,62 @@ fn a_heads_composition_goes_with_its_registration_and_epochs_never_repeat() {
     let p = t.set_pipeline(1_100, "h1", 0, three()).expect("again");
     assert_eq!(p.epoch, 2);
 }
+
+impl T {
+    fn register_stage(&mut self, t: u64, id: &str, layers: (u32, u32), ttl_ms: u64) -> Result<u64, Rejection> {
+        let info = StageRegistration {
+            addr: format!("127.0.0.1:{}", 7100 + layers.0),
+            weights_sha256: "w".into(),
+            first_layer: layers.0,
+            end_layer: layers.1,
+            expiry_log_ms: 0,
+        };
+        match self.at(
+            t,
+            Command::RegisterStage {
+                stage_id: id.into(),
+                info,
+                ttl_ms,
+            },
+        ) {
+            Response::Registered(r) => r,
+            r => panic!("{r:?}"),
+        }
+    }
+}
+
+/// A stage registration lives for its TTL from its latest renewal and is dropped by `Tick`
+/// after it; a cold one (no layers yet) is one too; a bad one changes nothing.
+#[test]
+fn a_stage_registration_lapses_by_its_ttl_from_its_latest_renewal() {
+    let mut t = T::new();
+    assert_eq!(t.register_stage(100, "s2", (10, 20), 1_000), Ok(1_100));
+    assert_eq!(t.register_stage(150, "cold", (0, 0), 1_000), Ok(1_150));
+    assert!(t.s.stages["cold"].is_cold() && !t.s.stages["s2"].is_cold());
+    // Renewed at 600: it now lapses at 1_600, not 1_100.
+    assert_eq!(t.register_stage(600, "s2", (10, 20), 1_000), Ok(1_600));
+    assert!(!t.s.tick_due(1_149, u64::MAX));
+    assert!(t.s.tick_due(1_150, u64::MAX));
+    t.at(1_200, Command::Tick { retention_ms: u64::MAX });
+    assert_eq!(t.s.stages.keys().collect::<Vec<_>>(), ["s2"]);
+    assert!(!t.s.tick_due(1_599, u64::MAX));
+    t.at(1_600, Command::Tick { retention_ms: u64::MAX });
+    assert!(t.s.stages.is_empty() && !t.s.tick_due(10_000, u64::MAX));
+    // Refused, and nothing changes: a reversed range, no name, a TTL out of bounds.
+    let before = t.s.clone();
+    assert_eq!(
+        reason(t.register_stage(1_700, "s", (20, 10), 1_000)),
+        RejectReason::Invalid
+    );
+    assert_eq!(
+        reason(t.register_stage(1_700, "", (0, 10), 1_000)),
+        RejectReason::Invalid
+    );
+    assert_eq!(reason(t.register_stage(1_700, "s", (0, 10), 0)), RejectReason::Limit);
+    let long = "x".repeat(STAGE_ID_BYTES_MAX + 1);
+    assert_eq!(
+        reason(t.register_stage(1_700, &long, (0, 10), 1_000)),
+        RejectReason::Limit
+    );
+    assert_eq!((&t.s.stages, &t.s.index), (&before.stages, &before.index));
+}
