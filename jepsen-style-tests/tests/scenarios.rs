@@ -1,5 +1,6 @@
 //! The deterministic scenario of every failure point of CONTRACT §8 that exists in the code
-//! (7-12), each on a fresh real cluster, run one after another (they share the 2 cores badly).
+//! (7-12, and 15: a pipeline's stage dies, is paused, its head dies), each on a fresh real
+//! cluster, run one after another (they share the 2 cores badly).
 //! Each must pass every checker and its own expectations; see `harness::scenario`.
 
 use std::path::PathBuf;
@@ -44,7 +45,7 @@ async fn every_failure_point_scenario_holds() {
             failed.push(format!("{} ({}): {why:?}", sc.name(), out.display()));
         }
     }
-    assert_eq!(points.into_iter().collect::<Vec<_>>(), vec![7, 8, 9, 10, 12]);
+    assert_eq!(points.into_iter().collect::<Vec<_>>(), vec![7, 8, 9, 10, 12, 15]);
     assert!(failed.is_empty(), "failed scenarios: {failed:#?}");
 }
 

@@ -1,5 +1,6 @@
 //! Deterministic scenarios: one scripted fault per failure point of CONTRACT §8 that exists in
-//! the code (7-12; 1-6 belong to the handoff protocol, not built yet), on the same real cluster
+//! the code (7-12 and 15, stages; 1-6 belong to the handoff protocol, and run as process tests
+//! in `tests/handoff.rs`), on the same real cluster
 //! as the seeded runs, with the same checkers, plus the expectations the contract states for each
 //! point: the surviving owner is unambiguous, the new owner's committed and cache frontiers are
 //! as expected, the client's observed prefix is preserved, and no stale epoch wrote anything.
@@ -74,10 +75,20 @@ pub enum Scenario {
     NodeLosesDisk,
     /// 12: every node is killed at once, then all restarted.
     RestartAll,
+    /// 15: decoder 1 is a pipeline head over 3 stages (real model); its middle stage is killed
+    /// (SIGKILL): a cold spare registered in the log is spliced in, the generation stays with
+    /// its head.
+    StageDies,
+    /// 15: the head's middle stage is paused (SIGSTOP) for 2 s, past its registration: it is
+    /// spliced out by the lapsed registration, the generation stays with its head.
+    StagePaused,
+    /// 15: the pipeline head itself is killed (SIGKILL): the whole decoder takes the
+    /// generation over and continues it exactly.
+    HeadDies,
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 10] = [
+    pub const ALL: [Scenario; 13] = [
         Scenario::DecoderDiesAfterSample,
         Scenario::GatewayDiesAfterSend,
         Scenario::PausedOwnerWritesAfterTakeover,
@@ -88,6 +99,9 @@ impl Scenario {
         Scenario::LeaderInMinorityPartition,
         Scenario::NodeLosesDisk,
         Scenario::RestartAll,
+        Scenario::StageDies,
+        Scenario::StagePaused,
+        Scenario::HeadDies,
     ];
 
     pub fn name(self) -> &'static str {
@@ -102,6 +116,9 @@ impl Scenario {
             Scenario::LeaderInMinorityPartition => "leader-in-minority-partition",
             Scenario::NodeLosesDisk => "node-loses-disk",
             Scenario::RestartAll => "restart-all",
+            Scenario::StageDies => "stage-dies",
+            Scenario::StagePaused => "stage-paused",
+            Scenario::HeadDies => "head-dies",
         }
     }
 
@@ -112,8 +129,14 @@ impl Scenario {
             Scenario::GatewayDiesAfterSend => 8,
             Scenario::PausedOwnerWritesAfterTakeover => 9,
             Scenario::DelayedAppendFromOldOwner => 10,
+            Scenario::StageDies | Scenario::StagePaused | Scenario::HeadDies => 15,
             _ => 12,
         }
+    }
+
+    /// Whether decoder 1 runs as a pipeline head over stage processes (the real model).
+    pub fn needs_pipeline(self) -> bool {
+        self.point() == 15
     }
 
     pub fn needs_netns(self) -> bool {
@@ -135,6 +158,7 @@ impl Scenario {
             Scenario::DecoderDiesAfterSample
                 | Scenario::PausedOwnerWritesAfterTakeover
                 | Scenario::DelayedAppendFromOldOwner
+                | Scenario::HeadDies
         )
     }
 }
@@ -300,7 +324,8 @@ async fn wait_progress(
 fn scenario_config(bin: PathBuf, out: PathBuf, sc: Scenario, opts: Options) -> RunConfig {
     let mut cfg = RunConfig::new(bin, out, u64::from(sc.point()));
     cfg.plant = opts.plant;
-    cfg.real_model = opts.real_model;
+    cfg.real_model = opts.real_model || sc.needs_pipeline();
+    cfg.pipeline = sc.needs_pipeline();
     cfg.faults = vec![];
     cfg.clients = 0;
     cfg.step_ms = 15;
@@ -359,11 +384,16 @@ pub async fn run(bin: PathBuf, out: PathBuf, sc: Scenario, opts: Options) -> Res
         Ok(st) => st.generations_by_state.values().sum(),
         Err(_) => u64::MAX,
     };
+    let spliced = std::fs::read_to_string(cfg.out.join("decoder1.log"))
+        .unwrap_or_default()
+        .matches("spliced a spare in its place")
+        .count();
     let (summary, ops) = conclude(&cfg, cluster, vec![rec.clone()], nemesis).await?;
     let facts = Facts {
         generations,
         killed_gateway,
         terms: (term_before, term_after),
+        spliced,
     };
     let expectations = expectations(sc, &rec, &ops, &retrier_log, &facts);
     let report = ScenarioReport {
@@ -514,6 +544,22 @@ async fn strike(
             }
             "all nodes".into()
         }
+        Scenario::StageDies => {
+            procs.lock().expect("lock").stages[1].kill9();
+            tokio::time::sleep(FAULT_HOLD).await;
+            procs.lock().expect("lock").stages[1].start()?;
+            "s2 (the head's middle stage)".into()
+        }
+        Scenario::StagePaused => {
+            procs.lock().expect("lock").stages[1].pause();
+            tokio::time::sleep(FAULT_HOLD).await;
+            procs.lock().expect("lock").stages[1].resume();
+            "s2 (the head's middle stage)".into()
+        }
+        Scenario::HeadDies => {
+            procs.lock().expect("lock").decoders[0].kill9();
+            "decoder1 (the pipeline head)".into()
+        }
         Scenario::DecoderDiesAfterSample | Scenario::DelayedAppendFromOldOwner => unreachable!("failpoints"),
     })
 }
@@ -526,4 +572,6 @@ struct Facts {
     killed_gateway: Option<usize>,
     /// The Raft term just before the fault and after the request ended.
     terms: (Option<u64>, Option<u64>),
+    /// Splices the pipeline head logged (a pipeline scenario).
+    spliced: usize,
 }

@@ -60,6 +60,7 @@ pub(super) fn expectations(
         generations,
         killed_gateway,
         terms,
+        spliced,
     } = *facts;
     let mut out = Vec::new();
     let gen = rec.generation;
@@ -69,7 +70,7 @@ pub(super) fn expectations(
     unambiguous_owner(&mut out, ops, gen, &tokens);
     resume_frontiers(&mut out, sc, ops, gen);
     no_stale_append(&mut out, ops, gen);
-    per_scenario(&mut out, sc, rec, ops, &tokens, killed_gateway, terms);
+    per_scenario(&mut out, sc, rec, ops, &tokens, killed_gateway, terms, spliced);
     out
 }
 
@@ -215,6 +216,7 @@ fn carries(a: &DecoderOp, seq: u64) -> bool {
 }
 
 /// The expectation of `sc` itself (none for some).
+#[allow(clippy::too_many_arguments)]
 fn per_scenario(
     out: &mut Vec<Expectation>,
     sc: Scenario,
@@ -223,6 +225,7 @@ fn per_scenario(
     tokens: &[(u32, u32, u64)],
     killed_gateway: Option<usize>,
     terms: (Option<u64>, Option<u64>),
+    spliced: usize,
 ) {
     let gen = rec.generation;
     let event_at = |seq: u32| tokens.iter().find(|t| t.0 == seq).copied();
@@ -274,6 +277,24 @@ fn per_scenario(
                 "the cluster elected a leader at a new term",
                 matches!(terms, (Some(a), Some(b)) if b > a),
                 format!("term before the fault {:?}, after {:?}", terms.0, terms.1),
+            );
+        }
+        Scenario::StageDies | Scenario::StagePaused => {
+            let epochs: BTreeSet<u64> = tokens.iter().map(|t| t.2).collect();
+            expect(
+                out,
+                "a spare was spliced in for the failed stage and the generation stayed with its head (every record at epoch 1)",
+                spliced >= 1 && epochs.iter().all(|&e| e == 1),
+                format!("{spliced} splices; epochs seen {epochs:?}"),
+            );
+        }
+        Scenario::HeadDies => {
+            let after: BTreeSet<u64> = tokens.iter().filter(|t| t.0 >= FAULT_SEQ).map(|t| t.2).collect();
+            expect(
+                out,
+                "the head died and another decoder continued the generation at a higher epoch",
+                !after.is_empty() && after.iter().all(|&e| e > 1),
+                format!("epochs from seq {FAULT_SEQ} on: {after:?}"),
             );
         }
         Scenario::MinorityPartition | Scenario::NodeLosesDisk => {}
