@@ -374,11 +374,7 @@ impl LogClient {
     /// Every live stage registration and every pipeline composition.
     pub async fn list_stages(&self, linearizable: bool) -> Result<pb::ListStagesResponse, ClientError> {
         let req = pb::ListStagesRequest { linearizable };
-        self.call(|mut c| {
-            let req = req.clone();
-            async move { c.list_stages(req).await }
-        })
-        .await
+        self.call(|mut c| async move { c.list_stages(req).await }).await
     }
 
     pub async fn publish_tokenizer(

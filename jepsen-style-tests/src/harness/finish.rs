@@ -353,7 +353,13 @@ async fn probe(
         }
     }
     // A pipeline run's stages: each registered with the log again (it serves, and renews).
-    let stage_ids: Vec<String> = procs.lock().expect("lock").stages.iter().map(|s| s.name.clone()).collect();
+    let stage_ids: Vec<String> = procs
+        .lock()
+        .expect("lock")
+        .stages
+        .iter()
+        .map(|s| s.name.clone())
+        .collect();
     for id in &stage_ids {
         p.checked += 1;
         let registered = poll(|| async {
