@@ -223,7 +223,7 @@ impl Matrix {
         }
     }
 
-    /// `out[r * cols.len() + j] = x_r · row (cols.start + j)` for the 1 or [`ROWS`] activation
+    /// `out[r * cols.len() + j] = x_r · row (cols.start + j)` for the at most [`ROWS`] activation
     /// rows `x_r` (`xq[r]` quantized, [`quantize_row`]).
     fn dots(&self, xs: &[&[f32]], xq: &[QuantRow], cols: std::ops::Range<usize>, out: &mut [f32]) {
         let kb = self.kb();
@@ -298,12 +298,9 @@ impl Matrix {
             for item in range {
                 let cols = item * CHUNK..((item + 1) * CHUNK).min(n);
                 let len = cols.len();
-                // Groups of `ROWS` rows, then the rest one by one.
-                let full = m / ROWS * ROWS;
-                let groups = (0..full)
-                    .step_by(ROWS)
-                    .map(|f| f..f + ROWS)
-                    .chain((full..m).map(|r| r..r + 1));
+                // Groups of up to `ROWS` rows (the kernels split a group further; a row's
+                // numbers never depend on its group).
+                let groups = (0..m).step_by(ROWS).map(|f| f..(f + ROWS).min(m));
                 for group in groups {
                     let xq = if xq.is_empty() { &[][..] } else { &xq[group.clone()] };
                     self.dots(&rows[group.clone()], xq, cols.clone(), &mut tmp);
@@ -374,7 +371,7 @@ fn simd() -> bool {
 }
 
 /// Activation rows one kernel call multiplies with a weight row (its blocks decoded once).
-pub(crate) const ROWS: usize = 4;
+pub(crate) const ROWS: usize = 8;
 
 /// One weight row of a Q4_1 matrix.
 pub(crate) struct Q4_1Col<'a> {
@@ -389,8 +386,26 @@ pub(crate) struct Q8_0Col<'a> {
     pub(crate) d: &'a [u16],
 }
 
-/// `out[r] = col · xs[r]`, for 1 or [`ROWS`] rows.
+/// Whether the AVX2 kernels may use AVX-VNNI's dot product instruction (checked once).
+fn vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static VNNI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *VNNI.get_or_init(|| simd() && std::is_x86_feature_detected!("avxvnni"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `out[r] = col · xs[r]`, for any number of rows.
 fn dot_q4_1(col: &Q4_1Col, xs: &[QuantRow], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if vnni() {
+        // SAFETY: AVX2, F16C, FMA and AVX-VNNI are present.
+        return unsafe { avx2_kernels::dot_q4_1_vnni(col, xs, out) };
+    }
     #[cfg(target_arch = "x86_64")]
     if simd() {
         // SAFETY: AVX2, F16C and FMA are present.
@@ -400,6 +415,11 @@ fn dot_q4_1(col: &Q4_1Col, xs: &[QuantRow], out: &mut [f32]) {
 }
 
 fn dot_q8_0(col: &Q8_0Col, xs: &[QuantRow], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if vnni() {
+        // SAFETY: AVX2, F16C, FMA and AVX-VNNI are present.
+        return unsafe { avx2_kernels::dot_q8_0_vnni(col, xs, out) };
+    }
     #[cfg(target_arch = "x86_64")]
     if simd() {
         // SAFETY: AVX2, F16C and FMA are present.
@@ -509,25 +529,34 @@ mod avx2_kernels {
         reduce(acc)
     }
 
+    /// The 8 exact sums of 4 consecutive `u8 × i8` products: VNNI's one instruction, or the
+    /// pairs summed into i16 then into i32 (no saturation for the operands here, see the
+    /// callers): the same integers either way.
+    #[inline(always)]
+    unsafe fn dot4<const VNNI: bool>(w: __m256i, a: __m256i, ones: __m256i) -> __m256i {
+        if VNNI {
+            _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, a)
+        } else {
+            _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones)
+        }
+    }
+
     /// The 8 exact lane sums of one Q4_1 block (`w`: its nibbles, decoded) with activations `a`.
     #[inline(always)]
-    unsafe fn lanes_q4_1(w: __m256i, a: *const [i8; BLOCK], ones: __m256i) -> __m256 {
+    unsafe fn lanes_q4_1<const VNNI: bool>(w: __m256i, a: *const [i8; BLOCK], ones: __m256i) -> __m256 {
         let a = _mm256_loadu_si256(a as *const __m256i);
         // u4 × i8 pairs summed into i16 (at most 2 × 15 × 128: no saturation), then lanes of
         // 4 in i32: exact, and exact in f32 (at most 7,680).
-        _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones))
+        _mm256_cvtepi32_ps(dot4::<VNNI>(w, a, ones))
     }
 
     /// The 8 exact lane sums of one Q8_0 block.
     #[inline(always)]
-    unsafe fn lanes_q8_0(w: __m256i, wabs: __m256i, a: *const [i8; BLOCK], ones: __m256i) -> __m256 {
+    unsafe fn lanes_q8_0<const VNNI: bool>(w: __m256i, wabs: __m256i, a: *const [i8; BLOCK], ones: __m256i) -> __m256 {
         let a = _mm256_loadu_si256(a as *const __m256i);
         // |w| × (a with w's sign): the same products, with an unsigned left operand. |w| ≤ 128
         // and |a| ≤ 127: pairs sum to at most 32,512, no saturation; lanes at most 65,024.
-        _mm256_cvtepi32_ps(_mm256_madd_epi16(
-            _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(a, w)),
-            ones,
-        ))
+        _mm256_cvtepi32_ps(dot4::<VNNI>(wabs, _mm256_sign_epi8(a, w), ones))
     }
 
     #[inline(always)]
@@ -536,117 +565,115 @@ mod avx2_kernels {
         _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask))
     }
 
-    #[target_feature(enable = "avx2,f16c,fma")]
-    pub(super) unsafe fn dot_q4_1(col: &Q4_1Col, xs: &[QuantRow], out: &mut [f32]) {
+    /// `out[r] = col · xs[r]` for exactly `R` rows, each weight block decoded once for all.
+    #[inline(always)]
+    unsafe fn q4_1_rows<const VNNI: bool, const R: usize>(col: &Q4_1Col, xs: &[QuantRow], out: &mut [f32]) {
+        let kb = col.qs.len();
+        let mask = _mm_set1_epi8(0x0f);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); R];
+        for b in 0..kb {
+            let w = nibbles(col.qs.get_unchecked(b), mask);
+            let d = _mm256_set1_ps(half(*col.d.get_unchecked(b)));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let x = xs.get_unchecked(r);
+                let l = lanes_q4_1::<VNNI>(w, x.qs.as_ptr().add(b), ones);
+                let l = _mm256_mul_ps(l, _mm256_broadcast_ss(x.d.get_unchecked(b)));
+                *acc = _mm256_fmadd_ps(l, d, *acc);
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            *out.get_unchecked_mut(r) = reduce(*acc) + offsets(col.m, &xs.get_unchecked(r).s);
+        }
+    }
+
+    /// `out[r] = col · xs[r]` for exactly `R` rows.
+    #[inline(always)]
+    unsafe fn q8_0_rows<const VNNI: bool, const R: usize>(col: &Q8_0Col, xs: &[QuantRow], out: &mut [f32]) {
+        let kb = col.qs.len();
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); R];
+        for b in 0..kb {
+            let w = _mm256_loadu_si256(col.qs.as_ptr().add(b) as *const __m256i);
+            let wabs = _mm256_sign_epi8(w, w);
+            let d = _mm256_set1_ps(half(*col.d.get_unchecked(b)));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let x = xs.get_unchecked(r);
+                let l = lanes_q8_0::<VNNI>(w, wabs, x.qs.as_ptr().add(b), ones);
+                let l = _mm256_mul_ps(l, _mm256_broadcast_ss(x.d.get_unchecked(b)));
+                *acc = _mm256_fmadd_ps(l, d, *acc);
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            *out.get_unchecked_mut(r) = reduce(*acc);
+        }
+    }
+
+    /// Groups of [`ROWS`], then one of half as many, then the rest one by one; every row's
+    /// numbers are the same either way.
+    #[inline(always)]
+    unsafe fn q4_1_any<const VNNI: bool>(col: &Q4_1Col, xs: &[QuantRow], out: &mut [f32]) {
         // Checked once per product by `Matrix::matmul`.
         let kb = col.qs.len();
         debug_assert!(col.d.len() == kb && col.m.len() == padded(kb) && out.len() == xs.len());
         debug_assert!(xs
             .iter()
             .all(|x| x.qs.len() == kb && x.d.len() == kb && x.s.len() == padded(kb)));
-        let mask = _mm_set1_epi8(0x0f);
-        let ones = _mm256_set1_epi16(1);
-        match xs {
-            [x] => {
-                let mut acc = _mm256_setzero_ps();
-                for b in 0..kb {
-                    let w = nibbles(col.qs.get_unchecked(b), mask);
-                    let d = _mm256_set1_ps(half(*col.d.get_unchecked(b)));
-                    let l = lanes_q4_1(w, x.qs.as_ptr().add(b), ones);
-                    let l = _mm256_mul_ps(l, _mm256_broadcast_ss(x.d.get_unchecked(b)));
-                    acc = _mm256_fmadd_ps(l, d, acc);
-                }
-                out[0] = reduce(acc) + offsets(col.m, &x.s);
-            }
-            [x0, x1, x2, x3] => {
-                let (mut a0, mut a1, mut a2, mut a3) = (
-                    _mm256_setzero_ps(),
-                    _mm256_setzero_ps(),
-                    _mm256_setzero_ps(),
-                    _mm256_setzero_ps(),
-                );
-                for b in 0..kb {
-                    let w = nibbles(col.qs.get_unchecked(b), mask);
-                    let d = _mm256_set1_ps(half(*col.d.get_unchecked(b)));
-                    macro_rules! row {
-                        ($acc:ident, $x:ident) => {
-                            let l = lanes_q4_1(w, $x.qs.as_ptr().add(b), ones);
-                            let l = _mm256_mul_ps(l, _mm256_broadcast_ss($x.d.get_unchecked(b)));
-                            $acc = _mm256_fmadd_ps(l, d, $acc);
-                        };
-                    }
-                    row!(a0, x0);
-                    row!(a1, x1);
-                    row!(a2, x2);
-                    row!(a3, x3);
-                }
-                out[0] = reduce(a0) + offsets(col.m, &x0.s);
-                out[1] = reduce(a1) + offsets(col.m, &x1.s);
-                out[2] = reduce(a2) + offsets(col.m, &x2.s);
-                out[3] = reduce(a3) + offsets(col.m, &x3.s);
-            }
-            _ => {
-                for (x, o) in xs.iter().zip(out.iter_mut()) {
-                    dot_q4_1(col, std::slice::from_ref(x), std::slice::from_mut(o));
-                }
-            }
+        let mut i = 0;
+        while i + ROWS <= xs.len() {
+            q4_1_rows::<VNNI, ROWS>(col, &xs[i..i + ROWS], &mut out[i..i + ROWS]);
+            i += ROWS;
+        }
+        if i + ROWS / 2 <= xs.len() {
+            q4_1_rows::<VNNI, { ROWS / 2 }>(col, &xs[i..i + ROWS / 2], &mut out[i..i + ROWS / 2]);
+            i += ROWS / 2;
+        }
+        while i < xs.len() {
+            q4_1_rows::<VNNI, 1>(col, &xs[i..i + 1], &mut out[i..i + 1]);
+            i += 1;
         }
     }
 
-    #[target_feature(enable = "avx2,f16c,fma")]
-    pub(super) unsafe fn dot_q8_0(col: &Q8_0Col, xs: &[QuantRow], out: &mut [f32]) {
+    #[inline(always)]
+    unsafe fn q8_0_any<const VNNI: bool>(col: &Q8_0Col, xs: &[QuantRow], out: &mut [f32]) {
         // Checked once per product by `Matrix::matmul`.
         let kb = col.qs.len();
         debug_assert!(col.d.len() == kb && out.len() == xs.len());
         debug_assert!(xs.iter().all(|x| x.qs.len() == kb && x.d.len() == kb));
-        let ones = _mm256_set1_epi16(1);
-        match xs {
-            [x] => {
-                let mut acc = _mm256_setzero_ps();
-                for b in 0..kb {
-                    let w = _mm256_loadu_si256(col.qs.as_ptr().add(b) as *const __m256i);
-                    let wabs = _mm256_sign_epi8(w, w);
-                    let d = _mm256_set1_ps(half(*col.d.get_unchecked(b)));
-                    let l = lanes_q8_0(w, wabs, x.qs.as_ptr().add(b), ones);
-                    let l = _mm256_mul_ps(l, _mm256_broadcast_ss(x.d.get_unchecked(b)));
-                    acc = _mm256_fmadd_ps(l, d, acc);
-                }
-                out[0] = reduce(acc);
-            }
-            [x0, x1, x2, x3] => {
-                let (mut a0, mut a1, mut a2, mut a3) = (
-                    _mm256_setzero_ps(),
-                    _mm256_setzero_ps(),
-                    _mm256_setzero_ps(),
-                    _mm256_setzero_ps(),
-                );
-                for b in 0..kb {
-                    let w = _mm256_loadu_si256(col.qs.as_ptr().add(b) as *const __m256i);
-                    let wabs = _mm256_sign_epi8(w, w);
-                    let d = _mm256_set1_ps(half(*col.d.get_unchecked(b)));
-                    macro_rules! row {
-                        ($acc:ident, $x:ident) => {
-                            let l = lanes_q8_0(w, wabs, $x.qs.as_ptr().add(b), ones);
-                            let l = _mm256_mul_ps(l, _mm256_broadcast_ss($x.d.get_unchecked(b)));
-                            $acc = _mm256_fmadd_ps(l, d, $acc);
-                        };
-                    }
-                    row!(a0, x0);
-                    row!(a1, x1);
-                    row!(a2, x2);
-                    row!(a3, x3);
-                }
-                out[0] = reduce(a0);
-                out[1] = reduce(a1);
-                out[2] = reduce(a2);
-                out[3] = reduce(a3);
-            }
-            _ => {
-                for (x, o) in xs.iter().zip(out.iter_mut()) {
-                    dot_q8_0(col, std::slice::from_ref(x), std::slice::from_mut(o));
-                }
-            }
+        let mut i = 0;
+        while i + ROWS <= xs.len() {
+            q8_0_rows::<VNNI, ROWS>(col, &xs[i..i + ROWS], &mut out[i..i + ROWS]);
+            i += ROWS;
         }
+        if i + ROWS / 2 <= xs.len() {
+            q8_0_rows::<VNNI, { ROWS / 2 }>(col, &xs[i..i + ROWS / 2], &mut out[i..i + ROWS / 2]);
+            i += ROWS / 2;
+        }
+        while i < xs.len() {
+            q8_0_rows::<VNNI, 1>(col, &xs[i..i + 1], &mut out[i..i + 1]);
+            i += 1;
+        }
+    }
+
+    #[target_feature(enable = "avx2,f16c,fma")]
+    pub(super) unsafe fn dot_q4_1(col: &Q4_1Col, xs: &[QuantRow], out: &mut [f32]) {
+        q4_1_any::<false>(col, xs, out)
+    }
+
+    #[target_feature(enable = "avx2,f16c,fma")]
+    pub(super) unsafe fn dot_q8_0(col: &Q8_0Col, xs: &[QuantRow], out: &mut [f32]) {
+        q8_0_any::<false>(col, xs, out)
+    }
+
+    /// [`dot_q4_1`] with AVX-VNNI's dot product instruction (the same numbers).
+    #[target_feature(enable = "avx2,f16c,fma,avxvnni")]
+    pub(super) unsafe fn dot_q4_1_vnni(col: &Q4_1Col, xs: &[QuantRow], out: &mut [f32]) {
+        q4_1_any::<true>(col, xs, out)
+    }
+
+    #[target_feature(enable = "avx2,f16c,fma,avxvnni")]
+    pub(super) unsafe fn dot_q8_0_vnni(col: &Q8_0Col, xs: &[QuantRow], out: &mut [f32]) {
+        q8_0_any::<true>(col, xs, out)
     }
 }
 
@@ -779,13 +806,13 @@ mod tests {
                 Matrix::q4_1(rows, cols, &q4_1_bytes(rows, cols, 5)).unwrap(),
                 Matrix::q8_0(rows, cols, &q8_0_bytes(rows, cols, 6)).unwrap(),
             ];
-            for n in [1, ROWS] {
+            for n in [1, 3, ROWS] {
                 let xs = &quantized[..n];
                 for w in &ms {
                     let kb = w.kb();
                     for c in 0..w.rows {
                         let b = c * kb..(c + 1) * kb;
-                        let (mut fast, mut slow) = ([0f32; ROWS], [0f32; ROWS]);
+                        let (mut fast, mut slow, mut vnni_out) = ([0f32; ROWS], [0f32; ROWS], [0f32; ROWS]);
                         match &w.data {
                             Data::Q4_1 { qs, d, m } => {
                                 let col = Q4_1Col {
@@ -794,6 +821,9 @@ mod tests {
                                     m: &m[c * padded(kb)..(c + 1) * padded(kb)],
                                 };
                                 unsafe { avx2_kernels::dot_q4_1(&col, xs, &mut fast[..n]) };
+                                if vnni() {
+                                    unsafe { avx2_kernels::dot_q4_1_vnni(&col, xs, &mut vnni_out[..n]) };
+                                }
                                 portable::dot_q4_1(&col, xs, &mut slow[..n]);
                             }
                             Data::Q8_0 { qs, d } => {
@@ -802,6 +832,9 @@ mod tests {
                                     d: &d[b],
                                 };
                                 unsafe { avx2_kernels::dot_q8_0(&col, xs, &mut fast[..n]) };
+                                if vnni() {
+                                    unsafe { avx2_kernels::dot_q8_0_vnni(&col, xs, &mut vnni_out[..n]) };
+                                }
                                 portable::dot_q8_0(&col, xs, &mut slow[..n]);
                             }
                             Data::F32(_) => unreachable!(),
@@ -812,6 +845,13 @@ mod tests {
                                 slow[i].to_bits(),
                                 "{cols} columns, column {c}, {n} rows: {fast:?} vs {slow:?}"
                             );
+                            if vnni() {
+                                assert_eq!(
+                                    vnni_out[i].to_bits(),
+                                    slow[i].to_bits(),
+                                    "VNNI: {cols} columns, column {c}, {n} rows: {vnni_out:?} vs {slow:?}"
+                                );
+                            }
                         }
                     }
                 }
