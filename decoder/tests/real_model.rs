@@ -493,3 +493,30 @@ fn a_model_split_into_stages_computes_the_whole_models_bits() {
         assert!(e.to_string().contains("layers"), "{bad:?}: {e}");
     }
 }
+
+/// The CPU engine's numbers are pinned: a digest of the logits of a fixed prompt and 40 greedy
+/// steps. Exact-mode takeover across decoder releases (a generation begun by one release and
+/// continued by the next) needs the same bits; a kernel change (AVX-VNNI, more rows per
+/// weight block, attention by kv head) must keep this digest. If it has to change, the model
+/// identity must change with it (so that old and new decoders never continue each other's
+/// generations), and this test with it.
+#[test]
+fn the_cpu_engines_numbers_do_not_change_between_releases() {
+    let m = common::real_model();
+    assert_eq!(m.engine(), GgufEngine::Cpu);
+    let mut s = m.new_sequence().unwrap();
+    let mut digest: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut logits = s.prefill(&chat(&*m, "Tell me about lighthouses.")).unwrap();
+    for _ in 0..40 {
+        for v in logits.iter() {
+            digest = (digest ^ u64::from(v.to_bits())).wrapping_mul(0x100_0000_01b3);
+        }
+        let next = logits.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0 as u32;
+        logits = s.prefill(&[next]).unwrap();
+    }
+    assert_eq!(
+        format!("{digest:016x}"),
+        "60827c1a230e6978",
+        "the CPU engine's logits changed"
+    );
+}
