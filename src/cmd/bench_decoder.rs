@@ -46,6 +46,11 @@ pub struct DecodeArgs {
     /// generations through one decoder and the log; aggregate tok/s against concurrency 1.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
     pub concurrency: Vec<usize>,
+    /// A Python with the `llama_cpp` package (llama-cpp-python): the same GGUF, prompt and
+    /// thread count decoded greedily by llama.cpp in the same run, for the single-sequence
+    /// comparison. Without it the bench prints how to install one.
+    #[arg(long, value_name = "PYTHON")]
+    pub llama_cpp: Option<std::path::PathBuf>,
 }
 
 #[derive(clap::Args, Clone)]
@@ -143,6 +148,104 @@ async fn raw_decode(model: &std::sync::Arc<dyn Model>, prompt: &[u32], n: u32) -
         Ok((out, t.elapsed().as_secs_f64()))
     })
     .await?
+}
+
+/// llama.cpp (through llama-cpp-python) on the same GGUF, prompt ids and threads: its greedy
+/// decode rate (prefill excluded) over `a.rounds` runs and its prefill time, beside tokenlog's
+/// raw decode rate measured above and tokenlog's prefill of the same prompt measured now.
+const LLAMA_CPP_SCRIPT: &str = r#"
+import sys, time
+import llama_cpp
+from llama_cpp import Llama
+path, threads, n, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+prompt = [int(t) for t in sys.argv[5].split(",")]
+llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=len(prompt) + n + 8,
+            logits_all=True, verbose=False)
+decode_s, prefill_s, out = 0.0, [], []
+for r in range(rounds):
+    llm.reset()
+    t0 = time.perf_counter(); llm.eval(prompt); prefill_s.append(time.perf_counter() - t0)
+    out = []
+    t1 = time.perf_counter()
+    for i in range(n):
+        tok = int(llm.scores[llm.n_tokens - 1].argmax())
+        out.append(tok)
+        if i + 1 < n:
+            llm.eval([tok])
+    decode_s += time.perf_counter() - t1
+print("llama.cpp", llama_cpp.__version__, n * rounds / decode_s, min(prefill_s) * 1e3, ",".join(map(str, out)))
+"#;
+
+async fn llama_cpp_comparison(
+    a: &DecodeArgs,
+    model: &std::sync::Arc<dyn Model>,
+    prompt: &[u32],
+    raw_rate: f64,
+) -> anyhow::Result<()> {
+    let path = match &a.model {
+        Some(p) => p.clone(),
+        None => tokenlog_decoder::fetch::ensure_default_model(&tokenlog_decoder::fetch::repo_models_dir())?,
+    };
+    let Some(python) = &a.llama_cpp else {
+        println!(
+            "llama.cpp comparison: python3 -m venv V && V/bin/pip install llama-cpp-python==0.3.36 && \
+             tokenlog bench decode --llama-cpp V/bin/python"
+        );
+        return Ok(());
+    };
+    // tokenlog's prefill of the same prompt, best of the rounds.
+    let (m, p) = (model.clone(), prompt.to_vec());
+    let rounds = a.rounds;
+    let ours_prefill = tokio::task::spawn_blocking(move || -> anyhow::Result<f64> {
+        let mut best = f64::MAX;
+        for _ in 0..rounds {
+            let mut s = m.new_sequence()?;
+            let t = Instant::now();
+            s.prefill(&p)?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        Ok(best)
+    })
+    .await??;
+    let ids: Vec<String> = prompt.iter().map(u32::to_string).collect();
+    let out = Command::new(python)
+        .args(["-c", LLAMA_CPP_SCRIPT])
+        .arg(&path)
+        .args([
+            a.threads.to_string(),
+            a.tokens.to_string(),
+            a.rounds.to_string(),
+            ids.join(","),
+        ])
+        .output()
+        .with_context(|| format!("running {}", python.display()))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().find(|l| l.starts_with("llama.cpp ")).with_context(|| {
+        format!(
+            "{} printed no result (is llama-cpp-python installed there?): {}",
+            python.display(),
+            String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("")
+        )
+    })?;
+    let f: Vec<&str> = line.split(' ').collect();
+    anyhow::ensure!(f.len() == 5, "unexpected llama.cpp line: {line}");
+    let (version, rate, prefill_ms) = (f[1], f[2].parse::<f64>()?, f[3].parse::<f64>()?);
+    let theirs: Vec<u32> = f[4].split(',').filter_map(|t| t.parse().ok()).collect();
+    let (ours, _) = raw_decode(model, prompt, a.tokens).await?;
+    let same = ours.iter().zip(&theirs).take_while(|(x, y)| x == y).count();
+    println!(
+        "llama.cpp {version} raw decode {rate:>8.1} tok/s; tokenlog raw / llama.cpp {:.3}x (goal >= 1)",
+        raw_rate / rate
+    );
+    println!(
+        "prefill of the {} prompt tokens: tokenlog {:.1} ms, llama.cpp {prefill_ms:.1} ms (tokenlog / llama.cpp {:.3}x time); \
+         greedy tokens the same for the first {same} of {}",
+        prompt.len(),
+        ours_prefill * 1e3,
+        ours_prefill * 1e3 / prefill_ms,
+        a.tokens
+    );
+    Ok(())
 }
 
 /// `c` generations of the model alone, decoded together (one batched forward pass per step):
@@ -314,6 +417,9 @@ pub async fn decode(a: DecodeArgs) -> anyhow::Result<()> {
         "ratio log / raw           {:>8.3}x  (goal >= 0.95)",
         log_rate / raw_rate
     );
+    if !a.fake {
+        llama_cpp_comparison(&a, &model, &prompt, raw_rate).await?;
+    }
 
     // Batching: aggregate tok/s with c generations at once, against c = 1 in the same run.
     if !a.concurrency.is_empty() {
