@@ -496,8 +496,8 @@ fn a_model_split_into_stages_computes_the_whole_models_bits() {
 
 /// The CPU engine's numbers are pinned: a digest of the logits of a fixed prompt and 40 greedy
 /// steps. Exact-mode takeover across decoder releases (a generation begun by one release and
-/// continued by the next) needs the same bits; a kernel change (AVX-VNNI, more rows per
-/// weight block, attention by kv head) must keep this digest. If it has to change, the model
+/// continued by the next) needs the same bits; a kernel change (such as AVX-VNNI, or more rows per
+/// weight block) must keep this digest. If it has to change, the model
 /// identity must change with it (so that old and new decoders never continue each other's
 /// generations), and this test with it.
 #[test]

@@ -499,60 +499,43 @@ fn run_layers(w: &CpuWeights, items: &mut [(&mut CpuSequence, usize)], x: &mut [
             .collect();
         let out = SyncPtr(att.as_mut_ptr());
         let (q, rows, caches) = (&q, &rows, &caches);
-        // Work items: (row, kv head), each computing the `rep` query heads that share that kv
-        // head while its keys and values are loaded once; every head's numbers are the
-        // operations of one head alone, in the same order (`dot_f32` per score, then the
-        // softmax, then the weighted values position by position).
         let work = |range: std::ops::Range<usize>| {
             let mut scores: Vec<f32> = Vec::new();
-            let mut acc = vec![0f32; rep * d];
-            let mut dots = vec![0f32; rep];
-            let mut sums = vec![0f32; rep];
+            let mut acc = vec![0f32; d];
             for item in range {
-                let (r, kvh) = (item / hkv, item % hkv);
+                let (r, h) = (item / hq, item % hq);
                 let (seq, pos) = rows[r];
                 let (keys, values) = caches[seq];
-                let qs = &q[r * hidden + kvh * rep * d..r * hidden + (kvh + 1) * rep * d];
-                // scores[t * rep + j]: head kvh * rep + j at position t.
+                let kvh = h / rep;
+                let qh = &q[r * hidden + h * d..r * hidden + (h + 1) * d];
                 scores.clear();
-                for t in 0..=pos {
-                    quant::dot_f32_many(qs, &keys[t * kvw + kvh * d..t * kvw + (kvh + 1) * d], &mut dots);
-                    scores.extend(dots.iter().map(|s| s * scale));
-                }
-                for j in 0..rep {
-                    let max = scores
-                        .iter()
-                        .skip(j)
-                        .step_by(rep)
-                        .fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-                    let mut sum = 0f32;
-                    for s in scores.iter_mut().skip(j).step_by(rep) {
-                        *s = exp(*s - max);
-                        sum += *s;
-                    }
-                    sums[j] = sum;
+                scores
+                    .extend((0..=pos).map(|t| dot_f32(qh, &keys[t * kvw + kvh * d..t * kvw + (kvh + 1) * d]) * scale));
+                let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+                let mut sum = 0f32;
+                for s in scores.iter_mut() {
+                    *s = exp(*s - max);
+                    sum += *s;
                 }
                 acc.iter_mut().for_each(|a| *a = 0.0);
-                for (t, e) in scores.chunks_exact(rep).enumerate() {
+                for (t, &e) in scores.iter().enumerate() {
+                    let p = e / sum;
                     let vt = &values[t * kvw + kvh * d..t * kvw + (kvh + 1) * d];
-                    for (j, acc) in acc.chunks_exact_mut(d).enumerate() {
-                        let p = e[j] / sums[j];
-                        for (a, &vv) in acc.iter_mut().zip(vt) {
-                            *a += p * vv;
-                        }
+                    for (a, &vv) in acc.iter_mut().zip(vt) {
+                        *a += p * vv;
                     }
                 }
-                // SAFETY: each (row, kv head) group of heads of `att` belongs to one work item.
+                // SAFETY: each (row, head) slice of `att` belongs to one work item.
                 #[allow(unsafe_code)]
                 unsafe {
-                    std::ptr::copy_nonoverlapping(acc.as_ptr(), out.get().add(r * hidden + kvh * rep * d), rep * d);
+                    std::ptr::copy_nonoverlapping(acc.as_ptr(), out.get().add(r * hidden + h * d), d);
                 }
             }
         };
-        if n * hkv <= 4 {
-            work(0..n * hkv);
+        if n * hq <= 4 {
+            work(0..n * hq);
         } else {
-            candle_core::utils::barrier_pool().execute_chunked(n * hkv, work);
+            candle_core::utils::barrier_pool().execute_chunked(n * hq, work);
         }
         layer.wo.matmul(&att, n, &mut o);
         for (x, o) in x.iter_mut().zip(&o) {

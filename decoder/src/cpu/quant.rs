@@ -353,37 +353,6 @@ pub(crate) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-/// [`dot_f32`] of each of the `out.len()` consecutive slices of `qs` (each `b.len()` long) with
-/// `b`, loading `b` once: each result has the bits `dot_f32` gives it alone.
-pub(crate) fn dot_f32_many(qs: &[f32], b: &[f32], out: &mut [f32]) {
-    let n = b.len();
-    debug_assert_eq!(qs.len(), out.len() * n);
-    let mut acc = [[0f32; 8]; 4];
-    let full = n / 8 * 8;
-    for (g, out) in qs.chunks(4 * n).zip(out.chunks_mut(4)) {
-        let k = out.len();
-        for a in acc.iter_mut().take(k) {
-            *a = [0f32; 8];
-        }
-        for c in (0..full).step_by(8) {
-            let y = &b[c..c + 8];
-            for (j, a) in acc.iter_mut().enumerate().take(k) {
-                let x = &g[j * n + c..j * n + c + 8];
-                for i in 0..8 {
-                    a[i] += x[i] * y[i];
-                }
-            }
-        }
-        for (j, (a, o)) in acc.iter().zip(out.iter_mut()).enumerate() {
-            let mut s = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-            for (x, y) in g[j * n + full..(j + 1) * n].iter().zip(&b[full..]) {
-                s += x * y;
-            }
-            *o = s;
-        }
-    }
-}
-
 /// Whether the AVX2 kernels run (AVX2, F16C and FMA; checked once).
 fn simd() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -793,23 +762,6 @@ mod tests {
                     let got = y[r * w.rows + c];
                     assert!((got - exact).abs() < 0.05 + exact.abs() * 0.02, "{got} vs {exact}");
                 }
-            }
-        }
-    }
-
-    #[test]
-    fn several_dot_products_against_one_vector_are_each_the_dot_product_alone() {
-        for (n, heads) in [(64usize, 3usize), (64, 1), (19, 5), (8, 9)] {
-            let qs = values(n * heads, 21);
-            let b = values(n, 22);
-            let mut out = vec![0f32; heads];
-            dot_f32_many(&qs, &b, &mut out);
-            for (j, o) in out.iter().enumerate() {
-                assert_eq!(
-                    o.to_bits(),
-                    dot_f32(&qs[j * n..(j + 1) * n], &b).to_bits(),
-                    "n {n}, head {j}"
-                );
             }
         }
     }
