@@ -109,6 +109,41 @@ async fn wait_frontier(client: &LogClient, id: u64, at_least: u32) {
     }
 }
 
+/// Issue 16's generation: 64 sampled tokens (exact mode) of the lighthouse prompt with `seed`;
+/// `fail` strikes the pipeline after 20 records. All 64 must equal the whole model's, each seen
+/// once, every record at epoch 1 (the generation never left its head). The prompt and the
+/// generation's id.
+async fn decode_64_failing_after_20(
+    client: &LogClient,
+    model: &dyn Model,
+    rid: &str,
+    seed: u64,
+    fail: impl FnOnce(),
+) -> (Vec<u32>, u64) {
+    let prompt = model
+        .tokenizer()
+        .encode_chat(&[tokenlog_decoder::ChatMessage::user("Tell me about lighthouses.")])
+        .unwrap();
+    let id = submit_n(client, model, rid, &prompt, seed, 64).await;
+    let f = {
+        let c = client.clone();
+        tokio::spawn(async move { follow(&c, id).await })
+    };
+    wait_frontier(client, id, 20).await;
+    fail();
+    let (toks, epochs) = f.await.unwrap();
+    assert_eq!(
+        toks,
+        expected_n(model, &prompt, seed, 64),
+        "the whole model's 64 tokens"
+    );
+    assert!(
+        epochs.iter().all(|&e| e == 1),
+        "the generation never left its head: {epochs:?}"
+    );
+    (prompt, id)
+}
+
 /// A `tokenlog stage` process of `layers` on a free port, and the address it serves on.
 fn start_stage(dir: &Path, model: &Path, name: &str, layers: &str) -> (Decoder, String) {
     start_stage_with(dir, model, name, layers, &[])
@@ -326,24 +361,7 @@ async fn a_hot_spare_replaces_a_killed_middle_stage_and_the_generation_stays_wit
         ],
     );
     common::wait_for_model(&client).await;
-    let prompt = model
-        .tokenizer()
-        .encode_chat(&[tokenlog_decoder::ChatMessage::user("Tell me about lighthouses.")])
-        .unwrap();
-    let id = submit_n(&client, model.as_ref(), "spare", &prompt, 21, 64).await;
-    let f = {
-        let c = client.clone();
-        tokio::spawn(async move { follow(&c, id).await })
-    };
-    wait_frontier(&client, id, 20).await;
-    stages[1].0.kill9();
-    let (toks, epochs) = f.await.unwrap();
-    let want = expected_n(model.as_ref(), &prompt, 21, 64);
-    assert_eq!(toks, want, "the whole model's 64 tokens");
-    assert!(
-        epochs.iter().all(|&e| e == 1),
-        "the generation never left its head: {epochs:?}"
-    );
+    decode_64_failing_after_20(&client, model.as_ref(), "spare", 21, || stages[1].0.kill9()).await;
     assert!(
         head.wait_exit(Duration::ZERO).is_none(),
         "the head still runs:\n{}",
@@ -425,27 +443,8 @@ async fn a_paused_stage_spliced_out_is_refused_by_epoch_when_it_resumes_and_chan
     let ids = |p: &pb::PipelineInfo| p.stages.iter().map(|s| s.stage_id.clone()).collect::<Vec<_>>();
     assert_eq!(ids(&first), ["s1", "s2", "s3"], "{first:?}");
 
-    let prompt = model
-        .tokenizer()
-        .encode_chat(&[tokenlog_decoder::ChatMessage::user("Tell me about lighthouses.")])
-        .unwrap();
-    let id = submit_n(&client, model.as_ref(), "paused", &prompt, 31, 64).await;
-    let f = {
-        let c = client.clone();
-        tokio::spawn(async move { follow(&c, id).await })
-    };
-    wait_frontier(&client, id, 20).await;
-    stages[1].0.signal("-STOP");
-    let (toks, epochs) = f.await.unwrap();
-    assert_eq!(
-        toks,
-        expected_n(model.as_ref(), &prompt, 31, 64),
-        "the whole model's 64 tokens"
-    );
-    assert!(
-        epochs.iter().all(|&e| e == 1),
-        "the generation never left its head: {epochs:?}"
-    );
+    let (prompt, id) =
+        decode_64_failing_after_20(&client, model.as_ref(), "paused", 31, || stages[1].0.signal("-STOP")).await;
     let log = head.log_text();
     assert!(log.contains("spliced a spare in its place"), "{log}");
     // Detected by its registration in the log lapsing (its stream stayed open).
@@ -538,27 +537,7 @@ async fn a_cold_spare_registered_in_the_log_replaces_a_killed_middle_stage() {
     let list: Vec<String> = stages.iter().map(|s| s.1.clone()).collect();
     let mut head = cluster.start_real_decoder("head", &path, &["--pipeline", &list.join(","), "--lease-ms", "6000"]);
     common::wait_for_model(&client).await;
-    let prompt = model
-        .tokenizer()
-        .encode_chat(&[tokenlog_decoder::ChatMessage::user("Tell me about lighthouses.")])
-        .unwrap();
-    let id = submit_n(&client, model.as_ref(), "cold", &prompt, 41, 64).await;
-    let f = {
-        let c = client.clone();
-        tokio::spawn(async move { follow(&c, id).await })
-    };
-    wait_frontier(&client, id, 20).await;
-    stages[1].0.kill9();
-    let (toks, epochs) = f.await.unwrap();
-    assert_eq!(
-        toks,
-        expected_n(model.as_ref(), &prompt, 41, 64),
-        "the whole model's 64 tokens"
-    );
-    assert!(
-        epochs.iter().all(|&e| e == 1),
-        "the generation never left its head: {epochs:?}"
-    );
+    decode_64_failing_after_20(&client, model.as_ref(), "cold", 41, || stages[1].0.kill9()).await;
     let log = head.log_text();
     assert!(
         log.contains("spliced a spare in its place") && log.contains("cold=true"),
