@@ -203,14 +203,28 @@ type Setup = (PathBuf, std::sync::Arc<dyn Model>, Cluster, Vec<(Decoder, String)
 /// The bundled model (loaded in this process, for the expected tokens), a fresh 3-node log and
 /// stage processes of `ranges` named `s1`, `s2`, ...
 fn setup(dir: &Path, ranges: &[&str]) -> Setup {
+    setup_stages(dir, ranges, false)
+}
+
+/// [`setup`] with stages started with the log's addresses (fenced by and registered in it).
+fn fenced_setup(dir: &Path, ranges: &[&str]) -> Setup {
+    setup_stages(dir, ranges, true)
+}
+
+fn setup_stages(dir: &Path, ranges: &[&str], fenced: bool) -> Setup {
     let path = model_path();
     tokenlog_decoder::threads::init_cpu_threads(1);
     let model = tokenlog_decoder::load_model(&path, tokenlog_decoder::DeviceSpec::Cpu).unwrap();
     let cluster = Cluster::start(20_000);
+    let nodes = cluster.addrs.join(",");
+    let extra = match fenced {
+        true => vec!["--cluster", nodes.as_str()],
+        false => vec![],
+    };
     let stages = ranges
         .iter()
         .enumerate()
-        .map(|(i, r)| start_stage(dir, &path, &format!("s{}", i + 1), r))
+        .map(|(i, r)| start_stage_with(dir, &path, &format!("s{}", i + 1), r, &extra))
         .collect();
     (path, model, cluster, stages)
 }
@@ -412,17 +426,10 @@ async fn ask_stage(addr: &str, head: &str, epoch: u64) -> Result<dpb::ForwardRes
 async fn a_paused_stage_spliced_out_is_refused_by_epoch_when_it_resumes_and_changes_nothing() {
     let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
-    let path = model_path();
-    tokenlog_decoder::threads::init_cpu_threads(1);
-    let model = tokenlog_decoder::load_model(&path, tokenlog_decoder::DeviceSpec::Cpu).unwrap();
-    let cluster = Cluster::start(20_000);
+    let (path, model, cluster, stages) = fenced_setup(dir.path(), &["0..10", "10..20", "20..30"]);
     let client = cluster.client();
     let nodes = cluster.addrs.join(",");
     let with_log = ["--cluster", nodes.as_str()];
-    let stages: Vec<(Decoder, String)> = [("s1", "0..10"), ("s2", "10..20"), ("s3", "20..30")]
-        .iter()
-        .map(|(n, r)| start_stage_with(dir.path(), &path, n, r, &with_log))
-        .collect();
     let (_spare, spare) = start_stage_with(dir.path(), &path, "spare", "10..20", &with_log);
     let list: Vec<String> = stages.iter().map(|s| s.1.clone()).collect();
     // A lease longer than the keepalive's detection: the generation stays with its head.
@@ -508,17 +515,10 @@ async fn a_paused_stage_spliced_out_is_refused_by_epoch_when_it_resumes_and_chan
 async fn a_cold_spare_registered_in_the_log_replaces_a_killed_middle_stage() {
     let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
-    let path = model_path();
-    tokenlog_decoder::threads::init_cpu_threads(1);
-    let model = tokenlog_decoder::load_model(&path, tokenlog_decoder::DeviceSpec::Cpu).unwrap();
-    let cluster = Cluster::start(20_000);
+    let (path, model, cluster, mut stages) = fenced_setup(dir.path(), &["0..10", "10..20", "20..30"]);
     let client = cluster.client();
     let nodes = cluster.addrs.join(",");
     let with_log = ["--cluster", nodes.as_str()];
-    let mut stages: Vec<(Decoder, String)> = [("s1", "0..10"), ("s2", "10..20"), ("s3", "20..30")]
-        .iter()
-        .map(|(n, r)| start_stage_with(dir.path(), &path, n, r, &with_log))
-        .collect();
     let (_cold, cold_addr) = start_stage_with(dir.path(), &path, "cold", "cold", &with_log);
     let registered = |r: &pb::ListStagesResponse, id: &str| r.stages.iter().find(|s| s.stage_id == id).cloned();
     let deadline = Instant::now() + Duration::from_secs(30);

@@ -128,12 +128,12 @@ struct Conn {
 
 /// What the head's watcher last read of the stages' registrations in the log.
 #[derive(Debug, Default)]
-pub struct Registered {
-    /// The live registrations, by stage id.
-    pub live: HashMap<String, lpb::StageRegistration>,
+struct Registered {
+    /// The stage ids registered now.
+    live: HashSet<String>,
     /// Every stage id seen registered since the head started: a stage that never registered
     /// (one without `--cluster`) is not watched.
-    pub ever: HashSet<String>,
+    ever: HashSet<String>,
 }
 
 type Registry = tokio::sync::watch::Receiver<Arc<Registered>>;
@@ -141,7 +141,7 @@ type Registry = tokio::sync::watch::Receiver<Arc<Registered>>;
 impl Registered {
     /// Why stage `id` is dead to the log: it was registered and its registration lapsed.
     fn lapsed(&self, id: &str) -> bool {
-        self.ever.contains(id) && !self.live.contains_key(id)
+        self.ever.contains(id) && !self.live.contains(id)
     }
 }
 
@@ -152,13 +152,13 @@ async fn watch_registrations(log: LogClient, tx: tokio::sync::watch::Sender<Arc<
     let mut ever = HashSet::new();
     while !tx.is_closed() {
         if let Ok(r) = log.list_stages(false).await {
-            let live: HashMap<String, lpb::StageRegistration> = r
+            let live: HashSet<String> = r
                 .stages
                 .into_iter()
                 .filter(|s| s.expiry_log_ms > r.log_ms)
-                .map(|s| (s.stage_id.clone(), s))
+                .map(|s| s.stage_id)
                 .collect();
-            ever.extend(live.keys().cloned());
+            ever.extend(live.iter().cloned());
             tx.send_replace(Arc::new(Registered {
                 live,
                 ever: ever.clone(),
@@ -542,92 +542,41 @@ impl Pipe {
                 continue;
             };
             let layers = self.conns[k].info.layers.clone();
-            let mut spliced = false;
-            let mut load_us = 0;
-            // With a log, a spare may register meanwhile (a supervisor restarting the dead
-            // stage, a spare starting): the head looks again until STAGE_SPARE_WAIT is over.
-            let wait_until = Instant::now()
-                + if self.log.is_some() {
-                    STAGE_SPARE_WAIT
-                } else {
-                    Duration::ZERO
-                };
-            let mut round = 0u64;
-            while !spliced {
-                let first_round = round == 0;
-                round += 1;
-                for spare in self.spares_for(&layers).await {
-                    if spare.cold {
-                        match load_cold(&spare.addr, &self.channel_for, &layers).await {
-                            Ok(d) => load_us = d.as_micros() as u64,
-                            Err(e) => {
-                                if first_round {
-                                    tracing::warn!(spare = %spare.addr, error = e, "a cold spare cannot be used now");
-                                }
-                                continue;
-                            }
-                        }
-                    }
-                    match open_stage(
-                        &spare.addr,
-                        &self.channel_for,
-                        &self.weights_sha256,
-                        self.vocab,
-                        self.registry.clone(),
-                    )
-                    .await
-                    {
-                        Ok((conn, _)) if conn.info.layers == layers => {
-                            // One fenced write: from its answer on, the failed stage is refused.
-                            let mut stages: Vec<StageInfo> = self.conns.iter().map(|c| c.info.clone()).collect();
-                            stages[k] = conn.info.clone();
-                            let from = self.epoch;
-                            if let Err(e) = self.compose(&stages).await {
-                                tracing::error!(spare = %spare.addr, error = e, "the log did not take the splice: the pass fails");
-                                return false;
-                            }
-                            tracing::warn!(
-                                failed = %self.conns[k].info.addr,
-                                why,
-                                spare = %spare.addr,
-                                spare_id = %conn.info.stage_id,
-                                cold = spare.cold,
-                                from_log = spare.from_log,
-                                layers = ?layers,
-                                from_epoch = from,
-                                pipeline_epoch = self.epoch,
-                                ms = t0.elapsed().as_millis() as u64,
-                                "a pipeline stage failed: spliced a spare in its place"
-                            );
-                            self.conns[k] = conn;
-                            // The one spliced in is a spare no more; the others stay.
-                            self.spares.retain(|a| *a != spare.addr);
-                            spliced = true;
-                            break;
-                        }
-                        // A spare of other layers stays a spare.
-                        Ok(_) => {}
-                        Err(e) if first_round => {
-                            tracing::warn!(spare = %spare.addr, error = e, "a spare stage cannot be used now")
-                        }
-                        Err(_) => {}
-                    }
-                }
-                if spliced || Instant::now() >= wait_until {
-                    break;
-                }
-                tokio::time::sleep(STAGE_LEASE_POLL).await;
-            }
-            if !spliced {
+            let (found, rounds) = self.find_spare(&layers).await;
+            let Some((spare, conn, load_us)) = found else {
                 tracing::error!(
                     failed = %self.conns[k].info.addr,
                     why,
                     layers = ?layers,
-                    waited_ms = round.saturating_sub(1) * STAGE_LEASE_POLL.as_millis() as u64,
+                    waited_ms = rounds.saturating_sub(1) * STAGE_LEASE_POLL.as_millis() as u64,
                     "a pipeline stage failed and no spare of its layers answers"
                 );
                 return false;
+            };
+            // One fenced write: from its answer on, the failed stage is refused.
+            let mut stages: Vec<StageInfo> = self.conns.iter().map(|c| c.info.clone()).collect();
+            stages[k] = conn.info.clone();
+            let from = self.epoch;
+            if let Err(e) = self.compose(&stages).await {
+                tracing::error!(spare = %spare.addr, error = e, "the log did not take the splice: the pass fails");
+                return false;
             }
+            tracing::warn!(
+                failed = %self.conns[k].info.addr,
+                why,
+                spare = %spare.addr,
+                spare_id = %conn.info.stage_id,
+                cold = spare.cold,
+                from_log = spare.from_log,
+                layers = ?layers,
+                from_epoch = from,
+                pipeline_epoch = self.epoch,
+                ms = t0.elapsed().as_millis() as u64,
+                "a pipeline stage failed: spliced a spare in its place"
+            );
+            self.conns[k] = conn;
+            // The one spliced in is a spare no more; the others stay.
+            self.spares.retain(|a| *a != spare.addr);
             let t1 = Instant::now();
             let (rebuilt, positions) = self.rebuild(k).await;
             tracing::warn!(
@@ -645,6 +594,68 @@ impl Pipe {
             replaced += 1;
         }
         replaced > 0
+    }
+
+    /// The first spare of `layers` that answers ([`Pipe::spares_for`], in order), with its
+    /// stream and how long a cold one took to load (µs). With a log, a spare may register
+    /// meanwhile (a supervisor restarting the dead stage, a spare starting): the head looks
+    /// again every `STAGE_LEASE_POLL` until `STAGE_SPARE_WAIT` is over. Also the rounds tried.
+    async fn find_spare(&self, layers: &std::ops::Range<usize>) -> (Option<(Spare, Conn, u64)>, u64) {
+        let wait = if self.log.is_some() {
+            STAGE_SPARE_WAIT
+        } else {
+            Duration::ZERO
+        };
+        let until = Instant::now() + wait;
+        let mut rounds = 0;
+        loop {
+            rounds += 1;
+            for spare in self.spares_for(layers).await {
+                if let Some((conn, load_us)) = self.ready_spare(&spare, layers, rounds == 1).await {
+                    return (Some((spare, conn, load_us)), rounds);
+                }
+            }
+            if Instant::now() >= until {
+                return (None, rounds);
+            }
+            tokio::time::sleep(STAGE_LEASE_POLL).await;
+        }
+    }
+
+    /// Opens `spare` for `layers` (a cold one loads them first): its stream and the load time
+    /// (µs), or `None` if it cannot be used now (why is logged when `say`). A spare of other
+    /// layers stays a spare.
+    async fn ready_spare(&self, spare: &Spare, layers: &std::ops::Range<usize>, say: bool) -> Option<(Conn, u64)> {
+        let mut load_us = 0;
+        if spare.cold {
+            match load_cold(&spare.addr, &self.channel_for, layers).await {
+                Ok(d) => load_us = d.as_micros() as u64,
+                Err(e) => {
+                    if say {
+                        tracing::warn!(spare = %spare.addr, error = e, "a cold spare cannot be used now");
+                    }
+                    return None;
+                }
+            }
+        }
+        match open_stage(
+            &spare.addr,
+            &self.channel_for,
+            &self.weights_sha256,
+            self.vocab,
+            self.registry.clone(),
+        )
+        .await
+        {
+            Ok((conn, _)) if conn.info.layers == *layers => Some((conn, load_us)),
+            Ok(_) => None,
+            Err(e) => {
+                if say {
+                    tracing::warn!(spare = %spare.addr, error = e, "a spare stage cannot be used now");
+                }
+                None
+            }
+        }
     }
 
     /// The spares a splice of `layers` tries, in order: those given to the head (each checked
@@ -679,7 +690,7 @@ impl Pipe {
             .filter(|p| p.head != self.head)
             .flat_map(|p| p.stages.iter().map(|s| s.stage_id.as_str()))
             .collect();
-        let mut found: Vec<(u8, &lpb::StageRegistration)> = r
+        let mut found: Vec<(u8, &str, Spare)> = r
             .stages
             .iter()
             .filter(|s| {
@@ -695,21 +706,26 @@ impl Pipe {
                 // Hot and idle first; then cold; last a stage of these layers that another
                 // head's composition names (a stage serves several heads, each fenced by its
                 // own epoch; the composition may be a dead head's that has not lapsed yet).
-                match (cold, fits, shared) {
-                    (false, true, false) => Some((0, s)),
-                    (true, _, false) => Some((1, s)),
-                    (false, true, true) => Some((2, s)),
-                    _ => None,
-                }
+                let class = match (cold, fits, shared) {
+                    (false, true, false) => 0,
+                    (true, _, false) => 1,
+                    (false, true, true) => 2,
+                    _ => return None,
+                };
+                Some((
+                    class,
+                    s.stage_id.as_str(),
+                    Spare {
+                        addr: s.addr.clone(),
+                        cold,
+                        from_log: true,
+                    },
+                ))
             })
             .collect();
         // Then by name: every head tries them in the same order.
-        found.sort_by(|a, b| (a.0, &a.1.stage_id).cmp(&(b.0, &b.1.stage_id)));
-        out.extend(found.into_iter().map(|(_, s)| Spare {
-            addr: s.addr.clone(),
-            cold: s.first_layer == s.end_layer,
-            from_log: true,
-        }));
+        found.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
+        out.extend(found.into_iter().map(|(_, _, spare)| spare));
         out
     }
 

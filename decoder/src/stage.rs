@@ -255,8 +255,8 @@ struct Shared {
     loaded: std::sync::OnceLock<Loaded>,
     /// One `Load` at a time.
     loading: tokio::sync::Mutex<()>,
-    /// The layers held (for the registration), `None` before a cold stage loads.
-    layers: tokio::sync::watch::Sender<Option<Range<usize>>>,
+    /// Told when the layers are loaded (the registration says so at once).
+    installed: tokio::sync::Notify,
 }
 
 struct Loaded {
@@ -269,19 +269,23 @@ impl StageService {
     /// head's composition in the log (`None`: by the newest epoch seen from each head only).
     /// Spawns the fence's refresher on the current runtime.
     pub fn new(model: Arc<StageModel>, stage_id: String, log: Option<LogClient>) -> Self {
-        let svc = StageService {
-            shared: Arc::new(Shared {
-                cold: model.describe(&stage_id),
-                stage_id,
-                log,
-                path: None,
-                loaded: std::sync::OnceLock::new(),
-                loading: tokio::sync::Mutex::new(()),
-                layers: tokio::sync::watch::Sender::new(None),
-            }),
-        };
+        let svc = Self::with(model.describe(&stage_id), stage_id, log, None);
         svc.install(model);
         svc
+    }
+
+    fn with(cold: dpb::DescribeResponse, stage_id: String, log: Option<LogClient>, path: Option<PathBuf>) -> Self {
+        StageService {
+            shared: Arc::new(Shared {
+                stage_id,
+                log,
+                path,
+                cold,
+                loaded: std::sync::OnceLock::new(),
+                loading: tokio::sync::Mutex::new(()),
+                installed: tokio::sync::Notify::new(),
+            }),
+        }
     }
 
     /// A cold stage of the model file at `path` (its header read now, its layers on `Load`).
@@ -298,39 +302,19 @@ impl StageService {
             max_positions: f.max_context as u32,
             stage_id: stage_id.clone(),
         };
-        Ok(StageService {
-            shared: Arc::new(Shared {
-                stage_id,
-                log,
-                path: Some(path.to_path_buf()),
-                cold,
-                loaded: std::sync::OnceLock::new(),
-                loading: tokio::sync::Mutex::new(()),
-                layers: tokio::sync::watch::Sender::new(None),
-            }),
-        })
+        Ok(Self::with(cold, stage_id, log, Some(path.to_path_buf())))
     }
 
     fn install(&self, model: Arc<StageModel>) {
         let fence = Fence::new(self.shared.log.clone(), self.shared.stage_id.clone(), model.layers());
-        let layers = model.layers();
         if self.shared.loaded.set(Loaded { model, fence }).is_ok() {
-            self.shared.layers.send_replace(Some(layers));
+            self.shared.installed.notify_one();
         }
     }
 
-    pub fn stage_id(&self) -> &str {
-        &self.shared.stage_id
-    }
-
-    /// The weights it serves (or will, a cold stage).
-    pub fn weights_sha256(&self) -> &str {
-        &self.shared.cold.weights_sha256
-    }
-
-    /// The layers it holds (`None`: a cold stage that has loaded none yet), watched.
-    pub fn layers(&self) -> tokio::sync::watch::Receiver<Option<Range<usize>>> {
-        self.shared.layers.subscribe()
+    /// The layers it holds (`0..0`: a cold stage that has loaded none yet).
+    fn held(&self) -> Range<usize> {
+        self.shared.loaded.get().map_or(0..0, |l| l.model.layers())
     }
 
     fn describe_now(&self) -> dpb::DescribeResponse {
@@ -381,11 +365,10 @@ impl StageService {
     /// `STAGE_REGISTRATION_TTL`, and at once when its layers change (a cold stage that loaded).
     /// A registration the log cannot take now is retried; the stage serves on meanwhile.
     pub async fn keep_registered(self, log: LogClient, addr: String) {
-        let mut layers = self.layers();
         let ttl = STAGE_REGISTRATION_TTL;
         let mut failing = false;
         loop {
-            let held = layers.borrow_and_update().clone().unwrap_or(0..0);
+            let held = self.held();
             let reg = tokenlog_proto::raftlog::StageRegistration {
                 stage_id: self.shared.stage_id.clone(),
                 addr: addr.clone(),
@@ -409,7 +392,7 @@ impl StageService {
             }
             tokio::select! {
                 _ = tokio::time::sleep(ttl / 4) => {}
-                _ = layers.changed() => {}
+                _ = self.shared.installed.notified() => {}
             }
         }
     }
@@ -568,12 +551,6 @@ impl dpb::stage_server::Stage for StageService {
         req: Request<dpb::LoadRequest>,
     ) -> std::result::Result<Response<dpb::DescribeResponse>, Status> {
         let r = req.into_inner();
-        if r.end_layer <= r.first_layer {
-            return Err(Status::invalid_argument(format!(
-                "the layer range {}..{} is empty",
-                r.first_layer, r.end_layer
-            )));
-        }
         self.load(r.first_layer as usize..r.end_layer as usize)
             .await
             .map(Response::new)

@@ -152,7 +152,8 @@ async fn raw_decode(model: &std::sync::Arc<dyn Model>, prompt: &[u32], n: u32) -
 
 /// llama.cpp (through llama-cpp-python) on the same GGUF, prompt ids and threads: its greedy
 /// decode rate (prefill excluded) over `a.rounds` runs and its prefill time, beside tokenlog's
-/// raw decode rate measured above and tokenlog's prefill of the same prompt measured now.
+/// raw decode rate and greedy tokens measured above and tokenlog's prefill of the same prompt
+/// measured now.
 const LLAMA_CPP_SCRIPT: &str = r#"
 import sys, time
 import llama_cpp
@@ -186,7 +187,7 @@ async fn llama_cpp_comparison(
     a: &DecodeArgs,
     model: &std::sync::Arc<dyn Model>,
     prompt: &[u32],
-    raw_rate: f64,
+    (raw_rate, ours): (f64, &[u32]),
 ) -> anyhow::Result<()> {
     let path = match &a.model {
         Some(p) => p.clone(),
@@ -237,7 +238,6 @@ async fn llama_cpp_comparison(
     anyhow::ensure!(f.len() == 5, "unexpected llama.cpp line: {line}");
     let (version, rate, prefill_ms) = (f[1], f[2].parse::<f64>()?, f[3].parse::<f64>()?);
     let theirs: Vec<u32> = f[4].split(',').filter_map(|t| t.parse().ok()).collect();
-    let (ours, _) = raw_decode(model, prompt, a.tokens).await?;
     let same = ours.iter().zip(&theirs).take_while(|(x, y)| x == y).count();
     println!(
         "llama.cpp {version} raw decode {rate:>8.1} tok/s; tokenlog raw / llama.cpp {:.3}x (goal >= 1)",
@@ -424,7 +424,7 @@ pub async fn decode(a: DecodeArgs) -> anyhow::Result<()> {
         log_rate / raw_rate
     );
     if !a.fake {
-        llama_cpp_comparison(&a, &model, &prompt, raw_rate).await?;
+        llama_cpp_comparison(&a, &model, &prompt, (raw_rate, &raw_tokens)).await?;
     }
 
     // Batching: aggregate tok/s with c generations at once, against c = 1 in the same run.
