@@ -23,9 +23,10 @@ async fn writer(
     gens: Vec<(u64, u64)>,
     decoder: String,
     stop: tokio::sync::watch::Receiver<bool>,
+    min_writes: u32,
 ) -> u32 {
     let mut seq = 0u32;
-    while !*stop.borrow() {
+    while !*stop.borrow() || seq < min_writes {
         let items: Vec<pb::AppendItem> = gens
             .iter()
             .map(|&(id, epoch)| pb::AppendItem {
@@ -86,6 +87,7 @@ async fn kill9_leader_during_appends_loses_no_acknowledged_record() {
             gens,
             format!("dec{w}"),
             stop_rx.clone(),
+            0,
         )));
     }
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -139,7 +141,7 @@ async fn restart_all_nodes_at_once_keeps_identical_state_and_wiped_node_catches_
     let client = cluster.client();
     let gens = owned_generations(&client, 8, "dec").await;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let w = tokio::spawn(writer(cluster.client(), gens.clone(), "dec".into(), stop_rx));
+    let w = tokio::spawn(writer(cluster.client(), gens.clone(), "dec".into(), stop_rx, 0));
     tokio::time::sleep(Duration::from_millis(2000)).await;
     stop_tx.send(true).unwrap();
     let frontier = w.await.unwrap();
@@ -263,17 +265,18 @@ async fn a_stopped_followers_data_dir_is_a_backup_every_node_can_be_restored_fro
     let leader = cluster.leader().await;
     let client = cluster.client();
     let gens = owned_generations(&client, 4, "dec").await;
-    // Writes to `gens` (from seq 0, as their owner `dec`) for `ms`.
+    // Writes to `gens` (from seq 0, as their owner `dec`) for `ms`, and at least 20 writes: an
+    // election on a loaded machine may take most of the `ms`.
     let write_for = |client: LogClient, gens: Vec<(u64, u64)>, dec: &str, ms: u64| {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let w = tokio::spawn(writer(client, gens, dec.into(), stop_rx));
+        let w = tokio::spawn(writer(client, gens, dec.into(), stop_rx, 20));
         async move {
             tokio::time::sleep(Duration::from_millis(ms)).await;
             stop_tx.send(true).unwrap();
             w.await.unwrap()
         }
     };
-    assert!(write_for(cluster.client(), gens, "dec", 1_000).await > 10);
+    assert!(write_for(cluster.client(), gens, "dec", 1_000).await >= 20);
     let before = cluster.converged().await;
 
     // The backup: one follower stopped (SIGTERM), its data dir copied, the follower started again.
@@ -295,6 +298,12 @@ async fn a_stopped_followers_data_dir_is_a_backup_every_node_can_be_restored_fro
     };
     cp(&cluster.data_dir(f), &backup);
     cluster.start_node(f);
+    cluster.leader().await;
+    assert_eq!(
+        cluster.converged().await,
+        before,
+        "the restarted follower holds the log it stopped with"
+    );
     let verify = std::process::Command::new(common::bin())
         .args(["verify", "--data-dir"])
         .arg(&backup)
@@ -308,7 +317,7 @@ async fn a_stopped_followers_data_dir_is_a_backup_every_node_can_be_restored_fro
 
     // The cluster goes on; then every disk is lost and each node gets the backup.
     let more = owned_generations(&client, 4, "dec2").await;
-    assert!(write_for(cluster.client(), more, "dec2", 1_000).await > 10);
+    assert!(write_for(cluster.client(), more, "dec2", 1_000).await >= 20);
     assert_ne!(
         cluster.converged().await,
         before,

@@ -289,12 +289,25 @@ fn per_scenario(
             );
         }
         Scenario::HeadDies => {
-            let after: BTreeSet<u64> = tokens.iter().filter(|t| t.0 >= FAULT_SEQ).map(|t| t.2).collect();
+            // The head is killed once the client saw seq 20; it may have committed a few more
+            // records at epoch 1 by then. What must hold: the head (epoch 1) wrote everything
+            // before seq 20, and from its last record on another decoder wrote at a higher epoch,
+            // to the end.
+            let before: BTreeSet<u64> = tokens.iter().filter(|t| t.0 < FAULT_SEQ).map(|t| t.2).collect();
+            let head_until = tokens.iter().filter(|t| t.2 == 1).map(|t| t.0).max();
+            let later: BTreeSet<u64> = tokens
+                .iter()
+                .filter(|t| head_until.is_some_and(|h| t.0 > h))
+                .map(|t| t.2)
+                .collect();
             expect(
                 out,
                 "the head died and another decoder continued the generation at a higher epoch",
-                !after.is_empty() && after.iter().all(|&e| e > 1),
-                format!("epochs from seq {FAULT_SEQ} on: {after:?}"),
+                before.iter().all(|&e| e == 1)
+                    && head_until.is_some_and(|h| h + 1 >= FAULT_SEQ)
+                    && !later.is_empty()
+                    && later.iter().all(|&e| e > 1),
+                format!("epochs before seq {FAULT_SEQ}: {before:?}; the head's last seq {head_until:?}; epochs after it {later:?}"),
             );
         }
         Scenario::MinorityPartition | Scenario::NodeLosesDisk => {}
