@@ -16,10 +16,14 @@ fn bin() -> PathBuf {
     exe.parent().unwrap().parent().unwrap().join("tokenlog")
 }
 
-/// Reports stay under the temp dir (`tokenlog-fault-suite/seed-N`) for a look after a failure.
+/// Reports stay under the temp dir (`tokenlog-fault-suite/TEST/seed-N`) for a look after a
+/// failure. The test's name keeps two tests of one seed, running at once, out of each other's
+/// histories.
 fn config(seed: u64) -> RunConfig {
+    let test = std::thread::current().name().unwrap_or("test").replace("::", "-");
     let out = std::env::temp_dir()
         .join("tokenlog-fault-suite")
+        .join(test)
         .join(format!("seed-{seed}"));
     let _ = std::fs::remove_dir_all(&out);
     let mut cfg = RunConfig::new(bin(), out, seed);
