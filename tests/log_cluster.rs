@@ -273,7 +273,11 @@ async fn a_stopped_followers_data_dir_is_a_backup_every_node_can_be_restored_fro
         async move {
             tokio::time::sleep(Duration::from_millis(ms)).await;
             stop_tx.send(true).unwrap();
-            w.await.unwrap()
+            // The writer goes on until its 20th write: a cluster that never serves fails here.
+            tokio::time::timeout(Duration::from_secs(30), w)
+                .await
+                .expect("20 writes within 30 s")
+                .unwrap()
         }
     };
     assert!(write_for(cluster.client(), gens, "dec", 1_000).await >= 20);

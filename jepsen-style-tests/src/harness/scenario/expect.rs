@@ -289,29 +289,38 @@ fn per_scenario(
             );
         }
         Scenario::HeadDies => {
-            // The head is killed once the client saw seq 20; it may have committed a few more
-            // records at epoch 1 by then. What must hold: the head (epoch 1) wrote everything
-            // before seq 20, and from its last record on another decoder wrote at a higher epoch,
-            // to the end.
-            let before: BTreeSet<u64> = tokens.iter().filter(|t| t.0 < FAULT_SEQ).map(|t| t.2).collect();
-            let head_until = tokens.iter().filter(|t| t.2 == 1).map(|t| t.0).max();
-            let later: BTreeSet<u64> = tokens
-                .iter()
-                .filter(|t| head_until.is_some_and(|h| t.0 > h))
-                .map(|t| t.2)
-                .collect();
+            let (ok, detail) = continued_after_head(tokens);
             expect(
                 out,
                 "the head died and another decoder continued the generation at a higher epoch",
-                before.iter().all(|&e| e == 1)
-                    && head_until.is_some_and(|h| h + 1 >= FAULT_SEQ)
-                    && !later.is_empty()
-                    && later.iter().all(|&e| e > 1),
-                format!("epochs before seq {FAULT_SEQ}: {before:?}; the head's last seq {head_until:?}; epochs after it {later:?}"),
+                ok,
+                detail,
             );
         }
         Scenario::MinorityPartition | Scenario::NodeLosesDisk => {}
     }
+}
+
+/// `head-dies`: the head is killed once the client saw seq 20, so it may have committed a few
+/// more records at epoch 1 by then. What must hold: the head (epoch 1) wrote everything before
+/// seq 20, and after its last record another decoder wrote at a higher epoch, to the end.
+/// `tokens`: (seq, token, epoch) as the client saw them.
+fn continued_after_head(tokens: &[(u32, u32, u64)]) -> (bool, String) {
+    let before: BTreeSet<u64> = tokens.iter().filter(|t| t.0 < FAULT_SEQ).map(|t| t.2).collect();
+    let head_until = tokens.iter().filter(|t| t.2 == 1).map(|t| t.0).max();
+    let later: BTreeSet<u64> = tokens
+        .iter()
+        .filter(|t| head_until.is_some_and(|h| t.0 > h))
+        .map(|t| t.2)
+        .collect();
+    let ok = before.iter().all(|&e| e == 1)
+        && head_until.is_some_and(|h| h + 1 >= FAULT_SEQ)
+        && !later.is_empty()
+        && later.iter().all(|&e| e > 1);
+    let detail = format!(
+        "epochs before seq {FAULT_SEQ}: {before:?}; the head's last seq {head_until:?}; epochs after it {later:?}"
+    );
+    (ok, detail)
 }
 
 /// Points 9 and 10: the old owner's write after the takeover (for 10, the held append carrying
@@ -355,4 +364,35 @@ fn old_owner_rejected(
         rejected >= 1 && (sc != Scenario::DelayedAppendFromOldOwner || fired.is_some()),
         format!("takeover at {granted:?}; the old owner's later appends: {late:?}"),
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// (seq, token, epoch) for 64 records, the head (epoch 1) writing up to `head_until`.
+    fn seen(head_until: u32, next_epoch: u64) -> Vec<(u32, u32, u64)> {
+        (0..64)
+            .map(|s| (s, s, if s <= head_until { 1 } else { next_epoch }))
+            .collect()
+    }
+
+    #[test]
+    fn a_head_that_committed_past_seq_20_before_its_kill_landed_still_hands_on() {
+        // CI's case: the client saw seq 20 at the kill, the head had committed up to 22.
+        assert!(continued_after_head(&seen(22, 2)).0);
+        assert!(continued_after_head(&seen(FAULT_SEQ - 1, 2)).0);
+    }
+
+    #[test]
+    fn no_takeover_or_an_early_one_is_caught() {
+        // Nobody took over.
+        assert!(!continued_after_head(&seen(63, 2)).0);
+        // Another epoch before seq 20: the head was not the one writing there.
+        assert!(!continued_after_head(&seen(10, 2)).0);
+        // A record after the head's last one at an epoch no higher than the head's.
+        let mut back = seen(22, 2);
+        back[30].2 = 0;
+        assert!(!continued_after_head(&back).0);
+    }
 }
