@@ -199,6 +199,15 @@ pub fn plant_early_handoff_write() -> anyhow::Result<bool> {
     Ok(on)
 }
 
+/// Planted bug `standby-early-write` (fault builds): `TOKENLOG_PLANT_STANDBY_EARLY_WRITE=1`.
+pub fn plant_standby_early_write() -> anyhow::Result<bool> {
+    let on = planted("TOKENLOG_PLANT_STANDBY_EARLY_WRITE")?;
+    if on {
+        eprintln!("PLANTED BUG ON: a standby appends without an epoch of its own");
+    }
+    Ok(on)
+}
+
 /// Test only (fault builds): with `TOKENLOG_PLANT_TASK_PANIC=1`, a background task panics
 /// 300 ms after start, as a bug in a server task would; the process must not go on without it
 /// (see [`abort_on_panic`]).

@@ -260,6 +260,164 @@ async fn a_killed_owner_is_replaced_without_waiting_for_its_lease() {
     drop(d2);
 }
 
+/// Hot standby (issue 15 item 3): a decoder with `--standby 1` is assigned a running generation
+/// by the log and follows its records; when the owner is kill -9'd the standby takes it over
+/// from its followed state (no re-prefill), ahead of a third, idle decoder (the log's priority
+/// window), and the output equals an uninterrupted run. Its history shows no write without a
+/// grant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_standby_takes_over_a_killed_owner_from_its_followed_state() {
+    let _serial = serial();
+    standby_takeover(false).await;
+}
+
+/// Planted bug `standby-early-write`: a standby that appends at the dead owner's epoch instead
+/// of acquiring one is refused by the log's fence, and its own history shows the write without
+/// a grant; the generation still continues exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_appending_without_an_epoch_is_caught() {
+    let _serial = serial();
+    standby_takeover(true).await;
+}
+
+async fn standby_takeover(plant: bool) {
+    let cluster = Cluster::start(20_000);
+    cluster.leader().await;
+    let client = cluster.client();
+    // 50 ms steps: 120 tokens last 6 s, time enough for the standby to claim and follow.
+    let args = ["--fake-step-ms", "50", "--lease-ms", "20000", "--capacity", "1"];
+    let mut d1 = cluster.start_decoder("dec-a", &args);
+    let prompt = vec![3, 1, 4, 1, 5];
+    let id = submit(&client, "standby", &prompt).await;
+    wait_for(&client, id, "progress", |o| o.2 >= 5).await;
+    let history = cluster.dir.path().join("dec-b.jsonl");
+    let history_arg = history.display().to_string();
+    let standby_args = [&args[..], &["--standby", "1", "--history", &history_arg]].concat();
+    let env: Vec<(&str, &str)> = if plant {
+        vec![("TOKENLOG_PLANT_STANDBY_EARLY_WRITE", "1")]
+    } else {
+        vec![]
+    };
+    let d2 = cluster.start_decoder_env("dec-b", &standby_args, &env);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let g = client
+            .get(pb::GetRequest {
+                generation_id: id,
+                linearizable: true,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        if g.standby == "dec-b" {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "dec-b never stood by: {g:?}\n{}",
+            d2.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // An idle decoder that would re-prefill, polling for work as often as the standby.
+    let d3 = cluster.start_decoder("dec-c", &args);
+    common::wait_for_model(&client).await;
+    let (_, _, at) = owner(&client, id).await;
+    wait_for(&client, id, "records the standby follows", |o| o.2 >= at + 5).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    d1.kill9();
+    let (who, epoch, _) = wait_for(&client, id, "a new owner", |o| o.1 >= 2).await;
+    assert_eq!(
+        (who.as_str(), epoch),
+        ("dec-b", 2),
+        "the standby takes it, once\n{}",
+        d2.log_text()
+    );
+    let (toks, _, terminal) = follow(&client, id).await;
+    assert_eq!(toks, expected(&prompt), "equals an uninterrupted run");
+    assert_eq!(terminal.takeovers, 1, "{terminal:?}");
+    let log = d2.log_text();
+    assert!(
+        log.contains("taken over from the hot standby's state"),
+        "the standby re-prefilled instead of continuing its followed state:\n{log}"
+    );
+    let bad = common::writes_without_a_grant(&history);
+    if plant {
+        assert!(
+            bad.iter().any(|&(g, e, _)| g == id && e == 1),
+            "the planted write at the dead owner's epoch went unnoticed: {bad:?}\n{log}"
+        );
+    } else {
+        assert!(bad.is_empty(), "a standby wrote without a grant: {bad:?}");
+    }
+    drop((d2, d3));
+}
+
+/// Seed 004's reload loop (issue 15 item 6): a prefix cache entry whose restore kills the
+/// decoder (failpoint `prefix-restore-exit`, every incarnation) is restored once for the
+/// generation at its frontier; the next incarnation's restore of the same entry at the same
+/// frontier is refused, the entry discarded (unlinked), and the generation prefilled cold
+/// continues exactly, instead of a crash loop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poisoned_prefix_cache_entry_is_discarded_and_the_generation_continues_exactly() {
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    cluster.leader().await;
+    let client = cluster.client();
+    let dir = tempfile::tempdir().unwrap();
+    let entries = || {
+        std::fs::read_dir(dir.path())
+            .unwrap()
+            .flatten()
+            .filter(|e| e.path().extension().is_some_and(|x| x == "tlpc"))
+            .count()
+    };
+    let args = [
+        "--fake-step-ms",
+        "20",
+        "--lease-ms",
+        "20000",
+        "--capacity",
+        "1",
+        "--prefix-cache-dir",
+        dir.path().to_str().unwrap(),
+    ];
+    // Incarnation 1 prefills the prompt (and stores it), then dies after sampling seq 10.
+    let mut d1 = cluster.start_decoder_env("pc-1", &args, &[("TOKENLOG_FAILPOINTS", "exit-after-sample=10")]);
+    let prompt = vec![2, 7, 1, 8, 2, 8];
+    let id = submit(&client, "poisoned", &prompt).await;
+    let st = d1.wait_exit(Duration::from_secs(30));
+    assert!(st.is_some(), "incarnation 1 did not stop:\n{}", d1.log_text());
+    assert_eq!(entries(), 1, "the prompt was stored:\n{}", d1.log_text());
+    let (_, _, frontier) = owner(&client, id).await;
+    // Every later incarnation dies inside any restore.
+    let poison = [("TOKENLOG_FAILPOINTS", "prefix-restore-exit=1")];
+    let mut d2 = cluster.start_decoder_env("pc-2", &args, &poison);
+    let st = d2.wait_exit(Duration::from_secs(30));
+    assert!(
+        st.is_some(),
+        "incarnation 2 did not die in the restore:\n{}",
+        d2.log_text()
+    );
+    assert!(
+        d2.log_text().contains("exiting during a prefix cache restore"),
+        "{}",
+        d2.log_text()
+    );
+    assert_eq!(owner(&client, id).await.2, frontier, "nothing committed since");
+    // Incarnation 3: the same entry, the same generation, the same frontier: discarded.
+    let d3 = cluster.start_decoder_env("pc-3", &args, &poison);
+    let (toks, _, terminal) = follow(&client, id).await;
+    assert_eq!(toks, expected(&prompt), "equals an uninterrupted run");
+    assert_eq!(terminal.lease.unwrap().owner, "pc-3");
+    let log = d3.log_text();
+    assert!(log.contains("prefix cache entry discarded"), "{log}");
+    assert!(!log.contains("exiting during a prefix cache restore"), "{log}");
+    // Its own cold prefill (prompt and committed records) is the one entry left.
+    assert_eq!(entries(), 1, "{log}");
+    drop(d3);
+}
+
 /// A leader election must not expire the leases of running generations (issue 11, bug 9): the
 /// owner keeps its generation through a leader kill -9, with no takeover.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

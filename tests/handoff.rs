@@ -478,57 +478,6 @@ async fn handoffs_run_over_mutual_tls_and_only_decoders_may_call_a_listener() {
     drop(b);
 }
 
-/// The appends in a decoder's history (`--history`) at an epoch the decoder had not been
-/// granted before it sent them: granted by an acquire's answer, or by a handoff it received
-/// (`handoff_received`, recorded once the log committed its ownership). Each as
-/// `(generation, epoch, start_seq)`.
-fn writes_without_a_grant(history: &std::path::Path) -> Vec<(u64, u64, u32)> {
-    use tokenlog_decoder::history::{Answer, Call, DecoderEvent, HistoryLine};
-    let text = std::fs::read_to_string(history).unwrap_or_default();
-    let mut granted: std::collections::HashSet<(u64, u64)> = Default::default();
-    let mut acquires: std::collections::HashMap<u64, u64> = Default::default();
-    let mut bad = Vec::new();
-    for line in text.lines().filter(|l| !l.trim().is_empty()) {
-        let Ok(l) = serde_json::from_str::<HistoryLine>(line) else {
-            continue;
-        };
-        match l {
-            HistoryLine::Invoke {
-                id,
-                call: Call::Acquire { gen },
-                ..
-            } => {
-                acquires.insert(id, gen);
-            }
-            HistoryLine::Complete {
-                id,
-                answer: Answer::Acquire {
-                    ok: Some(true), epoch, ..
-                },
-                ..
-            } => {
-                if let Some(gen) = acquires.get(&id) {
-                    granted.insert((*gen, epoch));
-                }
-            }
-            HistoryLine::Event {
-                event: DecoderEvent::HandoffReceived { gen, epoch, .. },
-                ..
-            } => {
-                granted.insert((gen, epoch));
-            }
-            HistoryLine::Invoke {
-                call: Call::Append {
-                    gen, epoch, start_seq, ..
-                },
-                ..
-            } if !granted.contains(&(gen, epoch)) => bad.push((gen, epoch, start_seq)),
-            _ => {}
-        }
-    }
-    bad
-}
-
 /// Planted bug `early-handoff-write`: a destination that decodes a handed-over generation
 /// before the log committed its ownership is caught by its own history (it appended at the
 /// handoff epoch before it was granted); a correct destination's history, in the same run
@@ -572,7 +521,7 @@ async fn a_destination_writing_before_the_ownership_commit_is_caught() {
         })
         .await;
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let bad = writes_without_a_grant(&history);
+        let bad = common::writes_without_a_grant(&history);
         if plant {
             assert!(
                 !bad.is_empty(),

@@ -22,6 +22,8 @@
 //!   `destination-after-commit` (5), `source-before-release` (6).
 //! - `commit-answer-lost=1`: a destination's ownership commit applies but its answer is dropped;
 //!   the destination asks the log (point 4).
+//! - `prefix-restore-exit=1`: the process exits (as if killed) every time it is about to restore
+//!   a generation from a prefix cache entry: a poisoned entry (seed 004).
 //!
 //! Each fired failpoint writes an `"op": "failpoint"` line to the decoder's history first.
 
@@ -40,6 +42,7 @@ pub struct Failpoints {
     pub prefix_read_errors: u32,
     pub handoff_exit: Option<String>,
     pub commit_answer_lost: bool,
+    pub prefix_restore_exit: bool,
     /// Prefix reads failed so far (shared by the clones of one process's failpoints).
     prefix_reads_failed: Fires,
 }
@@ -86,6 +89,7 @@ impl Failpoints {
                     fp.handoff_exit = Some(arg.to_string());
                 }
                 "commit-answer-lost" => fp.commit_answer_lost = num(arg)? != 0,
+                "prefix-restore-exit" => fp.prefix_restore_exit = num(arg)? != 0,
                 "delay-append" => {
                     let (seq, ms) = arg
                         .split_once(':')
@@ -95,7 +99,7 @@ impl Failpoints {
                 _ => {
                     return Err(bad(format!(
                         "unknown failpoint {name:?} (known: exit-after-sample, delay-append, model-error, \
-                         model-panic, prefix-read-errors, handoff-exit, commit-answer-lost)"
+                         model-panic, prefix-read-errors, handoff-exit, commit-answer-lost, prefix-restore-exit)"
                     )))
                 }
             }
@@ -115,6 +119,10 @@ impl StepHooks for Failpoints {
 
     fn commit_answer_lost(&self) -> bool {
         self.commit_answer_lost
+    }
+
+    fn prefix_restore_exit(&self) -> bool {
+        self.prefix_restore_exit
     }
 
     fn after_sample(&self, gens: &[StepView]) -> Option<Fired> {

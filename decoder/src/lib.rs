@@ -82,6 +82,7 @@ pub mod model;
 pub mod panics;
 #[cfg(feature = "model")]
 pub mod pipeline;
+pub mod prefix_cache;
 pub mod resume;
 #[cfg(feature = "model")]
 pub mod safetensors_model;
@@ -89,6 +90,7 @@ pub mod sampler;
 #[cfg(feature = "model")]
 pub mod stage;
 pub mod stage_fence;
+mod standby;
 pub mod stop;
 #[cfg(feature = "model")]
 pub mod threads;

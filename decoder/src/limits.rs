@@ -97,3 +97,17 @@ pub const STAGE_LOAD_TIMEOUT: Duration = Duration::from_secs(120);
 /// in all, so that a spare spliced in for one stage rebuilds only that stage; a sequence past
 /// the bound is fed again in full instead.
 pub const PIPELINE_KEPT_BYTES_MAX: usize = 1 << 30;
+/// Generations one decoder follows as a hot standby at most (`--standby`).
+pub const STANDBY_MAX: usize = 256;
+/// How often a decoder with free standby slots asks the log for generations to follow.
+pub const STANDBY_POLL: Duration = Duration::from_millis(250);
+/// A followed generation whose records cannot be watched for this long (its node gone, the
+/// generation pruned) is dropped by its standby.
+pub const STANDBY_WATCH_GIVE_UP: Duration = Duration::from_secs(10);
+/// Bytes of KV cache a decoder's prefix cache holds in memory at most (least recently used
+/// entries go first).
+pub const PREFIX_CACHE_BYTES_MAX: u64 = 512 << 20;
+/// Entries a prefix cache holds at most (a restore looks at each: bounded).
+pub const PREFIX_CACHE_ENTRIES_MAX: usize = 256;
+/// A prefix cache file larger than this is not read (it is not one this build wrote).
+pub const PREFIX_CACHE_FILE_BYTES_MAX: u64 = PREFIX_CACHE_BYTES_MAX + (16 << 20);

@@ -240,12 +240,49 @@ impl DecodeState {
         mode: ResumeMode,
         cache: &CacheExport,
     ) -> Result<Self> {
+        Self::from_cache(model, prompt, committed, params, stop, mode, cache, false)
+    }
+
+    /// Continues a generation from a prefix cache entry (issue 15 item 6): `cache` holds the
+    /// first `cache.positions` positions of `prompt + committed` (the caller matched the token
+    /// ids), which are loaded as they are; the positions after them are prefilled in one call.
+    /// Exact only on a [`Sequence::grouping_invariant`] sequence (a prefill after a loaded
+    /// cache is the bits of the whole prefill), so any other is refused in exact mode.
+    pub fn resume_from_cache(
+        model: &dyn Model,
+        prompt: &[u32],
+        committed: &[u32],
+        params: SamplingConfig,
+        stop: StopConfig,
+        mode: ResumeMode,
+        cache: &CacheExport,
+    ) -> Result<Self> {
+        Self::from_cache(model, prompt, committed, params, stop, mode, cache, true)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn from_cache(
+        model: &dyn Model,
+        prompt: &[u32],
+        committed: &[u32],
+        params: SamplingConfig,
+        stop: StopConfig,
+        mode: ResumeMode,
+        cache: &CacheExport,
+        partial: bool,
+    ) -> Result<Self> {
         if prompt.is_empty() {
             return Err(Error::Invalid("empty prompt".into()));
         }
         let k = committed.len();
         let positions = prompt.len() + k;
-        if cache.positions as usize != positions {
+        let cached = cache.positions as usize;
+        let fits = if partial {
+            cached > 0 && cached <= positions
+        } else {
+            cached == positions
+        };
+        if !fits {
             return Err(Error::Invalid(format!(
                 "the cache holds {} positions; prompt and committed prefix are {positions}",
                 cache.positions
@@ -274,8 +311,19 @@ impl DecodeState {
                 "the committed prefix already ends the generation ({f})"
             )));
         }
+        if cached < positions && mode == ResumeMode::Exact && !sequence.grouping_invariant() {
+            return Err(Error::Unsupported(
+                "an exact resume from a partial cache needs a grouping-invariant sequence".into(),
+            ));
+        }
         let t0 = Instant::now();
-        sequence.import_cache(&cache.blocks, positions)?;
+        sequence.import_cache(&cache.blocks, cached)?;
+        let logits = if cached < positions {
+            let rest: Vec<u32> = prompt.iter().chain(committed).skip(cached).copied().collect();
+            sequence.prefill(&rest)?
+        } else {
+            cache.logits.clone()
+        };
         let state = DecodeState {
             sequence,
             sampler: Sampler::new(params, prompt, committed),
@@ -288,7 +336,7 @@ impl DecodeState {
                 committed: k,
             },
             max_context: model.max_context(),
-            logits: Some(cache.logits.clone()),
+            logits: Some(logits),
             unfed: None,
             to_prefill: Vec::new(),
             finished: None,
@@ -477,6 +525,88 @@ impl DecodeState {
             }
         }
         first_err.map_or(Ok(()), Err)
+    }
+
+    /// Takes `token`, committed by the generation's owner at position [`Frontiers::sampled`],
+    /// as if this state had drawn it (a hot standby following the log, issue 15 item 3): the
+    /// sampler (RNG position, penalty counts) and the stop matcher advance as at a draw, and the
+    /// token is fed lazily, one position per call, as the uninterrupted run fed it. So
+    /// `resume(k)` followed by `follow` of records `k..n` is `resume(n)`: on a takeover the next
+    /// draw costs one decode step. Only while every token is committed (a standby samples
+    /// nothing of its own); refused once the followed tokens end the generation.
+    pub fn follow(&mut self, token: u32) -> Result<()> {
+        self.check_follower()?;
+        self.feed_pending()?;
+        // The owner drew this position from these logits; the follower only needs the cache.
+        self.logits = None;
+        if self.accept_followed(token).is_none() {
+            self.unfed = Some(token);
+        }
+        self.frontiers.check();
+        Ok(())
+    }
+
+    /// [`DecodeState::follow`] of several records: on a [`Sequence::grouping_invariant`]
+    /// sequence all but the last go through the model in one call (the same bits as one call
+    /// each), so a follower that fell behind catches up in one forward pass; on any other, one
+    /// position per call, as the owner fed them.
+    pub fn follow_all(&mut self, tokens: &[u32]) -> Result<()> {
+        let Some((&last, rest)) = tokens.split_last() else {
+            return Ok(());
+        };
+        if rest.is_empty() || !self.sequence.grouping_invariant() {
+            return tokens.iter().try_for_each(|&t| self.follow(t));
+        }
+        self.check_follower()?;
+        self.feed_pending()?;
+        for &t in rest {
+            if let Some(f) = self.accept_followed(t) {
+                return Err(Error::Invalid(format!(
+                    "record {} ended the generation ({f}); records follow it",
+                    self.frontiers.sampled - 1
+                )));
+            }
+        }
+        let t0 = Instant::now();
+        self.logits = Some(self.sequence.prefill(rest)?);
+        self.stats.replay += t0.elapsed();
+        self.frontiers.fed += rest.len();
+        self.frontiers.kv = self.sequence.kv_len();
+        self.follow(last)
+    }
+
+    /// Why this state cannot follow records: it finished, or it drew tokens of its own.
+    fn check_follower(&self) -> Result<()> {
+        if let Some(f) = &self.finished {
+            return Err(Error::Invalid(format!(
+                "the generation ended ({f}): record {} has nothing to follow",
+                self.frontiers.sampled
+            )));
+        }
+        if self.frontiers.sampled != self.frontiers.committed {
+            return Err(Error::Invalid(format!(
+                "{} tokens of this state's own are not committed: it is not a follower",
+                self.frontiers.sampled - self.frontiers.committed
+            )));
+        }
+        Ok(())
+    }
+
+    /// Takes a committed record as drawn (sampler, stop matcher, frontiers), without feeding
+    /// it; what ends the generation with it, if anything.
+    fn accept_followed(&mut self, token: u32) -> Option<StopCause> {
+        self.sampler.accept(token);
+        self.frontiers.sampled += 1;
+        self.frontiers.committed += 1;
+        let mut finish = self.stop.push(token);
+        // Another record would need this one fed: one more position.
+        if finish.is_none() && self.frontiers.prompt_len + self.frontiers.sampled > self.max_context {
+            finish = Some(StopCause::ContextFull);
+        }
+        if let Some(f) = &finish {
+            self.finished = Some(f.clone());
+        }
+        finish
     }
 
     /// Whether a deferred prefill still has positions to feed.

@@ -39,6 +39,7 @@ use crate::limits::{
 const _: () = assert!(UNACKED_TOKENS_MAX <= tokenlog_raftlog::limits::RECORDS_PER_APPEND_MAX);
 use crate::resume::DecodeState;
 use crate::sampler::{StopCause, RNG_VERSION};
+use crate::standby::Shadow;
 pub use crate::worker_hooks::{Fired, Halt, HandoffPoint, StepHooks, StepView, HALT_EXIT_CODE};
 use crate::worker_lease::{read_prefix, renew_loop, session_loop, AbortOnDrop, Held, Lost};
 use crate::{Model, ModelIdentity};
@@ -74,12 +75,20 @@ pub struct WorkerConfig {
     /// A check of the decoder's history must catch it.
     #[cfg(feature = "faults")]
     pub plant_early_handoff_write: bool,
+    /// Planted bug (fault builds only; issue 15): a hot standby whose generation's owner died
+    /// appends at the epoch it last saw, without acquiring the generation. The log's fence
+    /// refuses it; a check of the decoder's history must catch the attempt.
+    #[cfg(feature = "faults")]
+    pub plant_standby_early_write: bool,
     /// Where other decoders reach this one's handoff listener (`host:port`, in its
     /// registration); empty: it takes no handoffs and hands none out.
     pub handoff_addr: String,
     /// On stop, how long (ms) to hand generations to other decoders before releasing the rest
     /// (0: release at once). Needs `handoff_addr`.
     pub drain_ms: u64,
+    /// Hot standby: running generations of other decoders to follow at most
+    /// ([`crate::standby`]); 0: none.
+    pub standby: usize,
 }
 
 /// Appends a worker with the planted stall sends before its step loop stops.
@@ -101,8 +110,11 @@ impl WorkerConfig {
             plant_stall: false,
             #[cfg(feature = "faults")]
             plant_early_handoff_write: false,
+            #[cfg(feature = "faults")]
+            plant_standby_early_write: false,
             handoff_addr: String::new(),
             drain_ms: crate::limits::DRAIN_MS_DEFAULT,
+            standby: 0,
         }
     }
 
@@ -118,6 +130,14 @@ impl WorkerConfig {
     pub fn early_handoff_write(&self) -> bool {
         #[cfg(feature = "faults")]
         return self.plant_early_handoff_write;
+        #[cfg(not(feature = "faults"))]
+        false
+    }
+
+    /// Whether the planted bug `standby-early-write` is on.
+    pub fn standby_early_write(&self) -> bool {
+        #[cfg(feature = "faults")]
+        return self.plant_standby_early_write;
         #[cfg(not(feature = "faults"))]
         false
     }
@@ -148,6 +168,12 @@ pub struct WorkerStats {
     pub received: u64,
     /// Planned handoffs that did not move the generation (it stayed here).
     pub handoffs_kept: u64,
+    /// Generations taken over from a hot standby's followed state (no re-prefill).
+    pub standby_takeovers: u64,
+    /// Generations followed as a hot standby now.
+    pub standing_by: u64,
+    /// Generations restored from the prefix cache (the rest prefilled) instead of prefilled cold.
+    pub prefix_restores: u64,
     /// The log accepted this decoder's last registration (its readiness: `tokenlog decoder`'s
     /// /readyz and grpc.health.v1).
     pub registered: bool,
@@ -169,6 +195,8 @@ struct Active {
     finish: Option<StopCause>,
     /// To be handed to another decoder: no more sampling; it leaves once every token is acked.
     moving: bool,
+    /// Prompt and committed prefix to store in the prefix cache once prefilled.
+    store_prefix: Option<Vec<u32>>,
 }
 
 impl Active {
@@ -184,6 +212,7 @@ impl Active {
             finish_sent: false,
             finish,
             moving: false,
+            store_prefix: None,
         }
     }
 
@@ -318,7 +347,14 @@ pub struct Worker {
     stopping: bool,
     /// The stopping registration (without the handoff listener) went out.
     drain_registered: bool,
+    /// Generations of other decoders this one follows as a hot standby (`cfg.standby`).
+    standbys: crate::standby::Standbys,
+    /// The KV prefix cache (`--prefix-cache`), shared with the takes.
+    prefix_cache: Option<SharedPrefixCache>,
 }
+
+/// A worker's prefix cache, shared by its step loop and its takes.
+pub type SharedPrefixCache = Arc<Mutex<crate::prefix_cache::PrefixCache>>;
 
 impl WorkerError {
     /// Whether a failure to take a generation says it cannot be served (a model error, a bad
@@ -336,6 +372,13 @@ impl Worker {
             .expect("with_hooks is called before the handoff port is taken")
             .hooks = Some(h.clone());
         self.hooks = Some(h);
+        self
+    }
+
+    /// Restores takes and new generations from `cache` where it holds a prefix of their token
+    /// ids, and stores every prompt this worker prefills in it.
+    pub fn with_prefix_cache(mut self, cache: SharedPrefixCache) -> Self {
+        self.prefix_cache = Some(cache);
         self
     }
 
@@ -392,6 +435,8 @@ impl Worker {
             tokenizer_published: false,
             session_open: Default::default(),
             wake: port.wake.clone(),
+            standbys: crate::standby::Standbys::new(port.wake.clone()),
+            prefix_cache: None,
             port,
             incoming,
             outcomes_tx,
@@ -513,6 +558,24 @@ impl Worker {
                 self.take_work().await;
                 last_poll = Instant::now();
             }
+            if session_ready && !self.stopping && self.standbys.poll_due(&self.cfg) {
+                let skip: std::collections::HashSet<u64> = self
+                    .active
+                    .keys()
+                    .chain(self.held.lock().expect("lock").keys())
+                    .copied()
+                    .collect();
+                self.standbys
+                    .poll(&self.client, &self.cfg, &self.model, &self.identity, |id| {
+                        skip.contains(&id)
+                    })
+                    .await;
+            }
+            self.standbys.absorb();
+            if self.standbys.has_work() {
+                self.standbys.step(&self.model).await;
+            }
+            self.stats.lock().expect("lock").standing_by = self.standbys.len() as u64;
             self.absorb_handoffs();
             self.drop_lost();
             self.start_handoffs();
@@ -543,7 +606,7 @@ impl Worker {
                 self.active.len() + self.handing_out,
                 std::sync::atomic::Ordering::Release,
             );
-            if !sent && !sampling && self.in_flight.is_empty() {
+            if !sent && !sampling && self.in_flight.is_empty() && !self.standbys.has_work() {
                 // Idle, or the log is unreachable: do not spin. An arriving generation or an
                 // ended handoff wakes it at once.
                 let wake = self.wake.clone();
@@ -879,6 +942,8 @@ impl Worker {
             .pending_work(pb::PendingWorkRequest {
                 model: Some(self.identity.clone()),
                 limit: want,
+                standby: false,
+                decoder_id: self.cfg.decoder_id.clone(),
             })
             .await
         {
@@ -909,14 +974,20 @@ impl Worker {
             stats: self.stats.clone(),
             history: self.history.clone(),
             hooks: self.hooks.clone(),
+            prefix_cache: self.prefix_cache.clone(),
         };
         let taker = &taker;
-        let taken: Vec<_> = futures::stream::iter(ids)
-            .map(|id| async move { (id, taker.take(id).await) })
+        // A generation this decoder follows as a hot standby is taken with its followed state.
+        let takes: Vec<_> = ids.into_iter().map(|id| (id, self.standbys.take(id))).collect();
+        let taken: Vec<_> = futures::stream::iter(takes)
+            .map(|(id, shadow)| async move { (id, taker.take(id, shadow).await) })
             .buffered(TAKES_AT_ONCE_MAX)
             .collect()
             .await;
-        for (id, r) in taken {
+        for (id, (r, back)) in taken {
+            if let Some(s) = back {
+                self.standbys.put_back(id, s);
+            }
             match r {
                 Ok(Some(active)) => {
                     tracing::info!(
@@ -948,8 +1019,10 @@ impl Worker {
             return Ok(None);
         }
         let mut gens: Vec<Active> = ready.iter().filter_map(|id| self.active.remove(id)).collect();
+        let pc = self.prefix_cache.clone();
         let gens = model_work(move || {
             for g in gens.iter_mut() {
+                store_prefix(g, pc.as_ref());
                 if let Some(step) = g.state.next_token()? {
                     g.uncommitted.push(step.token);
                     g.finish = step.finish;
@@ -980,6 +1053,7 @@ impl Worker {
     async fn step(&mut self) -> Result<(), WorkerError> {
         let mut gens: Vec<Active> = std::mem::take(&mut self.active).into_values().collect();
         let model = self.model.clone();
+        let pc = self.prefix_cache.clone();
         let gens = model_work(move || {
             let mut feeding: Vec<&mut DecodeState> = gens
                 .iter_mut()
@@ -989,6 +1063,7 @@ impl Worker {
             DecodeState::feed_pending_batch(&*model, &mut feeding)?;
             // A generation still prefilling draws once its last chunk is in.
             for g in gens.iter_mut().filter(|g| g.can_sample() && !g.state.prefilling()) {
+                store_prefix(g, pc.as_ref());
                 match g.state.next_token()? {
                     Some(step) => {
                         g.uncommitted.push(step.token);
@@ -1143,18 +1218,7 @@ impl Worker {
                     reason: None,
                     terminal: false,
                 },
-                |r| {
-                    let rej = r.rejection.as_ref();
-                    Answer::Append {
-                        ok: Some(r.accepted),
-                        frontier: rej.map_or(r.frontier, |x| x.frontier),
-                        current_epoch: rej.map_or(r.epoch, |x| x.current_epoch),
-                        reason: rej.map(|x| x.reason),
-                        terminal: rej.is_some_and(|x| {
-                            crate::history::terminal_state(x.state) || x.reason == pb::RejectReason::NotFound as i32
-                        }),
-                    }
-                },
+                append_answer,
             );
             h.complete(id, answer);
         }
@@ -1188,6 +1252,9 @@ impl Worker {
             g.committed += newly;
             g.sent = g.sent.saturating_sub(newly as usize);
             g.state.mark_committed(g.committed as usize);
+            if let Some(pc) = &self.prefix_cache {
+                pc.lock().expect("lock").progress(g.id, g.committed);
+            }
             held.insert(g.id, (g.epoch, now));
             newly_total += u64::from(newly);
             let carried_finish = match items.get(i) {
@@ -1312,11 +1379,75 @@ struct Taker {
     stats: Arc<Mutex<WorkerStats>>,
     history: Option<Arc<crate::history::History>>,
     hooks: Option<Arc<dyn StepHooks>>,
+    prefix_cache: Option<SharedPrefixCache>,
 }
 
 impl Taker {
-    /// Acquire → read prefix → bind prompt → re-prefill. `None`: the log refused the acquire.
-    async fn take(&self, id: u64) -> Result<Option<Active>, WorkerError> {
+    /// Acquire → read prefix → bind prompt → re-prefill, or with `shadow` (this decoder is the
+    /// generation's hot standby) its followed state instead of the re-prefill when it is at the
+    /// granted frontier. `None`: the log refused the acquire; the shadow comes back unless it
+    /// was used or the generation was acquired.
+    async fn take(&self, id: u64, shadow: Option<Shadow>) -> (Result<Option<Active>, WorkerError>, Option<Shadow>) {
+        if shadow.is_some() && self.cfg.standby_early_write() {
+            self.plant_standby_write(id).await;
+        }
+        match self.acquire(id).await {
+            Ok(Some((info, epoch))) => (self.take_acquired(info, epoch, shadow).await, None),
+            Ok(None) => (Ok(None), shadow),
+            Err(e) => (Err(e), shadow),
+        }
+    }
+
+    /// Planted bug `standby-early-write` (fault builds): a standby that sees its generation's
+    /// owner gone appends at the epoch it last saw instead of acquiring a new one. The log's
+    /// fence refuses it; the decoder's history shows a write without a grant.
+    async fn plant_standby_write(&self, id: u64) {
+        tracing::error!(
+            generation = id,
+            "PLANTED BUG: a standby appends without acquiring the generation"
+        );
+        let Ok(Some(info)) = self
+            .client
+            .get(pb::GetRequest {
+                generation_id: id,
+                ..Default::default()
+            })
+            .await
+            .map(|g| g.generation)
+        else {
+            return;
+        };
+        let epoch = info.lease.map_or(0, |l| l.epoch);
+        let hid = self.history.as_ref().map(|h| {
+            h.invoke(Call::Append {
+                gen: id,
+                epoch,
+                start_seq: info.frontier,
+                n: 1,
+                finish: false,
+            })
+        });
+        let r = self
+            .client
+            .append(pb::AppendRequest {
+                decoder_id: self.cfg.decoder_id.clone(),
+                lease_ms: self.cfg.lease_ms,
+                items: vec![pb::AppendItem {
+                    generation_id: id,
+                    epoch,
+                    start_seq: info.frontier,
+                    token_ids: vec![0],
+                    ..Default::default()
+                }],
+            })
+            .await;
+        if let (Some(h), Some(hid), Ok(Some(a))) = (&self.history, hid, r.as_ref().map(|r| r.results.first())) {
+            h.complete(hid, append_answer(a));
+        }
+    }
+
+    /// The acquire of [`Taker::take`]: the granted generation and epoch, `None` if refused.
+    async fn acquire(&self, id: u64) -> Result<Option<(pb::GenerationInfo, u64)>, WorkerError> {
         let hid = self.history.as_ref().map(|h| h.invoke(Call::Acquire { gen: id }));
         let acq = self
             .client
@@ -1343,7 +1474,80 @@ impl Taker {
             s.acquired += 1;
             s.takeovers += u64::from(epoch > 1);
         }
-        match self.prepare(&info, epoch).await {
+        Ok(Some((info, epoch)))
+    }
+
+    /// The followed state of a hot standby as the new owner's, when it reaches the granted
+    /// frontier; `None`: it cannot (a re-prefill follows).
+    async fn continue_shadow(&self, info: &pb::GenerationInfo, epoch: u64, shadow: Shadow) -> Option<Active> {
+        let (id, frontier) = (info.generation_id, info.frontier);
+        let followed = shadow.followed();
+        let t0 = Instant::now();
+        // What the watch has not delivered yet (it lags the commit a little): read it.
+        let read = match shadow.missing(frontier) {
+            Some(r) if r.is_empty() => Vec::new(),
+            Some(r) => match crate::worker_lease::read_records(&self.client, id, r.start, r.end).await {
+                Ok(read) => read,
+                Err(e) => {
+                    tracing::info!(generation = id, error = %e, "the records the standby lacks are not readable: re-prefilling");
+                    return None;
+                }
+            },
+            None => Vec::new(),
+        };
+        let lacked = read.len();
+        match model_work(move || shadow.into_state(frontier, &read)).await {
+            Ok(Some(Ok(state))) => {
+                self.stats.lock().expect("lock").standby_takeovers += 1;
+                tracing::info!(
+                    generation = id,
+                    epoch,
+                    frontier,
+                    followed,
+                    lacked,
+                    ms = t0.elapsed().as_secs_f64() * 1e3,
+                    "taken over from the hot standby's state: no re-prefill"
+                );
+                Some(Active::new(id, epoch, frontier, state))
+            }
+            Ok(None) => {
+                tracing::info!(
+                    generation = id,
+                    frontier,
+                    followed,
+                    "the standby's state is not at the granted frontier: re-prefilling"
+                );
+                None
+            }
+            Ok(Some(Err(e))) => {
+                tracing::warn!(generation = id, error = %e, "the standby's state failed: re-prefilling");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(generation = id, error = %e, "the standby's state failed: re-prefilling");
+                None
+            }
+        }
+    }
+
+    /// What follows a granted acquire: the standby's state or a re-prefill; a failure releases
+    /// the generation (or ends it, for a true incompatibility).
+    async fn take_acquired(
+        &self,
+        info: pb::GenerationInfo,
+        epoch: u64,
+        shadow: Option<Shadow>,
+    ) -> Result<Option<Active>, WorkerError> {
+        let id = info.generation_id;
+        let followed = match shadow {
+            Some(s) => self.continue_shadow(&info, epoch, s).await,
+            None => None,
+        };
+        let prepared = match followed {
+            Some(a) => Ok(a),
+            None => self.prepare(&info, epoch).await,
+        };
+        match prepared {
             Ok(active) => {
                 if let Some(h) = &self.history {
                     let f = active.state.frontiers();
@@ -1438,13 +1642,124 @@ impl Taker {
         }
         let committed = read_prefix(&self.client, id, info.frontier).await?;
         let (params, stop, mode) = (binding.sampling, binding.stop, binding.mode);
+        let frontier = committed.len() as u32;
+        if let Some(state) = self
+            .restore_from_cache(id, &prompt, &committed, params.clone(), stop.clone(), mode)
+            .await
+        {
+            return Ok(Active::new(id, epoch, frontier, state));
+        }
+        // Stored in the prefix cache once prefilled (before its first draw).
+        let store: Option<Vec<u32>> = self
+            .prefix_cache
+            .as_ref()
+            .map(|_| prompt.iter().chain(&committed).copied().collect());
         let model = self.model.clone();
-        let c = committed.clone();
         // Deferred where the model allows: the prefill then runs in chunks inside the batched
         // steps, beside the generations already running.
-        let state = model_work(move || DecodeState::resume_deferred(model.as_ref(), &prompt, &c, params, stop, mode))
+        let state =
+            model_work(move || DecodeState::resume_deferred(model.as_ref(), &prompt, &committed, params, stop, mode))
+                .await
+                .map_err(|e| WorkerError::Incompatible(format!("re-prefill failed: {e}")))??;
+        let mut active = Active::new(id, epoch, frontier, state);
+        active.store_prefix = store;
+        Ok(active)
+    }
+
+    /// The state of generation `id` from the prefix cache, when it holds a prefix of its prompt
+    /// and committed records (the rest is prefilled): `None` when it holds none, or the entry
+    /// cannot be used (a cold prefill follows). The restore is recorded first (the reload-loop
+    /// guard), so a restore that kills the process is not repeated for ever.
+    async fn restore_from_cache(
+        &self,
+        id: u64,
+        prompt: &[u32],
+        committed: &[u32],
+        params: crate::SamplingConfig,
+        stop: crate::StopConfig,
+        mode: crate::ResumeMode,
+    ) -> Option<DecodeState> {
+        let pc = self.prefix_cache.as_ref()?;
+        let all: Vec<u32> = prompt.iter().chain(committed).copied().collect();
+        let entry = pc.lock().expect("lock").restore_for(id, &all, committed.len() as u32)?;
+        if self.hooks.as_ref().is_some_and(|h| h.prefix_restore_exit()) {
+            tracing::error!(
+                failpoint = "prefix-restore-exit",
+                generation = id,
+                entry = %entry.key,
+                "failpoint fired: exiting during a prefix cache restore"
+            );
+            if let Some(h) = &self.history {
+                h.event(DecoderEvent::Failpoint {
+                    name: "prefix-restore-exit=1".into(),
+                    gen: id,
+                    epoch: 0,
+                    seq: committed.len() as u32,
+                    token: None,
+                });
+            }
+            std::process::exit(HALT_EXIT_CODE);
+        }
+        let (model, p, c, cache) = (
+            self.model.clone(),
+            prompt.to_vec(),
+            committed.to_vec(),
+            entry.cache.clone(),
+        );
+        let t0 = Instant::now();
+        let cached = cache.positions;
+        match model_work(move || DecodeState::resume_from_cache(model.as_ref(), &p, &c, params, stop, mode, &cache))
             .await
-            .map_err(|e| WorkerError::Incompatible(format!("re-prefill failed: {e}")))??;
-        Ok(Active::new(id, epoch, committed.len() as u32, state))
+        {
+            Ok(Ok(state)) => {
+                self.stats.lock().expect("lock").prefix_restores += 1;
+                tracing::info!(
+                    generation = id,
+                    cached,
+                    positions = all.len(),
+                    entry = %entry.key,
+                    ms = t0.elapsed().as_secs_f64() * 1e3,
+                    "restored from the prefix cache"
+                );
+                Some(state)
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(generation = id, entry = %entry.key, error = %e, "prefix cache entry not usable: prefilling cold");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(generation = id, entry = %entry.key, error = %e, "prefix cache restore failed: prefilling cold");
+                None
+            }
+        }
+    }
+}
+
+/// An append item's answer as the history records it.
+fn append_answer(r: &pb::AppendResult) -> Answer {
+    let rej = r.rejection.as_ref();
+    Answer::Append {
+        ok: Some(r.accepted),
+        frontier: rej.map_or(r.frontier, |x| x.frontier),
+        current_epoch: rej.map_or(r.epoch, |x| x.current_epoch),
+        reason: rej.map(|x| x.reason),
+        terminal: rej
+            .is_some_and(|x| crate::history::terminal_state(x.state) || x.reason == pb::RejectReason::NotFound as i32),
+    }
+}
+
+/// Stores `g`'s prompt and committed prefix in the prefix cache once they are prefilled (its
+/// logits at hand, before its first draw here), once.
+fn store_prefix(g: &mut Active, pc: Option<&SharedPrefixCache>) {
+    let Some(pc) = pc else {
+        return;
+    };
+    if g.store_prefix.is_none() || !g.state.logits_ready() {
+        return;
+    }
+    let tokens = g.store_prefix.take().expect("checked");
+    match g.state.export_cache() {
+        Ok(c) => pc.lock().expect("lock").insert(&tokens, c),
+        Err(e) => tracing::debug!(generation = g.id, error = %e, "not stored in the prefix cache"),
     }
 }

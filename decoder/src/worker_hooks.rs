@@ -75,6 +75,13 @@ pub trait StepHooks: Send + Sync {
     fn commit_answer_lost(&self) -> bool {
         false
     }
+
+    /// Right after the worker chose a prefix cache entry to restore a generation from (and
+    /// recorded it): `true` ends the process there, as a crash inside the restore would (seed
+    /// 004's poisoned entry).
+    fn prefix_restore_exit(&self) -> bool {
+        false
+    }
 }
 
 /// The points of a planned handoff where a failpoint can end a decoder.

@@ -85,14 +85,25 @@ fn fresh_session_id() -> u64 {
 
 /// Reads the first `frontier` committed records of a generation.
 pub(crate) async fn read_prefix(client: &LogClient, id: u64, frontier: u32) -> Result<Vec<u32>, WorkerError> {
+    read_records(client, id, 0, frontier).await
+}
+
+/// Reads committed records `from..frontier` of a generation.
+pub(crate) async fn read_records(
+    client: &LogClient,
+    id: u64,
+    from: u32,
+    frontier: u32,
+) -> Result<Vec<u32>, WorkerError> {
     use futures::StreamExt;
-    let mut out = Vec::with_capacity(frontier as usize);
+    let mut out = Vec::with_capacity(frontier.saturating_sub(from) as usize);
+    let at = |out: &Vec<u32>| from + out.len() as u32;
     let deadline = Instant::now() + PREFIX_READ_TIMEOUT;
-    while (out.len() as u32) < frontier {
+    while at(&out) < frontier {
         // A node that has not applied the submit yet answers NOT_FOUND; a lagging or
         // unreachable one fails: try again (the client moves on to another node) until the
         // deadline. The caller releases the generation if it never becomes readable.
-        let mut stream = match client.watch(id, out.len() as u32).await {
+        let mut stream = match client.watch(id, at(&out)).await {
             Ok(s) => s,
             Err(e) if Instant::now() < deadline => {
                 tracing::debug!(generation = id, error = %e, "prefix read failed; retrying");
@@ -101,12 +112,12 @@ pub(crate) async fn read_prefix(client: &LogClient, id: u64, frontier: u32) -> R
             }
             Err(e) => return Err(e.into()),
         };
-        while (out.len() as u32) < frontier {
+        while at(&out) < frontier {
             let remaining = deadline.saturating_duration_since(Instant::now());
             match tokio::time::timeout(remaining, stream.next()).await {
                 Ok(Some(Ok(ev))) => {
                     for r in ev.records {
-                        if r.seq as usize == out.len() && (out.len() as u32) < frontier {
+                        if r.seq == at(&out) && at(&out) < frontier {
                             out.push(r.token_id);
                         }
                     }

@@ -292,3 +292,77 @@ fn an_exported_cache_continues_exactly_at_the_destination() {
     // A finished generation has nothing to hand over.
     assert!(whole.export_cache().is_err());
 }
+
+/// A hot standby (issue 15 item 3): `resume(k)` then `follow` of records `k..n` continues as
+/// `resume(n)`, from a deferred resume too and fed in batches beside another follower; a
+/// follower refuses records past the generation's end and a state with its own draws.
+#[test]
+fn following_committed_records_continues_as_a_resume_there() {
+    let m = model();
+    let p = prompt(&m, "stand by");
+    let full = generate(&m, &p, &sampled(), &stop(40)).unwrap();
+    for (k, n) in [(0usize, 5usize), (3, 17), (10, 39)] {
+        let mut s = DecodeState::resume(&m, &p, &full.tokens[..k], sampled(), stop(40), ResumeMode::Exact).unwrap();
+        let mut deferred =
+            DecodeState::resume_deferred(&m, &p, &full.tokens[..k], sampled(), stop(40), ResumeMode::Exact).unwrap();
+        for &t in &full.tokens[k..n] {
+            s.follow(t).unwrap();
+            DecodeState::feed_pending_batch(&m, &mut [&mut deferred]).unwrap();
+            deferred.follow(t).unwrap();
+        }
+        for st in [&mut s, &mut deferred] {
+            let f = st.frontiers();
+            assert_eq!((f.sampled, f.committed), (n, n), "followed to {n}");
+            let (rest, finish) = st.run_to_end().unwrap();
+            assert_eq!(rest, full.tokens[n..], "followed {k}..{n}");
+            assert_eq!(finish, StopCause::Length);
+        }
+    }
+    // Several records at once (a follower catching up) land where one at a time do.
+    for (k, n) in [(0usize, 1usize), (2, 12), (5, 40)] {
+        let mut s = DecodeState::resume(&m, &p, &full.tokens[..k], sampled(), stop(40), ResumeMode::Exact).unwrap();
+        s.follow_all(&full.tokens[k..n.min(38)]).unwrap();
+        s.follow_all(&full.tokens[n.min(38)..n]).unwrap();
+        let (rest, _) = s.run_to_end().unwrap();
+        assert_eq!(rest, full.tokens[n..], "followed {k}..{n} in two batches");
+    }
+    // The last record ends the generation: nothing more to follow.
+    let mut s = DecodeState::resume(&m, &p, &full.tokens[..38], sampled(), stop(40), ResumeMode::Exact).unwrap();
+    s.follow(full.tokens[38]).unwrap();
+    s.follow(full.tokens[39]).unwrap();
+    assert_eq!(s.finished(), Some(&StopCause::Length));
+    assert!(s.follow(1).is_err());
+    // A state that drew a token of its own is an owner, not a follower.
+    let mut owner = DecodeState::start(&m, &p, sampled(), stop(40)).unwrap();
+    owner.next_token().unwrap();
+    assert!(owner.follow(full.tokens[1]).is_err());
+}
+
+/// A prefix cache entry (issue 15 item 6): the cache of the prompt alone, loaded for a
+/// generation with k committed records (the rest prefilled), continues as `resume(k)`; a cache
+/// longer than the run is refused.
+#[test]
+fn a_prompt_cache_plus_a_prefill_of_the_rest_continues_as_a_resume() {
+    let m = model();
+    let p = prompt(&m, "cached prompt");
+    let full = generate(&m, &p, &sampled(), &stop(40)).unwrap();
+    let mut fresh = DecodeState::start(&m, &p, sampled(), stop(40)).unwrap();
+    let cache = fresh.export_cache().unwrap();
+    assert_eq!(cache.positions as usize, p.len());
+    for k in [0usize, 1, 13, 39] {
+        let mut s = DecodeState::resume_from_cache(
+            &m,
+            &p,
+            &full.tokens[..k],
+            sampled(),
+            stop(40),
+            ResumeMode::Exact,
+            &cache,
+        )
+        .unwrap();
+        let (rest, _) = s.run_to_end().unwrap();
+        assert_eq!(rest, full.tokens[k..], "from the prompt's cache at {k}");
+    }
+    let short = &p[..p.len() - 1];
+    assert!(DecodeState::resume_from_cache(&m, short, &[], sampled(), stop(40), ResumeMode::Exact, &cache).is_err());
+}

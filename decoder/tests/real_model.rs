@@ -398,6 +398,56 @@ fn an_exported_kv_cache_continues_the_sampled_run_exactly() {
     }
 }
 
+/// A hot standby on the real model (issue 15 item 3): resumed at k, then following the sampled
+/// run's records one at a time to n, it draws the uninterrupted run's tokens from n on.
+#[test]
+fn a_standby_following_the_records_continues_the_sampled_run_exactly() {
+    let m = common::real_model();
+    let p = chat(&*m, "Write a short poem about rivers.");
+    let n = 24;
+    let whole = generate(&*m, &p, &sampled(11), &stop(&*m, n)).unwrap().tokens;
+    for (k, upto) in [(0usize, 9usize), (5, 16)] {
+        let mut s = DecodeState::resume(&*m, &p, &whole[..k], sampled(11), stop(&*m, n), ResumeMode::Exact).unwrap();
+        for &t in &whole[k..upto] {
+            s.follow(t).unwrap();
+        }
+        let (rest, _) = s.run_to_end().unwrap();
+        assert_eq!(rest, whole[upto..], "resumed at {k}, followed to {upto}");
+    }
+    // A follower that fell behind takes 7 records in one call: the same continuation.
+    let mut s = DecodeState::resume(&*m, &p, &whole[..3], sampled(11), stop(&*m, n), ResumeMode::Exact).unwrap();
+    s.follow_all(&whole[3..10]).unwrap();
+    s.follow_all(&whole[10..12]).unwrap();
+    let (rest, _) = s.run_to_end().unwrap();
+    assert_eq!(rest, whole[12..], "caught up in batches");
+}
+
+/// A prefix cache entry on the real model: the prompt's cache, loaded for a generation with 9
+/// committed records and the rest prefilled, continues the sampled run exactly.
+#[test]
+fn a_prompt_cache_and_a_prefill_of_the_rest_continue_the_sampled_run_exactly() {
+    let m = common::real_model();
+    let p = chat(&*m, "Write a short poem about rivers.");
+    let n = 24;
+    let whole = generate(&*m, &p, &sampled(11), &stop(&*m, n)).unwrap().tokens;
+    let cache = DecodeState::start(&*m, &p, sampled(11), stop(&*m, n))
+        .unwrap()
+        .export_cache()
+        .unwrap();
+    let mut s = DecodeState::resume_from_cache(
+        &*m,
+        &p,
+        &whole[..9],
+        sampled(11),
+        stop(&*m, n),
+        ResumeMode::Exact,
+        &cache,
+    )
+    .unwrap();
+    let (rest, _) = s.run_to_end().unwrap();
+    assert_eq!(rest, whole[9..]);
+}
+
 /// Pipeline stages (issue 16): the model split into 2 and into 3 stages (each a layer range on
 /// the CPU engine, the rows between them moved as they are) gives the whole model's logits to
 /// the bit: for a prompt prefill, for single steps, and for two sequences in one batched pass

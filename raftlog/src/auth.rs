@@ -29,7 +29,7 @@ pub fn allowed(path: &str) -> Option<&'static [Role]> {
         (
             "raftlog.v1.Log",
             "Register" | "Session" | "PublishTokenizer" | "PendingWork" | "Acquire" | "Renew" | "BindPrompt" | "Append"
-            | "AppendStream" | "Finish" | "Release" | "Handoff",
+            | "AppendStream" | "Finish" | "Release" | "Handoff" | "Standby",
         ) => &[Decoder],
         // A pipeline head writes its composition; its stages (decoder certificates too) read it.
         ("raftlog.v1.Log", "SetPipeline") => &[Decoder],
@@ -161,6 +161,7 @@ mod tests {
             "GetPipeline",
             "RegisterStage",
             "ListStages",
+            "Standby",
         ];
         for m in log {
             let roles = allowed(&format!("/raftlog.v1.Log/{m}")).unwrap_or_else(|| panic!("{m} has no roles"));
@@ -177,6 +178,7 @@ mod tests {
         assert_eq!(allowed("nonsense"), None);
         assert_eq!(allowed("/raftlog.v1.Log/Append"), Some(&[Decoder][..]));
         assert_eq!(allowed("/raftlog.v1.Log/SetPipeline"), Some(&[Decoder][..]));
+        assert_eq!(allowed("/raftlog.v1.Log/Standby"), Some(&[Decoder][..]));
         assert_eq!(allowed("/raftlog.v1.Log/Submit"), Some(&[Gateway][..]));
         assert_eq!(allowed("/raftlog.v1.Log/ChangeMembership"), Some(&[Admin][..]));
         for m in ["Check", "Watch"] {

@@ -428,6 +428,15 @@ impl LogClient {
         .await
     }
 
+    /// Asks to be the hot standby of a generation ([`pb::StandbyRequest`]).
+    pub async fn standby(&self, req: pb::StandbyRequest) -> Result<pb::OwnershipResponse, ClientError> {
+        self.call(|mut c| {
+            let r = req.clone();
+            async move { c.standby(r).await }
+        })
+        .await
+    }
+
     pub async fn pending_work(&self, req: pb::PendingWorkRequest) -> Result<pb::PendingWorkResponse, ClientError> {
         self.call(|mut c| {
             let r = req.clone();

@@ -71,6 +71,14 @@ pub const STAGES_MAX: usize = 1_024;
 /// A planned handoff still in one phase before its ownership commit after this much log time is
 /// aborted by `Tick` (the source keeps the generation).
 pub const HANDOFF_PHASE_MS_MAX: u64 = 10_000;
+/// After an owner's lease ends (its session lost, or expired), only the generation's live hot
+/// standby may acquire it for this much log time: the standby continues with one decode step,
+/// any other decoder would re-prefill. Longer than a standby's poll of pending work (`--poll-ms`)
+/// plus an acquire; short, since a standby that does not come delays the takeover this much.
+pub const STANDBY_PRIORITY_MS: u64 = 1_500;
+/// Claimable-index entries one standby PendingWork answer looks at (generations that already
+/// have a live standby are passed over): a read path, bounded.
+pub const STANDBY_SCAN_MAX: usize = 4_096;
 /// The longest handoff listener address a registration carries.
 pub const HANDOFF_ADDR_BYTES_MAX: usize = 256;
 /// The longest cache format name in a handoff manifest.

@@ -50,6 +50,7 @@ impl LogService {
         Ok(pb::GetResponse {
             generation: Some(g.into()),
             handoff: s.handoffs.get(&g.id).cloned().map(Into::into),
+            standby: s.standbys.get(&g.id).map(|b| b.decoder.clone()).unwrap_or_default(),
         })
     }
 }
@@ -217,6 +218,17 @@ impl Log for LogService {
         self.ownership(Command::Cancel {
             tenant: r.tenant,
             request_id: r.request_id,
+        })
+        .await
+    }
+
+    async fn standby(&self, req: Request<pb::StandbyRequest>) -> Result<TonicResponse<pb::OwnershipResponse>, Status> {
+        let r = req.into_inner();
+        let model = required(r.model, "model")?.into();
+        self.ownership(Command::Standby {
+            generation: r.generation_id,
+            decoder: r.decoder_id,
+            model,
         })
         .await
     }
@@ -506,11 +518,17 @@ impl Log for LogService {
         // A hint, not a decision: judge leases by this node's estimate of log time now (the
         // applied log time on a quiet log only advances with the housekeeping tick). The
         // Acquire that follows is stamped and fenced by the leader as usual.
-        let generations = s
-            .pending_work(&model, now, limit)
-            .into_iter()
-            .map(pb::GenerationInfo::from)
-            .collect();
+        let found = if r.standby {
+            s.standby_candidates(&model, &r.decoder_id, now, limit)
+        } else {
+            // Not what is kept for another decoder's standby: its acquire would be refused.
+            let mut found = s.pending_work(&model, now, limit);
+            if !s.standbys.is_empty() {
+                found.retain(|g| !s.kept_for_standby(g, &r.decoder_id, now));
+            }
+            found
+        };
+        let generations = found.into_iter().map(pb::GenerationInfo::from).collect();
         Ok(TonicResponse::new(pb::PendingWorkResponse {
             generations,
             log_ms: s.log_ms,

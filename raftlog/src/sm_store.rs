@@ -296,6 +296,34 @@ impl From<MachineV6> for Machine {
     }
 }
 
+/// A [`Machine`] as snapshot format 7 encoded it: without the hot standbys.
+#[derive(Deserialize)]
+struct MachineV7 {
+    log: LogStateV7,
+    applied: Option<LogId>,
+    membership: StoredMembership,
+}
+
+/// The serialized fields of [`LogState`] in format 7: format 6's, then the stage registrations
+/// (bincode writes a nested struct's fields in place, so this is the same byte layout).
+#[derive(Deserialize)]
+struct LogStateV7 {
+    v6: LogStateV6,
+    stages: std::collections::BTreeMap<String, StageRegistration>,
+}
+
+impl From<MachineV7> for Machine {
+    fn from(m: MachineV7) -> Machine {
+        let mut out = Machine::from(MachineV6 {
+            log: m.log.v6,
+            applied: m.applied,
+            membership: m.membership,
+        });
+        out.log.stages = m.log.stages;
+        out
+    }
+}
+
 /// Loads and checks a snapshot file: checksum, decoding, the meta against the body, every chain.
 pub fn load_snapshot(file: &SnapshotFile, problems: &mut Vec<String>) -> Option<(SnapshotMeta, Machine)> {
     let loaded = match file.format() {
@@ -303,6 +331,7 @@ pub fn load_snapshot(file: &SnapshotFile, problems: &mut Vec<String>) -> Option<
         Ok(4) => file.load::<MachineV4>().map(|(meta, m)| (meta, Machine::from(m))),
         Ok(5) => file.load::<MachineV5>().map(|(meta, m)| (meta, Machine::from(m))),
         Ok(6) => file.load::<MachineV6>().map(|(meta, m)| (meta, Machine::from(m))),
+        Ok(7) => file.load::<MachineV7>().map(|(meta, m)| (meta, Machine::from(m))),
         _ => file.load::<Machine>(),
     };
     let (meta, mut m): (SnapshotMeta, Machine) = match loaded {
@@ -877,5 +906,88 @@ mod tests {
         let (_, again) = load_snapshot(&f, &mut problems).expect("loads");
         assert_eq!(again.log.stages, m.log.stages);
         assert!(again.log.tick_due(99, u64::MAX), "the stage's expiry is indexed again");
+    }
+
+    /// A format 7 data dir (no hot standbys) loads: its stage registrations as they were, no
+    /// standbys; written again it is the current format and keeps the standbys added since.
+    #[test]
+    fn a_format_7_snapshot_still_loads() {
+        /// Format 7's body: the current one without `standbys`, fields in their order.
+        #[derive(Serialize)]
+        struct V7<'a> {
+            generations: &'a std::collections::BTreeMap<GenerationId, Generation>,
+            next_generation: GenerationId,
+            log_ms: u64,
+            decoders: &'a std::collections::BTreeMap<String, DecoderInfo>,
+            tokenizers: &'a std::collections::BTreeMap<String, TokenizerPackage>,
+            sessions: &'a std::collections::BTreeMap<String, u64>,
+            handoffs: &'a std::collections::BTreeMap<GenerationId, Handoff>,
+            next_handoff: u64,
+            pipelines: &'a std::collections::BTreeMap<String, Pipeline>,
+            next_pipeline_epoch: u64,
+            stages: &'a std::collections::BTreeMap<String, StageRegistration>,
+            applied: Option<LogId>,
+            membership: StoredMembership,
+        }
+        let mut log = LogState {
+            next_generation: 7,
+            log_ms: 40,
+            next_handoff: 3,
+            next_pipeline_epoch: 2,
+            ..LogState::default()
+        };
+        log.stages.insert(
+            "s".into(),
+            StageRegistration {
+                addr: "a".into(),
+                weights_sha256: "w".into(),
+                first_layer: 0,
+                end_layer: 30,
+                expiry_log_ms: 90,
+            },
+        );
+        let v7 = V7 {
+            generations: &log.generations,
+            next_generation: log.next_generation,
+            log_ms: log.log_ms,
+            decoders: &log.decoders,
+            tokenizers: &log.tokenizers,
+            sessions: &log.sessions,
+            handoffs: &log.handoffs,
+            next_handoff: log.next_handoff,
+            pipelines: &log.pipelines,
+            next_pipeline_epoch: log.next_pipeline_epoch,
+            stages: &log.stages,
+            applied: None,
+            membership: StoredMembership::default(),
+        };
+        let meta = Machine::default().meta();
+        let d = tempfile::tempdir().unwrap();
+        let dir = SnapshotDir::open(d.path()).unwrap();
+        let path = dir.write(&meta, &v7).unwrap().path().to_path_buf();
+        let file = as_written_by(&path, b"TLSNAP07");
+        assert_eq!(file.format().unwrap(), 7);
+        let mut problems = Vec::new();
+        let (_, loaded) = load_snapshot(&file, &mut problems).expect("loads");
+        assert!(problems.is_empty(), "{problems:?}");
+        assert_eq!(
+            (loaded.log.next_generation, loaded.log.log_ms, loaded.log.next_handoff),
+            (7, 40, 3)
+        );
+        assert_eq!(loaded.log.stages, log.stages);
+        assert!(loaded.log.standbys.is_empty());
+        let mut m = loaded;
+        m.log.standbys.insert(
+            4,
+            Standby {
+                decoder: "d2".into(),
+                since_log_ms: 41,
+            },
+        );
+        let f = dir.write(&m.meta(), &m).unwrap();
+        assert_eq!(f.format().unwrap(), crate::snapshot::FORMAT);
+        let (_, again) = load_snapshot(&f, &mut problems).expect("loads");
+        assert_eq!(again.log.standbys, m.log.standbys);
+        assert_eq!(again.log.stages, log.stages);
     }
 }

@@ -5,7 +5,7 @@
 //!
 //! | bytes           | content                                                      |
 //! |-----------------|--------------------------------------------------------------|
-//! | 8               | magic `TLSNAP07` (format version 7; 3 to 6 are still read)    |
+//! | 8               | magic `TLSNAP08` (format version 8; 3 to 7 are still read)    |
 //! | 4               | length M of the meta (little endian)                          |
 //! | M               | the snapshot's meta: last log id, membership (bincode)       |
 //! | rest - 32       | the body: the state machine at that log id (bincode)         |
@@ -30,7 +30,9 @@ use sha2::{Digest, Sha256};
 
 use crate::raft_types::SnapshotMeta;
 
-const MAGIC: &[u8; 8] = b"TLSNAP07";
+const MAGIC: &[u8; 8] = b"TLSNAP08";
+/// Format 7: the same layout, a body without the hot standbys (read, never written).
+const MAGIC_V7: &[u8; 8] = b"TLSNAP07";
 /// Format 6: the same layout, a body without the stage registrations (read, never written).
 const MAGIC_V6: &[u8; 8] = b"TLSNAP06";
 /// Format 5: the same layout, a body without the pipeline compositions (read, never written).
@@ -41,7 +43,7 @@ const MAGIC_V4: &[u8; 8] = b"TLSNAP04";
 /// Format 3: as format 4, and without the tokenizer and session tables (read, never written).
 const MAGIC_V3: &[u8; 8] = b"TLSNAP03";
 /// The format version this build writes.
-pub const FORMAT: u8 = 7;
+pub const FORMAT: u8 = 8;
 const HEADER_BYTES: u64 = 12;
 const TRAILER_BYTES: u64 = 32;
 /// Largest meta accepted (membership of a cluster: a few hundred bytes in practice).
@@ -140,7 +142,7 @@ impl SnapshotFile {
         }
         let mut header = [0u8; HEADER_BYTES as usize];
         self.file.read_exact_at(&mut header, 0).map_err(|e| self.io(e))?;
-        if ![MAGIC, MAGIC_V6, MAGIC_V5, MAGIC_V4, MAGIC_V3]
+        if ![MAGIC, MAGIC_V7, MAGIC_V6, MAGIC_V5, MAGIC_V4, MAGIC_V3]
             .iter()
             .any(|m| &header[..8] == *m)
         {
@@ -161,7 +163,7 @@ impl SnapshotFile {
         Ok((meta, body_start, self.len - TRAILER_BYTES))
     }
 
-    /// The format version of the file (3 to 6, or [`FORMAT`]), from its magic (no checksum check).
+    /// The format version of the file (3 to 7, or [`FORMAT`]), from its magic (no checksum check).
     pub fn format(&self) -> Result<u8, SnapshotError> {
         self.layout()?;
         let mut magic = [0u8; 8];
@@ -171,6 +173,7 @@ impl SnapshotFile {
             m if m == MAGIC_V4 => 4,
             m if m == MAGIC_V5 => 5,
             m if m == MAGIC_V6 => 6,
+            m if m == MAGIC_V7 => 7,
             _ => FORMAT,
         })
     }

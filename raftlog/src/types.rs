@@ -385,6 +385,28 @@ pub enum Command {
         info: StageRegistration,
         ttl_ms: u64,
     },
+    /// Decoder `decoder` asks to be the hot standby of `generation` (issue 15 item 3): it
+    /// follows the committed records with a model of the generation's binding, so that it can
+    /// continue with one decode step if the owner dies. The log assigns at most one live
+    /// standby per generation, first come first served: granted if the generation is running,
+    /// bound to `model`, owned by another decoder, and has no other live standby (a standby is
+    /// live while its decoder is registered and holds a session). While the owner's lease has
+    /// ended less than `STANDBY_PRIORITY_MS` ago, only a live standby may acquire it. Grants no
+    /// write: a standby appends only after it acquired the generation (a new epoch).
+    Standby {
+        generation: GenerationId,
+        decoder: String,
+        model: ModelIdentity,
+    },
+}
+
+/// A generation's hot standby ([`Command::Standby`]): dropped when the generation ends or is
+/// pruned, and when its decoder acquires it; a standby whose decoder lapsed or lost its session
+/// is not live and is replaced by the next claimant.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Standby {
+    pub decoder: String,
+    pub since_log_ms: u64,
 }
 
 /// A stage process as its registration describes it ([`Command::RegisterStage`]).
@@ -754,6 +776,7 @@ impl std::fmt::Display for Request {
             Command::Handoff { .. } => "handoff",
             Command::SetPipeline { .. } => "set-pipeline",
             Command::RegisterStage { .. } => "register-stage",
+            Command::Standby { .. } => "standby",
         };
         write!(f, "{name}@{}", self.log_ms)
     }

@@ -73,6 +73,12 @@ pub struct FailoverArgs {
     /// First loopback port for the 3 log nodes.
     #[arg(long, default_value_t = 27_400)]
     pub base_port: u16,
+    /// Hot standby: the decoders run with `--standby 1`, and each kill waits until the log names
+    /// the other decoder as the generation's standby and 16 more records were committed (the
+    /// standby's first prefill and catch-up); the takeover then continues from the followed
+    /// state. Without it the takeover re-prefills (cold).
+    #[arg(long)]
+    pub standby: bool,
 }
 
 pub(crate) fn dargs(fake: bool, model: Option<std::path::PathBuf>, threads: usize) -> DecoderArgs {
@@ -96,6 +102,9 @@ pub(crate) fn dargs(fake: bool, model: Option<std::path::PathBuf>, threads: usiz
         handoff_listen: None,
         handoff_advertise: None,
         drain_ms: 0,
+        standby: 0,
+        prefix_cache: false,
+        prefix_cache_dir: None,
         tls: Default::default(),
     }
 }
@@ -507,8 +516,15 @@ fn spawn_decoder(a: &FailoverArgs, cluster: &str, id: &str, log: &std::path::Pat
     if a.fake {
         cmd.args(["--fake", "--fake-step-ms", &a.fake_step_ms.to_string()]);
     }
+    if a.standby {
+        cmd.args(["--standby", "1"]);
+    }
     let child = cmd
-        .env("RUST_LOG", "warn")
+        // The worker's info lines say which takeovers used a standby's state.
+        .env(
+            "RUST_LOG",
+            "warn,tokenlog_decoder::worker=info,tokenlog_decoder::standby=debug",
+        )
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(log)?)
         .spawn()
@@ -551,8 +567,15 @@ pub async fn failover(a: FailoverArgs) -> anyhow::Result<()> {
     let client = LogClient::new(addrs)?;
     wait_for_leader(&client).await?;
     println!(
-        "bench failover: model {name}, 2 decoders (one warm standby), lease {} ms, {} kills after {} records each",
-        a.lease_ms, a.kills, a.after
+        "bench failover: model {name}, 2 decoders ({}), lease {} ms, {} kills after {} records each",
+        if a.standby {
+            "the other one a hot standby of the generation: --standby"
+        } else {
+            "the other one idle, model loaded: a cold takeover re-prefills"
+        },
+        a.lease_ms,
+        a.kills,
+        a.after
     );
     let mut incarnation = 0;
     let mut next_id = |slot: usize| {
@@ -577,10 +600,11 @@ pub async fn failover(a: FailoverArgs) -> anyhow::Result<()> {
         hist[1].record(t.detect.as_micros() as u64)?;
         hist[2].record(t.rest.as_micros() as u64)?;
         println!(
-            "kill {:>2}: next token visible after {:>7.1} ms = detection {:>7.1} ms + re-prefill and first step {:>7.1} ms",
+            "kill {:>2}: next token visible after {:>7.1} ms = detection {:>7.1} ms + {} and first step {:>7.1} ms",
             k + 1,
             ms(t.total),
             ms(t.detect),
+            if a.standby { "standby state" } else { "re-prefill" },
             ms(t.rest)
         );
         extra_takeovers += t.extra_takeovers;
@@ -601,11 +625,30 @@ pub async fn failover(a: FailoverArgs) -> anyhow::Result<()> {
         q(&hist[1], 0.99)
     );
     println!(
-        "  re-prefill + 1st step  {:>8.1} {:>8.1}",
+        "  {} + 1st step  {:>8.1} {:>8.1}",
+        if a.standby { "standby    " } else { "re-prefill " },
         q(&hist[2], 0.5),
         q(&hist[2], 0.99)
     );
     println!("takeovers beyond the kills (of slow-but-renewing owners): {extra_takeovers}");
+    drop(decs);
+    let mut from_standby = 0;
+    for e in std::fs::read_dir(dir.path())?.flatten() {
+        if e.path().extension().is_some_and(|x| x == "log") {
+            let text = std::fs::read_to_string(e.path()).unwrap_or_default();
+            from_standby += text.matches("taken over from the hot standby's state").count();
+            for line in text
+                .lines()
+                .filter(|l| l.contains("re-prefilling") || l.contains("standing by") || l.contains("standby"))
+            {
+                println!("  {line}");
+            }
+        }
+    }
+    println!(
+        "takeovers from a standby's followed state (decoder logs): {from_standby} of {}",
+        a.kills
+    );
     Ok(())
 }
 
@@ -654,6 +697,29 @@ async fn kill_round(
     while seen < a.after {
         let ev = w.message().await?.context("watch ended")?;
         seen += ev.records.len() as u32;
+    }
+    if a.standby {
+        // The standby claims the generation at its next poll, prefills what was committed and
+        // catches up: 16 more records.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !client
+            .get(pb::GetRequest {
+                generation_id: gid,
+                ..Default::default()
+            })
+            .await
+            .is_ok_and(|r| !r.standby.is_empty())
+        {
+            if Instant::now() > deadline {
+                bail!("no decoder stood by for generation {gid} within 30 s");
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let more = seen + 16;
+        while seen < more {
+            let ev = w.message().await?.context("watch ended")?;
+            seen += ev.records.len() as u32;
+        }
     }
     let before = info(client, gid, true).await?;
     let lease = before.lease.unwrap_or_default();

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use tokenlog_decoder::worker::{Worker, WorkerConfig, WorkerError};
+use tokenlog_decoder::prefix_cache::PrefixCache;
+use tokenlog_decoder::worker::{SharedPrefixCache, Worker, WorkerConfig, WorkerError};
 use tokenlog_decoder::{fetch, threads, DeviceSpec, FakeConfig, FakeModel, Model};
 use tokenlog_raftlog::client::LogClient;
 use tokenlog_raftlog::health::{Health, Readiness};
@@ -104,6 +105,24 @@ pub struct DecoderArgs {
     /// most this long (ms), then release the rest and exit. 0: release at once.
     #[arg(long, default_value_t = tokenlog_decoder::limits::DRAIN_MS_DEFAULT)]
     pub drain_ms: u64,
+    /// Hot standby: follow up to N running generations of other decoders (the log assigns at
+    /// most one standby per generation), feeding their committed records to the model as they
+    /// commit, so that if an owner dies this decoder continues with one decode step instead of
+    /// a re-prefill. Costs a decode step per followed token and a KV cache per generation.
+    #[arg(long, default_value_t = 0,
+          value_parser = clap::value_parser!(u64).range(0..=tokenlog_decoder::limits::STANDBY_MAX as u64))]
+    pub standby: u64,
+    /// Keep a KV prefix cache in memory (keyed by token ids; at most 512 MiB): a generation whose
+    /// prompt and committed records begin with an entry's ids loads it and prefills only the
+    /// rest (a takeover, a new generation with a shared prompt). Every prompt prefilled here is
+    /// stored. An entry restored twice in a row for one generation at one frontier without
+    /// progress is discarded (the reload-loop guard).
+    #[arg(long)]
+    pub prefix_cache: bool,
+    /// The prefix cache (implies --prefix-cache) also on disk in DIR, one checksummed file per
+    /// entry plus the guard's restore records, so that a restarted decoder finds them.
+    #[arg(long, value_name = "DIR")]
+    pub prefix_cache_dir: Option<PathBuf>,
 }
 
 #[derive(clap::Args, Clone)]
@@ -186,9 +205,49 @@ pub fn render_stats(stats: &std::sync::Mutex<tokenlog_decoder::worker::WorkerSta
             "Planned handoffs that did not move the generation (it was decoded here)",
             s.handoffs_kept,
         ),
+        counter_text(
+            "tokenlog_decoder_prefix_restores",
+            "Generations restored from the prefix cache (only the rest prefilled)",
+            s.prefix_restores,
+        ),
+        counter_text(
+            "tokenlog_decoder_standby_takeovers",
+            "Generations taken over from this decoder's hot standby state (no re-prefill)",
+            s.standby_takeovers,
+        ),
+        format!(
+            "# HELP tokenlog_decoder_standing_by Generations this decoder follows as a hot standby now\n\
+             # TYPE tokenlog_decoder_standing_by gauge\ntokenlog_decoder_standing_by {}\n",
+            s.standing_by
+        ),
         "# EOF\n".to_string(),
     ]
     .concat()
+}
+
+/// The prefix cache `--prefix-cache` / `--prefix-cache-dir` ask for, if the model can export its
+/// cache.
+fn prefix_cache(a: &DecoderArgs, model: &dyn Model) -> anyhow::Result<Option<SharedPrefixCache>> {
+    if !a.prefix_cache && a.prefix_cache_dir.is_none() {
+        return Ok(None);
+    }
+    let Some(format) = model.new_sequence()?.cache_format() else {
+        eprintln!("this model cannot export its cache: no prefix cache");
+        return Ok(None);
+    };
+    let dir = a.prefix_cache_dir.as_deref();
+    let pc = PrefixCache::open(&format, dir).with_context(|| {
+        format!(
+            "opening the prefix cache in {}",
+            dir.map_or("memory".into(), |d| d.display().to_string())
+        )
+    })?;
+    eprintln!(
+        "prefix cache: {} entries{}",
+        pc.len(),
+        dir.map(|d| format!(" in {}", d.display())).unwrap_or_default()
+    );
+    Ok(Some(Arc::new(std::sync::Mutex::new(pc))))
 }
 
 fn device(s: &str) -> anyhow::Result<DeviceSpec> {
@@ -289,15 +348,18 @@ pub async fn run(mut a: DecoderArgs) -> anyhow::Result<()> {
     let zombie = crate::process::plant_zombie()?;
     let stall = crate::process::plant_stall()?;
     let early_write = crate::process::plant_early_handoff_write()?;
+    let standby_write = crate::process::plant_standby_early_write()?;
     #[cfg(feature = "faults")]
     {
         cfg.plant_zombie = zombie;
         cfg.plant_stall = stall;
         cfg.plant_early_handoff_write = early_write;
+        cfg.plant_standby_early_write = standby_write;
     }
     #[cfg(not(feature = "faults"))]
-    let _ = (stall, early_write);
+    let _ = (stall, early_write, standby_write);
     cfg.drain_ms = a.drain_ms;
+    cfg.standby = a.standby as usize;
     let tls = a.tls.load()?;
     let handoff_listener = match a.handoff_listen {
         Some(addr) => {
@@ -325,9 +387,13 @@ pub async fn run(mut a: DecoderArgs) -> anyhow::Result<()> {
         ),
         None => None,
     };
+    let prefix_cache = prefix_cache(&a, model.as_ref())?;
     let mut worker = Worker::new(cfg, client, model);
     if let Some(h) = history {
         worker = worker.with_history(h);
+    }
+    if let Some(pc) = prefix_cache {
+        worker = worker.with_prefix_cache(pc);
     }
     if let Some(hooks) = crate::process::failpoint_hooks()? {
         worker = worker.with_hooks(hooks);

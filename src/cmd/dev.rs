@@ -73,6 +73,9 @@ pub async fn run(a: DevArgs) -> anyhow::Result<()> {
         handoff_listen: None,
         handoff_advertise: None,
         drain_ms: 0,
+        standby: 0,
+        prefix_cache: false,
+        prefix_cache_dir: None,
         tls: Default::default(),
     };
     // Model first: the slow part (download on first use, with progress) before anything listens.

@@ -604,3 +604,54 @@ pub async fn submit_binding(client: &LogClient, rid: &str, binding: pb::Binding)
         .unwrap()
         .generation_id
 }
+
+/// The appends in a decoder's history (`--history`) at an epoch the decoder had not been
+/// granted before it sent them: granted by an acquire's answer, or by a handoff it received
+/// (`handoff_received`, recorded once the log committed its ownership). Each as
+/// `(generation, epoch, start_seq)`.
+pub fn writes_without_a_grant(history: &std::path::Path) -> Vec<(u64, u64, u32)> {
+    use tokenlog_decoder::history::{Answer, Call, DecoderEvent, HistoryLine};
+    let text = std::fs::read_to_string(history).unwrap_or_default();
+    let mut granted: std::collections::HashSet<(u64, u64)> = Default::default();
+    let mut acquires: std::collections::HashMap<u64, u64> = Default::default();
+    let mut bad = Vec::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let Ok(l) = serde_json::from_str::<HistoryLine>(line) else {
+            continue;
+        };
+        match l {
+            HistoryLine::Invoke {
+                id,
+                call: Call::Acquire { gen },
+                ..
+            } => {
+                acquires.insert(id, gen);
+            }
+            HistoryLine::Complete {
+                id,
+                answer: Answer::Acquire {
+                    ok: Some(true), epoch, ..
+                },
+                ..
+            } => {
+                if let Some(gen) = acquires.get(&id) {
+                    granted.insert((*gen, epoch));
+                }
+            }
+            HistoryLine::Event {
+                event: DecoderEvent::HandoffReceived { gen, epoch, .. },
+                ..
+            } => {
+                granted.insert((gen, epoch));
+            }
+            HistoryLine::Invoke {
+                call: Call::Append {
+                    gen, epoch, start_seq, ..
+                },
+                ..
+            } if !granted.contains(&(gen, epoch)) => bad.push((gen, epoch, start_seq)),
+            _ => {}
+        }
+    }
+    bad
+}

@@ -254,9 +254,15 @@ fn decoder_procs(cfg: &RunConfig, dir: &Path, cluster: &str, pipeline: &[String]
         // client's generation: an owner's death leaves work for the others, never a generation
         // waiting for a free slot long enough for its deadline to end it.
         let capacity = if cfg.unowned_ms != 0 { cfg.clients.max(4) } else { 4 };
+        let standby = if cfg.standby > 0 {
+            vec!["--standby".to_string(), cfg.standby.to_string()]
+        } else {
+            vec![]
+        };
         let args = [
             vec!["decoder".to_string()],
             model,
+            standby,
             vec![
                 "--lease-ms".into(),
                 cfg.lease_ms.to_string(),

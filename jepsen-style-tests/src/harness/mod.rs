@@ -129,6 +129,9 @@ pub struct RunConfig {
     /// (`workload::EOS_SHARE`, `workload::CANCEL_SHARE` by default).
     pub eos_share: f64,
     pub cancel_share: f64,
+    /// Hot standby: each decoder follows up to this many generations of the others
+    /// (`--standby`); 0: none.
+    pub standby: usize,
 }
 
 impl RunConfig {
@@ -158,6 +161,7 @@ impl RunConfig {
             stall_ms: 30_000,
             eos_share: workload::EOS_SHARE,
             cancel_share: workload::CANCEL_SHARE,
+            standby: 0,
         }
     }
 
@@ -174,8 +178,10 @@ impl RunConfig {
     /// with 0-50 entries kept behind them (a node that lags or lost its data installs one),
     /// retention 2-5 s (finished generations pruned while the run goes on), leases of
     /// 300-2,000 ms, an unowned deadline of 3-6 s, a model step of 1-10 ms, so snapshot build and install, pruning, lease
-    /// edges and ownerless generations ending happen many times per run. Returns what it drew,
-    /// for the run's summary.
+    /// edges and ownerless generations ending happen many times per run; in half the seeds the
+    /// decoders are hot standbys of each other's generations (`--standby 4`), so a killed or
+    /// paused owner is taken over from a followed state under the same nemeses. Returns what it
+    /// drew, for the run's summary.
     pub fn stress(&mut self) -> String {
         use rand::{Rng, SeedableRng};
         // A stream of its own (the seed mixed by splitmix64), so the nemesis schedule of a seed
@@ -193,9 +199,11 @@ impl RunConfig {
         // A model step from 1 ms (faster than an append's round trip: the decoder's window of
         // appends fills, and appends carry several tokens) to 10 ms.
         self.step_ms = [1, 2, 3, 5, 10][rng.random_range(0..5)];
+        // Drawn last: the draws above stay what they were for every seed.
+        self.standby = [0, 4][rng.random_range(0..2)];
         format!(
-            "snapshot every {} entries (keeping {keep} behind it), retention {} ms, lease {} ms, unowned deadline {} ms, step {} ms",
-            self.snapshot_every, self.retention_ms, self.lease_ms, self.unowned_ms, self.step_ms
+            "snapshot every {} entries (keeping {keep} behind it), retention {} ms, lease {} ms, unowned deadline {} ms, step {} ms, standby {}",
+            self.snapshot_every, self.retention_ms, self.lease_ms, self.unowned_ms, self.step_ms, self.standby
         )
     }
 }

@@ -245,6 +245,14 @@ impl LogState {
         assert_eq!(ix.owned, owned, "owner index");
         assert_eq!(ix.owner_of.len(), owned.len(), "owner index");
         assert_eq!(ix.decoder_expiry.len(), self.decoders.len(), "decoder expiry index");
+        for (id, s) in &self.standbys {
+            let g = self.generations.get(id);
+            assert!(
+                g.is_some_and(|g| !g.state.is_terminal() && g.lease.owner != s.decoder),
+                "standby {} of generation {id}: the generation ended, is gone or is its own",
+                s.decoder
+            );
+        }
         assert!(
             ix.stage_expiry.len() == self.stages.len()
                 && self

@@ -21,6 +21,7 @@ mod handoff;
 mod index;
 mod ownership;
 mod pipeline;
+mod standby;
 mod upkeep;
 
 use index::check_generation;
@@ -98,6 +99,9 @@ pub struct LogState {
     /// Live stage registrations by stage id ([`Command::RegisterStage`]); lapsed ones are
     /// dropped by `Tick`.
     pub stages: BTreeMap<String, StageRegistration>,
+    /// Each running generation's hot standby, if one claimed it ([`Command::Standby`]); dropped
+    /// when the generation ends or is pruned and when the standby acquires it.
+    pub standbys: BTreeMap<GenerationId, Standby>,
     /// The generations whose attempt is in flight (before its ownership commit, not aborted).
     /// Derived from `handoffs`; not serialized.
     #[serde(skip)]
@@ -230,6 +234,10 @@ impl LogState {
             if let Some(g) = self.generations.get(id) {
                 self.index.refile(g);
                 check_generation(g);
+                // A standby has nothing to take over once its generation ended.
+                if g.state.is_terminal() {
+                    self.standbys.remove(id);
+                }
             }
         }
         if changes.entry_decoders {
@@ -333,6 +341,11 @@ impl LogState {
             Command::RegisterStage { stage_id, info, ttl_ms } => {
                 Response::Registered(self.register_stage(stage_id, info, *ttl_ms))
             }
+            Command::Standby {
+                generation,
+                decoder,
+                model,
+            } => Response::Ownership(self.standby(*generation, decoder, model)),
             Command::Batch(_) => unreachable!("apply_command unpacks batches"),
         }
     }

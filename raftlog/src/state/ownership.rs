@@ -53,6 +53,14 @@ impl LogState {
                 g,
             ));
         }
+        let lease_ended_log_ms = g.lease.expiry_log_ms;
+        let owned_before = g.lease.epoch > 0;
+        if owned_before {
+            if let Some(r) = self.standby_priority(id, decoder, lease_ended_log_ms, now) {
+                return Err(r);
+            }
+        }
+        let g = self.get_mut(id)?;
         let epoch = g.lease.epoch + 1;
         g.lease = Lease {
             epoch,
@@ -72,7 +80,12 @@ impl LogState {
             frontier: g.frontier(),
         });
         changes.touch(id);
-        Ok((&*g).into())
+        let view = (&*g).into();
+        // The standby took it: it is the owner now, no longer a standby.
+        if self.standbys.get(&id).is_some_and(|s| s.decoder == decoder) {
+            self.standbys.remove(&id);
+        }
+        Ok(view)
     }
 
     pub(super) fn renew(
@@ -175,7 +188,11 @@ impl LogState {
         fence(g, epoch, now)?;
         end_lease(g, now);
         changes.touch(id);
-        Ok((&*g).into())
+        let view = (&*g).into();
+        // A generation its owner gave back goes to whoever acquires it first: the standby's
+        // priority is for an owner that died (a release is not a death).
+        self.standbys.remove(&id);
+        Ok(view)
     }
 
     pub(super) fn cancel(

@@ -184,6 +184,7 @@ impl LogState {
                 }
                 self.handoffs.remove(id);
                 self.handoffs_in_flight.remove(id);
+                self.standbys.remove(id);
                 gone.push((g.id, g.tenant, g.request_id));
             }
         }

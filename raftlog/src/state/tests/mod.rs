@@ -1,7 +1,7 @@
 //! Pure apply tests: no I/O, no clock. Each test drives `LogState::apply` with stamped commands.
 //! Here: the helpers, submit, log time, determinism; `fencing`: ownership and appends;
 //! `upkeep`: ticks, retention, pending work, registrations; `handoff`: planned handoff;
-//! `pipeline`: pipeline compositions.
+//! `pipeline`: pipeline compositions; `standby`: hot standbys.
 
 use super::*;
 
@@ -127,6 +127,7 @@ fn reason<T: std::fmt::Debug>(r: Result<T, Rejection>) -> RejectReason {
 mod fencing;
 mod handoff;
 mod pipeline;
+mod standby;
 mod upkeep;
 
 #[test]

@@ -1,0 +1,205 @@
+//! Hot standbys: at most one live standby per running generation, the priority window in which
+//! only it may acquire, and when a standby is dropped.
+
+use super::*;
+
+const OWNER: &str = "owner";
+
+impl T {
+    /// Registers `dec` for [`model`] and opens its session `session`.
+    fn live_decoder(&mut self, t: u64, dec: &str, session: u64) {
+        let info = DecoderInfo {
+            model_name: "m".into(),
+            model: model(),
+            capacity: 4,
+            ..Default::default()
+        };
+        let r = self.at(
+            t,
+            Command::RegisterDecoder {
+                decoder: dec.into(),
+                info,
+                ttl_ms: 60_000,
+            },
+        );
+        assert!(matches!(r, Response::Registered(Ok(_))), "{r:?}");
+        let r = self.at(
+            t,
+            Command::SessionOpened {
+                decoder: dec.into(),
+                session,
+            },
+        );
+        assert!(matches!(r, Response::Session(Ok(_))), "{r:?}");
+    }
+
+    fn stand_by(&mut self, t: u64, g: GenerationId, dec: &str) -> Result<GenerationView, Rejection> {
+        self.ownership(
+            t,
+            Command::Standby {
+                generation: g,
+                decoder: dec.into(),
+                model: model(),
+            },
+        )
+    }
+
+    /// A generation owned by [`OWNER`] (live, session 1) at epoch 1 with 2 records; `sb1`, `sb2`
+    /// and `other` live decoders.
+    fn running(&mut self) -> GenerationId {
+        let g = self.submit(0, "r");
+        for (i, d) in [OWNER, "sb1", "sb2", "other"].into_iter().enumerate() {
+            self.live_decoder(0, d, i as u64 + 1);
+        }
+        self.acquire(1, g, OWNER).unwrap();
+        self.append(2, g, OWNER, 1, 0, &[7, 8]).unwrap();
+        g
+    }
+
+    fn lose_session(&mut self, t: u64, dec: &str, session: u64) {
+        self.at(
+            t,
+            Command::SessionLost {
+                decoder: dec.into(),
+                session,
+            },
+        );
+    }
+}
+
+#[test]
+fn a_running_generation_gets_at_most_one_live_standby() {
+    let mut t = T::new();
+    let g = t.running();
+    t.stand_by(3, g, "sb1").unwrap();
+    assert_eq!(t.s.standbys[&g].decoder, "sb1");
+    assert_eq!(reason(t.stand_by(4, g, "sb2")), RejectReason::LeaseHeld);
+    // Asking again is answered the same, and changes nothing.
+    t.stand_by(5, g, "sb1").unwrap();
+    assert_eq!(t.s.standbys[&g].since_log_ms, 3);
+    // Not for itself, not without a registration and session, not for another model.
+    assert_eq!(reason(t.stand_by(6, g, OWNER)), RejectReason::Invalid);
+    assert_eq!(reason(t.stand_by(6, g, "stranger")), RejectReason::Invalid);
+    let mut m = model();
+    m.weights_sha256 = "other".into();
+    let r = t.ownership(
+        6,
+        Command::Standby {
+            generation: g,
+            decoder: "sb2".into(),
+            model: m,
+        },
+    );
+    assert_eq!(reason(r), RejectReason::ModelMismatch);
+    assert_eq!(reason(t.stand_by(6, 99, "sb2")), RejectReason::NotFound);
+    // A standby whose session ended is not live: the next claimant replaces it.
+    t.lose_session(7, "sb1", 2);
+    t.stand_by(8, g, "sb2").unwrap();
+    assert_eq!(t.s.standbys[&g].decoder, "sb2");
+    // A standby grants no write.
+    assert_eq!(reason(t.append(9, g, "sb2", 2, 2, &[9])), RejectReason::StaleEpoch);
+    assert_eq!(t.gen(g).lease.owner, OWNER);
+}
+
+#[test]
+fn only_the_live_standby_acquires_in_the_priority_window() {
+    let mut t = T::new();
+    let g = t.running();
+    t.stand_by(3, g, "sb1").unwrap();
+    // The owner dies: its session's end ends its lease at once.
+    t.lose_session(10, OWNER, 1);
+    assert!(!t.gen(g).lease_live(10));
+    let refused = t.acquire(11, g, "other");
+    assert_eq!(reason(refused), RejectReason::LeaseHeld);
+    let won = t.acquire(12, g, "sb1").unwrap();
+    assert_eq!(won.lease.epoch, 2);
+    assert_eq!(t.gen(g).lease.owner, "sb1");
+    assert!(!t.s.standbys.contains_key(&g), "the standby is the owner now");
+    t.append(13, g, "sb1", 2, 2, &[9]).unwrap();
+    // The window is over once the standby has taken it; nothing left to keep.
+    assert_eq!(reason(t.acquire(14, g, "other")), RejectReason::LeaseHeld);
+}
+
+#[test]
+fn the_window_closes_and_a_dead_standby_keeps_nothing() {
+    let mut t = T::new();
+    let g = t.running();
+    t.stand_by(3, g, "sb1").unwrap();
+    t.lose_session(10, OWNER, 1);
+    // The standby never comes: after the window anyone acquires.
+    assert_eq!(
+        reason(t.acquire(10 + STANDBY_PRIORITY_MS - 1, g, "other")),
+        RejectReason::LeaseHeld
+    );
+    assert_eq!(t.acquire(10 + STANDBY_PRIORITY_MS, g, "other").unwrap().lease.epoch, 2);
+    // A second generation whose standby dies first: no window at all.
+    let h = t.submit(20_000, "r2");
+    t.live_decoder(20_000, "owner2", 9);
+    t.acquire(20_001, h, "owner2").unwrap();
+    t.stand_by(20_002, h, "sb2").unwrap();
+    t.lose_session(20_003, "sb2", 3);
+    t.lose_session(20_004, "owner2", 9);
+    assert_eq!(t.acquire(20_005, h, "other").unwrap().lease.epoch, 2);
+}
+
+#[test]
+fn a_standby_is_dropped_with_its_generation_and_candidates_are_listed_by_index() {
+    let mut t = T::new();
+    let g = t.running();
+    let h = t.submit(3, "r2");
+    t.acquire(4, h, OWNER).unwrap();
+    // Unowned: not a candidate; owned by the asker: not a candidate.
+    let u = t.submit(5, "r3");
+    let ids = |t: &T, dec: &str| -> Vec<GenerationId> {
+        t.s.standby_candidates(&model(), dec, 6, 10)
+            .iter()
+            .map(|g| g.id)
+            .collect()
+    };
+    assert_eq!(ids(&t, "sb1"), vec![g, h]);
+    assert!(ids(&t, OWNER).is_empty());
+    assert!(!ids(&t, "sb1").contains(&u));
+    t.stand_by(6, g, "sb1").unwrap();
+    // Taken by a live standby: listed to it still, not to others.
+    assert_eq!(ids(&t, "sb1"), vec![g, h]);
+    assert_eq!(ids(&t, "sb2"), vec![h]);
+    // The generation ends: its standby goes with it.
+    t.finish(7, g, 1).unwrap();
+    assert!(!t.s.standbys.contains_key(&g));
+    assert_eq!(reason(t.stand_by(8, g, "sb2")), RejectReason::Terminal);
+    // Likewise at the end of the next one.
+    t.stand_by(9, h, "sb2").unwrap();
+    t.finish(10, h, 1).unwrap();
+    assert!(t.s.standbys.is_empty());
+    let copy = t.s.clone();
+    assert_eq!(copy, t.s);
+}
+
+#[test]
+fn a_release_is_not_a_death_and_keeps_no_priority() {
+    let mut t = T::new();
+    let g = t.running();
+    t.stand_by(3, g, "sb1").unwrap();
+    t.ownership(
+        4,
+        Command::Release {
+            generation: g,
+            epoch: 1,
+        },
+    )
+    .unwrap();
+    assert!(!t.s.standbys.contains_key(&g));
+    assert_eq!(t.acquire(5, g, "other").unwrap().lease.epoch, 2);
+}
+
+#[test]
+fn what_is_kept_for_a_standby_is_not_offered_to_others() {
+    let mut t = T::new();
+    let g = t.running();
+    t.stand_by(3, g, "sb1").unwrap();
+    t.lose_session(10, OWNER, 1);
+    let gen = t.gen(g).clone();
+    assert!(t.s.kept_for_standby(&gen, "other", 11));
+    assert!(!t.s.kept_for_standby(&gen, "sb1", 11));
+    assert!(!t.s.kept_for_standby(&gen, "other", 10 + STANDBY_PRIORITY_MS));
+}
