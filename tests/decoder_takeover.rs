@@ -102,8 +102,9 @@ async fn follow(client: &LogClient, id: u64) -> (Vec<u32>, Vec<u64>, pb::Generat
     }
 }
 
-async fn owner(client: &LogClient, id: u64) -> (String, u64, u32) {
-    let g = client
+/// A linearizable read of generation `id`.
+async fn get(client: &LogClient, id: u64) -> pb::GetResponse {
+    client
         .get(pb::GetRequest {
             generation_id: id,
             linearizable: true,
@@ -111,8 +112,10 @@ async fn owner(client: &LogClient, id: u64) -> (String, u64, u32) {
         })
         .await
         .unwrap()
-        .generation
-        .unwrap();
+}
+
+async fn owner(client: &LogClient, id: u64) -> (String, u64, u32) {
+    let g = get(client, id).await.generation.unwrap();
     let l = g.lease.unwrap_or_default();
     (l.owner, l.epoch, g.frontier)
 }
@@ -301,14 +304,7 @@ async fn standby_takeover(plant: bool) {
     let d2 = cluster.start_decoder_env("dec-b", &standby_args, &env);
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let g = client
-            .get(pb::GetRequest {
-                generation_id: id,
-                linearizable: true,
-                ..Default::default()
-            })
-            .await
-            .unwrap();
+        let g = get(&client, id).await;
         if g.standby == "dec-b" {
             break;
         }

@@ -19,25 +19,6 @@ fn manifest(frontier: Seq) -> CacheManifest {
 }
 
 impl T {
-    fn register(&mut self, t: u64, dec: &str, addr: &str, m: ModelIdentity) {
-        let info = DecoderInfo {
-            model_name: "m".into(),
-            model: m,
-            capacity: 4,
-            handoff_addr: addr.into(),
-            ..Default::default()
-        };
-        let r = self.at(
-            t,
-            Command::RegisterDecoder {
-                decoder: dec.into(),
-                info,
-                ttl_ms: 60_000,
-            },
-        );
-        assert!(matches!(r, Response::Registered(Ok(_))), "{r:?}");
-    }
-
     fn step(&mut self, t: u64, g: GenerationId, step: HandoffStep) -> Result<(Handoff, GenerationView), Rejection> {
         match self.at(t, Command::Handoff { generation: g, step }) {
             Response::Handoff(r) => r,

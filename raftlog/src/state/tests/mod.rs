@@ -118,6 +118,25 @@ impl T {
     fn gen(&self, g: GenerationId) -> &Generation {
         &self.s.generations[&g]
     }
+    /// Registers decoder `dec` for `m` (handoff listener `addr`, empty: none) for 60 s.
+    fn register(&mut self, t: u64, dec: &str, addr: &str, m: ModelIdentity) {
+        let info = DecoderInfo {
+            model_name: "m".into(),
+            model: m,
+            capacity: 4,
+            handoff_addr: addr.into(),
+            ..Default::default()
+        };
+        let r = self.at(
+            t,
+            Command::RegisterDecoder {
+                decoder: dec.into(),
+                info,
+                ttl_ms: 60_000,
+            },
+        );
+        assert!(matches!(r, Response::Registered(Ok(_))), "{r:?}");
+    }
 }
 
 fn reason<T: std::fmt::Debug>(r: Result<T, Rejection>) -> RejectReason {

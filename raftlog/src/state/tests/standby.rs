@@ -8,21 +8,7 @@ const OWNER: &str = "owner";
 impl T {
     /// Registers `dec` for [`model`] and opens its session `session`.
     fn live_decoder(&mut self, t: u64, dec: &str, session: u64) {
-        let info = DecoderInfo {
-            model_name: "m".into(),
-            model: model(),
-            capacity: 4,
-            ..Default::default()
-        };
-        let r = self.at(
-            t,
-            Command::RegisterDecoder {
-                decoder: dec.into(),
-                info,
-                ttl_ms: 60_000,
-            },
-        );
-        assert!(matches!(r, Response::Registered(Ok(_))), "{r:?}");
+        self.register(t, dec, "", model());
         let r = self.at(
             t,
             Command::SessionOpened {
