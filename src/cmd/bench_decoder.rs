@@ -590,6 +590,7 @@ pub async fn failover(a: FailoverArgs) -> anyhow::Result<()> {
         Histogram::<u64>::new(3)?,
     ];
     let mut extra_takeovers = 0u64;
+    let (mut owner_cpu, mut other_cpu) = (0u64, 0u64);
     for k in 0..a.kills {
         wait_registered(&client, &decs, dir.path()).await?;
         let (victim, t) = kill_round(&client, model.as_ref(), &prompt, &a, k, &mut decs).await?;
@@ -605,6 +606,8 @@ pub async fn failover(a: FailoverArgs) -> anyhow::Result<()> {
             ms(t.rest)
         );
         extra_takeovers += t.extra_takeovers;
+        owner_cpu += t.owner_cpu;
+        other_cpu += t.other_cpu;
         // The dead slot gets a fresh decoder, which becomes the next standby.
         let id = next_id(victim);
         decs[victim] = spawn_decoder(&a, &cluster, &id, &dir.path().join(format!("{id}.log")))?;
@@ -628,6 +631,11 @@ pub async fn failover(a: FailoverArgs) -> anyhow::Result<()> {
         q(&hist[2], 0.99)
     );
     println!("takeovers beyond the kills (of slow-but-renewing owners): {extra_takeovers}");
+    println!(
+        "CPU of the {} from submit to kill: {:.0}% of the owner's ({other_cpu} / {owner_cpu} ticks)",
+        if a.standby { "standby" } else { "idle decoder" },
+        100.0 * other_cpu as f64 / owner_cpu.max(1) as f64
+    );
     drop(decs);
     let mut from_standby = 0;
     for e in std::fs::read_dir(dir.path())?.flatten() {
@@ -655,6 +663,26 @@ struct KillTimings {
     rest: Duration,
     /// Takeovers of this generation beyond the one the kill caused.
     extra_takeovers: u64,
+    /// CPU time (clock ticks) of the owner and of the other decoder (the standby, or the idle
+    /// one) from the submit to the kill.
+    owner_cpu: u64,
+    other_cpu: u64,
+}
+
+/// User + system CPU time of a running process, in clock ticks (`/proc/PID/stat`); 0 when it
+/// cannot be read.
+fn cpu_ticks(d: &Dec) -> u64 {
+    let Some(pid) = d.child.as_ref().map(Child::id) else {
+        return 0;
+    };
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name (which may hold spaces) end at the last ')'.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map_or(vec![], |(_, f)| f.split_whitespace().collect());
+    // utime and stime are fields 14 and 15; the first after ')' is field 3.
+    let at = |i: usize| fields.get(i - 3).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
+    at(14) + at(15)
 }
 
 /// Waits until both decoders are registered (the standby has its model loaded).
@@ -687,6 +715,7 @@ async fn kill_round(
         })
         .await?;
     let gid = sub.generation.context("no generation")?.generation_id;
+    let cpu_at_submit = [cpu_ticks(&decs[0]), cpu_ticks(&decs[1])];
     let mut w = client.watch(gid, 0).await?;
     let mut seen = 0u32;
     while seen < a.after {
@@ -721,6 +750,8 @@ async fn kill_round(
     let Some(victim) = decs.iter().position(|d| d.id == lease.owner) else {
         bail!("owner {} is not one of ours", lease.owner);
     };
+    let cpu = |i: usize| cpu_ticks(&decs[i]).saturating_sub(cpu_at_submit[i]);
+    let (owner_cpu, other_cpu) = (cpu(victim), cpu(1 - victim));
     let killed = Instant::now();
     if let Some(mut c) = decs[victim].child.take() {
         let _ = c.kill();
@@ -759,6 +790,8 @@ async fn kill_round(
             detect: acquired - killed,
             rest: visible.saturating_duration_since(acquired),
             extra_takeovers: g.takeovers.saturating_sub(1),
+            owner_cpu,
+            other_cpu,
         },
     ))
 }
