@@ -558,7 +558,9 @@ impl Worker {
                 self.take_work().await;
                 last_poll = Instant::now();
             }
-            if session_ready && !self.stopping && self.standbys.poll_due(&self.cfg) {
+            // A decoder with no free slot could not take a followed generation over (its
+            // priority would only delay another decoder's takeover): it claims none.
+            if session_ready && !self.stopping && self.load() < self.cfg.capacity && self.standbys.poll_due(&self.cfg) {
                 let skip: std::collections::HashSet<u64> = self
                     .active
                     .keys()
