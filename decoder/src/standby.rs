@@ -47,8 +47,6 @@ pub(crate) struct Shadow {
     state: DecodeState,
     /// Records received and not yet fed, in seq order.
     queue: VecDeque<u32>,
-    /// The seq the next received record must have (records are consecutive from the prefix).
-    next_seq: u32,
     /// The task that watches the generation's records; stops when the shadow is dropped.
     _watch: AbortOnDrop,
 }
@@ -60,12 +58,16 @@ impl Shadow {
         self.state.finished().is_none() && (!self.queue.is_empty() || !self.state.logits_ready())
     }
 
-    /// Records past those followed and queued that a takeover at `frontier` still needs
-    /// (`from..frontier`, to read from the log); `None` when the shadow is past `frontier` (it
-    /// cannot be used).
-    pub(crate) fn missing(&self, frontier: u32) -> Option<std::ops::Range<u32>> {
-        let have = self.state.frontiers().committed as u32 + self.queue.len() as u32;
-        (self.state.frontiers().committed as u32 <= frontier).then(|| have.min(frontier)..frontier)
+    /// The seq of the next record it needs: records are consecutive, followed, then queued.
+    fn next_seq(&self) -> u32 {
+        (self.followed() + self.queue.len()) as u32
+    }
+
+    /// Records past those followed and queued that a takeover at `frontier` still needs (to
+    /// read from the log); empty when it has them all, or is past `frontier` (then
+    /// [`Shadow::into_state`] refuses it).
+    pub(crate) fn missing(&self, frontier: u32) -> std::ops::Range<u32> {
+        self.next_seq().min(frontier)..frontier
     }
 
     /// The followed state of a generation granted at `frontier`: the records still queued, then
@@ -176,76 +178,14 @@ impl Standbys {
             }
         }
     }
-}
 
-/// Claims generation `id` in the log and builds its followed state, whose watch task sends on
-/// `tx`; `None` when the log gave it to another standby (or it cannot be followed: no prompt ids
-/// yet).
-async fn claim(
-    client: &LogClient,
-    cfg: &WorkerConfig,
-    model: &Arc<dyn Model>,
-    identity: &pb::ModelIdentity,
-    id: u64,
-    tx: mpsc::UnboundedSender<Followed>,
-    wake: Arc<tokio::sync::Notify>,
-) -> Result<Option<Shadow>, WorkerError> {
-    let r = client
-        .standby(pb::StandbyRequest {
-            generation_id: id,
-            decoder_id: cfg.decoder_id.clone(),
-            model: Some(identity.clone()),
-        })
-        .await?;
-    let Some(info) = r.generation.filter(|_| r.ok) else {
-        return Ok(None);
-    };
-    let binding: Binding = match info.binding.clone() {
-        Some(b) => b.into(),
-        None => return Ok(None),
-    };
-    if binding.prompt_token_ids.is_empty() {
-        // The owner has not bound its prompt ids yet: nothing to follow exactly.
-        return Ok(None);
-    }
-    let committed = read_prefix(client, id, info.frontier).await?;
-    let from = committed.len() as u32;
-    let m = model.clone();
-    let state = model_work(move || {
-        DecodeState::resume_deferred(
-            m.as_ref(),
-            &binding.prompt_token_ids,
-            &committed,
-            binding.sampling,
-            binding.stop,
-            binding.mode,
-        )
-    })
-    .await
-    .map_err(WorkerError::Other)??;
-    if state.finished().is_some() {
-        return Ok(None);
-    }
-    let watch = tokio::spawn(watch_records(client.clone(), id, from, tx, wake));
-    Ok(Some(Shadow {
-        state,
-        queue: VecDeque::new(),
-        next_seq: from,
-        _watch: AbortOnDrop(watch),
-    }))
-}
-
-impl Standbys {
     /// Takes in the records the watch tasks delivered; drops generations that ended.
     pub(crate) fn absorb(&mut self) {
         while let Ok(f) = self.rx.try_recv() {
             match f {
                 Followed::Record { generation, seq, token } => {
-                    if let Some(s) = self.shadows.get_mut(&generation) {
-                        if seq == s.next_seq {
-                            s.queue.push_back(token);
-                            s.next_seq += 1;
-                        }
+                    if let Some(s) = self.shadows.get_mut(&generation).filter(|s| s.next_seq() == seq) {
+                        s.queue.push_back(token);
                     }
                 }
                 Followed::Ended { generation } => {
@@ -312,6 +252,62 @@ impl Standbys {
             }
         }
     }
+}
+
+/// Claims generation `id` in the log and builds its followed state, whose watch task sends on
+/// `tx`; `None` when the log gave it to another standby (or it cannot be followed: no prompt ids
+/// yet).
+async fn claim(
+    client: &LogClient,
+    cfg: &WorkerConfig,
+    model: &Arc<dyn Model>,
+    identity: &pb::ModelIdentity,
+    id: u64,
+    tx: mpsc::UnboundedSender<Followed>,
+    wake: Arc<tokio::sync::Notify>,
+) -> Result<Option<Shadow>, WorkerError> {
+    let r = client
+        .standby(pb::StandbyRequest {
+            generation_id: id,
+            decoder_id: cfg.decoder_id.clone(),
+            model: Some(identity.clone()),
+        })
+        .await?;
+    let Some(info) = r.generation.filter(|_| r.ok) else {
+        return Ok(None);
+    };
+    let binding: Binding = match info.binding.clone() {
+        Some(b) => b.into(),
+        None => return Ok(None),
+    };
+    if binding.prompt_token_ids.is_empty() {
+        // The owner has not bound its prompt ids yet: nothing to follow exactly.
+        return Ok(None);
+    }
+    let committed = read_prefix(client, id, info.frontier).await?;
+    let from = committed.len() as u32;
+    let m = model.clone();
+    let state = model_work(move || {
+        DecodeState::resume_deferred(
+            m.as_ref(),
+            &binding.prompt_token_ids,
+            &committed,
+            binding.sampling,
+            binding.stop,
+            binding.mode,
+        )
+    })
+    .await
+    .map_err(WorkerError::Other)??;
+    if state.finished().is_some() {
+        return Ok(None);
+    }
+    let watch = tokio::spawn(watch_records(client.clone(), id, from, tx, wake));
+    Ok(Some(Shadow {
+        state,
+        queue: VecDeque::new(),
+        _watch: AbortOnDrop(watch),
+    }))
 }
 
 /// Watches generation `id`'s committed records from `from` and hands them to the worker, until

@@ -1486,20 +1486,24 @@ impl Taker {
         let followed = shadow.followed();
         let t0 = Instant::now();
         // What the watch has not delivered yet (it lags the commit a little): read it.
-        let read = match shadow.missing(frontier) {
-            Some(r) if r.is_empty() => Vec::new(),
-            Some(r) => match crate::worker_lease::read_records(&self.client, id, r.start, r.end).await {
+        let missing = shadow.missing(frontier);
+        let read = if missing.is_empty() {
+            Vec::new()
+        } else {
+            match crate::worker_lease::read_records(&self.client, id, missing.start, missing.end).await {
                 Ok(read) => read,
                 Err(e) => {
                     tracing::info!(generation = id, error = %e, "the records the standby lacks are not readable: re-prefilling");
                     return None;
                 }
-            },
-            None => Vec::new(),
+            }
         };
         let lacked = read.len();
-        match model_work(move || shadow.into_state(frontier, &read)).await {
-            Ok(Some(Ok(state))) => {
+        let followed_state = model_work(move || shadow.into_state(frontier, &read).transpose())
+            .await
+            .and_then(|r| r.map_err(|e| e.to_string()));
+        match followed_state {
+            Ok(Some(state)) => {
                 self.stats.lock().expect("lock").standby_takeovers += 1;
                 tracing::info!(
                     generation = id,
@@ -1519,10 +1523,6 @@ impl Taker {
                     followed,
                     "the standby's state is not at the granted frontier: re-prefilling"
                 );
-                None
-            }
-            Ok(Some(Err(e))) => {
-                tracing::warn!(generation = id, error = %e, "the standby's state failed: re-prefilling");
                 None
             }
             Err(e) => {
@@ -1710,10 +1710,12 @@ impl Taker {
         );
         let t0 = Instant::now();
         let cached = cache.positions;
-        match model_work(move || DecodeState::resume_from_cache(model.as_ref(), &p, &c, params, stop, mode, &cache))
-            .await
-        {
-            Ok(Ok(state)) => {
+        let restored =
+            model_work(move || DecodeState::resume_from_cache(model.as_ref(), &p, &c, params, stop, mode, &cache))
+                .await
+                .and_then(|r| r.map_err(|e| e.to_string()));
+        match restored {
+            Ok(state) => {
                 self.stats.lock().expect("lock").prefix_restores += 1;
                 tracing::info!(
                     generation = id,
@@ -1725,12 +1727,8 @@ impl Taker {
                 );
                 Some(state)
             }
-            Ok(Err(e)) => {
-                tracing::warn!(generation = id, entry = %entry.key, error = %e, "prefix cache entry not usable: prefilling cold");
-                None
-            }
             Err(e) => {
-                tracing::warn!(generation = id, entry = %entry.key, error = %e, "prefix cache restore failed: prefilling cold");
+                tracing::warn!(generation = id, entry = %entry.key, error = %e, "prefix cache entry not usable: prefilling cold");
                 None
             }
         }

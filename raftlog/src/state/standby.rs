@@ -24,7 +24,6 @@ impl LogState {
     ) -> Result<GenerationView, Rejection> {
         check_len("decoder id bytes", decoder.len(), DECODER_ID_BYTES_MAX)?;
         let now = self.log_ms;
-        let registered = self.decoders.get(decoder).is_some_and(|d| d.expiry_log_ms > now);
         let live = self.standby_live(decoder, now);
         let current = self.standbys.get(&id).cloned();
         let other_live = current
@@ -49,7 +48,7 @@ impl LogState {
                 g,
             ));
         }
-        if !registered || !live {
+        if !live {
             return Err(reject_gen(
                 RejectReason::Invalid,
                 format!("decoder {decoder:?} needs a live registration and session to stand by"),
