@@ -199,6 +199,15 @@ pub fn plant_early_handoff_write() -> anyhow::Result<bool> {
     Ok(on)
 }
 
+/// Planted bug `source-frees-early` (fault builds): `TOKENLOG_PLANT_SOURCE_FREES_EARLY=1`.
+pub fn plant_source_frees_early() -> anyhow::Result<bool> {
+    let on = planted("TOKENLOG_PLANT_SOURCE_FREES_EARLY")?;
+    if on {
+        eprintln!("PLANTED BUG ON: a handoff source frees its cache before the log released it");
+    }
+    Ok(on)
+}
+
 /// Planted bug `standby-early-write` (fault builds): `TOKENLOG_PLANT_STANDBY_EARLY_WRITE=1`.
 pub fn plant_standby_early_write() -> anyhow::Result<bool> {
     let on = planted("TOKENLOG_PLANT_STANDBY_EARLY_WRITE")?;

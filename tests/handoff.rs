@@ -231,6 +231,85 @@ async fn a_draining_decoder_hands_every_generation_over_with_its_cache() {
     assert!(!b_log.contains("generation taken"), "b re-prefilled nothing: {b_log}");
 }
 
+/// A decoder with `--rebalance` holding 4 generations hands them, one every 2 s, to an idle
+/// decoder that joins, with their caches, until the two are within one generation of each
+/// other (2 and 2): through the log's handoff phases, epoch 1 to 2; every client's stream is
+/// the uninterrupted run's; the source decodes the rest itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loaded_decoder_rebalances_onto_an_idle_one() {
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    let flags = [
+        "--handoff-listen",
+        "127.0.0.1:0",
+        "--fake-step-ms",
+        "40",
+        "--capacity",
+        "4",
+    ];
+    let a = cluster.start_decoder("rb-a", &[flags.as_slice(), &["--rebalance"]].concat());
+    let client = cluster.client();
+    common::wait_for_model(&client).await;
+    let m = fake();
+    let prompts: Vec<Vec<u32>> = (0..4)
+        .map(|i| m.tokenizer().encode(&format!("rebalanced prompt {i}")).unwrap())
+        .collect();
+    const LONG: u32 = 400;
+    let mut ids = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        ids.push(submit(&client, &m, &format!("rb{i}"), p, LONG).await);
+    }
+    for &id in &ids {
+        wait_until("a to own every generation", async || {
+            let g = get(&client, id).await.generation.unwrap();
+            g.lease.is_some_and(|l| l.owner == a.id) && g.frontier >= 4
+        })
+        .await;
+    }
+    let follows: Vec<_> = ids
+        .iter()
+        .map(|&id| {
+            let c = client.clone();
+            tokio::spawn(async move { follow(&c, id).await })
+        })
+        .collect();
+    let b = cluster.start_decoder("rb-b", &flags);
+    let mut moved = 0;
+    for ((id, p), f) in ids.iter().zip(&prompts).zip(follows) {
+        let (toks, epochs, _) = f.await.unwrap();
+        assert_eq!(
+            toks,
+            expected(&m, p, LONG),
+            "generation {id}: the uninterrupted run's tokens"
+        );
+        let r = get(&client, *id).await;
+        if let Some(h) = r.handoff {
+            assert_eq!(h.phase, pb::HandoffPhase::SourceReleased as i32, "{h:?}");
+            assert_eq!(
+                (h.source.as_str(), h.destination.as_str()),
+                (a.id.as_str(), b.id.as_str())
+            );
+            let switch = epochs.iter().position(|&e| e != 1).expect("b wrote the rest");
+            assert!(epochs[switch..].iter().all(|&e| e == 2), "generation {id}: {epochs:?}");
+            moved += 1;
+        } else {
+            assert!(epochs.iter().all(|&e| e == 1), "generation {id}: {epochs:?}");
+        }
+    }
+    let (a_log, b_log) = (a.log_text(), b.log_text());
+    assert_eq!(moved, 2, "4 and 0 end as 2 and 2:\n{a_log}");
+    assert_eq!(a_log.matches("rebalancing: handing a generation").count(), 2, "{a_log}");
+    assert_eq!(
+        b_log.matches("generation received with its cache").count(),
+        2,
+        "{b_log}"
+    );
+    assert!(
+        !b_log.contains("rebalancing"),
+        "b holds less: it moves nothing back:\n{b_log}"
+    );
+}
+
 /// A decoder with a handoff listener told to stop while it holds nothing re-registers without
 /// the listener before it exits, like a draining one: until its registration lapses (5 s or
 /// more) no other decoder would pick it as a destination. (It used to exit still offering it.)

@@ -36,7 +36,7 @@ use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
 use crate::cache::{f32s_from_bytes, f32s_to_bytes, BlockKind, CacheBlock, CacheExport};
-use crate::history::{DecoderEvent, History};
+use crate::history::{Answer, Call, DecoderEvent, History};
 use crate::limits::{HANDOFF_CACHE_BYTES_MAX, HANDOFF_CHUNK_BYTES, HANDOFF_TRANSFER_TIMEOUT};
 use crate::resume::DecodeState;
 use crate::worker::{model_work, HandoffPoint, StepHooks, WorkerError};
@@ -256,6 +256,14 @@ impl HandoffPort {
             handoff_epoch: header.handoff_epoch,
             lease_ms: s.lease_ms,
         });
+        let hid = s.history.as_ref().map(|h| {
+            h.invoke(Call::HandoffCommit {
+                gen: id,
+                attempt: header.attempt,
+                source_epoch: header.handoff_epoch.saturating_sub(1),
+                handoff_epoch: header.handoff_epoch,
+            })
+        });
         let mut answer = step(&s.client, id, commit).await;
         if answer.is_ok() && s.hooks.as_ref().is_some_and(|h| h.commit_answer_lost()) {
             tracing::error!(
@@ -264,6 +272,10 @@ impl HandoffPort {
                 "failpoint fired: the commit's answer is dropped"
             );
             answer = Err("failpoint commit-answer-lost: the answer was dropped".into());
+        }
+        if let (Some(h), Some(hid)) = (&s.history, hid) {
+            // A lost answer stays in doubt in the history, whatever the log says later.
+            h.complete(hid, Answer::of_handoff_commit(answer.as_ref().ok()));
         }
         let committed_now = match answer {
             Ok(r) if r.ok => true,
@@ -278,11 +290,16 @@ impl HandoffPort {
             return Err("the commit did not apply".into());
         }
         halt_at(&s.hooks, &s.history, HandoffPoint::DestinationAfterCommit, id);
-        // Ours from here: renewed at once, decoded by the worker from its next loop.
-        s.held
-            .lock()
-            .expect("lock")
-            .insert(id, (header.handoff_epoch, Instant::now()));
+        // Ours from here: renewed at once, decoded by the worker from its next loop. (With the
+        // planted early write the worker has had it since receiver_ready, and dropped it when
+        // the log refused its early appends: not renewed, its lease lapses and another decoder
+        // takes it over, so that a run with the plant still ends.)
+        if state.is_some() {
+            s.held
+                .lock()
+                .expect("lock")
+                .insert(id, (header.handoff_epoch, Instant::now()));
+        }
         if let Some(h) = &s.history {
             h.event(DecoderEvent::HandoffReceived {
                 gen: id,
@@ -544,6 +561,8 @@ pub(crate) struct Source {
     pub client: LogClient,
     pub history: Option<Arc<History>>,
     pub hooks: Option<Arc<dyn StepHooks>>,
+    /// Planted bug `source-frees-early` (see `WorkerConfig::plant_source_frees_early`).
+    pub plant_frees_early: bool,
 }
 
 /// Ends the process at `point` when a failpoint says so (fault-suite builds): as a kill would,
@@ -566,8 +585,9 @@ fn halt_at(hooks: &Option<Arc<dyn StepHooks>>, history: &Option<Arc<History>>, p
 }
 
 impl Source {
-    /// The other decoders of our model that take handoffs, in the order to try them for `id`.
-    async fn destinations(&self, id: u64) -> Vec<(String, String)> {
+    /// The other decoders of our model that take handoffs, in the order to try them for `id`
+    /// (only `to` when it is named).
+    async fn destinations(&self, id: u64, to: Option<&str>) -> Vec<(String, String)> {
         let Ok(models) = self.client.list_models().await else {
             return Vec::new();
         };
@@ -576,7 +596,7 @@ impl Source {
             .into_iter()
             .filter(|m| m.identity.as_ref() == Some(&self.identity))
             .flat_map(|m| m.handoff_addrs.into_iter())
-            .filter(|(d, _)| *d != self.decoder_id)
+            .filter(|(d, _)| *d != self.decoder_id && to.is_none_or(|t| d.as_str() == t))
             .collect();
         out.sort();
         if !out.is_empty() {
@@ -587,23 +607,28 @@ impl Source {
     }
 
     /// Hands generation `id` (ours at `epoch`, `committed` records, every sampled token
-    /// committed) to another decoder, trying each candidate until one takes it.
-    pub async fn hand_out(&self, id: u64, epoch: u64, committed: u32, mut state: DecodeState) -> Outcome {
+    /// committed) to another decoder (`to`, or trying each candidate until one takes it).
+    pub async fn hand_out(
+        &self,
+        id: u64,
+        epoch: u64,
+        committed: u32,
+        mut state: DecodeState,
+        to: Option<String>,
+    ) -> Outcome {
         let exported = model_work(move || {
             let c = state.export_cache();
             (state, c)
         })
         .await;
-        let (state, cache) = match exported {
+        let (mut state, cache) = match exported {
             Ok((state, Ok(c))) => (state, c),
             Ok((state, Err(e))) => {
-                return Outcome::Kept {
-                    state,
-                    why: format!("no cache to hand over: {e}"),
-                }
+                return self.kept(id, epoch, committed, state, format!("no cache to hand over: {e}"))
             }
             Err(e) => return Outcome::Lost { why: e },
         };
+        self.plant_free_early(id, &mut state);
         let manifest = pb::CacheManifest {
             model: Some(self.identity.clone()),
             cache_format: cache.format.clone(),
@@ -612,12 +637,10 @@ impl Source {
             cache_sha256: cache.sha256(),
             bytes: cache.bytes(),
         };
-        let candidates = self.destinations(id).await;
+        let candidates = self.destinations(id, to.as_deref()).await;
         if candidates.is_empty() {
-            return Outcome::Kept {
-                state,
-                why: "no other decoder of this model takes handoffs".into(),
-            };
+            let why = "no other decoder of this model takes handoffs".to_string();
+            return self.kept(id, epoch, committed, state, why);
         }
         let mut why = String::new();
         for (dest, addr) in candidates {
@@ -634,6 +657,36 @@ impl Source {
                     break;
                 }
             }
+        }
+        self.kept(id, epoch, committed, state, why)
+    }
+
+    /// Planted bug `source-frees-early`: the cache is freed once exported (the transfer reads
+    /// the export), before the log released the generation.
+    fn plant_free_early(&self, id: u64, state: &mut DecodeState) {
+        if !self.plant_frees_early {
+            return;
+        }
+        tracing::error!(
+            generation = id,
+            "PLANTED BUG: the source frees its cache once exported, before the log released it"
+        );
+        #[cfg(feature = "faults")]
+        state.forget_cache();
+        #[cfg(not(feature = "faults"))]
+        let _ = state;
+    }
+
+    /// The generation stays here: says so in the history, with what the model's cache holds.
+    fn kept(&self, id: u64, epoch: u64, committed: u32, state: DecodeState, why: String) -> Outcome {
+        if let Some(h) = &self.history {
+            h.event(DecoderEvent::HandoffKept {
+                gen: id,
+                epoch,
+                committed,
+                kv: state.kv_positions() as u32,
+                detail: why.clone(),
+            });
         }
         Outcome::Kept { state, why }
     }

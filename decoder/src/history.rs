@@ -72,6 +72,15 @@ pub enum Call {
         epoch: u64,
         reason: i32,
     },
+    /// A planned handoff's ownership commit (CONTRACT §7), sent by the destination: attempt
+    /// `attempt` grants `handoff_epoch` (= `source_epoch + 1`) to this decoder if the generation
+    /// is still the source's at `source_epoch`, at the manifest's frontier.
+    HandoffCommit {
+        gen: u64,
+        attempt: u64,
+        source_epoch: u64,
+        handoff_epoch: u64,
+    },
 }
 
 /// The answer to a [`Call`]; `ok: None` = no answer (the call failed in transit: indeterminate).
@@ -114,23 +123,26 @@ pub enum Answer {
         #[serde(default)]
         terminal: bool,
     },
+    /// The log's answer to a [`Call::HandoffCommit`]: the epoch in force and the frontier
+    /// after it (granted: the handoff epoch), whether the generation was terminal.
+    HandoffCommit {
+        ok: Option<bool>,
+        epoch: u64,
+        frontier: u32,
+        #[serde(default)]
+        terminal: bool,
+    },
 }
 
 impl Answer {
     /// The answer to an ownership call (`Acquire`, `Release` or `Finish`, as `call` is) from the
     /// log's response; `None`: the call failed in transit.
     pub fn of_ownership(call: &Call, resp: Option<&tokenlog_proto::raftlog::OwnershipResponse>) -> Answer {
-        use tokenlog_proto::raftlog as pb;
         let ok = resp.map(|r| r.ok);
-        let info = resp.and_then(|r| r.generation.as_ref());
-        let rej = resp.and_then(|r| r.rejection.as_ref());
-        let current_epoch = rej.map_or_else(
-            || info.and_then(|g| g.lease.as_ref()).map_or(0, |l| l.epoch),
-            |x| x.current_epoch,
+        let (current_epoch, frontier, terminal) = named(
+            resp.and_then(|r| r.generation.as_ref()),
+            resp.and_then(|r| r.rejection.as_ref()),
         );
-        let frontier = rej.map_or_else(|| info.map_or(0, |g| g.frontier), |x| x.frontier);
-        let state = rej.map_or_else(|| info.map_or(0, |g| g.state), |x| x.state);
-        let terminal = terminal_state(state) || rej.is_some_and(|x| x.reason == pb::RejectReason::NotFound as i32);
         match call {
             Call::Acquire { .. } | Call::Append { .. } => Answer::Acquire {
                 ok,
@@ -150,8 +162,46 @@ impl Answer {
                 frontier,
                 terminal,
             },
+            Call::HandoffCommit { .. } => Answer::HandoffCommit {
+                ok,
+                epoch: current_epoch,
+                frontier,
+                terminal,
+            },
         }
     }
+
+    /// The answer to a [`Call::HandoffCommit`] from the log's response; `None`: the call failed
+    /// in transit, or its answer was lost.
+    pub fn of_handoff_commit(resp: Option<&tokenlog_proto::raftlog::HandoffResponse>) -> Answer {
+        let (epoch, frontier, terminal) = named(
+            resp.and_then(|r| r.generation.as_ref()),
+            resp.and_then(|r| r.rejection.as_ref()),
+        );
+        Answer::HandoffCommit {
+            ok: resp.map(|r| r.ok),
+            epoch,
+            frontier,
+            terminal,
+        }
+    }
+}
+
+/// What an answer names: the epoch in force, the frontier, and whether the generation was
+/// terminal (a rejection's, else the generation's; a generation not found is terminal: pruned).
+fn named(
+    info: Option<&tokenlog_proto::raftlog::GenerationInfo>,
+    rej: Option<&tokenlog_proto::raftlog::Rejection>,
+) -> (u64, u32, bool) {
+    use tokenlog_proto::raftlog as pb;
+    let epoch = rej.map_or_else(
+        || info.and_then(|g| g.lease.as_ref()).map_or(0, |l| l.epoch),
+        |x| x.current_epoch,
+    );
+    let frontier = rej.map_or_else(|| info.map_or(0, |g| g.frontier), |x| x.frontier);
+    let state = rej.map_or_else(|| info.map_or(0, |g| g.state), |x| x.state);
+    let terminal = terminal_state(state) || rej.is_some_and(|x| x.reason == pb::RejectReason::NotFound as i32);
+    (epoch, frontier, terminal)
 }
 
 /// Whether a `raftlog.v1.GenerationState` is terminal.
@@ -190,13 +240,25 @@ pub enum DecoderEvent {
     /// incarnation's death ends its leases at once.
     SessionOpened { session: u64 },
     /// A planned handoff of a generation this decoder owned at `epoch` reached `phase`
-    /// (`prepared`, `aborted`, `released`) towards `to`.
+    /// (`prepared`, `aborted`, `released`) towards `to`. Written as `handoff_phase`: a line's
+    /// own `phase` says what kind of line it is.
     HandoffOut {
         gen: u64,
         attempt: u64,
         epoch: u64,
         to: String,
+        #[serde(rename = "handoff_phase")]
         phase: String,
+        detail: String,
+    },
+    /// An attempt to hand `gen` (ours at `epoch`) out did not move it (`detail`: why): this
+    /// decoder keeps it with `committed` records, its model's KV cache holding `kv` positions
+    /// (the source keeps every block until the log releases it: prompt + committed).
+    HandoffKept {
+        gen: u64,
+        epoch: u64,
+        committed: u32,
+        kv: u32,
         detail: String,
     },
     /// This decoder received `gen` with its cache from `from` and the log committed it to us at
@@ -285,6 +347,81 @@ impl History {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every event and the handoff commit survive a history line's round trip: no field of
+    /// theirs may share a name with the line's own tags (`phase`, `op`), or the line does not
+    /// parse back and the checkers never see it (`handoff_out` once had a `phase` of its own).
+    #[test]
+    fn every_event_and_the_handoff_commit_round_trip() {
+        let events = [
+            DecoderEvent::HandoffOut {
+                gen: 4,
+                attempt: 2,
+                epoch: 1,
+                to: "d2".into(),
+                phase: "prepared".into(),
+                detail: String::new(),
+            },
+            DecoderEvent::HandoffKept {
+                gen: 4,
+                epoch: 1,
+                committed: 21,
+                kv: 39,
+                detail: "refused".into(),
+            },
+            DecoderEvent::HandoffReceived {
+                gen: 4,
+                attempt: 2,
+                epoch: 2,
+                from: "d1".into(),
+                frontier: 21,
+                kv: 39,
+            },
+            DecoderEvent::SessionOpened { session: 9 },
+            DecoderEvent::Failpoint {
+                name: "handoff-exit=source-copying".into(),
+                gen: 4,
+                epoch: 0,
+                seq: 0,
+                token: None,
+            },
+        ];
+        let mut lines: Vec<HistoryLine> = events
+            .into_iter()
+            .map(|event| HistoryLine::Event {
+                decoder: "d1".into(),
+                at_us: 7,
+                event,
+            })
+            .collect();
+        lines.push(HistoryLine::Invoke {
+            decoder: "d2".into(),
+            id: 5,
+            invoke_us: 8,
+            call: Call::HandoffCommit {
+                gen: 4,
+                attempt: 2,
+                source_epoch: 1,
+                handoff_epoch: 2,
+            },
+        });
+        lines.push(HistoryLine::Complete {
+            decoder: "d2".into(),
+            id: 5,
+            complete_us: 9,
+            answer: Answer::HandoffCommit {
+                ok: None,
+                epoch: 0,
+                frontier: 0,
+                terminal: false,
+            },
+        });
+        for l in lines {
+            let text = serde_json::to_string(&l).unwrap();
+            let back: HistoryLine = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text}: {e}"));
+            assert_eq!(back, l, "{text}");
+        }
+    }
 
     #[test]
     fn lines_round_trip_in_the_documented_shape() {

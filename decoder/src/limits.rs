@@ -56,6 +56,14 @@ pub const MOVE_SETTLE_MAX: Duration = Duration::from_millis(50);
 /// How long a draining decoder (SIGTERM with a handoff listener) tries to hand its generations
 /// to other decoders before it releases the rest, by default.
 pub const DRAIN_MS_DEFAULT: u64 = 10_000;
+/// How often a rebalancing decoder (`--rebalance`) compares its load with the other decoders'.
+pub const REBALANCE_EVERY: Duration = Duration::from_secs(2);
+/// A rebalancing decoder hands a generation to another decoder of its model when it holds at
+/// least this many more generations than that one (moving one then narrows the gap, never
+/// reverses it).
+pub const REBALANCE_SPREAD_MIN: u32 = 2;
+/// After a rebalancing handoff did not happen, how long the decoder waits before the next one.
+pub const REBALANCE_BACKOFF: Duration = Duration::from_secs(10);
 /// The longest a stopping decoder with nothing to drain waits for its last registration (the
 /// one without its handoff listener) before it exits anyway.
 pub const STOP_REGISTER_TIMEOUT: Duration = Duration::from_secs(2);

@@ -648,6 +648,19 @@ impl DecodeState {
         self.frontiers
     }
 
+    /// Positions the model's KV cache holds, as the model counts them (the frontiers' `kv` is
+    /// what the state expects it to hold).
+    pub fn kv_positions(&self) -> usize {
+        self.sequence.kv_len()
+    }
+
+    /// Planted bug `source-frees-early` (fault builds only): empties the KV cache behind the
+    /// frontiers' back, as a handoff source that frees its blocks before the log released it.
+    #[cfg(feature = "faults")]
+    pub fn forget_cache(&mut self) {
+        self.sequence.reset();
+    }
+
     pub fn finished(&self) -> Option<&StopCause> {
         self.finished.as_ref()
     }

@@ -20,7 +20,7 @@
 //! A separate renewer keeps leases alive while a step is slow (slow is not dead), and stops
 //! renewing a generation the moment it is dropped.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -80,6 +80,12 @@ pub struct WorkerConfig {
     /// refuses it; a check of the decoder's history must catch the attempt.
     #[cfg(feature = "faults")]
     pub plant_standby_early_write: bool,
+    /// Planted bug (fault builds only; issue 15): a handoff source frees its KV cache once it
+    /// exported it, before the log released the generation; an attempt that then does not move
+    /// it leaves the source holding a generation without its cache. A check of the source's
+    /// `handoff_kept` report (and of its output) must catch it.
+    #[cfg(feature = "faults")]
+    pub plant_source_frees_early: bool,
     /// Where other decoders reach this one's handoff listener (`host:port`, in its
     /// registration); empty: it takes no handoffs and hands none out.
     pub handoff_addr: String,
@@ -89,6 +95,10 @@ pub struct WorkerConfig {
     /// Hot standby: running generations of other decoders to follow at most
     /// ([`crate::standby`]); 0: none.
     pub standby: usize,
+    /// Rebalance: every `REBALANCE_EVERY`, hand one generation to the least loaded other
+    /// decoder of this model that takes handoffs when this one holds `REBALANCE_SPREAD_MIN` or
+    /// more generations than it (loads as the log counts leases). Needs `handoff_addr`.
+    pub rebalance: bool,
 }
 
 /// Appends a worker with the planted stall sends before its step loop stops.
@@ -112,9 +122,12 @@ impl WorkerConfig {
             plant_early_handoff_write: false,
             #[cfg(feature = "faults")]
             plant_standby_early_write: false,
+            #[cfg(feature = "faults")]
+            plant_source_frees_early: false,
             handoff_addr: String::new(),
             drain_ms: crate::limits::DRAIN_MS_DEFAULT,
             standby: 0,
+            rebalance: false,
         }
     }
 
@@ -138,6 +151,14 @@ impl WorkerConfig {
     pub fn standby_early_write(&self) -> bool {
         #[cfg(feature = "faults")]
         return self.plant_standby_early_write;
+        #[cfg(not(feature = "faults"))]
+        false
+    }
+
+    /// Whether the planted bug `source-frees-early` is on.
+    pub fn source_frees_early(&self) -> bool {
+        #[cfg(feature = "faults")]
+        return self.plant_source_frees_early;
         #[cfg(not(feature = "faults"))]
         false
     }
@@ -343,6 +364,10 @@ pub struct Worker {
     drain_until: Option<Instant>,
     /// Generations a drain tried to hand over and kept: not tried again, released at its end.
     drain_kept: std::collections::BTreeSet<u64>,
+    /// Where a generation marked to move must go (a rebalancing move); absent: any decoder.
+    move_to: HashMap<u64, String>,
+    /// When the rebalancer looks next.
+    next_rebalance: Instant,
     /// Stopping (`stop` was seen): registrations from here on name no handoff listener.
     stopping: bool,
     /// The stopping registration (without the handoff listener) went out.
@@ -444,6 +469,8 @@ impl Worker {
             handing_out: 0,
             drain_until: None,
             drain_kept: Default::default(),
+            move_to: HashMap::new(),
+            next_rebalance: Instant::now() + crate::limits::REBALANCE_EVERY,
             stopping: false,
             drain_registered: false,
         }
@@ -578,6 +605,9 @@ impl Worker {
                 self.standbys.step(&self.model).await;
             }
             self.stats.lock().expect("lock").standing_by = self.standbys.len() as u64;
+            if session_ready && self.rebalance_due() {
+                self.rebalance().await;
+            }
             self.absorb_handoffs();
             self.drop_lost();
             self.start_handoffs();
@@ -696,6 +726,66 @@ impl Worker {
         true
     }
 
+    /// Whether the rebalancer looks now: it is on, this decoder takes handoffs and is not
+    /// stopping, no handoff of its own is under way, and its time came.
+    fn rebalance_due(&self) -> bool {
+        self.cfg.rebalance
+            && !self.cfg.handoff_addr.is_empty()
+            && !self.stopping
+            && self.handing_out == 0
+            && !self.active.values().any(|g| g.moving)
+            && Instant::now() >= self.next_rebalance
+    }
+
+    /// One rebalancing round: when this decoder holds `REBALANCE_SPREAD_MIN` or more
+    /// generations than the least loaded other decoder of its model that takes handoffs, its
+    /// youngest generation (the fewest records: the most left to decode, as far as it knows)
+    /// is marked to move there.
+    async fn rebalance(&mut self) {
+        self.next_rebalance = Instant::now() + crate::limits::REBALANCE_EVERY;
+        let Ok(models) = self.client.list_models().await else {
+            return;
+        };
+        let Some(m) = models
+            .models
+            .iter()
+            .find(|m| m.identity.as_ref() == Some(&self.identity))
+        else {
+            return;
+        };
+        let Some((dest, theirs)) = m
+            .handoff_addrs
+            .keys()
+            .filter(|d| **d != self.cfg.decoder_id)
+            .map(|d| (d, m.held.get(d).copied().unwrap_or(0)))
+            .min_by_key(|&(d, held)| (held, d))
+        else {
+            return;
+        };
+        let mine = self.active.values().filter(|g| g.finish.is_none()).count() as u32;
+        if mine < theirs + crate::limits::REBALANCE_SPREAD_MIN {
+            return;
+        }
+        let Some(id) = self
+            .active
+            .values()
+            .filter(|g| g.finish.is_none() && !self.drain_kept.contains(&g.id))
+            .min_by_key(|g| (g.committed, g.id))
+            .map(|g| g.id)
+        else {
+            return;
+        };
+        tracing::info!(
+            generation = id,
+            to = %dest,
+            mine,
+            theirs,
+            "rebalancing: handing a generation to a less loaded decoder"
+        );
+        self.move_to.insert(id, dest.clone());
+        self.request_move(id);
+    }
+
     /// Starts a handoff for every generation ready to move, up to `HANDOFFS_AT_ONCE_MAX`.
     fn start_handoffs(&mut self) {
         if self.handing_out >= crate::limits::HANDOFFS_AT_ONCE_MAX {
@@ -718,10 +808,12 @@ impl Worker {
                 client: self.client.clone(),
                 history: self.history.clone(),
                 hooks: self.hooks.clone(),
+                plant_frees_early: self.cfg.source_frees_early(),
             };
+            let to = self.move_to.remove(&id);
             let (tx, wake) = (self.outcomes_tx.clone(), self.wake.clone());
             tokio::spawn(async move {
-                let outcome = source.hand_out(g.id, g.epoch, g.committed, g.state).await;
+                let outcome = source.hand_out(g.id, g.epoch, g.committed, g.state, to).await;
                 let _ = tx.send((g.id, g.epoch, g.committed, outcome));
                 wake.notify_one();
             });
@@ -791,9 +883,11 @@ impl Worker {
                 Outcome::Kept { state, why } => {
                     tracing::warn!(generation = id, why, "handoff did not happen: decoding it here");
                     self.stats.lock().expect("lock").handoffs_kept += 1;
-                    // Not moved again: a drain releases it at its end.
+                    // Not moved again: a drain releases it at its end; a rebalancer waits.
                     if self.drain_until.is_some() {
                         self.drain_kept.insert(id);
+                    } else {
+                        self.next_rebalance = Instant::now() + crate::limits::REBALANCE_BACKOFF;
                     }
                     self.active.insert(id, Active::new(id, epoch, committed, state));
                 }

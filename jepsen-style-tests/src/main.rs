@@ -86,6 +86,11 @@ enum Command {
         /// pause-stage and kill-head nemeses.
         #[arg(long)]
         pipeline: bool,
+        /// 3 decoders that take planned handoffs (SIGTERM drains them) and stand by for up to
+        /// 4 of each other's generations; `all` then also takes the drain, handoff and
+        /// standby-kill nemeses (naming one of those implies this).
+        #[arg(long)]
+        handoff: bool,
         /// Keep the default node and decoder configuration instead of a stress configuration
         /// drawn from each seed (snapshots every 20-500 entries, retention 2-5 s, leases of
         /// 300-2,000 ms, an unowned deadline of 3-6 s, a model step of 1-10 ms).
@@ -124,9 +129,11 @@ enum Command {
         verbose: bool,
     },
     /// Run the deterministic scenarios: one scripted fault per failure point of CONTRACT §8
-    /// (7-12) on a real cluster, each checked by every checker plus the point's own
-    /// expectations (surviving owner, frontiers, the client's prefix, no stale write, and one
-    /// generation whatever the status reads and re-submits). Partition scenarios need root
+    /// (1-6: a planned handoff; 7-12; 15: stages) on a real cluster, each checked by every
+    /// checker plus the point's own expectations (surviving owner, frontiers, the client's
+    /// prefix, no stale write, one generation whatever the status reads and re-submits, the
+    /// tokens of an uninterrupted run; for 1-6 the attempt's phase, sides and epochs in the
+    /// log, and the cache frontiers). Partition scenarios need root
     /// (network namespaces). Writes a report per scenario under --out. Exit status: 0 all
     /// passed, 1 a failure.
     Scenario {
@@ -190,6 +197,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             netns,
             real_model,
             pipeline,
+            handoff,
             no_stress,
             stall_ms,
         } => {
@@ -197,6 +205,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 netns,
                 real_model: real_model || pipeline,
                 pipeline,
+                handoff,
                 stress: !no_stress,
                 stall_ms,
             };
@@ -381,6 +390,7 @@ struct RunOpts {
     netns: bool,
     real_model: bool,
     pipeline: bool,
+    handoff: bool,
     stress: bool,
     stall_ms: u64,
 }
@@ -402,6 +412,10 @@ fn fault_runs(
     if opts.pipeline && nemesis == "all" {
         faults.extend(harness::Fault::PIPELINE);
     }
+    if opts.handoff && nemesis == "all" {
+        faults.extend(harness::Fault::HANDOFF);
+    }
+    let handoff = opts.handoff || faults.iter().any(|f| harness::Fault::HANDOFF.contains(f));
     let bin = tokenlog_bin(bin)?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let mut all_ok = true;
@@ -420,6 +434,11 @@ fn fault_runs(
         }
         if opts.stress {
             println!("seed {s}: stress configuration: {}", cfg.stress());
+        }
+        if handoff {
+            cfg.decoders = 3;
+            cfg.handoff_listeners = 3;
+            cfg.standby = 4;
         }
         let sum = rt.block_on(harness::run(&cfg))?;
         println!("{}", harness::summary_line(&sum));

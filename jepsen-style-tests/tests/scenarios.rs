@@ -1,6 +1,6 @@
 //! The deterministic scenario of every failure point of CONTRACT §8 that exists in the code
-//! (7-12, and 15: a pipeline's stage dies, is paused, its head dies), each on a fresh real
-//! cluster, run one after another (they share the 2 cores badly).
+//! (1-6: a planned handoff; 7-12; 15: a pipeline's stage dies, is paused, its head dies), each
+//! on a fresh real cluster, run one after another (they share the 2 cores badly).
 //! Each must pass every checker and its own expectations; see `harness::scenario`.
 
 use std::path::PathBuf;
@@ -45,7 +45,10 @@ async fn every_failure_point_scenario_holds() {
             failed.push(format!("{} ({}): {why:?}", sc.name(), out.display()));
         }
     }
-    assert_eq!(points.into_iter().collect::<Vec<_>>(), vec![7, 8, 9, 10, 12, 15]);
+    assert_eq!(
+        points.into_iter().collect::<Vec<_>>(),
+        vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 15]
+    );
     assert!(failed.is_empty(), "failed scenarios: {failed:#?}");
 }
 
@@ -72,5 +75,59 @@ async fn a_planted_missing_fence_fails_the_paused_owner_scenario() {
     assert!(
         failed.contains(&"the continued old owner wrote after the takeover and was rejected"),
         "{failed:?}"
+    );
+}
+
+/// Runs `sc` with `plant`; the expectations and checkers that failed (the run must fail).
+async fn planted(sc: Scenario, plant: Plant) -> (Vec<String>, Vec<(String, Vec<String>)>) {
+    let out = std::env::temp_dir().join("tokenlog-scenarios-planted").join(sc.name());
+    let _ = std::fs::remove_dir_all(&out);
+    let opts = scenario::Options {
+        plant: Some(plant),
+        ..Default::default()
+    };
+    let r = scenario::run(bin(), out, sc, opts).await.unwrap();
+    eprintln!("{}", r.line());
+    assert!(!r.ok, "the planted bug went unnoticed");
+    let expectations = r
+        .expectations
+        .iter()
+        .filter(|e| !e.ok)
+        .map(|e| e.what.clone())
+        .collect();
+    let verdicts = r
+        .summary
+        .verdicts
+        .iter()
+        .filter(|(_, v)| !v.ok)
+        .map(|(k, v)| (k.clone(), v.problems.clone()))
+        .collect();
+    (expectations, verdicts)
+}
+
+/// A handoff source that frees its cache once exported, before the log released the
+/// generation: when the attempt aborts (the destination dies after receiver-ready), the source
+/// holds a generation without its cache, and its report says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_planted_source_freeing_its_cache_early_fails_an_aborted_handoff() {
+    let (failed, _) = planted(Scenario::DestinationDiesAfterReady, Plant::SourceFreesEarly).await;
+    assert!(
+        failed
+            .iter()
+            .any(|w| w.starts_with("the cache frontiers are the committed ones")),
+        "{failed:?}"
+    );
+}
+
+/// A handoff destination that decodes before the log committed its ownership: its appends at
+/// the handoff epoch were sent before its grant, which `fencing` flags (the log refused them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_planted_destination_writing_before_the_commit_fails_the_handoff_scenario() {
+    let (_, verdicts) = planted(Scenario::CommitAnswerLost, Plant::EarlyHandoffWrite).await;
+    assert!(
+        verdicts
+            .iter()
+            .any(|(k, p)| k == "fencing" && p.iter().any(|p| p.contains("before it was granted that epoch"))),
+        "{verdicts:?}"
     );
 }

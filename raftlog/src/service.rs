@@ -473,6 +473,7 @@ impl Log for LogService {
             });
             m.decoders.push(id.clone());
             m.capacity += d.capacity;
+            m.held.insert(id.clone(), s.index.owned_count(id) as u32);
             if !d.handoff_addr.is_empty() {
                 m.handoff_addrs.insert(id.clone(), d.handoff_addr.clone());
             }

@@ -102,6 +102,7 @@ pub(crate) fn dargs(fake: bool, model: Option<std::path::PathBuf>, threads: usiz
         handoff_listen: None,
         handoff_advertise: None,
         drain_ms: 0,
+        rebalance: false,
         standby: 0,
         prefix_cache: false,
         prefix_cache_dir: None,

@@ -105,6 +105,12 @@ pub struct DecoderArgs {
     /// most this long (ms), then release the rest and exit. 0: release at once.
     #[arg(long, default_value_t = tokenlog_decoder::limits::DRAIN_MS_DEFAULT)]
     pub drain_ms: u64,
+    /// With --handoff-listen: every 2 s, when this decoder holds 2 or more generations more
+    /// than the least loaded other decoder of its model that takes handoffs (as the log counts
+    /// leases), hand its youngest generation there with its KV cache. The client's stream only
+    /// pauses for the transfer.
+    #[arg(long, requires = "handoff_listen")]
+    pub rebalance: bool,
     /// Hot standby: follow up to N running generations of other decoders (the log assigns at
     /// most one standby per generation), feeding their committed records to the model as they
     /// commit, so that if an owner dies this decoder continues with one decode step instead of
@@ -349,17 +355,20 @@ pub async fn run(mut a: DecoderArgs) -> anyhow::Result<()> {
     let stall = crate::process::plant_stall()?;
     let early_write = crate::process::plant_early_handoff_write()?;
     let standby_write = crate::process::plant_standby_early_write()?;
+    let frees_early = crate::process::plant_source_frees_early()?;
     #[cfg(feature = "faults")]
     {
         cfg.plant_zombie = zombie;
         cfg.plant_stall = stall;
         cfg.plant_early_handoff_write = early_write;
         cfg.plant_standby_early_write = standby_write;
+        cfg.plant_source_frees_early = frees_early;
     }
     #[cfg(not(feature = "faults"))]
-    let _ = (stall, early_write, standby_write);
+    let _ = (stall, early_write, standby_write, frees_early);
     cfg.drain_ms = a.drain_ms;
     cfg.standby = a.standby as usize;
+    cfg.rebalance = a.rebalance;
     let tls = a.tls.load()?;
     let handoff_listener = match a.handoff_listen {
         Some(addr) => {

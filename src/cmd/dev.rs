@@ -73,6 +73,7 @@ pub async fn run(a: DevArgs) -> anyhow::Result<()> {
         handoff_listen: None,
         handoff_advertise: None,
         drain_ms: 0,
+        rebalance: false,
         standby: 0,
         prefix_cache: false,
         prefix_cache_dir: None,

@@ -7,10 +7,14 @@
 //! - `durability`: every token any client saw is in the final log at its seq, with its epoch;
 //!   every append a decoder saw acknowledged is within the final frontier, its records at its
 //!   epoch unless they were there before it.
-//! - `fencing`: one grant per epoch per generation; epochs of the final records never decrease
-//!   along a generation; every final record's epoch was granted to some decoder, or can be
-//!   explained by an acquire whose answer was lost (one epoch per such acquire).
-//! - `linearizability`: the decoders' acquires, appends, releases and finishes, per generation,
+//! - `fencing`: one grant per epoch per generation (by an acquire, or by a planned handoff's
+//!   ownership commit); epochs of the final records never decrease along a generation; every
+//!   final record's epoch was granted to some decoder, or can be explained by an acquire or a
+//!   commit whose answer was lost (one epoch per such call); and no decoder sent an append at
+//!   an epoch before it was granted that epoch (a standby writing at its owner's epoch, a
+//!   handoff's destination writing before the log committed its ownership), whatever the log
+//!   answered.
+//! - `linearizability`: the decoders' acquires, appends, releases, finishes and handoff commits, per generation,
 //!   against the ownership/frontier model ([`crate::models::Ownership`]), each generation's
 //!   history ended by a read of its final state (epoch, frontier, terminal).
 //! - `status`: a status read after the last event says terminal, with the same frontier,
@@ -31,7 +35,8 @@
 //!   process ended on its own (a crash), except decoder 1's first incarnation
 //!   with the failpoint exit code when a scenario armed a failpoint there, and an incarnation a
 //!   nemesis made fail (`model-error`, `corrupt`, `disk-full`, `supervised`) with the exit it
-//!   expected; no decoder outlived its failed model step; the supervisor gave up on no process
+//!   expected; no decoder outlived its failed model step; a drained decoder exited (`drain`,
+//!   `handoff`); the supervisor gave up on no process
 //!   (a crash loop).
 //! - `lease-time`: no lease is cut short: a generation is granted at a newer epoch only after
 //!   every accepted append of the older epoch had its lease's worth of real time (log time may
@@ -41,6 +46,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::Duration;
 
 use super::decoder_ops::DecoderOp;
+use super::FAILPOINT_EXIT;
 
 use super::workload::RequestRecord;
 use crate::checker::{check, CheckResult};
@@ -342,6 +348,16 @@ pub fn processes(
             ));
         }
     }
+    for n in nemesis
+        .iter()
+        .filter(|n| n["fault"] == "drain" || n["fault"] == "handoff")
+    {
+        v.checked += 1;
+        let target = n["target"].as_str().unwrap_or("");
+        if target.contains(super::nemesis::DRAIN_HUNG) {
+            v.fail(format!("a drained decoder did not exit: {target}"));
+        }
+    }
     for n in nemesis.iter().filter(|n| n["fault"] == "supervised") {
         v.checked += 1;
         let target = n["target"].as_str().unwrap_or("");
@@ -362,9 +378,6 @@ pub fn processes(
     }
     v
 }
-
-/// `tokenlog_decoder::worker::HALT_EXIT_CODE`.
-const FAILPOINT_EXIT: i32 = 137;
 
 /// Slack for the unowned deadline in real time: the `Tick` that fails a generation runs every
 /// 500 ms, and the news reaches a client through a gateway.
@@ -453,10 +466,9 @@ pub fn liveness(reqs: &[RequestRecord], nemesis: &[serde_json::Value], lease_ms:
 pub fn fencing(decoder_ops: &[DecoderOp], finals: &HashMap<u64, FinalGen>) -> Verdict {
     let mut v = Verdict::new();
     let mut grants: BTreeMap<(u64, u64), BTreeSet<String>> = BTreeMap::new();
-    for op in decoder_ops
-        .iter()
-        .filter(|o| o.op() == "acquire" && o.ok() == Some(true))
-    {
+    // An epoch is granted by an acquire or by a planned handoff's ownership commit.
+    let grant = |o: &DecoderOp| matches!(o.op(), "acquire" | "commit");
+    for op in decoder_ops.iter().filter(|o| grant(o) && o.ok() == Some(true)) {
         grants
             .entry((op.gen(), op.epoch()))
             .or_default()
@@ -471,10 +483,13 @@ pub fn fencing(decoder_ops: &[DecoderOp], finals: &HashMap<u64, FinalGen>) -> Ve
             ));
         }
     }
-    // Acquires whose outcome is unknown, per generation.
+    // Acquires and commits whose outcome is unknown, per generation.
     let mut in_doubt: BTreeMap<u64, usize> = BTreeMap::new();
-    for op in decoder_ops.iter().filter(|o| o.op() == "acquire" && o.ok().is_none()) {
+    for op in decoder_ops.iter().filter(|o| grant(o) && o.ok().is_none()) {
         *in_doubt.entry(op.gen()).or_default() += 1;
+    }
+    for p in appends_before_their_grant(decoder_ops) {
+        v.fail(p);
     }
     let mut ungranted: BTreeSet<(u64, u64)> = BTreeSet::new();
     for (g, f) in finals {
@@ -503,6 +518,45 @@ pub fn fencing(decoder_ops: &[DecoderOp], finals: &HashMap<u64, FinalGen>) -> Ve
     v
 }
 
+/// Appends a decoder sent at an epoch of a generation before it knew it held that epoch: from an
+/// acquire's answer, a handoff commit's answer, or (the commit's answer lost) the log's word,
+/// which the `handoff_received` event records.
+fn appends_before_their_grant(decoder_ops: &[DecoderOp]) -> Vec<String> {
+    let me = |o: &DecoderOp| {
+        o.decoder
+            .strip_suffix(DUPLICATE_SUFFIX)
+            .unwrap_or(&o.decoder)
+            .to_string()
+    };
+    let mut known: HashMap<(String, u64, u64), u64> = HashMap::new();
+    for o in decoder_ops {
+        let at = match o.op() {
+            "acquire" | "commit" if o.ok() == Some(true) => o.complete_us,
+            "handoff-received" => Some(o.invoke_us),
+            _ => None,
+        };
+        if let Some(t) = at {
+            let e = known.entry((me(o), o.gen(), o.epoch())).or_insert(t);
+            *e = (*e).min(t);
+        }
+    }
+    decoder_ops
+        .iter()
+        .filter(|o| o.op() == "append")
+        .filter(|o| known.get(&(me(o), o.gen(), o.epoch())).is_none_or(|&t| t > o.invoke_us))
+        .map(|o| {
+            format!(
+                "generation {}: {} appended at epoch {} (records {:?}, answered {:?}) before it was granted that epoch",
+                o.gen(),
+                o.decoder,
+                o.epoch(),
+                o.records(),
+                o.ok()
+            )
+        })
+        .collect()
+}
+
 /// Real time a grant may come before a lease's end as measured from the harness: each leader
 /// change may move log time ahead by `STAMP_WALL_LEAD_MS_MAX` (25 ms), plus scheduling.
 pub const LEASE_TIME_SLACK_US: u64 = 250_000;
@@ -517,7 +571,10 @@ pub const LEASE_TIME_SLACK_US: u64 = 250_000;
 /// process dies the leader ends its leases at once (`Command::SessionLost`). So a grant is not
 /// judged when the previous epoch's owner had opened a session (a `session` event) and recorded
 /// nothing from the grant on (that incarnation was gone). A live owner whose lease was cut
-/// short goes on recording (its appends, refused), and is judged.
+/// short goes on recording (its appends, refused), and is judged. A planned handoff's commit is
+/// not judged (its source handed the generation over: it paused, every record acknowledged,
+/// before it prepared); the epoch it granted is judged like an acquired one when it is taken
+/// over in its turn.
 pub fn lease_time(decoder_ops: &[DecoderOp], lease_ms: u64) -> Verdict {
     let mut v = Verdict::new();
     let mut last_seen: HashMap<&str, u64> = HashMap::new();
@@ -530,7 +587,7 @@ pub fn lease_time(decoder_ops: &[DecoderOp], lease_ms: u64) -> Verdict {
             "session" => {
                 with_session.insert(o.decoder.as_str());
             }
-            "acquire" if o.ok() == Some(true) => {
+            "acquire" | "commit" if o.ok() == Some(true) => {
                 owner.insert((o.gen(), o.epoch()), o.decoder.as_str());
             }
             _ => {}
@@ -695,12 +752,25 @@ fn ownership_ops(decoder_ops: &[DecoderOp]) -> Vec<Operation<OwnershipInput, Own
             }
             "release" => (OwnershipOp::Release { epoch: o.epoch() }, OwnershipOutput::Done),
             "finish" => (OwnershipOp::Finish { epoch: o.epoch() }, OwnershipOutput::Done),
+            "commit" => {
+                let (_, source_epoch) = o.handed_over().unwrap_or_default();
+                let op = OwnershipOp::HandoffCommit {
+                    decoder: dec.strip_suffix(DUPLICATE_SUFFIX).unwrap_or(&dec).to_string(),
+                    source_epoch,
+                    handoff_epoch: o.epoch(),
+                };
+                let ok = OwnershipOutput::Acquired {
+                    epoch: o.current_epoch(),
+                    frontier: o.frontier(),
+                };
+                (op, ok)
+            }
             _ => continue,
         };
         let out = match (o.ok(), &op) {
             (None, _) => None,
             (Some(true), _) => Some(ok),
-            (Some(false), OwnershipOp::Acquire { .. }) => {
+            (Some(false), OwnershipOp::Acquire { .. } | OwnershipOp::HandoffCommit { .. }) => {
                 Some(OwnershipOutput::AcquireRejected { terminal: o.terminal() })
             }
             (Some(false), _) => Some(refused()),
@@ -1144,6 +1214,73 @@ mod tests {
         let with_doubt = [grant("d1", 1), grant("d2", 3), in_doubt];
         assert!(fencing(&with_doubt, &finals(&[1, 2, 3])).ok);
         assert!(!fencing(&with_doubt, &finals(&[1, 2, 3, 4])).ok);
+        // A planned handoff's commit grants its epoch; one whose answer was lost explains it.
+        let commit = |ok: Option<bool>| DecoderOp {
+            decoder: "d2".into(),
+            invoke_us: 30_000,
+            complete_us: ok.map(|_| 31_000),
+            kind: super::super::decoder_ops::OpKind::Call {
+                call: Call::HandoffCommit {
+                    gen: 7,
+                    attempt: 1,
+                    source_epoch: 1,
+                    handoff_epoch: 2,
+                },
+                answer: ok.map(|ok| Answer::HandoffCommit {
+                    ok: Some(ok),
+                    epoch: if ok { 2 } else { 1 },
+                    frontier: 2,
+                    terminal: false,
+                }),
+            },
+        };
+        assert!(fencing(&[grant("d1", 1), commit(Some(true))], &finals(&[1, 1, 2])).ok);
+        assert!(fencing(&[grant("d1", 1), commit(None)], &finals(&[1, 1, 2])).ok);
+        assert!(!fencing(&[grant("d1", 1), commit(Some(false))], &finals(&[1, 1, 2])).ok);
+        // The same epoch granted by an acquire and by a commit to another decoder: two owners.
+        assert!(!fencing(&[grant("d1", 1), grant("d3", 2), commit(Some(true))], &finals(&[1, 2])).ok);
+        // An append sent at an epoch before its grant arrived (refused or not) is flagged.
+        let append = |d: &str, at_ms: u64, epoch: u64| {
+            op(
+                d,
+                at_ms,
+                at_ms + 1,
+                Call::Append {
+                    gen: 7,
+                    epoch,
+                    start_seq: 2,
+                    n: 1,
+                    finish: false,
+                },
+                Answer::Append {
+                    ok: Some(false),
+                    frontier: 2,
+                    current_epoch: 1,
+                    reason: None,
+                    terminal: false,
+                },
+            )
+        };
+        let early = fencing(
+            &[grant("d1", 1), commit(Some(true)), append("d2", 25, 2)],
+            &finals(&[1, 1, 2]),
+        );
+        assert!(
+            !early.ok
+                && early.problems[0].contains(
+                    "d2 appended at epoch 2 (records Some((2, 1)), answered Some(false)) before it was granted"
+                ),
+            "{early:?}"
+        );
+        assert!(
+            fencing(
+                &[grant("d1", 1), commit(Some(true)), append("d2", 40, 2)],
+                &finals(&[1, 1, 2])
+            )
+            .ok
+        );
+        // A standby writing at its owner's epoch: never granted to it.
+        assert!(!fencing(&[grant("d1", 1), append("d2", 40, 1)], &finals(&[1, 1])).ok);
     }
 
     #[test]

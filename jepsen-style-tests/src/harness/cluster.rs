@@ -10,7 +10,7 @@ use serde_json::{json, Value};
 use tokenlog_raftlog::client::LogClient;
 
 use super::procs::{free_port, wait_for_port, Proc, Role};
-use super::{nemesis, net, now_us, Cluster, Fault, Plant, RunConfig, FAILPOINTS_ENV};
+use super::{nemesis, net, now_us, Cluster, Fault, Plant, RunConfig, DRAIN_MS, FAILPOINTS_ENV, FAILPOINT_EXIT};
 
 /// Starts the processes of `cfg` (decoder 1 only when `cfg.standby_later`) and the leader
 /// watcher; returns once the nodes and gateways listen and a decoder has registered.
@@ -82,6 +82,7 @@ pub async fn start_cluster(cfg: &RunConfig) -> Result<Cluster> {
         net,
         nodes,
         small_fs: node_dirs.iter().map(|_| None).collect(),
+        handoff_listeners: cfg.handoff_listeners.min(cfg.decoders),
         lease_ms: cfg.lease_ms,
         unowned_ms: cfg.unowned_ms_in_force(),
         node_dirs,
@@ -179,7 +180,15 @@ fn node_procs(
             Some(Plant::UnboundedClock) => p = p.env("TOKENLOG_PLANT_UNBOUNDED_CLOCK", "1"),
             Some(Plant::NoUnownedDeadline) => p = p.env("TOKENLOG_PLANT_NO_UNOWNED_DEADLINE", "1"),
             Some(Plant::Diverge) if i == 2 => p = p.env("TOKENLOG_PLANT_DIVERGE", "1"),
-            Some(Plant::Zombie | Plant::Diverge | Plant::StalledWorker) | None => {}
+            Some(
+                Plant::Zombie
+                | Plant::Diverge
+                | Plant::StalledWorker
+                | Plant::SourceFreesEarly
+                | Plant::EarlyHandoffWrite
+                | Plant::StandbyEarlyWrite,
+            )
+            | None => {}
         }
         if cfg.faults.contains(&Fault::Clock) {
             // The `clock` nemesis writes this node's wall clock skew (ms) here.
@@ -259,10 +268,18 @@ fn decoder_procs(cfg: &RunConfig, dir: &Path, cluster: &str, pipeline: &[String]
         } else {
             vec![]
         };
+        let handoff = if i < cfg.handoff_listeners {
+            ["--handoff-listen", "127.0.0.1:0", "--drain-ms", &DRAIN_MS.to_string()]
+                .map(String::from)
+                .to_vec()
+        } else {
+            vec![]
+        };
         let args = [
             vec!["decoder".to_string()],
             model,
             standby,
+            handoff,
             vec![
                 "--lease-ms".into(),
                 cfg.lease_ms.to_string(),
@@ -283,13 +300,26 @@ fn decoder_procs(cfg: &RunConfig, dir: &Path, cluster: &str, pipeline: &[String]
         if cfg.plant == Some(Plant::Zombie) {
             p = p.env("TOKENLOG_PLANT_ZOMBIE_DECODER", "1");
         }
-        if cfg.plant == Some(Plant::StalledWorker) && i == 0 {
-            p = p.first_env("TOKENLOG_PLANT_STALLED_WORKER", "1");
+        match cfg.plant {
+            Some(Plant::StalledWorker) if i == 0 => p = p.first_env("TOKENLOG_PLANT_STALLED_WORKER", "1"),
+            Some(Plant::SourceFreesEarly) if i == 0 => p = p.env("TOKENLOG_PLANT_SOURCE_FREES_EARLY", "1"),
+            Some(Plant::EarlyHandoffWrite) => p = p.env("TOKENLOG_PLANT_EARLY_HANDOFF_WRITE", "1"),
+            Some(Plant::StandbyEarlyWrite) => p = p.env("TOKENLOG_PLANT_STANDBY_EARLY_WRITE", "1"),
+            _ => {}
         }
-        if i == 0 {
-            if let Some(fp) = &cfg.decoder1_failpoints {
-                p = p.first_env(FAILPOINTS_ENV, fp);
+        match i {
+            0 => {
+                if let Some(fp) = &cfg.decoder1_failpoints {
+                    p = p.first_env(FAILPOINTS_ENV, fp);
+                }
             }
+            1 => {
+                if let Some(fp) = &cfg.decoder2_failpoints {
+                    // Its failpoint exit is meant, not a crash.
+                    p = p.first_env(FAILPOINTS_ENV, fp).first_exit_may_be(FAILPOINT_EXIT);
+                }
+            }
+            _ => {}
         }
         decoders.push(p);
     }

@@ -26,7 +26,9 @@ pub enum OpKind {
 }
 
 impl DecoderOp {
-    /// `acquire`, `append`, `release`, `finish`, `resumed`, `failpoint` or `session`.
+    /// `acquire`, `append`, `release`, `finish`, `commit` (a planned handoff's ownership
+    /// commit, by its destination), `resumed`, `failpoint`, `session`, `handoff-out` or
+    /// `handoff-received`.
     pub fn op(&self) -> &'static str {
         match &self.kind {
             OpKind::Call {
@@ -45,11 +47,16 @@ impl DecoderOp {
                 call: Call::Finish { .. },
                 ..
             } => "finish",
+            OpKind::Call {
+                call: Call::HandoffCommit { .. },
+                ..
+            } => "commit",
             OpKind::Event(DecoderEvent::Resumed { .. }) => "resumed",
             OpKind::Event(DecoderEvent::Failpoint { .. }) => "failpoint",
             OpKind::Event(DecoderEvent::SessionOpened { .. }) => "session",
             OpKind::Event(DecoderEvent::HandoffOut { .. }) => "handoff-out",
             OpKind::Event(DecoderEvent::HandoffReceived { .. }) => "handoff-received",
+            OpKind::Event(DecoderEvent::HandoffKept { .. }) => "handoff-kept",
         }
     }
 
@@ -60,14 +67,19 @@ impl DecoderOp {
                 ..
             }
             | OpKind::Call {
-                call: Call::Append { gen, .. } | Call::Release { gen, .. } | Call::Finish { gen, .. },
+                call:
+                    Call::Append { gen, .. }
+                    | Call::Release { gen, .. }
+                    | Call::Finish { gen, .. }
+                    | Call::HandoffCommit { gen, .. },
                 ..
             } => *gen,
             OpKind::Event(
                 DecoderEvent::Resumed { gen, .. }
                 | DecoderEvent::Failpoint { gen, .. }
                 | DecoderEvent::HandoffOut { gen, .. }
-                | DecoderEvent::HandoffReceived { gen, .. },
+                | DecoderEvent::HandoffReceived { gen, .. }
+                | DecoderEvent::HandoffKept { gen, .. },
             ) => *gen,
             // About no generation.
             OpKind::Event(DecoderEvent::SessionOpened { .. }) => 0,
@@ -84,7 +96,8 @@ impl DecoderOp {
                         Answer::Acquire { ok, .. }
                         | Answer::Append { ok, .. }
                         | Answer::Release { ok, .. }
-                        | Answer::Finish { ok, .. },
+                        | Answer::Finish { ok, .. }
+                        | Answer::HandoffCommit { ok, .. },
                     ),
                 ..
             } => *ok,
@@ -92,7 +105,8 @@ impl DecoderOp {
         }
     }
 
-    /// The epoch the operation is about: granted (acquire), written at (append), or the event's.
+    /// The epoch the operation is about: granted (acquire), written at (append), handed over
+    /// (commit: the handoff epoch, whatever the answer), or the event's.
     pub fn epoch(&self) -> u64 {
         match &self.kind {
             OpKind::Call {
@@ -106,11 +120,16 @@ impl DecoderOp {
                 call: Call::Append { epoch, .. } | Call::Release { epoch, .. } | Call::Finish { epoch, .. },
                 ..
             } => *epoch,
+            OpKind::Call {
+                call: Call::HandoffCommit { handoff_epoch, .. },
+                ..
+            } => *handoff_epoch,
             OpKind::Event(
                 DecoderEvent::Resumed { epoch, .. }
                 | DecoderEvent::Failpoint { epoch, .. }
                 | DecoderEvent::HandoffOut { epoch, .. }
-                | DecoderEvent::HandoffReceived { epoch, .. },
+                | DecoderEvent::HandoffReceived { epoch, .. }
+                | DecoderEvent::HandoffKept { epoch, .. },
             ) => *epoch,
             OpKind::Event(DecoderEvent::SessionOpened { .. }) => 0,
         }
@@ -125,7 +144,8 @@ impl DecoderOp {
                         Answer::Acquire { frontier, .. }
                         | Answer::Append { frontier, .. }
                         | Answer::Release { frontier, .. }
-                        | Answer::Finish { frontier, .. },
+                        | Answer::Finish { frontier, .. }
+                        | Answer::HandoffCommit { frontier, .. },
                     ),
                 ..
             } => u64::from(*frontier),
@@ -143,6 +163,7 @@ impl DecoderOp {
                         | Answer::Append { terminal: true, .. }
                         | Answer::Release { terminal: true, .. }
                         | Answer::Finish { terminal: true, .. }
+                        | Answer::HandoffCommit { terminal: true, .. }
                 ),
                 ..
             }
@@ -162,7 +183,7 @@ impl DecoderOp {
                 ..
             } => *current_epoch,
             OpKind::Call {
-                answer: Some(Answer::Acquire { epoch, .. }),
+                answer: Some(Answer::Acquire { epoch, .. } | Answer::HandoffCommit { epoch, .. }),
                 ..
             } => *epoch,
             _ => 0,
@@ -187,6 +208,19 @@ impl DecoderOp {
                 call: Call::Append { start_seq, n, .. },
                 ..
             } => Some((u64::from(*start_seq), u64::from(*n))),
+            _ => None,
+        }
+    }
+
+    /// A commit's `(attempt, source_epoch)`.
+    pub fn handed_over(&self) -> Option<(u64, u64)> {
+        match &self.kind {
+            OpKind::Call {
+                call: Call::HandoffCommit {
+                    attempt, source_epoch, ..
+                },
+                ..
+            } => Some((*attempt, *source_epoch)),
             _ => None,
         }
     }

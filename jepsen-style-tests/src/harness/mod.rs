@@ -46,6 +46,8 @@ pub fn now_us() -> u64 {
 /// The decoder's failpoint variable (read by the `tokenlog` binary, built with the `faults` feature; this crate does not
 /// link the model code).
 pub const FAILPOINTS_ENV: &str = "TOKENLOG_FAILPOINTS";
+/// How a decoder's failpoint ends it (`tokenlog_decoder::worker::HALT_EXIT_CODE`, as a kill).
+pub const FAILPOINT_EXIT: i32 = 137;
 
 /// A test-only bug switched on in the processes, which the checkers must catch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
@@ -78,6 +80,21 @@ pub enum Plant {
     /// decoder's stall watchdog ends it (`processes`: it ended on its own); without the
     /// watchdog, the probes (it is no longer registered) and liveness would.
     StalledWorker,
+    /// A handoff source (decoder 1) frees its KV cache once exported, before the log released
+    /// the generation (TOKENLOG_PLANT_SOURCE_FREES_EARLY=1 on decoder 1): an attempt that does
+    /// not move it leaves the source without its cache. Caught by the handoff scenarios whose
+    /// attempt aborts (`destination-dies-before-ready`, `destination-dies-after-ready`): the
+    /// source's kept cache and the output against the uninterrupted run.
+    SourceFreesEarly,
+    /// A handoff destination decodes before the log committed its ownership
+    /// (TOKENLOG_PLANT_EARLY_HANDOFF_WRITE=1 on every decoder): its appends at the handoff epoch
+    /// come before its grant. Caught by `fencing` (an append at an epoch before its grant) in
+    /// the handoff scenarios that reach receiver-ready.
+    EarlyHandoffWrite,
+    /// A hot standby whose generation's owner died appends at the epoch it last saw, without
+    /// acquiring (TOKENLOG_PLANT_STANDBY_EARLY_WRITE=1 on every decoder). Caught by `fencing`
+    /// (an append at an epoch never granted to it) in `standby-takes-over`.
+    StandbyEarlyWrite,
 }
 
 #[derive(Clone, Debug)]
@@ -132,7 +149,16 @@ pub struct RunConfig {
     /// Hot standby: each decoder follows up to this many generations of the others
     /// (`--standby`); 0: none.
     pub standby: usize,
+    /// The first this many decoders take planned handoffs (`--handoff-listen`, and
+    /// `--drain-ms` [`DRAIN_MS`]: SIGTERM drains them into each other); 0: none.
+    pub handoff_listeners: usize,
+    /// `TOKENLOG_FAILPOINTS` for decoder 2's first incarnation (a handoff destination's
+    /// failpoint), whose failpoint exit is then no crash.
+    pub decoder2_failpoints: Option<String>,
 }
+
+/// How long a decoder that takes handoffs drains on SIGTERM in a run (`--drain-ms`).
+pub const DRAIN_MS: u64 = 3_000;
 
 impl RunConfig {
     pub fn new(bin: PathBuf, out: PathBuf, seed: u64) -> Self {
@@ -162,6 +188,8 @@ impl RunConfig {
             eos_share: workload::EOS_SHARE,
             cancel_share: workload::CANCEL_SHARE,
             standby: 0,
+            handoff_listeners: 0,
+            decoder2_failpoints: None,
         }
     }
 
@@ -304,12 +332,14 @@ pub fn parse_faults(s: &str) -> Result<Vec<Fault>> {
                 Fault::ALL
                     .into_iter()
                     .chain(Fault::PIPELINE)
+                    .chain(Fault::HANDOFF)
                     .find(|f| f.name() == n.trim())
                     .with_context(|| {
                         format!(
-                            "unknown fault {n:?}; known: {}, and in a pipeline run {}",
+                            "unknown fault {n:?}; known: {}; in a pipeline run {}; with handoffs and standbys {}",
                             Fault::ALL.map(|f| f.name()).join(", "),
-                            Fault::PIPELINE.map(|f| f.name()).join(", ")
+                            Fault::PIPELINE.map(|f| f.name()).join(", "),
+                            Fault::HANDOFF.map(|f| f.name()).join(", ")
                         )
                     })
             })

@@ -11,6 +11,10 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
+mod handoff;
+
+pub use handoff::DRAIN_HUNG;
+
 use super::now_us;
 use super::procs::Proc;
 use super::supervisor::{self, Act, Supervisor, CRASH_LOOP};
@@ -70,11 +74,28 @@ pub enum Fault {
     /// whole decoder or by the head's next incarnation, which composes its pipeline again.
     /// Pipeline runs only.
     KillHead,
+    /// A decoder that takes handoffs is told to stop (SIGTERM): it drains, handing its
+    /// generations to the others with their caches, and exits; restarted after. Needs
+    /// `handoff_listeners`.
+    Drain,
+    /// A planned handoff that fails: a decoder that takes handoffs is restarted with a
+    /// destination's failpoint (it exits before receiver-ready, after it, after the commit, or
+    /// loses the commit's answer), then another one drains into it. Needs `handoff_listeners`.
+    Handoff,
+    /// kill -9 the owner of a generation that has a hot standby (any decoder when none has
+    /// one yet), restart it after: the standby takes over from its followed state. Needs
+    /// `standby`.
+    StandbyKill,
 }
 
 impl Fault {
     /// The faults of a pipeline run's stages and head.
     pub const PIPELINE: [Fault; 3] = [Fault::KillStage, Fault::PauseStage, Fault::KillHead];
+
+    /// The faults of planned handoff and hot standby (issue 15): runs whose decoders take
+    /// handoffs and stand by for each other. Not in [`Fault::ALL`], so that the schedules of
+    /// the seeds of runs without them stay what they were.
+    pub const HANDOFF: [Fault; 3] = [Fault::Drain, Fault::Handoff, Fault::StandbyKill];
 
     pub const ALL: [Fault; 14] = [
         Fault::KillNode,
@@ -112,6 +133,9 @@ impl Fault {
             Fault::KillStage => "kill-stage",
             Fault::PauseStage => "pause-stage",
             Fault::KillHead => "kill-head",
+            Fault::Drain => "drain",
+            Fault::Handoff => "handoff",
+            Fault::StandbyKill => "standby-kill",
         }
     }
 }
@@ -131,6 +155,8 @@ pub struct Procs {
     /// Each node's data dir on a tmpfs of its own, once the `disk-full` nemesis moved it there
     /// (unmounted on drop, after the processes are gone).
     pub small_fs: Vec<Option<super::smallfs::SmallFs>>,
+    /// The first this many decoders take handoffs (`drain`, `handoff`).
+    pub handoff_listeners: usize,
     /// The run's decoder lease and unowned deadline (ms), for `decoders-down`.
     pub lease_ms: u64,
     pub unowned_ms: u64,
@@ -244,6 +270,9 @@ async fn inject(
         Fault::DecodersDown => decoders_down(procs, rng).await,
         Fault::KillStage | Fault::PauseStage => stage_fault(fault, procs, rng).await,
         Fault::KillHead => kill_head(procs, rng).await,
+        Fault::Drain => handoff::drain(procs, rng).await,
+        Fault::Handoff => handoff::failing_handoff(procs, rng).await,
+        Fault::StandbyKill => handoff::standby_kill(procs, rng).await,
     }
 }
 

@@ -151,6 +151,22 @@ impl Proc {
         self
     }
 
+    /// The first incarnation may end on its own with `code` (its failpoint's exit).
+    pub fn first_exit_may_be(mut self, code: i32) -> Proc {
+        self.expected_exits.push((1, Some(code)));
+        self
+    }
+
+    /// Asks the running incarnation to stop (SIGTERM: a decoder drains), which may then exit
+    /// on its own with status 0.
+    pub fn terminate(&mut self) {
+        if self.child.is_some() && self.exited().is_none() {
+            self.resume();
+            self.expected_exits.push((self.incarnation, Some(0)));
+            self.signal("-TERM");
+        }
+    }
+
     /// What the process wrote to its log (stderr) so far, all incarnations.
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()

@@ -1,16 +1,20 @@
-//! Deterministic scenarios: one scripted fault per failure point of CONTRACT §8 that exists in
-//! the code (7-12 and 15, stages; 1-6 belong to the handoff protocol, and run as process tests
-//! in `tests/handoff.rs`), on the same real cluster
+//! Deterministic scenarios: one scripted fault per failure point of CONTRACT §8 (1-6, a planned
+//! handoff; 7-12; 15, stages), on the same real cluster
 //! as the seeded runs, with the same checkers, plus the expectations the contract states for each
 //! point: the surviving owner is unambiguous, the new owner's committed and cache frontiers are
-//! as expected, the client's observed prefix is preserved, and no stale epoch wrote anything.
+//! as expected, the client's observed prefix is preserved, no stale epoch wrote anything, and
+//! the client's tokens are those of an uninterrupted run of the same request (a second request
+//! with the same prompt and seed, run after the fault on the healed cluster: exact resume).
 //!
 //! Each scenario runs one request (80 tokens; fake model at 15 ms a step, or with
 //! `real_model` SmolLM2 in exact mode) that decoder 1 owns
 //! (decoder 2 is started, warm, once the first token is visible). The fault strikes at seq 20:
 //! through a decoder failpoint (`TOKENLOG_FAILPOINTS`, see `tokenlog_decoder::failpoint`) for
 //! points 7 and 10, by the harness once the client has seen 20 events (seqs 0-19) for the
-//! others. All along
+//! others. In the handoff scenarios (1-6) decoders 1 and 2 take handoffs and decoder 3 does
+//! not: the harness drains decoder 1 (SIGTERM) into decoder 2, and a failpoint of one side
+//! ends it (or drops the commit's answer) at the point's phase; decoder 3 takes over whatever
+//! nobody holds any more. All along
 //! (failure point 11) a second client polls the request's status on alternating gateways,
 //! re-submits the same request id, and asks for an id nobody submitted: every answer must name
 //! the one generation (or not-found for the unknown id), and the cluster must end with exactly
@@ -24,20 +28,23 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use serde_json::{json, Value};
+use tokenlog_proto::raftlog as tpb_log;
 use tokenlog_proto::tokenlog as tpb;
 use tokenlog_proto::tokenlog::generation_client::GenerationClient;
 use tonic::transport::Channel;
 
 use super::workload::{self, transient, Progress, RequestRecord, Routing};
-use super::{conclude, now_us, start_cluster, Cluster, Plant, RunConfig, RunSummary};
+use super::{conclude, now_us, start_cluster, Cluster, Plant, RunConfig, RunSummary, DRAIN_MS};
 use expect::expectations;
 
 /// Tokens of the scenario's request.
 pub const MAX_TOKENS: u32 = 80;
 /// The seq at which the fault strikes.
 pub const FAULT_SEQ: u32 = 20;
-/// How long a scenario's request may take, fault included.
+/// How long a scenario's request may take, fault included (then it is judged unfinished).
 pub const SCENARIO_TIMEOUT: Duration = Duration::from_secs(90);
+/// What a request's client may take past its time: its last stream read's own timeout.
+const CLIENT_SLACK: Duration = Duration::from_secs(30);
 /// How long the delayed append of failure point 10 is held (several leases).
 pub const DELAY_MS: u64 = 2_500;
 /// How long the harness-made faults last.
@@ -85,10 +92,34 @@ pub enum Scenario {
     /// 15: the pipeline head itself is killed (SIGKILL): the whole decoder takes the
     /// generation over and continues it exactly.
     HeadDies,
+    /// 1: decoder 1, drained into decoder 2, exits while copying (failpoint): the attempt is
+    /// aborted, another decoder takes the generation over.
+    SourceDiesCopying,
+    /// 2: decoder 2, the destination, exits before receiver-ready (failpoint): the attempt is
+    /// aborted, the source keeps its cache and releases it at the drain's end.
+    DestinationDiesBeforeReady,
+    /// 3: the destination exits after receiver-ready, before the ownership commit (failpoint).
+    DestinationDiesAfterReady,
+    /// 4: the ownership commit's answer to the destination is lost (failpoint): it asks the log,
+    /// which says it owns the generation, and continues it at the handoff epoch.
+    CommitAnswerLost,
+    /// 5: the destination exits after the ownership commit, before its answer reaches the
+    /// source (failpoint): the source learns the outcome from the log; another decoder takes
+    /// the generation over from the destination.
+    DestinationDiesAfterCommit,
+    /// 6: the source exits during its release, after the commit (failpoint): the destination
+    /// owns the generation; the attempt stays `ownership_committed`.
+    SourceDiesBeforeRelease,
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 13] = [
+    pub const ALL: [Scenario; 19] = [
+        Scenario::SourceDiesCopying,
+        Scenario::DestinationDiesBeforeReady,
+        Scenario::DestinationDiesAfterReady,
+        Scenario::CommitAnswerLost,
+        Scenario::DestinationDiesAfterCommit,
+        Scenario::SourceDiesBeforeRelease,
         Scenario::DecoderDiesAfterSample,
         Scenario::GatewayDiesAfterSend,
         Scenario::PausedOwnerWritesAfterTakeover,
@@ -119,6 +150,12 @@ impl Scenario {
             Scenario::StageDies => "stage-dies",
             Scenario::StagePaused => "stage-paused",
             Scenario::HeadDies => "head-dies",
+            Scenario::SourceDiesCopying => "source-dies-copying",
+            Scenario::DestinationDiesBeforeReady => "destination-dies-before-ready",
+            Scenario::DestinationDiesAfterReady => "destination-dies-after-ready",
+            Scenario::CommitAnswerLost => "commit-answer-lost",
+            Scenario::DestinationDiesAfterCommit => "destination-dies-after-commit",
+            Scenario::SourceDiesBeforeRelease => "source-dies-before-release",
         }
     }
 
@@ -130,8 +167,19 @@ impl Scenario {
             Scenario::PausedOwnerWritesAfterTakeover => 9,
             Scenario::DelayedAppendFromOldOwner => 10,
             Scenario::StageDies | Scenario::StagePaused | Scenario::HeadDies => 15,
+            Scenario::SourceDiesCopying => 1,
+            Scenario::DestinationDiesBeforeReady => 2,
+            Scenario::DestinationDiesAfterReady => 3,
+            Scenario::CommitAnswerLost => 4,
+            Scenario::DestinationDiesAfterCommit => 5,
+            Scenario::SourceDiesBeforeRelease => 6,
             _ => 12,
         }
+    }
+
+    /// Whether the scenario is a planned handoff's (points 1-6).
+    pub fn is_handoff(self) -> bool {
+        self.point() <= 6
     }
 
     /// Whether decoder 1 runs as a pipeline head over stage processes (the real model).
@@ -143,12 +191,45 @@ impl Scenario {
         matches!(self, Scenario::MinorityPartition | Scenario::LeaderInMinorityPartition)
     }
 
+    /// Decoder 1's failpoints (its first incarnation).
     fn failpoints(self) -> Option<String> {
         match self {
             Scenario::DecoderDiesAfterSample => Some(format!("exit-after-sample={FAULT_SEQ}")),
             Scenario::DelayedAppendFromOldOwner => Some(format!("delay-append={FAULT_SEQ}:{DELAY_MS}")),
+            Scenario::SourceDiesCopying => Some("handoff-exit=source-copying".into()),
+            Scenario::SourceDiesBeforeRelease => Some("handoff-exit=source-before-release".into()),
             _ => None,
         }
+    }
+
+    /// Decoder 2's failpoints (its first incarnation: the handoff's destination).
+    fn destination_failpoints(self) -> Option<String> {
+        match self {
+            Scenario::DestinationDiesBeforeReady => Some("handoff-exit=destination-before-ready".into()),
+            Scenario::DestinationDiesAfterReady => Some("handoff-exit=destination-after-ready".into()),
+            Scenario::CommitAnswerLost => Some("commit-answer-lost=1".into()),
+            Scenario::DestinationDiesAfterCommit => Some("handoff-exit=destination-after-commit".into()),
+            _ => None,
+        }
+    }
+
+    /// Whether decoder 1's own failpoint strikes (at seq 20) rather than the harness.
+    fn strikes_itself(self) -> bool {
+        matches!(
+            self,
+            Scenario::DecoderDiesAfterSample | Scenario::DelayedAppendFromOldOwner
+        )
+    }
+
+    /// The handoff attempt's last phase in the log (handoff scenarios).
+    fn handoff_phase(self) -> Option<tokenlog_proto::raftlog::HandoffPhase> {
+        use tokenlog_proto::raftlog::HandoffPhase as P;
+        Some(match self.point() {
+            1..=3 => P::Aborted,
+            4 | 5 => P::SourceReleased,
+            6 => P::OwnershipCommitted,
+            _ => return None,
+        })
     }
 
     /// Whether an owner change must happen.
@@ -332,6 +413,13 @@ fn scenario_config(bin: PathBuf, out: PathBuf, sc: Scenario, opts: Options) -> R
     cfg.netns = sc.needs_netns();
     cfg.standby_later = true;
     cfg.decoder1_failpoints = sc.failpoints();
+    if sc.is_handoff() {
+        // Decoder 1 is the source, decoder 2 the destination; decoder 3 takes no handoffs and
+        // takes over what nobody holds any more.
+        cfg.decoders = 3;
+        cfg.handoff_listeners = 2;
+        cfg.decoder2_failpoints = sc.destination_failpoints();
+    }
     // Snapshots every 50 entries: every scenario also runs across snapshot builds and purges.
     cfg.snapshot_every = 50;
     cfg
@@ -350,7 +438,17 @@ pub async fn run(bin: PathBuf, out: PathBuf, sc: Scenario, opts: Options) -> Res
     let client = {
         let (channels, req) = (channels.clone(), req.clone());
         tokio::spawn(async move {
-            workload::one_request(0, req, &channels, &mut Routing::RoundRobin, Some(&progress_tx), None).await
+            let progress = Some(&progress_tx);
+            workload::one_request_within(
+                0,
+                req,
+                &channels,
+                &mut Routing::RoundRobin,
+                progress,
+                None,
+                SCENARIO_TIMEOUT,
+            )
+            .await
         })
     };
     // Decoder 1 owns the request; then the warm standby and the retrier start.
@@ -364,19 +462,20 @@ pub async fn run(bin: PathBuf, out: PathBuf, sc: Scenario, opts: Options) -> Res
     let (nemesis, killed_gateway, term_before) = harness_fault(sc, &cfg, &cluster, &mut progress).await?;
 
     let started = Instant::now();
-    let rec: RequestRecord = tokio::time::timeout(SCENARIO_TIMEOUT, client)
+    let rec: RequestRecord = tokio::time::timeout(SCENARIO_TIMEOUT + CLIENT_SLACK, client)
         .await
-        .context("the scenario's request did not end in time")??;
+        .context("the scenario's client did not return")??;
     eprintln!(
         "request ended after {:.1} s more: {} events, {} connections",
         started.elapsed().as_secs_f64(),
         rec.events.len(),
         rec.connections
     );
-    if sc.failpoints().is_some() {
+    if sc.failpoints().is_some() || sc.is_handoff() {
         wait_old_owner_exit(&cluster).await?;
     }
     let term_after = cluster.log.cluster_status(true).await.map(|s| s.term).ok();
+    let handoff = last_handoff(&cluster, rec.generation).await;
     cluster.procs.lock().expect("lock").heal()?;
     let _ = stop_tx.send(true);
     let retrier_log = retrier.await?;
@@ -384,16 +483,20 @@ pub async fn run(bin: PathBuf, out: PathBuf, sc: Scenario, opts: Options) -> Res
         Ok(st) => st.generations_by_state.values().sum(),
         Err(_) => u64::MAX,
     };
+    let reference = uninterrupted(&channels, &req).await?;
     let spliced = std::fs::read_to_string(cfg.out.join("decoder1.log"))
         .unwrap_or_default()
         .matches("spliced a spare in its place")
         .count();
-    let (summary, ops) = conclude(&cfg, cluster, vec![rec.clone()], nemesis).await?;
+    let reference_tokens = tokens_of(&reference);
+    let (summary, ops) = conclude(&cfg, cluster, vec![rec.clone(), reference], nemesis).await?;
     let facts = Facts {
         generations,
         killed_gateway,
         terms: (term_before, term_after),
         spliced,
+        handoff,
+        reference: reference_tokens,
     };
     let expectations = expectations(sc, &rec, &ops, &retrier_log, &facts);
     let report = ScenarioReport {
@@ -408,15 +511,51 @@ pub async fn run(bin: PathBuf, out: PathBuf, sc: Scenario, opts: Options) -> Res
     Ok(report)
 }
 
-/// The old owner ends its script itself (its delayed message may still be due): waits for
-/// decoder 1 to exit.
+/// The old owner ends its script itself (its delayed message may still be due, or it drains):
+/// waits for decoder 1 to exit.
 async fn wait_old_owner_exit(cluster: &Cluster) -> Result<()> {
-    let deadline = Instant::now() + Duration::from_millis(DELAY_MS) + Duration::from_secs(20);
+    let deadline = Instant::now() + Duration::from_millis(DELAY_MS.max(DRAIN_MS)) + Duration::from_secs(20);
     while cluster.procs.lock().expect("lock").decoders[0].exited().is_none() {
-        anyhow::ensure!(Instant::now() < deadline, "decoder 1's failpoint never ended it");
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "decoder 1's failpoint or drain never ended it"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     Ok(())
+}
+
+/// The generation's latest handoff attempt as the log has it.
+async fn last_handoff(cluster: &Cluster, gen: u64) -> Option<tpb_log::HandoffInfo> {
+    cluster
+        .log
+        .get(tpb_log::GetRequest {
+            generation_id: gen,
+            linearizable: true,
+            ..Default::default()
+        })
+        .await
+        .ok()
+        .and_then(|r| r.handoff)
+}
+
+/// Runs the scenario's request again under another id (same prompt, seed and sampling) on the
+/// healed cluster, without a fault: what the uninterrupted run writes (the checkers judge it
+/// as any request; unfinished, its tokens differ from the scenario's).
+async fn uninterrupted(channels: &[Channel], req: &tpb::GenerateRequest) -> Result<RequestRecord> {
+    let mut again = req.clone();
+    again.request_id = format!("{}-uninterrupted", req.request_id);
+    let mut routing = Routing::RoundRobin;
+    let run = workload::one_request_within(1, again, channels, &mut routing, None, None, SCENARIO_TIMEOUT);
+    tokio::time::timeout(SCENARIO_TIMEOUT + CLIENT_SLACK, run)
+        .await
+        .context("the uninterrupted run's client did not return")
+}
+
+/// A request's tokens in seq order (one per seq: the checkers judge duplicates).
+fn tokens_of(rec: &RequestRecord) -> Vec<u32> {
+    let by_seq: std::collections::BTreeMap<u32, u32> = rec.events.iter().filter(|e| !e.3).map(|e| (e.0, e.1)).collect();
+    by_seq.into_values().collect()
 }
 
 /// Waits (at most 10 s) until the decoder history at `path` shows an append invoked and answered
@@ -456,7 +595,7 @@ async fn harness_fault(
     let mut nemesis = Vec::new();
     let mut killed_gateway = None;
     let mut term_before = None;
-    if sc.failpoints().is_none() {
+    if !sc.strikes_itself() {
         let at = wait_progress(progress, FAULT_SEQ as usize, Duration::from_secs(30)).await?;
         let t0 = now_us();
         term_before = cluster.log.cluster_status(true).await.map(|s| s.term).ok();
@@ -560,12 +699,42 @@ async fn strike(
             procs.lock().expect("lock").decoders[0].kill9();
             "decoder1 (the pipeline head)".into()
         }
+        Scenario::SourceDiesCopying
+        | Scenario::DestinationDiesBeforeReady
+        | Scenario::DestinationDiesAfterReady
+        | Scenario::CommitAnswerLost
+        | Scenario::DestinationDiesAfterCommit
+        | Scenario::SourceDiesBeforeRelease => {
+            wait_takes_handoffs(cluster, "d2-1").await?;
+            procs.lock().expect("lock").decoders[0].terminate();
+            "decoder1 (drained into decoder2)".into()
+        }
         Scenario::DecoderDiesAfterSample | Scenario::DelayedAppendFromOldOwner => unreachable!("failpoints"),
     })
 }
 
+/// Waits (up to 30 s) until `decoder` is registered with a handoff listener.
+async fn wait_takes_handoffs(cluster: &Cluster, decoder: &str) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let listed = cluster
+            .log
+            .list_models()
+            .await
+            .is_ok_and(|m| m.models.iter().any(|m| m.handoff_addrs.contains_key(decoder)));
+        if listed {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "{decoder} never registered a handoff listener"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// What the driver saw besides the histories.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 struct Facts {
     /// Generations in the cluster at the end.
     generations: u64,
@@ -574,4 +743,8 @@ struct Facts {
     terms: (Option<u64>, Option<u64>),
     /// Splices the pipeline head logged (a pipeline scenario).
     spliced: usize,
+    /// The generation's latest handoff attempt in the log, at the end.
+    handoff: Option<tpb_log::HandoffInfo>,
+    /// The tokens of the uninterrupted run of the same request.
+    reference: Vec<u32>,
 }

@@ -197,6 +197,19 @@ pub async fn one_request(
     progress: Option<&tokio::sync::watch::Sender<Progress>>,
     cancel_after: Option<usize>,
 ) -> RequestRecord {
+    one_request_within(client, req, channels, routing, progress, cancel_after, REQUEST_TIMEOUT).await
+}
+
+/// [`one_request`], giving up (unfinished) after `within` (a stream read may add 15 s).
+pub async fn one_request_within(
+    client: usize,
+    req: tpb::GenerateRequest,
+    channels: &[Channel],
+    routing: &mut Routing,
+    progress: Option<&tokio::sync::watch::Sender<Progress>>,
+    cancel_after: Option<usize>,
+    within: Duration,
+) -> RequestRecord {
     let rid = req.request_id.as_str();
     let mut rec = RequestRecord {
         client,
@@ -219,7 +232,7 @@ pub async fn one_request(
     };
     let started = Instant::now();
     let mut last: i64 = -1;
-    'outer: while started.elapsed() < REQUEST_TIMEOUT {
+    'outer: while started.elapsed() < within {
         let gateway = routing.gateway(rec.connections, channels.len());
         let mut c = GenerationClient::new(channels[gateway].clone());
         rec.connections += 1;

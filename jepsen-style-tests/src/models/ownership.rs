@@ -20,6 +20,12 @@
 //!   wholly inside the committed records (`start_seq + n_tokens <= frontier`, and no finish
 //!   unless the generation is terminal already) is acknowledged at any epoch: it changes
 //!   nothing, so it cannot break the fence. `ok` reports the frontier after the append.
+//! - A planned handoff's ownership commit (`commit(decoder, source_epoch, handoff_epoch)`)
+//!   grants `handoff_epoch = source_epoch + 1` to the destination when the source still holds
+//!   the generation at `source_epoch` and it is not terminal, with the frontier as it is (the
+//!   cache covers every committed record); a retried commit after it applied gets the same
+//!   grant. A commit may be refused at any time (the attempt may have been aborted: not
+//!   modelled), and changes nothing then.
 //! - A release at the current epoch of a generation that is not terminal leaves it unowned (an
 //!   append at that epoch is no longer acceptable); a finish at the current epoch makes it
 //!   terminal.
@@ -78,6 +84,12 @@ pub enum OwnershipOp {
     Finish {
         epoch: u64,
     },
+    /// A planned handoff's ownership commit, by its destination `decoder`.
+    HandoffCommit {
+        decoder: String,
+        source_epoch: u64,
+        handoff_epoch: u64,
+    },
     Read,
 }
 
@@ -131,6 +143,11 @@ impl Model for Ownership {
             } => append(s, *epoch, *start_seq, *n_tokens, *finish, out),
             OwnershipOp::Release { epoch } => end_of_hold(s, *epoch, false, out),
             OwnershipOp::Finish { epoch } => end_of_hold(s, *epoch, true, out),
+            OwnershipOp::HandoffCommit {
+                decoder,
+                source_epoch,
+                handoff_epoch,
+            } => handoff_commit(s, decoder, *source_epoch, *handoff_epoch, out),
             OwnershipOp::Read => match out {
                 None => Some(s.clone()),
                 Some(&OwnershipOutput::Read {
@@ -165,6 +182,11 @@ impl Model for Ownership {
             }
             OwnershipOp::Release { epoch } => format!("gen {g}: release(epoch {epoch}) -> {out}"),
             OwnershipOp::Finish { epoch } => format!("gen {g}: finish(epoch {epoch}) -> {out}"),
+            OwnershipOp::HandoffCommit {
+                decoder,
+                source_epoch,
+                handoff_epoch,
+            } => format!("gen {g}: commit({decoder}, epoch {source_epoch} -> {handoff_epoch}) -> {out}"),
             OwnershipOp::Read => format!("gen {g}: read() -> {out}"),
         }
     }
@@ -220,6 +242,32 @@ fn acquire(s: &S, decoder: &str, out: Option<&OwnershipOutput>) -> Option<S> {
         Some(&OwnershipOutput::AcquireRejected { terminal: false }) => {
             (s.owner.is_some() && !s.terminal).then(|| s.clone())
         }
+        Some(_) => None,
+    }
+}
+
+/// A planned handoff's ownership commit: `Acquired` at the handoff epoch, or refused (state
+/// unchanged; the attempt's abort is not modelled).
+fn handoff_commit(
+    s: &S,
+    decoder: &str,
+    source_epoch: u64,
+    handoff_epoch: u64,
+    out: Option<&OwnershipOutput>,
+) -> Option<S> {
+    let again = s.epoch == handoff_epoch && s.owner.as_deref() == Some(decoder);
+    let fresh = s.epoch == source_epoch && handoff_epoch == source_epoch + 1 && s.owner.is_some();
+    let granted = (!s.terminal && (fresh || again)).then(|| S {
+        epoch: handoff_epoch,
+        owner: Some(decoder.to_string()),
+        ..s.clone()
+    });
+    match out {
+        None => Some(granted.unwrap_or_else(|| s.clone())),
+        Some(&OwnershipOutput::Acquired { epoch, frontier }) => {
+            granted.filter(|_| epoch == handoff_epoch && frontier == s.frontier)
+        }
+        Some(&OwnershipOutput::AcquireRejected { terminal }) => seen_terminal(s, terminal),
         Some(_) => None,
     }
 }
@@ -396,6 +444,85 @@ mod tests {
             ),
         ];
         assert_eq!(verdict(&live), "not-linearizable");
+    }
+
+    fn commit(
+        client: u64,
+        d: &str,
+        (source_epoch, handoff_epoch): (u64, u64),
+        call: u64,
+        out: Option<O>,
+        ret: u64,
+    ) -> Op {
+        let input = OwnershipInput {
+            generation: 1,
+            op: OwnershipOp::HandoffCommit {
+                decoder: d.into(),
+                source_epoch,
+                handoff_epoch,
+            },
+        };
+        finish(client, input, call, out, ret)
+    }
+
+    #[test]
+    fn a_handoff_commit_grants_the_next_epoch_once_and_fences_the_source() {
+        let granted = || Some(O::Acquired { epoch: 2, frontier: 2 });
+        let stale = || {
+            Some(O::Rejected {
+                current_epoch: 2,
+                frontier: 2,
+                terminal: false,
+            })
+        };
+        let moved = [
+            acq(0, "a", 0, Some(O::Acquired { epoch: 1, frontier: 0 }), 1),
+            app(0, (1, 0, 2), 2, Some(O::Appended { frontier: 2 }), 3),
+            commit(1, "b", (1, 2), 4, granted(), 5),
+            // The source's late append is fenced; the destination writes at the handoff epoch.
+            app(0, (1, 2, 1), 6, stale(), 7),
+            app(1, (2, 2, 1), 8, Some(O::Appended { frontier: 3 }), 9),
+            read(2, 1, 10, (2, 3), 11),
+        ];
+        assert_eq!(verdict(&moved), "linearizable");
+        // A lost answer (in doubt) explains the destination's writes; a retried commit gets the
+        // same grant.
+        let lost = [
+            acq(0, "a", 0, Some(O::Acquired { epoch: 1, frontier: 0 }), 1),
+            app(0, (1, 0, 2), 2, Some(O::Appended { frontier: 2 }), 3),
+            commit(1, "b", (1, 2), 4, None, 5),
+            commit(1, "b", (1, 2), 6, granted(), 7),
+            app(1, (2, 2, 1), 8, Some(O::Appended { frontier: 3 }), 9),
+        ];
+        assert_eq!(verdict(&lost), "linearizable");
+        // A commit after a takeover moved the epoch on would make two owners.
+        let after_takeover = [
+            acq(0, "a", 0, Some(O::Acquired { epoch: 1, frontier: 0 }), 1),
+            acq(2, "c", 2, Some(O::Acquired { epoch: 2, frontier: 0 }), 3),
+            commit(1, "b", (1, 2), 4, Some(O::Acquired { epoch: 2, frontier: 0 }), 5),
+        ];
+        assert_eq!(verdict(&after_takeover), "not-linearizable");
+        // A commit must keep the frontier: the cache covers every committed record.
+        let lost_records = [
+            acq(0, "a", 0, Some(O::Acquired { epoch: 1, frontier: 0 }), 1),
+            app(0, (1, 0, 2), 2, Some(O::Appended { frontier: 2 }), 3),
+            commit(1, "b", (1, 2), 4, Some(O::Acquired { epoch: 2, frontier: 1 }), 5),
+        ];
+        assert_eq!(verdict(&lost_records), "not-linearizable");
+        // The source writing at its epoch after the commit was acknowledged is a stale write.
+        let stale_write = [
+            acq(0, "a", 0, Some(O::Acquired { epoch: 1, frontier: 0 }), 1),
+            commit(1, "b", (1, 2), 2, Some(O::Acquired { epoch: 2, frontier: 0 }), 3),
+            app(0, (1, 0, 1), 4, Some(O::Appended { frontier: 1 }), 5),
+        ];
+        assert_eq!(verdict(&stale_write), "not-linearizable");
+        // A refused commit changes nothing.
+        let refused = [
+            acq(0, "a", 0, Some(O::Acquired { epoch: 1, frontier: 0 }), 1),
+            commit(1, "b", (1, 2), 2, Some(O::AcquireRejected { terminal: false }), 3),
+            app(0, (1, 0, 1), 4, Some(O::Appended { frontier: 1 }), 5),
+        ];
+        assert_eq!(verdict(&refused), "linearizable");
     }
 
     #[test]

@@ -191,6 +191,14 @@ impl Indexes {
             .collect()
     }
 
+    /// How many non-terminal generations name `owner` in their lease (live or lapsed).
+    pub fn owned_count(&self, owner: &str) -> usize {
+        self.owned
+            .range((owner.to_string(), 0)..)
+            .take_while(|(o, _)| o == owner)
+            .count()
+    }
+
     /// Drops a generation that left the table.
     pub(super) fn remove(&mut self, g: &Generation) {
         self.refile_owner(g.id, None);

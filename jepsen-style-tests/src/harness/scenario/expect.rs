@@ -9,6 +9,8 @@ use super::super::decoder_ops::{DecoderOp, OpKind};
 use super::super::workload::RequestRecord;
 use super::{Expectation, Facts, RetrierLog, Scenario, FAULT_SEQ, MAX_TOKENS, OWNER};
 
+mod handoff;
+
 fn expect(out: &mut Vec<Expectation>, what: &str, ok: bool, detail: String) {
     out.push(Expectation {
         what: what.into(),
@@ -61,6 +63,7 @@ pub(super) fn expectations(
         killed_gateway,
         terms,
         spliced,
+        ..
     } = *facts;
     let mut out = Vec::new();
     let gen = rec.generation;
@@ -70,8 +73,43 @@ pub(super) fn expectations(
     unambiguous_owner(&mut out, ops, gen, &tokens);
     resume_frontiers(&mut out, sc, ops, gen);
     no_stale_append(&mut out, ops, gen);
+    exact(&mut out, &tokens, &facts.reference);
+    if sc.is_handoff() {
+        handoff::expectations(&mut out, sc, ops, gen, facts.handoff.as_ref());
+    }
     per_scenario(&mut out, sc, rec, ops, &tokens, killed_gateway, terms, spliced);
     out
+}
+
+/// The client's tokens are the uninterrupted run's (same prompt, seed and sampling; exact
+/// resume through every fault).
+fn exact(out: &mut Vec<Expectation>, tokens: &[(u32, u32, u64)], reference: &[u32]) {
+    let seen: Vec<u32> = tokens.iter().map(|t| t.1).collect();
+    let first_difference = seen.iter().zip(reference).position(|(a, b)| a != b);
+    expect(
+        out,
+        "the client's tokens are those of an uninterrupted run of the same request",
+        seen == reference,
+        format!(
+            "{} tokens seen, {} in the uninterrupted run, first difference at seq {first_difference:?}",
+            seen.len(),
+            reference.len()
+        ),
+    );
+}
+
+/// Decoders an epoch of `gen` was granted to: by an accepted acquire, or by a handoff commit
+/// accepted or in doubt (its answer lost: the destination then asked the log).
+fn granted_to(ops: &[DecoderOp], gen: u64, epoch: u64) -> BTreeSet<String> {
+    ops.iter()
+        .filter(|o| o.gen() == gen && o.epoch() == epoch)
+        .filter(|o| match o.op() {
+            "acquire" => o.ok() == Some(true),
+            "commit" => o.ok() != Some(false),
+            _ => false,
+        })
+        .map(|o| o.decoder.clone())
+        .collect()
 }
 
 /// The request ran to its end.
@@ -112,10 +150,7 @@ fn one_generation(out: &mut Vec<Expectation>, retrier: &RetrierLog, gen: u64, ge
 /// and every record from the first one written at that epoch on carries it.
 fn unambiguous_owner(out: &mut Vec<Expectation>, ops: &[DecoderOp], gen: u64, tokens: &[(u32, u32, u64)]) {
     let last_epoch = tokens.last().map_or(0, |t| t.2);
-    let grants: BTreeSet<String> = gen_ops(ops, gen, "acquire")
-        .filter(|o| o.ok() == Some(true) && o.epoch() == last_epoch)
-        .map(|o| o.decoder.clone())
-        .collect();
+    let grants = granted_to(ops, gen, last_epoch);
     let first_at = tokens.iter().position(|t| t.2 == last_epoch).unwrap_or(0);
     expect(
         out,
@@ -185,7 +220,9 @@ fn resume_frontiers(out: &mut Vec<Expectation>, sc: Scenario, ops: &[DecoderOp],
 fn no_stale_append(out: &mut Vec<Expectation>, ops: &[DecoderOp], gen: u64) {
     let mut stale_accepted = Vec::new();
     for a in gen_ops(ops, gen, "append").filter(|a| a.ok() == Some(true)) {
-        let newer = gen_ops(ops, gen, "acquire")
+        let newer = ops
+            .iter()
+            .filter(|g| g.gen() == gen && matches!(g.op(), "acquire" | "commit"))
             .filter(|g| g.ok() == Some(true) && g.epoch() > a.epoch())
             .any(|g| g.complete_us.unwrap_or(0) < a.invoke_us);
         if newer {
@@ -298,6 +335,13 @@ fn per_scenario(
             );
         }
         Scenario::MinorityPartition | Scenario::NodeLosesDisk => {}
+        // Judged in `handoff`.
+        Scenario::SourceDiesCopying
+        | Scenario::DestinationDiesBeforeReady
+        | Scenario::DestinationDiesAfterReady
+        | Scenario::CommitAnswerLost
+        | Scenario::DestinationDiesAfterCommit
+        | Scenario::SourceDiesBeforeRelease => {}
     }
 }
 
