@@ -869,6 +869,8 @@ impl Worker {
             );
             self.stats.lock().expect("lock").received += 1;
             self.port.reserved.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+            // If this decoder stood by for it, the received state replaces the followed one.
+            drop(self.standbys.take(r.id));
             self.active
                 .insert(r.id, Active::new(r.id, r.epoch, r.committed, r.state));
         }

@@ -587,7 +587,12 @@ pub fn lease_time(decoder_ops: &[DecoderOp], lease_ms: u64) -> Verdict {
             "session" => {
                 with_session.insert(o.decoder.as_str());
             }
+            // A commit whose answer was lost is known to have applied by the destination's
+            // `handoff_received` (it asked the log).
             "acquire" | "commit" if o.ok() == Some(true) => {
+                owner.insert((o.gen(), o.epoch()), o.decoder.as_str());
+            }
+            "handoff-received" => {
                 owner.insert((o.gen(), o.epoch()), o.decoder.as_str());
             }
             _ => {}
@@ -906,6 +911,31 @@ mod tests {
         assert!(!lease_time(&alive, 800).ok, "a live owner's lease was cut short");
         // Without a session, silence proves nothing.
         assert!(!lease_time(&[owner_grant, append(1_000), grant(1_100)], 800).ok);
+        // An owner by a handoff commit whose answer was lost (in doubt; its `handoff_received`
+        // says it owns the epoch) that died with a session: its lease ended with the session
+        // too (found by the `standby-kill` nemesis after a `handoff` one).
+        let received = DecoderOp {
+            decoder: "d1".into(),
+            invoke_us: 30,
+            complete_us: None,
+            kind: super::super::decoder_ops::OpKind::Event(tokenlog_decoder::history::DecoderEvent::HandoffReceived {
+                gen: 7,
+                attempt: 1,
+                epoch: 1,
+                from: "d0".into(),
+                frontier: 0,
+                kv: 3,
+            }),
+        };
+        let session = DecoderOp {
+            decoder: "d1".into(),
+            invoke_us: 5,
+            complete_us: None,
+            kind: super::super::decoder_ops::OpKind::Event(tokenlog_decoder::history::DecoderEvent::SessionOpened {
+                session: 4,
+            }),
+        };
+        assert!(lease_time(&[session, received, append(1_000), grant(1_100)], 800).ok);
     }
 
     #[test]

@@ -131,6 +131,11 @@ impl LogState {
                     log_ms: now,
                     frontier: g.frontier(),
                 });
+                // Its standby, if the destination stood by for it, owns it now: a standby no more
+                // (as after an acquire). Another decoder's standby goes on following it.
+                if self.standbys.get(&id).is_some_and(|s| s.decoder == *destination) {
+                    self.standbys.remove(&id);
+                }
                 changes.touch(id);
                 HandoffPhase::OwnershipCommitted
             }

@@ -189,3 +189,63 @@ fn what_is_kept_for_a_standby_is_not_offered_to_others() {
     assert!(!t.s.kept_for_standby(&gen, "sb1", 11));
     assert!(!t.s.kept_for_standby(&gen, "other", 10 + STANDBY_PRIORITY_MS));
 }
+
+/// A generation handed over (planned handoff) to the decoder that stands by for it: from the
+/// commit on that decoder owns it, so it is its standby no more (as after an acquire); a handoff
+/// to another decoder keeps the standby. (The standby entry once outlived such a commit, and
+/// every replica's invariant check stopped the log: found by the `handoff` nemesis.)
+#[test]
+fn a_standby_that_receives_its_generation_by_handoff_is_its_standby_no_more() {
+    for (dest, kept) in [("sb1", false), ("other", true)] {
+        let mut t = T::new();
+        let g = t.running();
+        t.stand_by(3, g, "sb1").unwrap();
+        // Both take handoffs.
+        t.register(3, "sb1", "127.0.0.1:9", model());
+        t.register(3, "other", "127.0.0.1:10", model());
+        let handoff = |t: &mut T, at: u64, step: HandoffStep| match t.at(at, Command::Handoff { generation: g, step }) {
+            Response::Handoff(r) => r.unwrap().0,
+            r => panic!("{r:?}"),
+        };
+        let sha = "ab".repeat(32);
+        let manifest = CacheManifest {
+            model: model(),
+            cache_format: "kv-f32/cpu".into(),
+            frontier: 2,
+            kv_positions: 5,
+            cache_sha256: sha.clone(),
+            bytes: 1_000,
+        };
+        let prepare = HandoffStep::Prepare {
+            epoch: 1,
+            source: OWNER.into(),
+            destination: dest.into(),
+            manifest,
+        };
+        let attempt = handoff(&mut t, 4, prepare).attempt;
+        handoff(
+            &mut t,
+            5,
+            HandoffStep::Copying {
+                attempt,
+                source: OWNER.into(),
+            },
+        );
+        let ready = HandoffStep::ReceiverReady {
+            attempt,
+            destination: dest.into(),
+            handoff_epoch: 2,
+            cache_sha256: sha,
+        };
+        handoff(&mut t, 6, ready);
+        let commit = HandoffStep::Commit {
+            attempt,
+            destination: dest.into(),
+            handoff_epoch: 2,
+            lease_ms: LEASE,
+        };
+        assert_eq!(handoff(&mut t, 7, commit).phase, HandoffPhase::OwnershipCommitted);
+        assert_eq!(t.gen(g).lease.owner, dest);
+        assert_eq!(t.s.standbys.contains_key(&g), kept, "handed to {dest}");
+    }
+}
