@@ -131,3 +131,39 @@ async fn a_planted_destination_writing_before_the_commit_fails_the_handoff_scena
         "{verdicts:?}"
     );
 }
+
+/// Failure points 1, 3 and 5 with SmolLM2 decoders (exact mode): the source dies while
+/// copying, the destination after receiver-ready, the destination after the commit. Every
+/// checker and expectation holds, the client's tokens are an uninterrupted run's included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handoff_failure_points_1_3_and_5_hold_with_the_real_model() {
+    let root = std::env::temp_dir().join("tokenlog-scenarios-real");
+    let opts = scenario::Options {
+        real_model: true,
+        ..Default::default()
+    };
+    for sc in [
+        Scenario::SourceDiesCopying,
+        Scenario::DestinationDiesAfterReady,
+        Scenario::DestinationDiesAfterCommit,
+    ] {
+        let out = root.join(sc.name());
+        let _ = std::fs::remove_dir_all(&out);
+        let r = scenario::run(bin(), out.clone(), sc, opts).await.unwrap();
+        eprintln!("{}", r.line());
+        let failed: Vec<String> = r
+            .expectations
+            .iter()
+            .filter(|e| !e.ok)
+            .map(|e| format!("{}: {}", e.what, e.detail))
+            .chain(
+                r.summary
+                    .verdicts
+                    .iter()
+                    .filter(|(_, v)| !v.ok)
+                    .map(|(k, v)| format!("{k}: {:?}", v.problems)),
+            )
+            .collect();
+        assert!(r.ok, "{} ({}): {failed:#?}", sc.name(), out.display());
+    }
+}
