@@ -59,7 +59,7 @@ async fn submit(client: &LogClient, model: &dyn Model, rid: &str, prompt: &[u32]
 
 /// Follows a generation from seq 0 until it is terminal, like a client: every record once, in
 /// order. Returns the tokens, their epochs, and the longest wait between two records.
-async fn follow(client: &LogClient, id: u64) -> (Vec<u32>, Vec<u64>, Duration) {
+async fn follow(client: &LogClient, id: u64) -> Followed {
     let (mut toks, mut epochs) = (Vec::new(), Vec::new());
     let mut longest = Duration::ZERO;
     let mut last: Option<Instant> = None;
@@ -113,6 +113,47 @@ async fn takes_handoffs(client: &LogClient, decoder: &str) -> bool {
         .is_ok_and(|m| m.models.iter().any(|m| m.handoff_addrs.contains_key(decoder)))
 }
 
+/// Submits a generation per prompt (request ids `{prefix}{i}`) through `submitter`; returns
+/// their ids once `owner` holds each with a few records.
+async fn submit_owned(
+    submitter: &LogClient,
+    client: &LogClient,
+    model: &dyn Model,
+    prefix: &str,
+    prompts: &[Vec<u32>],
+    max_tokens: u32,
+    owner: &str,
+) -> Vec<u64> {
+    let mut ids = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        ids.push(submit(submitter, model, &format!("{prefix}{i}"), p, max_tokens).await);
+    }
+    for &id in &ids {
+        wait_until(
+            "the owner to hold every generation and commit a few records",
+            async || {
+                let g = get(client, id).await.generation.unwrap();
+                g.lease.is_some_and(|l| l.owner == owner) && g.frontier >= 4
+            },
+        )
+        .await;
+    }
+    ids
+}
+
+/// What [`follow`] saw of a generation: its tokens, their epochs, the longest gap.
+type Followed = (Vec<u32>, Vec<u64>, Duration);
+
+/// A client following each of `ids` (see [`follow`]).
+fn follow_all(client: &LogClient, ids: &[u64]) -> Vec<tokio::task::JoinHandle<Followed>> {
+    ids.iter()
+        .map(|&id| {
+            let c = client.clone();
+            tokio::spawn(async move { follow(&c, id).await })
+        })
+        .collect()
+}
+
 /// Drains `a` (SIGTERM) into `b` while every generation of `prompts` runs on `a`; checks the
 /// contract and returns the longest gap any client saw and `a`'s log.
 async fn drain_and_check(
@@ -129,30 +170,14 @@ async fn drain_and_check(
         Some(dir) => LogClient::with_tls(cluster.addrs.clone(), Some(common::tls(dir, "gateway-1"))).unwrap(),
         None => client.clone(),
     };
-    let mut ids = Vec::new();
-    for (i, p) in prompts.iter().enumerate() {
-        ids.push(submit(&submitter, model, &format!("h{i}"), p, max_tokens).await);
-    }
-    for &id in &ids {
-        wait_until("a to own every generation and commit a few records", async || {
-            let g = get(&client, id).await.generation.unwrap();
-            g.lease.is_some_and(|l| l.owner == a.id) && g.frontier >= 4
-        })
-        .await;
-    }
+    let ids = submit_owned(&submitter, &client, model, "h", prompts, max_tokens, &a.id).await;
     let b = start_b();
     let b_id = b.id.as_str();
     wait_until("b to register its handoff listener", async || {
         takes_handoffs(&client, b_id).await
     })
     .await;
-    let follows: Vec<_> = ids
-        .iter()
-        .map(|&id| {
-            let c = client.clone();
-            tokio::spawn(async move { follow(&c, id).await })
-        })
-        .collect();
+    let follows = follow_all(&client, &ids);
     a.signal("-TERM");
     let status = a.wait_exit(Duration::from_secs(30)).expect("a exits after draining");
     let a_log = a.log_text();
@@ -255,24 +280,8 @@ async fn a_loaded_decoder_rebalances_onto_an_idle_one() {
         .map(|i| m.tokenizer().encode(&format!("rebalanced prompt {i}")).unwrap())
         .collect();
     const LONG: u32 = 400;
-    let mut ids = Vec::new();
-    for (i, p) in prompts.iter().enumerate() {
-        ids.push(submit(&client, &m, &format!("rb{i}"), p, LONG).await);
-    }
-    for &id in &ids {
-        wait_until("a to own every generation", async || {
-            let g = get(&client, id).await.generation.unwrap();
-            g.lease.is_some_and(|l| l.owner == a.id) && g.frontier >= 4
-        })
-        .await;
-    }
-    let follows: Vec<_> = ids
-        .iter()
-        .map(|&id| {
-            let c = client.clone();
-            tokio::spawn(async move { follow(&c, id).await })
-        })
-        .collect();
+    let ids = submit_owned(&client, &client, &m, "rb", &prompts, LONG, &a.id).await;
+    let follows = follow_all(&client, &ids);
     let b = cluster.start_decoder("rb-b", &flags);
     let mut moved = 0;
     for ((id, p), f) in ids.iter().zip(&prompts).zip(follows) {

@@ -13,6 +13,22 @@ fn bin() -> PathBuf {
     exe.parent().unwrap().parent().unwrap().join("tokenlog")
 }
 
+/// What failed in a scenario: its expectations, then its checkers.
+fn failures(r: &scenario::ScenarioReport) -> Vec<String> {
+    r.expectations
+        .iter()
+        .filter(|e| !e.ok)
+        .map(|e| format!("{}: {}", e.what, e.detail))
+        .chain(
+            r.summary
+                .verdicts
+                .iter()
+                .filter(|(_, v)| !v.ok)
+                .map(|(k, v)| format!("{k}: {:?}", v.problems)),
+        )
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_failure_point_scenario_holds() {
     assert!(
@@ -29,20 +45,7 @@ async fn every_failure_point_scenario_holds() {
         eprintln!("{}", r.line());
         points.insert(r.point);
         if !r.ok {
-            let why: Vec<String> = r
-                .expectations
-                .iter()
-                .filter(|e| !e.ok)
-                .map(|e| format!("{}: {}", e.what, e.detail))
-                .chain(
-                    r.summary
-                        .verdicts
-                        .iter()
-                        .filter(|(_, v)| !v.ok)
-                        .map(|(k, v)| format!("{k}: {:?}", v.problems)),
-                )
-                .collect();
-            failed.push(format!("{} ({}): {why:?}", sc.name(), out.display()));
+            failed.push(format!("{} ({}): {:?}", sc.name(), out.display(), failures(&r)));
         }
     }
     assert_eq!(
@@ -151,19 +154,6 @@ async fn handoff_failure_points_1_3_and_5_hold_with_the_real_model() {
         let _ = std::fs::remove_dir_all(&out);
         let r = scenario::run(bin(), out.clone(), sc, opts).await.unwrap();
         eprintln!("{}", r.line());
-        let failed: Vec<String> = r
-            .expectations
-            .iter()
-            .filter(|e| !e.ok)
-            .map(|e| format!("{}: {}", e.what, e.detail))
-            .chain(
-                r.summary
-                    .verdicts
-                    .iter()
-                    .filter(|(_, v)| !v.ok)
-                    .map(|(k, v)| format!("{k}: {:?}", v.problems)),
-            )
-            .collect();
-        assert!(r.ok, "{} ({}): {failed:#?}", sc.name(), out.display());
+        assert!(r.ok, "{} ({}): {:#?}", sc.name(), out.display(), failures(&r));
     }
 }

@@ -16,6 +16,14 @@ use super::{nemesis, net, now_us, Cluster, Fault, Plant, RunConfig, DRAIN_MS, FA
 /// watcher; returns once the nodes and gateways listen and a decoder has registered.
 pub async fn start_cluster(cfg: &RunConfig) -> Result<Cluster> {
     let started = Instant::now();
+    if cfg.real_model {
+        // On a fresh tree every decoder and stage would fetch the model at once, and a stage
+        // must listen within 30 s: fetched once, here, first.
+        use tokenlog_decoder::fetch;
+        tokio::task::spawn_blocking(|| fetch::locate_model(&fetch::repo_models_dir()))
+            .await?
+            .context("fetching the model")?;
+    }
     fresh_run_dir(&cfg.out)?;
     let dir = cfg.out.clone();
     let bin = &cfg.bin;
