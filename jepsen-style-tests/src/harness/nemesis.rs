@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 
 mod handoff;
 
-pub use handoff::DRAIN_HUNG;
+pub use handoff::{wait_takes_handoffs, DRAIN_HUNG};
 
 use super::now_us;
 use super::procs::Proc;
@@ -736,18 +736,9 @@ async fn decoder_fault(fault: Fault, procs: &Mutex<Procs>, rng: &mut StdRng) -> 
 /// Whether the last line of a decoder's history is the invocation of an append (sent, not yet
 /// answered). Reads the file's tail only.
 fn append_in_flight(history: &std::path::Path) -> bool {
-    use std::io::{Read, Seek, SeekFrom};
-    let Ok(mut f) = std::fs::File::open(history) else {
+    let Some(tail) = history_tail(history, 2_048) else {
         return false;
     };
-    let len = f.metadata().map_or(0, |m| m.len());
-    if f.seek(SeekFrom::Start(len.saturating_sub(2_048))).is_err() {
-        return false;
-    }
-    let mut tail = String::new();
-    if f.read_to_string(&mut tail).is_err() {
-        return false;
-    }
     tail.lines().last().is_some_and(|l| {
         matches!(
             serde_json::from_str::<tokenlog_decoder::history::HistoryLine>(l),
@@ -757,6 +748,18 @@ fn append_in_flight(history: &std::path::Path) -> bool {
             })
         )
     })
+}
+
+/// The last `bytes` bytes of a decoder's history file, while it is being written (`None` when
+/// it cannot be read, or the cut falls inside a character).
+fn history_tail(history: &std::path::Path, bytes: u64) -> Option<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = std::fs::File::open(history).ok()?;
+    let len = f.metadata().map_or(0, |m| m.len());
+    f.seek(SeekFrom::Start(len.saturating_sub(bytes))).ok()?;
+    let mut tail = String::new();
+    f.read_to_string(&mut tail).ok()?;
+    Some(tail)
 }
 
 /// `KillGateway`: a random gateway killed and restarted.

@@ -705,32 +705,13 @@ async fn strike(
         | Scenario::CommitAnswerLost
         | Scenario::DestinationDiesAfterCommit
         | Scenario::SourceDiesBeforeRelease => {
-            wait_takes_handoffs(cluster, "d2-1").await?;
+            let listed = super::nemesis::wait_takes_handoffs(&cluster.log, "d2-1", Duration::from_secs(30)).await;
+            anyhow::ensure!(listed, "d2-1 never registered a handoff listener");
             procs.lock().expect("lock").decoders[0].terminate();
             "decoder1 (drained into decoder2)".into()
         }
         Scenario::DecoderDiesAfterSample | Scenario::DelayedAppendFromOldOwner => unreachable!("failpoints"),
     })
-}
-
-/// Waits (up to 30 s) until `decoder` is registered with a handoff listener.
-async fn wait_takes_handoffs(cluster: &Cluster, decoder: &str) -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let listed = cluster
-            .log
-            .list_models()
-            .await
-            .is_ok_and(|m| m.models.iter().any(|m| m.handoff_addrs.contains_key(decoder)));
-        if listed {
-            return Ok(());
-        }
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "{decoder} never registered a handoff listener"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// What the driver saw besides the histories.

@@ -11,7 +11,7 @@ use rand::Rng;
 use tokenlog_proto::raftlog as pb;
 
 use super::super::{DRAIN_MS, FAILPOINTS_ENV, FAILPOINT_EXIT};
-use super::{ms, Procs};
+use super::{history_tail, ms, Procs};
 
 /// How long a drained decoder may take to exit: its drain, then releasing what is left.
 pub const DRAIN_EXIT_WITHIN: Duration = Duration::from_millis(DRAIN_MS + 7_000);
@@ -136,19 +136,28 @@ async fn wait_listener(procs: &Mutex<Procs>, i: usize) -> bool {
         let p = procs.lock().expect("lock");
         (p.log.clone(), format!("d{}-{}", i + 1, p.decoders[i].incarnation))
     };
-    let Some(log) = log else { return false };
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while Instant::now() < deadline {
+    match log {
+        Some(log) => wait_takes_handoffs(&log, &id, Duration::from_secs(15)).await,
+        None => false,
+    }
+}
+
+/// Waits (up to `within`) until `decoder` is registered with a handoff listener; whether it is.
+pub async fn wait_takes_handoffs(log: &tokenlog_raftlog::client::LogClient, decoder: &str, within: Duration) -> bool {
+    let deadline = Instant::now() + within;
+    loop {
         let listed = log
             .list_models()
             .await
-            .is_ok_and(|m| m.models.iter().any(|m| m.handoff_addrs.contains_key(&id)));
+            .is_ok_and(|m| m.models.iter().any(|m| m.handoff_addrs.contains_key(decoder)));
         if listed {
             return true;
         }
+        if Instant::now() >= deadline {
+            return false;
+        }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    false
 }
 
 /// A running generation with a standby, among the latest the decoders acquired: its owner's
@@ -193,18 +202,9 @@ async fn followed_owner(procs: &Mutex<Procs>) -> Option<(usize, u64, String)> {
 
 /// The generations of the acquires in the tail of a decoder's history.
 fn acquired(history: &std::path::Path) -> Vec<u64> {
-    use std::io::{Read, Seek, SeekFrom};
-    let Ok(mut f) = std::fs::File::open(history) else {
+    let Some(tail) = history_tail(history, 16_384) else {
         return Vec::new();
     };
-    let len = f.metadata().map_or(0, |m| m.len());
-    if f.seek(SeekFrom::Start(len.saturating_sub(16_384))).is_err() {
-        return Vec::new();
-    }
-    let mut tail = String::new();
-    if f.read_to_string(&mut tail).is_err() {
-        return Vec::new();
-    }
     tail.lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .filter(|v| v["phase"] == "invoke" && v["op"] == "acquire")

@@ -9,14 +9,14 @@ use tokenlog_decoder::history::DecoderEvent;
 use tokenlog_proto::raftlog::{HandoffInfo, HandoffPhase};
 
 use super::super::super::decoder_ops::{DecoderOp, OpKind};
-use super::{expect, Expectation, Scenario, OWNER};
+use super::{expect, gen_ops, Expectation, Scenario, OWNER};
 
 /// The destination's decoder id (decoder 2's first incarnation).
 const DESTINATION: &str = "d2-1";
 
+/// `decoder`'s operations `op` of `gen`.
 fn by<'a>(ops: &'a [DecoderOp], gen: u64, decoder: &'a str, op: &'a str) -> impl Iterator<Item = &'a DecoderOp> + 'a {
-    ops.iter()
-        .filter(move |o| o.gen() == gen && o.decoder == decoder && o.op() == op)
+    gen_ops(ops, gen, op).filter(move |o| o.decoder == decoder)
 }
 
 pub(super) fn expectations(
