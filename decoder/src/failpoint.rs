@@ -25,6 +25,10 @@
 //! - `prefix-restore-exit=1`: the process exits (as if killed) every time it is about to restore
 //!   a generation from a prefix cache entry: a poisoned entry (seed 004).
 //!
+//! - `deaf-to-lost-renewals=1`: the worker does not drop a generation whose renewal the log
+//!   rejected (as if that answer always came late): after a pause the old owner's next append
+//!   meets the log's fence, deterministically (failure point 9).
+//!
 //! Each fired failpoint writes an `"op": "failpoint"` line to the decoder's history first.
 
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -43,6 +47,7 @@ pub struct Failpoints {
     pub handoff_exit: Option<String>,
     pub commit_answer_lost: bool,
     pub prefix_restore_exit: bool,
+    pub deaf_to_lost_renewals: bool,
     /// Prefix reads failed so far (shared by the clones of one process's failpoints).
     prefix_reads_failed: Fires,
 }
@@ -90,6 +95,7 @@ impl Failpoints {
                 }
                 "commit-answer-lost" => fp.commit_answer_lost = num(arg)? != 0,
                 "prefix-restore-exit" => fp.prefix_restore_exit = num(arg)? != 0,
+                "deaf-to-lost-renewals" => fp.deaf_to_lost_renewals = num(arg)? != 0,
                 "delay-append" => {
                     let (seq, ms) = arg
                         .split_once(':')
@@ -99,7 +105,8 @@ impl Failpoints {
                 _ => {
                     return Err(bad(format!(
                         "unknown failpoint {name:?} (known: exit-after-sample, delay-append, model-error, \
-                         model-panic, prefix-read-errors, handoff-exit, commit-answer-lost, prefix-restore-exit)"
+                         model-panic, prefix-read-errors, handoff-exit, commit-answer-lost, prefix-restore-exit, \
+                         deaf-to-lost-renewals)"
                     )))
                 }
             }
@@ -123,6 +130,10 @@ impl StepHooks for Failpoints {
 
     fn prefix_restore_exit(&self) -> bool {
         self.prefix_restore_exit
+    }
+
+    fn deaf_to_lost_renewals(&self) -> bool {
+        self.deaf_to_lost_renewals
     }
 
     fn after_sample(&self, gens: &[StepView]) -> Option<Fired> {
@@ -191,6 +202,9 @@ mod tests {
         assert!(!fp.handoff_exit(HandoffPoint::SourceCopying));
         assert!(fp.commit_answer_lost());
         assert!(Failpoints::parse("handoff-exit=nowhere").is_err());
+        assert!(Failpoints::parse("deaf-to-lost-renewals=1")
+            .unwrap()
+            .deaf_to_lost_renewals());
         assert!(Failpoints::parse("nope=1")
             .unwrap_err()
             .to_string()

@@ -1379,6 +1379,10 @@ impl Worker {
     /// Drops the generations whose renewal the log rejected, at the epoch we hold them.
     fn drop_lost(&mut self) {
         let lost = std::mem::take(&mut *self.lost.lock().expect("lock"));
+        if self.hooks.as_ref().is_some_and(|h| h.deaf_to_lost_renewals()) {
+            // Failure point 9's failpoint: the append goes out and the log's fence answers it.
+            return;
+        }
         for (id, epoch) in lost {
             if self.active.get(&id).is_some_and(|g| g.epoch == epoch) {
                 tracing::warn!(generation = id, epoch, "renew rejected: dropping the generation");

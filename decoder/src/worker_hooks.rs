@@ -82,6 +82,14 @@ pub trait StepHooks: Send + Sync {
     fn prefix_restore_exit(&self) -> bool {
         false
     }
+
+    /// `true`: the worker does not act on renewals the log rejected, as if their answers always
+    /// arrived after its next append. A paused owner that continues then writes at its old
+    /// epoch, and only the log's fence stops it (failure point 9); without this, which of the
+    /// two the continued process does first (renew or append) is a race.
+    fn deaf_to_lost_renewals(&self) -> bool {
+        false
+    }
 }
 
 /// The points of a planned handoff where a failpoint can end a decoder.

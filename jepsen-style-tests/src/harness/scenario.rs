@@ -65,7 +65,8 @@ pub enum Scenario {
     /// seqs 0-19 (the gateway may have sent more).
     GatewayDiesAfterSend,
     /// 9: the owner is paused (SIGSTOP) past its lease once the client received seqs 0-19,
-    /// then continued: its next write must be rejected.
+    /// then continued: its next write must be rejected (failpoint deaf-to-lost-renewals: its
+    /// append, not its renewer, is what meets the fence first).
     PausedOwnerWritesAfterTakeover,
     /// 10: the owner's append carrying seq 20 is held 2.5 s (renewals stop), then arrives after
     /// another decoder took over (failpoint).
@@ -198,6 +199,8 @@ impl Scenario {
             Scenario::DelayedAppendFromOldOwner => Some(format!("delay-append={FAULT_SEQ}:{DELAY_MS}")),
             Scenario::SourceDiesCopying => Some("handoff-exit=source-copying".into()),
             Scenario::SourceDiesBeforeRelease => Some("handoff-exit=source-before-release".into()),
+            // The continued owner's append, not its renewer, is what must meet the fence.
+            Scenario::PausedOwnerWritesAfterTakeover => Some("deaf-to-lost-renewals=1".into()),
             _ => None,
         }
     }
@@ -471,7 +474,7 @@ pub async fn run(bin: PathBuf, out: PathBuf, sc: Scenario, opts: Options) -> Res
         rec.events.len(),
         rec.connections
     );
-    if sc.failpoints().is_some() || sc.is_handoff() {
+    if sc.strikes_itself() || sc.is_handoff() {
         wait_old_owner_exit(&cluster).await?;
     }
     let term_after = cluster.log.cluster_status(true).await.map(|s| s.term).ok();
@@ -629,8 +632,10 @@ async fn strike(
         Scenario::PausedOwnerWritesAfterTakeover => {
             procs.lock().expect("lock").decoders[0].pause();
             tokio::time::sleep(Duration::from_millis(cfg.lease_ms * 3)).await;
+            // Taken before SIGCONT: the continued process may send its write at once.
+            let continued = now_us();
             procs.lock().expect("lock").decoders[0].resume();
-            wait_continued_write(&cfg.out.join("decoder1.jsonl"), now_us()).await;
+            wait_continued_write(&cfg.out.join("decoder1.jsonl"), continued).await;
             "decoder1 (the owner)".into()
         }
         Scenario::LeaderCrash => {
