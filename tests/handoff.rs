@@ -206,11 +206,14 @@ async fn drain_and_check(
         assert_eq!((h.source.as_str(), h.destination.as_str()), (a.id.as_str(), b_id));
         assert_eq!((h.source_epoch, h.handoff_epoch), (1, 2));
         let m = h.manifest.unwrap();
-        assert_eq!(
-            m.frontier as usize, switch,
-            "the cache covered exactly the records before b's"
+        // The cache covered the records a had when it copied it; a decoded on until the
+        // commit and b followed the rest from the log.
+        assert!(
+            m.frontier as usize <= switch,
+            "manifest {} > switch {switch}",
+            m.frontier
         );
-        assert_eq!(m.kv_positions as usize, p.len() + switch);
+        assert_eq!(m.kv_positions as usize, p.len() + m.frontier as usize);
         assert_eq!(r.generation.unwrap().takeovers, 1);
     }
     assert_eq!(
@@ -306,11 +309,19 @@ async fn a_loaded_decoder_rebalances_onto_an_idle_one() {
         }
     }
     let (a_log, b_log) = (a.log_text(), b.log_text());
-    assert_eq!(moved, 2, "4 and 0 end as 2 and 2:\n{a_log}");
-    assert_eq!(a_log.matches("rebalancing: handing a generation").count(), 2, "{a_log}");
+    // 4 and 0 end as 2 and 2: the first two moves. (If b finishes its two before a does, a
+    // holding 2 against 0 moves one more: also balancing, at the very end.)
+    let rebalances: Vec<&str> = a_log
+        .lines()
+        .filter(|l| l.contains("rebalancing: handing a generation"))
+        .collect();
+    assert!(moved >= 2 && moved == rebalances.len(), "{a_log}");
+    assert!(rebalances[0].contains("mine=4 theirs=0"), "{a_log}");
+    assert!(rebalances[1].contains("mine=3 theirs=1"), "{a_log}");
+    assert!(rebalances[2..].iter().all(|l| l.contains("mine=2 theirs=0")), "{a_log}");
     assert_eq!(
         b_log.matches("generation received with its cache").count(),
-        2,
+        moved,
         "{b_log}"
     );
     assert!(

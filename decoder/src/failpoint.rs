@@ -25,6 +25,9 @@
 //! - `prefix-restore-exit=1`: the process exits (as if killed) every time it is about to restore
 //!   a generation from a prefix cache entry: a poisoned entry (seed 004).
 //!
+//! - `min-step-ms=MS`: every step of the loop takes at least `MS` milliseconds (a slower
+//!   device; the real model on a fast machine finishes a scenario's request before the other
+//!   decoders have started).
 //! - `deaf-to-lost-renewals=1`: the worker does not drop a generation whose renewal the log
 //!   rejected (as if that answer always came late): after a pause the old owner's next append
 //!   meets the log's fence, deterministically (failure point 9).
@@ -48,6 +51,7 @@ pub struct Failpoints {
     pub commit_answer_lost: bool,
     pub prefix_restore_exit: bool,
     pub deaf_to_lost_renewals: bool,
+    pub min_step: Option<Duration>,
     /// Prefix reads failed so far (shared by the clones of one process's failpoints).
     prefix_reads_failed: Fires,
 }
@@ -96,6 +100,7 @@ impl Failpoints {
                 "commit-answer-lost" => fp.commit_answer_lost = num(arg)? != 0,
                 "prefix-restore-exit" => fp.prefix_restore_exit = num(arg)? != 0,
                 "deaf-to-lost-renewals" => fp.deaf_to_lost_renewals = num(arg)? != 0,
+                "min-step-ms" => fp.min_step = Some(Duration::from_millis(num(arg)?)),
                 "delay-append" => {
                     let (seq, ms) = arg
                         .split_once(':')
@@ -106,7 +111,7 @@ impl Failpoints {
                     return Err(bad(format!(
                         "unknown failpoint {name:?} (known: exit-after-sample, delay-append, model-error, \
                          model-panic, prefix-read-errors, handoff-exit, commit-answer-lost, prefix-restore-exit, \
-                         deaf-to-lost-renewals)"
+                         deaf-to-lost-renewals, min-step-ms)"
                     )))
                 }
             }
@@ -134,6 +139,10 @@ impl StepHooks for Failpoints {
 
     fn deaf_to_lost_renewals(&self) -> bool {
         self.deaf_to_lost_renewals
+    }
+
+    fn min_step(&self) -> Option<Duration> {
+        self.min_step
     }
 
     fn after_sample(&self, gens: &[StepView]) -> Option<Fired> {
@@ -205,6 +214,10 @@ mod tests {
         assert!(Failpoints::parse("deaf-to-lost-renewals=1")
             .unwrap()
             .deaf_to_lost_renewals());
+        assert_eq!(
+            Failpoints::parse("min-step-ms=40").unwrap().min_step(),
+            Some(Duration::from_millis(40))
+        );
         assert!(Failpoints::parse("nope=1")
             .unwrap_err()
             .to_string()

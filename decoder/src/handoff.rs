@@ -40,8 +40,40 @@ use crate::history::{Answer, Call, DecoderEvent, History};
 use crate::limits::{HANDOFF_CACHE_BYTES_MAX, HANDOFF_CHUNK_BYTES, HANDOFF_TRANSFER_TIMEOUT};
 use crate::resume::DecodeState;
 use crate::worker::{model_work, HandoffPoint, StepHooks, WorkerError};
-use crate::worker_lease::{read_prefix, Held};
+use crate::worker_lease::{read_prefix, read_records, Held};
 use crate::Model;
+
+/// Where a handoff's time went, for its log line: the milliseconds of each part in order.
+#[derive(Clone)]
+pub(crate) struct Laps {
+    at: Instant,
+    parts: Vec<(&'static str, u128)>,
+}
+
+impl Laps {
+    pub(crate) fn start() -> Self {
+        Laps {
+            at: Instant::now(),
+            parts: Vec::new(),
+        }
+    }
+
+    /// Ends the part `name` now.
+    pub(crate) fn lap(&mut self, name: &'static str) {
+        let now = Instant::now();
+        self.parts.push((name, (now - self.at).as_millis()));
+        self.at = now;
+    }
+}
+
+impl std::fmt::Display for Laps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, (name, ms)) in self.parts.iter().enumerate() {
+            write!(f, "{}{name} {ms}", if i == 0 { "" } else { ", " })?;
+        }
+        Ok(())
+    }
+}
 
 /// A generation that arrived with its cache and is now ours (the log committed it).
 pub(crate) struct Received {
@@ -156,6 +188,7 @@ impl HandoffPort {
         let s = &self.shared;
         let id = header.generation_id;
         let t0 = Instant::now();
+        let mut laps = Laps::start();
         // The generation and its committed prefix, read while the blocks arrive.
         let client = s.client.clone();
         let frontier = manifest.frontier;
@@ -181,11 +214,13 @@ impl HandoffPort {
                 manifest.cache_sha256
             ));
         }
+        laps.lap("blocks");
         let (info, committed) = prefix
             .await
             .map_err(|e| e.to_string())?
             .map_err(|e| format!("the committed prefix is not readable: {e}"))?;
-        if info.frontier != manifest.frontier {
+        laps.lap("prefix");
+        if info.frontier < manifest.frontier {
             return Err(format!(
                 "the log's frontier is {}; the cache covers {}",
                 info.frontier, manifest.frontier
@@ -211,6 +246,11 @@ impl HandoffPort {
         })
         .await?
         .map_err(|e| format!("the cache does not load: {e}"))?;
+        laps.lap("import");
+        // The source decodes on until the commit: follow what it committed since the copy, so
+        // that only the last few records are left to follow once the commit fences it.
+        let (state, followed) = follow_log(&s.client, id, state, manifest.frontier, None).await?;
+        laps.lap("follow");
         halt_at(&s.hooks, &s.history, HandoffPoint::DestinationBeforeReady, id);
         let ready = step(
             &s.client,
@@ -226,7 +266,12 @@ impl HandoffPort {
         if !ready.ok {
             return Err(format!("the log refused receiver_ready: {:?}", ready.rejection));
         }
+        laps.lap("receiver_ready");
         halt_at(&s.hooks, &s.history, HandoffPoint::DestinationAfterReady, id);
+        // Once more right before the commit: what is left after it is what the source committed
+        // during the commit's own write (each record left is a forward pass its client waits for).
+        let (state, followed) = follow_log(&s.client, id, state, followed, None).await?;
+        laps.lap("follow");
         let mut state = Some(state);
         if s.plant_early_write {
             tracing::error!(
@@ -240,7 +285,7 @@ impl HandoffPort {
             let _ = s.incoming.send(Received {
                 id,
                 epoch: header.handoff_epoch,
-                committed: committed.len() as u32,
+                committed: followed,
                 state: state.take().expect("set above"),
             });
             s.wake.notify_one();
@@ -277,37 +322,70 @@ impl HandoffPort {
             // A lost answer stays in doubt in the history, whatever the log says later.
             h.complete(hid, Answer::of_handoff_commit(answer.as_ref().ok()));
         }
-        let committed_now = match answer {
-            Ok(r) if r.ok => true,
+        // The frontier the log granted at (the source's records up to the commit included).
+        let granted = match answer {
+            Ok(r) if r.ok => r.generation.map(|g| g.frontier),
             Ok(r) => return Err(format!("the log refused the commit: {:?}", r.rejection)),
             // The answer was lost: the log knows.
             Err(e) => {
                 tracing::warn!(generation = id, error = %e, "commit answer lost; asking the log");
-                resolve_lost_commit(&s.client, id, header.attempt, &s.decoder_id, header.handoff_epoch).await
+                if !resolve_lost_commit(&s.client, id, header.attempt, &s.decoder_id, header.handoff_epoch).await {
+                    return Err("the commit did not apply".into());
+                }
+                None
             }
         };
-        if !committed_now {
-            return Err("the commit did not apply".into());
-        }
+        laps.lap("commit");
         halt_at(&s.hooks, &s.history, HandoffPoint::DestinationAfterCommit, id);
         // Ours from here: renewed at once, decoded by the worker from its next loop. (With the
         // planted early write the worker has had it since receiver_ready, and dropped it when
         // the log refused its early appends: not renewed, its lease lapses and another decoder
         // takes it over, so that a run with the plant still ends.)
-        if state.is_some() {
-            s.held
-                .lock()
-                .expect("lock")
-                .insert(id, (header.handoff_epoch, Instant::now()));
-        }
+        let Some(state) = state else {
+            return Ok(dpb::TransferResult {
+                committed: true,
+                epoch: header.handoff_epoch,
+                detail: String::new(),
+            });
+        };
+        s.held
+            .lock()
+            .expect("lock")
+            .insert(id, (header.handoff_epoch, Instant::now()));
+        // The records the source committed between our follow and the commit.
+        let (state, frontier) = match follow_log(&s.client, id, state, followed, granted).await {
+            Ok(x) => x,
+            Err(why) => {
+                // Ours, but without a state to continue it: back to the log for a takeover.
+                tracing::error!(
+                    generation = id,
+                    why,
+                    "the records before the commit are not followed: releasing it"
+                );
+                s.held.lock().expect("lock").remove(&id);
+                let _ = s
+                    .client
+                    .release(pb::ReleaseRequest {
+                        generation_id: id,
+                        epoch: header.handoff_epoch,
+                    })
+                    .await;
+                return Ok(dpb::TransferResult {
+                    committed: true,
+                    epoch: header.handoff_epoch,
+                    detail: format!("committed, then released: {why}"),
+                });
+            }
+        };
+        laps.lap("catch_up");
         if let Some(h) = &s.history {
             h.event(DecoderEvent::HandoffReceived {
                 gen: id,
                 attempt: header.attempt,
                 epoch: header.handoff_epoch,
                 from: header.source.clone(),
-                frontier: manifest.frontier,
-                kv: manifest.kv_positions,
+                frontier,
+                kv: state.covered_positions() as u32,
             });
         }
         tracing::info!(
@@ -315,20 +393,20 @@ impl HandoffPort {
             attempt = header.attempt,
             epoch = header.handoff_epoch,
             from = header.source,
-            frontier = manifest.frontier,
+            cache_frontier = manifest.frontier,
+            frontier,
             bytes = manifest.bytes,
             ms = t0.elapsed().as_millis() as u64,
+            parts = %laps,
             "generation received with its cache"
         );
-        if let Some(state) = state {
-            let _ = s.incoming.send(Received {
-                id,
-                epoch: header.handoff_epoch,
-                committed: committed.len() as u32,
-                state,
-            });
-            s.wake.notify_one();
-        }
+        let _ = s.incoming.send(Received {
+            id,
+            epoch: header.handoff_epoch,
+            committed: frontier,
+            state,
+        });
+        s.wake.notify_one();
         Ok(dpb::TransferResult {
             committed: true,
             epoch: header.handoff_epoch,
@@ -522,6 +600,32 @@ async fn resolve_lost_commit(client: &LogClient, id: u64, attempt: u64, me: &str
     }
 }
 
+/// Follows generation `id`'s committed records `from..upto` (`None`: up to the log's frontier
+/// now) on `state`, a copy of the cache at `from` records: the state and the frontier it
+/// reached. Exact as the source's own feeding (`DecodeState::follow`).
+async fn follow_log(
+    client: &LogClient,
+    id: u64,
+    mut state: DecodeState,
+    from: u32,
+    upto: Option<u32>,
+) -> Result<(DecodeState, u32), String> {
+    let upto = match upto {
+        Some(f) => f,
+        None => client.generation(id).await.map_err(|e| e.to_string())?.frontier,
+    };
+    if upto <= from {
+        return Ok((state, from));
+    }
+    let records = read_records(client, id, from, upto)
+        .await
+        .map_err(|e| format!("records {from}..{upto} are not readable: {e}"))?;
+    let state = model_work(move || state.follow_all(&records).map(|()| state))
+        .await?
+        .map_err(|e| format!("records {from}..{upto} do not follow: {e}"))?;
+    Ok((state, upto))
+}
+
 /// Whether the log holds attempt `attempt` of `id` as committed (or released) now; false when
 /// it does not, or cannot be read.
 async fn committed_in_log(client: &LogClient, id: u64, attempt: u64) -> bool {
@@ -545,12 +649,10 @@ async fn committed_in_log(client: &LogClient, id: u64, attempt: u64) -> bool {
 
 /// What handing a generation out came to.
 pub(crate) enum Outcome {
-    /// The destination owns it at `epoch`; the source forgot it.
+    /// The destination owns it at `epoch`; the source forgets it.
     Moved { to: String, epoch: u64 },
     /// The source still owns it (at its epoch) and goes on decoding it.
-    Kept { state: DecodeState, why: String },
-    /// The source's state is gone (its export failed): the generation must be released.
-    Lost { why: String },
+    Kept { why: String },
 }
 
 /// What a source needs to hand generations out.
@@ -561,8 +663,6 @@ pub(crate) struct Source {
     pub client: LogClient,
     pub history: Option<Arc<History>>,
     pub hooks: Option<Arc<dyn StepHooks>>,
-    /// Planted bug `source-frees-early` (see `WorkerConfig::plant_source_frees_early`).
-    pub plant_frees_early: bool,
 }
 
 /// Ends the process at `point` when a failpoint says so (fault-suite builds): as a kill would,
@@ -606,45 +706,51 @@ impl Source {
         out
     }
 
-    /// Hands generation `id` (ours at `epoch`, `committed` records, every sampled token
-    /// committed) to another decoder (`to`, or trying each candidate until one takes it).
+    /// Hands generation `id` (ours at `epoch`) to another decoder (`to`, or trying each
+    /// candidate until one takes it), with `cache`: a copy of its cache at `committed` records,
+    /// taken when every sampled token was committed. The generation decodes on at the source
+    /// meanwhile; the destination follows the records past `committed` from the log.
     pub async fn hand_out(
         &self,
         id: u64,
         epoch: u64,
         committed: u32,
-        mut state: DecodeState,
+        cache: CacheExport,
         to: Option<String>,
     ) -> Outcome {
-        let exported = model_work(move || {
-            let c = state.export_cache();
-            (state, c)
+        let mut laps = Laps::start();
+        let manifest = model_work(move || {
+            let m = pb::CacheManifest {
+                model: None,
+                cache_format: cache.format.clone(),
+                frontier: committed,
+                kv_positions: cache.positions,
+                cache_sha256: cache.sha256(),
+                bytes: cache.bytes(),
+            };
+            (m, cache)
         })
         .await;
-        let (mut state, cache) = match exported {
-            Ok((state, Ok(c))) => (state, c),
-            Ok((state, Err(e))) => {
-                return self.kept(id, epoch, committed, state, format!("no cache to hand over: {e}"))
-            }
-            Err(e) => return Outcome::Lost { why: e },
+        let Ok((mut manifest, cache)) = manifest else {
+            return Outcome::Kept {
+                why: "the cache's checksum was not computed".into(),
+            };
         };
-        self.plant_free_early(id, &mut state);
-        let manifest = pb::CacheManifest {
-            model: Some(self.identity.clone()),
-            cache_format: cache.format.clone(),
-            frontier: committed,
-            kv_positions: cache.positions,
-            cache_sha256: cache.sha256(),
-            bytes: cache.bytes(),
-        };
+        manifest.model = Some(self.identity.clone());
+        laps.lap("checksum");
         let candidates = self.destinations(id, to.as_deref()).await;
+        laps.lap("destinations");
         if candidates.is_empty() {
-            let why = "no other decoder of this model takes handoffs".to_string();
-            return self.kept(id, epoch, committed, state, why);
+            return Outcome::Kept {
+                why: "no other decoder of this model takes handoffs".to_string(),
+            };
         }
         let mut why = String::new();
         for (dest, addr) in candidates {
-            match self.try_one(id, epoch, &manifest, &cache, &dest, &addr).await {
+            match self
+                .try_one(id, epoch, &manifest, &cache, &dest, &addr, &mut laps)
+                .await
+            {
                 Ok(new_epoch) => {
                     return Outcome::Moved {
                         to: dest,
@@ -658,37 +764,7 @@ impl Source {
                 }
             }
         }
-        self.kept(id, epoch, committed, state, why)
-    }
-
-    /// Planted bug `source-frees-early`: the cache is freed once exported (the transfer reads
-    /// the export), before the log released the generation.
-    fn plant_free_early(&self, id: u64, state: &mut DecodeState) {
-        if !self.plant_frees_early {
-            return;
-        }
-        tracing::error!(
-            generation = id,
-            "PLANTED BUG: the source frees its cache once exported, before the log released it"
-        );
-        #[cfg(feature = "faults")]
-        state.forget_cache();
-        #[cfg(not(feature = "faults"))]
-        let _ = state;
-    }
-
-    /// The generation stays here: says so in the history, with what the model's cache holds.
-    fn kept(&self, id: u64, epoch: u64, committed: u32, state: DecodeState, why: String) -> Outcome {
-        if let Some(h) = &self.history {
-            h.event(DecoderEvent::HandoffKept {
-                gen: id,
-                epoch,
-                committed,
-                kv: state.kv_positions() as u32,
-                detail: why.clone(),
-            });
-        }
-        Outcome::Kept { state, why }
+        Outcome::Kept { why }
     }
 
     /// One attempt towards `dest`; the handoff epoch when it moved.
@@ -700,6 +776,7 @@ impl Source {
         cache: &CacheExport,
         dest: &str,
         addr: &str,
+        laps: &mut Laps,
     ) -> Result<u64, Stop> {
         let t0 = Instant::now();
         let prepared = step(
@@ -726,6 +803,7 @@ impl Source {
             return Err(stop(format!("prepare refused: {}", rej.message)));
         };
         let attempt = h.attempt;
+        laps.lap("prepare");
         let record = |phase: &str, detail: String| {
             if let Some(hist) = &self.history {
                 hist.event(DecoderEvent::HandoffOut {
@@ -753,6 +831,7 @@ impl Source {
             abort(&self.client, id, attempt, &self.decoder_id, &why).await;
             return Err(Stop::Done(why));
         }
+        laps.lap("copying");
         halt_at(&self.hooks, &self.history, HandoffPoint::SourceCopying, id);
         let header = dpb::TransferHeader {
             generation_id: id,
@@ -763,6 +842,7 @@ impl Source {
             manifest: Some(manifest.clone()),
         };
         let sent = self.transfer(addr, header, cache).await;
+        laps.lap("transfer");
         let moved = match &sent {
             Ok(r) if r.committed => true,
             // Refused, broken or timed out: the log knows whether the commit happened.
@@ -776,12 +856,12 @@ impl Source {
             abort(&self.client, id, attempt, &self.decoder_id, &why).await;
             // The abort and a late commit race: the log's answer decides.
             if committed_in_log(&self.client, id, attempt).await {
-                return self.released(id, attempt, h.handoff_epoch, t0, &record).await;
+                return self.released(id, attempt, h.handoff_epoch, t0, laps, &record).await;
             }
             record("aborted", why.clone());
             return Err(Stop::Next(why));
         }
-        self.released(id, attempt, h.handoff_epoch, t0, &record).await
+        self.released(id, attempt, h.handoff_epoch, t0, laps, &record).await
     }
 
     async fn released(
@@ -790,6 +870,7 @@ impl Source {
         attempt: u64,
         handoff_epoch: u64,
         t0: Instant,
+        laps: &mut Laps,
         record: &impl Fn(&str, String),
     ) -> Result<u64, Stop> {
         halt_at(&self.hooks, &self.history, HandoffPoint::SourceBeforeRelease, id);
@@ -807,11 +888,13 @@ impl Source {
             tracing::warn!(generation = id, attempt, error = %e, "source_released not recorded");
         }
         record("released", String::new());
+        laps.lap("release");
         tracing::info!(
             generation = id,
             attempt,
             epoch = handoff_epoch,
             ms = t0.elapsed().as_millis() as u64,
+            parts = %laps,
             "generation handed over"
         );
         Ok(handoff_epoch)

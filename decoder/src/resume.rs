@@ -654,6 +654,12 @@ impl DecodeState {
         self.sequence.kv_len()
     }
 
+    /// Positions this state's cache covers, its record not yet fed (a followed one, or the
+    /// last draw) included: prompt + committed for a follower.
+    pub fn covered_positions(&self) -> usize {
+        self.sequence.kv_len() + usize::from(self.unfed.is_some())
+    }
+
     /// Planted bug `source-frees-early` (fault builds only): empties the KV cache behind the
     /// frontiers' back, as a handoff source that frees its blocks before the log released it.
     #[cfg(feature = "faults")]

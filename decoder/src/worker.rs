@@ -214,8 +214,12 @@ struct Active {
     /// Whether `finish` went out on the current stream.
     finish_sent: bool,
     finish: Option<StopCause>,
-    /// To be handed to another decoder: no more sampling; it leaves once every token is acked.
+    /// To be handed to another decoder: no sampling until every token is acked; then its cache
+    /// is copied and it decodes on.
     moving: bool,
+    /// A copy of its cache is on its way to another decoder (a handoff attempt is in flight):
+    /// it decodes on, and leaves when the log commits it to the destination.
+    out: bool,
     /// Prompt and committed prefix to store in the prefix cache once prefilled.
     store_prefix: Option<Vec<u32>>,
 }
@@ -233,6 +237,7 @@ impl Active {
             finish_sent: false,
             finish,
             moving: false,
+            out: false,
             store_prefix: None,
         }
     }
@@ -354,8 +359,8 @@ pub struct Worker {
     port: Arc<crate::handoff::PortShared>,
     incoming: mpsc::UnboundedReceiver<crate::handoff::Received>,
     /// Handoffs out that have ended: the generation, its epoch and committed count, the outcome.
-    outcomes_tx: mpsc::UnboundedSender<(u64, u64, u32, crate::handoff::Outcome)>,
-    outcomes: mpsc::UnboundedReceiver<(u64, u64, u32, crate::handoff::Outcome)>,
+    outcomes_tx: mpsc::UnboundedSender<(u64, u64, crate::handoff::Outcome)>,
+    outcomes: mpsc::UnboundedReceiver<(u64, u64, crate::handoff::Outcome)>,
     /// Handoffs out in progress.
     handing_out: usize,
     /// Wakes the idle loop: a generation arrived, or a handoff out ended.
@@ -610,14 +615,18 @@ impl Worker {
             }
             self.absorb_handoffs();
             self.drop_lost();
-            self.start_handoffs();
+            self.start_handoffs().await;
             self.settle_moving().await;
             if let Some(fired) = self.sample_ready().await? {
                 return self.halt(fired).await;
             }
             let sampling = self.active.values().any(Active::can_sample);
             if sampling {
+                let began = Instant::now();
                 self.step().await?;
+                if let Some(min) = self.hooks.as_ref().and_then(|h| h.min_step()) {
+                    tokio::time::sleep(min.saturating_sub(began.elapsed())).await;
+                }
                 // A step may be slow: a renewal rejected meanwhile stops the generation before
                 // anything more is sent for it.
                 self.drop_lost();
@@ -634,10 +643,9 @@ impl Worker {
                 return self.halt(fired).await;
             }
             let sent = self.in_flight.len() < APPENDS_IN_FLIGHT_MAX && self.send().await;
-            self.port.load.store(
-                self.active.len() + self.handing_out,
-                std::sync::atomic::Ordering::Release,
-            );
+            self.port
+                .load
+                .store(self.active.len(), std::sync::atomic::Ordering::Release);
             if !sent && !sampling && self.in_flight.is_empty() && !self.standbys.has_work() {
                 // Idle, or the log is unreachable: do not spin. An arriving generation or an
                 // ended handoff wakes it at once.
@@ -667,10 +675,10 @@ impl Worker {
         Ok(())
     }
 
-    /// Generations held or on their way: active, being handed out, or being received (and not
-    /// yet taken in).
+    /// Generations held or on their way: active (those being handed out included), or being
+    /// received (and not yet taken in).
     fn load(&self) -> usize {
-        self.active.len() + self.handing_out + self.port.reserved.load(std::sync::atomic::Ordering::Acquire)
+        self.active.len() + self.port.reserved.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Called while `stop` is set: whether to keep going to hand generations out. The first
@@ -698,11 +706,11 @@ impl Worker {
         };
         // A few at a time: the others keep decoding meanwhile (each client's pause is its own
         // generation's handoff only).
-        let moving = self.active.values().filter(|g| g.moving).count() + self.handing_out;
+        let moving = self.active.values().filter(|g| g.moving || g.out).count();
         let next: Vec<u64> = self
             .active
             .values()
-            .filter(|g| !g.moving && !self.drain_kept.contains(&g.id) && g.finish.is_none())
+            .filter(|g| !g.moving && !g.out && !self.drain_kept.contains(&g.id) && g.finish.is_none())
             .map(|g| g.id)
             .take(crate::limits::HANDOFFS_AT_ONCE_MAX.saturating_sub(moving))
             .collect();
@@ -713,8 +721,7 @@ impl Worker {
             .active
             .values()
             .filter(|g| !self.drain_kept.contains(&g.id))
-            .count()
-            + self.handing_out;
+            .count();
         if left == 0 {
             tracing::info!("drained");
             return false;
@@ -769,7 +776,7 @@ impl Worker {
         let Some(id) = self
             .active
             .values()
-            .filter(|g| g.finish.is_none() && !self.drain_kept.contains(&g.id))
+            .filter(|g| g.finish.is_none() && !g.out && !self.drain_kept.contains(&g.id))
             .min_by_key(|g| (g.committed, g.id))
             .map(|g| g.id)
         else {
@@ -786,8 +793,12 @@ impl Worker {
         self.request_move(id);
     }
 
-    /// Starts a handoff for every generation ready to move, up to `HANDOFFS_AT_ONCE_MAX`.
-    fn start_handoffs(&mut self) {
+    /// Starts a handoff for every generation ready to move, up to `HANDOFFS_AT_ONCE_MAX`: copies
+    /// its cache (on the model thread, at a frontier where every sampled token is committed),
+    /// and sends the copy on its way while the generation decodes on here. Its client's pause
+    /// is the copy, not the transfer: the log's commit fences this decoder at whatever frontier
+    /// it reached, and the destination follows the records past the copy's.
+    async fn start_handoffs(&mut self) {
         if self.handing_out >= crate::limits::HANDOFFS_AT_ONCE_MAX {
             return;
         }
@@ -798,9 +809,53 @@ impl Worker {
             .map(|g| g.id)
             .take(crate::limits::HANDOFFS_AT_ONCE_MAX - self.handing_out)
             .collect();
-        for id in ready {
-            let g = self.active.remove(&id).expect("listed above");
-            // Still held: the renewer keeps its lease while the transfer runs.
+        if ready.is_empty() {
+            return;
+        }
+        let epochs: Vec<(u64, u64)> = ready.iter().map(|id| (*id, self.active[id].epoch)).collect();
+        let gens: Vec<Active> = ready
+            .iter()
+            .map(|id| self.active.remove(id).expect("listed above"))
+            .collect();
+        let forget = self.cfg.source_frees_early();
+        let exported = model_work(move || {
+            gens.into_iter()
+                .map(|mut g| {
+                    let cache = g.state.export_cache();
+                    if forget && cache.is_ok() {
+                        plant_forget_cache(g.id, &mut g.state);
+                    }
+                    (g, cache)
+                })
+                .collect::<Vec<_>>()
+        })
+        .await;
+        let exported = match exported {
+            Ok(e) => e,
+            Err(why) => {
+                // The states went down with the model: nothing to decode them with here.
+                for (id, epoch) in epochs {
+                    tracing::error!(generation = id, why, "copying the cache failed: releasing it");
+                    self.held.lock().expect("lock").remove(&id);
+                    release(&self.client, self.history.as_deref(), id, epoch).await;
+                }
+                return;
+            }
+        };
+        for (mut g, cache) in exported {
+            g.moving = false;
+            let id = g.id;
+            let cache = match cache {
+                Ok(c) => c,
+                Err(e) => {
+                    self.active.insert(id, g);
+                    self.kept(id, format!("no cache to hand over: {e}"));
+                    continue;
+                }
+            };
+            g.out = true;
+            let (epoch, committed) = (g.epoch, g.committed);
+            self.active.insert(id, g);
             self.handing_out += 1;
             let source = crate::handoff::Source {
                 decoder_id: self.cfg.decoder_id.clone(),
@@ -808,14 +863,38 @@ impl Worker {
                 client: self.client.clone(),
                 history: self.history.clone(),
                 hooks: self.hooks.clone(),
-                plant_frees_early: self.cfg.source_frees_early(),
             };
             let to = self.move_to.remove(&id);
             let (tx, wake) = (self.outcomes_tx.clone(), self.wake.clone());
             tokio::spawn(async move {
-                let outcome = source.hand_out(g.id, g.epoch, g.committed, g.state, to).await;
-                let _ = tx.send((g.id, g.epoch, g.committed, outcome));
+                let outcome = source.hand_out(id, epoch, committed, cache, to).await;
+                let _ = tx.send((id, epoch, outcome));
                 wake.notify_one();
+            });
+        }
+    }
+
+    /// A generation to be moved stays here (`why`): says so in the history, with what its
+    /// state's cache holds; a drain does not try it again, a rebalancer waits.
+    fn kept(&mut self, id: u64, why: String) {
+        tracing::warn!(generation = id, why, "handoff did not happen: decoding it here");
+        self.stats.lock().expect("lock").handoffs_kept += 1;
+        if self.drain_until.is_some() {
+            self.drain_kept.insert(id);
+        } else {
+            self.next_rebalance = Instant::now() + crate::limits::REBALANCE_BACKOFF;
+        }
+        let Some(g) = self.active.get_mut(&id) else {
+            return;
+        };
+        g.out = false;
+        if let Some(h) = &self.history {
+            h.event(crate::history::DecoderEvent::HandoffKept {
+                gen: id,
+                epoch: g.epoch,
+                committed: g.committed,
+                kv: g.state.covered_positions() as u32,
+                detail: why,
             });
         }
     }
@@ -854,7 +933,7 @@ impl Worker {
                 }
             }
         }
-        self.start_handoffs();
+        self.start_handoffs().await;
     }
 
     /// Takes in generations received from other decoders and the outcomes of handoffs out.
@@ -874,31 +953,21 @@ impl Worker {
             self.active
                 .insert(r.id, Active::new(r.id, r.epoch, r.committed, r.state));
         }
-        while let Ok((id, epoch, committed, outcome)) = self.outcomes.try_recv() {
+        while let Ok((id, epoch, outcome)) = self.outcomes.try_recv() {
             self.handing_out -= 1;
             match outcome {
                 Outcome::Moved { to, epoch: new_epoch } => {
+                    // Fenced by the commit: what it sampled since is not ours to write (the
+                    // destination draws it again). Its answers may have dropped it already.
+                    let still_here = self.active.get(&id).is_some_and(|g| g.epoch == epoch);
+                    if still_here {
+                        self.drop_generation(id);
+                    }
                     tracing::info!(generation = id, to, epoch = new_epoch, "generation handed over");
                     self.held.lock().expect("lock").remove(&id);
                     self.stats.lock().expect("lock").handed_out += 1;
                 }
-                Outcome::Kept { state, why } => {
-                    tracing::warn!(generation = id, why, "handoff did not happen: decoding it here");
-                    self.stats.lock().expect("lock").handoffs_kept += 1;
-                    // Not moved again: a drain releases it at its end; a rebalancer waits.
-                    if self.drain_until.is_some() {
-                        self.drain_kept.insert(id);
-                    } else {
-                        self.next_rebalance = Instant::now() + crate::limits::REBALANCE_BACKOFF;
-                    }
-                    self.active.insert(id, Active::new(id, epoch, committed, state));
-                }
-                Outcome::Lost { why } => {
-                    tracing::error!(generation = id, why, "handoff lost this decoder's state: releasing it");
-                    self.held.lock().expect("lock").remove(&id);
-                    let (client, history) = (self.client.clone(), self.history.clone());
-                    tokio::spawn(async move { release(&client, history.as_deref(), id, epoch).await });
-                }
+                Outcome::Kept { why } => self.kept(id, why),
             }
         }
     }
@@ -1340,8 +1409,17 @@ impl Worker {
                     g.resend_all();
                     continue;
                 }
-                tracing::warn!(generation = g.id, epoch = g.epoch, rejection = ?r.rejection, "append rejected: dropping the generation");
-                fenced += 1;
+                if g.out {
+                    // Its handoff committed: the destination owns it from here.
+                    tracing::debug!(
+                        generation = g.id,
+                        epoch = g.epoch,
+                        "append fenced by the handoff's commit"
+                    );
+                } else {
+                    tracing::warn!(generation = g.id, epoch = g.epoch, rejection = ?r.rejection, "append rejected: dropping the generation");
+                    fenced += 1;
+                }
                 gone.push(g.id);
                 continue;
             }
@@ -1384,9 +1462,13 @@ impl Worker {
             return;
         }
         for (id, epoch) in lost {
-            if self.active.get(&id).is_some_and(|g| g.epoch == epoch) {
-                tracing::warn!(generation = id, epoch, "renew rejected: dropping the generation");
-                self.stats.lock().expect("lock").fence_rejections += 1;
+            if let Some(g) = self.active.get(&id).filter(|g| g.epoch == epoch) {
+                if g.out {
+                    tracing::debug!(generation = id, epoch, "renew fenced by the handoff's commit");
+                } else {
+                    tracing::warn!(generation = id, epoch, "renew rejected: dropping the generation");
+                    self.stats.lock().expect("lock").fence_rejections += 1;
+                }
                 self.drop_generation(id);
             }
         }
@@ -1454,6 +1536,19 @@ pub(crate) async fn model_work<R: Send + 'static>(f: impl FnOnce() -> R + Send +
         )),
         Err(e) => Err(e.to_string()),
     }
+}
+
+/// Planted bug `source-frees-early`: the source frees the generation's cache once it copied it
+/// for a handoff, before the log released it (its own decoding then runs on an empty cache).
+fn plant_forget_cache(id: u64, state: &mut DecodeState) {
+    tracing::error!(
+        generation = id,
+        "PLANTED BUG: the source frees its cache once copied, before the log released it"
+    );
+    #[cfg(feature = "faults")]
+    state.forget_cache();
+    #[cfg(not(feature = "faults"))]
+    let _ = state;
 }
 
 /// Gives generation `id` (held at `epoch`) back to the log, recorded in the history.

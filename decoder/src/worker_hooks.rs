@@ -90,6 +90,12 @@ pub trait StepHooks: Send + Sync {
     fn deaf_to_lost_renewals(&self) -> bool {
         false
     }
+
+    /// The least time a step of the loop takes (it waits out the rest): a slower device, so
+    /// that a scenario's generation outlasts the start of the decoders it hands over to.
+    fn min_step(&self) -> Option<std::time::Duration> {
+        None
+    }
 }
 
 /// The points of a planned handoff where a failpoint can end a decoder.

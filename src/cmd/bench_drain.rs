@@ -169,6 +169,7 @@ pub async fn drain(a: DrainArgs) -> anyhow::Result<()> {
         let exited = tokio::task::spawn_blocking(move || (child.wait(), Instant::now()));
         let mut normal = Vec::new();
         let mut longest = Duration::ZERO;
+        let mut worst_gaps = Vec::new();
         for (w, gid) in watchers.into_iter().zip(&gids) {
             let arrivals = w.await??;
             // Normal: gaps between records before the drain, over the last half of them.
@@ -177,9 +178,24 @@ pub async fn drain(a: DrainArgs) -> anyhow::Result<()> {
             normal.extend(before[from..].windows(2).map(|p| p[1] - p[0]));
             // During the drain: from the last record before it to the end of the round.
             let start = before.len().saturating_sub(1);
-            let gaps = arrivals[start..].windows(2).map(|p| p[1].0 - p[0].0);
-            let worst = gaps.max().unwrap_or_default();
+            let (worst, at) = arrivals[start..]
+                .windows(2)
+                .map(|p| (p[1].0 - p[0].0, p[0].0))
+                .max()
+                .unwrap_or((Duration::ZERO, drained));
             longest = longest.max(worst);
+            // Where it was: ms after SIGTERM, before or after the move (epoch 1 or later).
+            let moved_at = arrivals.iter().find(|(_, e)| *e > 1).map(|(t, _)| *t);
+            worst_gaps.push(format!(
+                "g{gid} {:.0} ms at +{:.0} ms ({})",
+                ms(worst),
+                ms(at.saturating_duration_since(drained)),
+                if moved_at.is_some_and(|m| m <= at + worst && m > at) {
+                    "across the move"
+                } else {
+                    "at the source"
+                }
+            ));
             let g = client
                 .get(pb::GetRequest {
                     generation_id: *gid,
@@ -213,6 +229,7 @@ pub async fn drain(a: DrainArgs) -> anyhow::Result<()> {
             ratio,
             ms(exit)
         );
+        println!("  longest gap of each generation: {}", worst_gaps.join(", "));
         for g in 0..gids.len() {
             let _ = client
                 .cancel(pb::CancelRequest {

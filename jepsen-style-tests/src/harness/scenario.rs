@@ -47,6 +47,9 @@ pub const SCENARIO_TIMEOUT: Duration = Duration::from_secs(90);
 const CLIENT_SLACK: Duration = Duration::from_secs(30);
 /// How long the delayed append of failure point 10 is held (several leases).
 pub const DELAY_MS: u64 = 2_500;
+/// With the real model, decoder 1's least time per step (failpoint `min-step-ms`): 80 tokens
+/// take at least 4.8 s, time for the decoders started after it to load SmolLM2 and register.
+const REAL_MODEL_STEP_MS_MIN: u64 = 60;
 /// How long the harness-made faults last.
 const FAULT_HOLD: Duration = Duration::from_millis(2_000);
 /// Bound on each of the retrier's calls.
@@ -416,6 +419,16 @@ fn scenario_config(bin: PathBuf, out: PathBuf, sc: Scenario, opts: Options) -> R
     cfg.netns = sc.needs_netns();
     cfg.standby_later = true;
     cfg.decoder1_failpoints = sc.failpoints();
+    if cfg.real_model && !sc.needs_pipeline() {
+        // On a fast machine SmolLM2 finishes the request (~10 ms a token) before the decoders
+        // started after decoder 1 took it have loaded the model: decoder 1 steps no faster
+        // than a slow machine's model does (the tokens are the same).
+        let slow = format!("min-step-ms={REAL_MODEL_STEP_MS_MIN}");
+        cfg.decoder1_failpoints = Some(match cfg.decoder1_failpoints.take() {
+            Some(fp) => format!("{fp},{slow}"),
+            None => slow,
+        });
+    }
     if sc.is_handoff() {
         // Decoder 1 is the source, decoder 2 the destination; decoder 3 takes no handoffs and
         // takes over what nobody holds any more.

@@ -5,11 +5,15 @@
 //!
 //! The rules that keep exactly one owner:
 //! - Until the ownership commit the source owns the generation as before (its appends, renewals
-//!   and finish go through the fence as always); the destination owns nothing.
-//! - The commit grants `handoff_epoch = source_epoch + 1` to the destination only if nothing
-//!   moved since `Prepared`: the epoch is still the source's, the generation is not terminal,
-//!   and the frontier is still the manifest's (the cache covers every committed record). After
-//!   it the source's epoch is stale: its writes are refused by the fence.
+//!   and finish go through the fence as always, so it goes on decoding while its cache is
+//!   copied); the destination owns nothing.
+//! - The manifest covers a prefix of the committed records (its frontier is at most the
+//!   generation's at `Prepared`); the destination follows the records past it from the log.
+//! - The commit grants `handoff_epoch = source_epoch + 1` to the destination only if ownership
+//!   did not move since `Prepared`: the epoch is still the source's and the generation is not
+//!   terminal. The grant is at the frontier as it is then (the source's records since the
+//!   manifest included). After it the source's epoch is stale: its writes are refused by the
+//!   fence, so nothing can be appended between what the destination follows and what it writes.
 //! - Every step names its attempt and its side; a step of another attempt (an earlier one, or an
 //!   earlier incarnation of the destination) is refused, so is a step out of order. A retried
 //!   commit or release after it applied gets the same answer: a lost acknowledgment is resolved
@@ -105,16 +109,10 @@ impl LogState {
                 if g.lease.epoch != h.source_epoch || g.lease.owner != h.source || g.state.is_terminal() {
                     return Err(conflict("ownership moved since prepared", g));
                 }
-                if g.frontier() != h.manifest.frontier {
-                    return Err(conflict(
-                        format!(
-                            "the frontier is {}; the cache covers {} records",
-                            g.frontier(),
-                            h.manifest.frontier
-                        ),
-                        g,
-                    ));
-                }
+                assert!(
+                    g.frontier() >= h.manifest.frontier,
+                    "a frontier never goes back, and prepare checked the manifest's"
+                );
                 let g = self.generations.get_mut(&id).expect("checked above");
                 g.lease = Lease {
                     epoch: *handoff_epoch,
@@ -220,10 +218,10 @@ impl LogState {
                 g,
             ));
         }
-        if manifest.frontier != g.frontier() {
+        if manifest.frontier > g.frontier() {
             return Err(conflict(
                 format!(
-                    "the manifest covers {} records; the frontier is {}",
+                    "the manifest covers {} records; only {} are committed",
                     manifest.frontier,
                     g.frontier()
                 ),

@@ -190,7 +190,7 @@ fn steps_of_another_attempt_side_or_epoch_are_refused() {
         RejectReason::NotFound
     );
     assert_eq!(
-        reason(t.step(5, g, prep(1, SRC, DST, manifest(1)))),
+        reason(t.step(5, g, prep(1, SRC, DST, manifest(3)))),
         RejectReason::HandoffConflict
     );
     let mut other = manifest(2);
@@ -291,16 +291,23 @@ fn a_delayed_message_of_an_earlier_attempt_is_refused() {
 }
 
 #[test]
-fn a_source_append_after_prepare_makes_the_commit_fail_and_the_source_keeps_it() {
+fn the_source_writes_until_the_commit_and_the_grant_is_at_the_frontier_then() {
     let mut t = T::new();
     let g = t.owned_with_records(2);
-    let attempt = t.ready(10, g, 2);
-    // The source went on writing: the cache no longer covers the frontier.
+    // A manifest of an older prefix is fine: the destination follows the rest from the log.
+    let attempt = t.ready(10, g, 1);
+    // The source goes on writing while its cache is copied.
     t.append(13, g, SRC, 1, 2, &[7]).unwrap();
-    let r = t.step(14, g, commit_step(attempt, 2)).unwrap_err();
-    assert_eq!(r.reason, RejectReason::HandoffConflict);
-    assert!(r.message.contains("frontier"), "{}", r.message);
-    assert_eq!((t.gen(g).lease.owner.as_str(), t.gen(g).lease.epoch), (SRC, 1));
+    let (h, view) = t.step(14, g, commit_step(attempt, 2)).unwrap();
+    assert_eq!(h.phase, HandoffPhase::OwnershipCommitted);
+    assert_eq!(view.frontier, 3);
+    let grant = t.gen(g).grants.last().unwrap().clone();
+    assert_eq!((grant.epoch, grant.owner.as_str(), grant.frontier), (2, DST, 3));
+    // From the commit on the source is fenced: nothing lands between the grant and the
+    // destination's first write.
+    assert!(t.append(15, g, SRC, 1, 3, &[8]).is_err());
+    t.append(16, g, DST, 2, 3, &[9]).unwrap();
+    assert_eq!(t.gen(g).frontier(), 4);
 }
 
 /// Failure points 1-3 as the log sees them: whatever moves ownership another way (the source's
