@@ -7,15 +7,24 @@
 //! | source                                   | log                  | destination                      |
 //! |------------------------------------------|----------------------|----------------------------------|
 //! | pauses the generation, every token acked |                      |                                  |
-//! | exports cache + logits, checksums them   |                      |                                  |
-//! | `Prepare` (manifest, destination)        | `prepared`           |                                  |
+//! | copies cache + logits at that frontier F |                      |                                  |
+//! | decodes on; checksums the copy           |                      |                                  |
+//! | `Prepare` (manifest of F, destination)   | `prepared`           |                                  |
 //! | `Copying`                                | `copying`            |                                  |
 //! | streams header + blocks (`Transfer`)     |                      | checks model, format, checksum   |
-//! |                                          |                      | reads the committed prefix       |
+//! | (appends records F.. at its epoch)       |                      | reads the committed prefix       |
 //! |                                          |                      | builds the state from the cache  |
+//! |                                          |                      | follows records F.. from the log |
 //! |                                          | `receiver_ready`     | `ReceiverReady` (process memory) |
-//! |                                          | `ownership_committed`| `Commit`: epoch + 1, its lease   |
-//! | answer: committed → `SourceReleased`     | `source_released`    | decodes from the frontier        |
+//! |                                          |                      | follows the records since        |
+//! | (its next append is fenced)              | `ownership_committed`| `Commit`: epoch + 1 at frontier G|
+//! |                                          |                      | follows what is left up to G     |
+//! | answer: committed → `SourceReleased`     | `source_released`    | decodes from G                   |
+//!
+//! The generation's client waits only while the cache is copied (a few ms) and from the commit
+//! to the destination's first draw: the commit fences the source at whatever frontier G it
+//! reached, and the destination's state is exact at G (`DecodeState::follow` feeds each record
+//! as the source fed it).
 //!
 //! Whatever fails, nobody guesses: a source whose transfer broke or timed out asks the log
 //! (`Get` shows the attempt's phase): committed means moved (the acknowledgment was lost), else

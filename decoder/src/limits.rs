@@ -41,7 +41,8 @@ pub const SESSION_WAIT_MAX: Duration = Duration::from_secs(2);
 /// the acquires into few entries; re-prefills run on blocking threads).
 pub const TAKES_AT_ONCE_MAX: usize = 64;
 
-/// Planned handoffs a source runs at once (each pauses only its own generation).
+/// Planned handoffs a source runs at once (each pauses its own generation only while its cache
+/// is copied; the generation decodes on during the transfer).
 pub const HANDOFFS_AT_ONCE_MAX: usize = 2;
 /// The longest a source waits for a destination's answer to a cache transfer (then it asks the
 /// log what happened).
