@@ -653,7 +653,9 @@ async fn the_real_model_hands_over_between_processes_and_stays_exact() {
     let model = tokenlog_decoder::load_model(&path, tokenlog_decoder::DeviceSpec::Cpu).unwrap();
     let cluster = Cluster::start(20_000);
     let flags = ["--handoff-listen", "127.0.0.1:0", "--capacity", "2"];
-    let a = cluster.start_real_decoder("real-ho-a", &path, &flags);
+    // a steps no faster than 50 ms (a slower machine's pace; the tokens are the same): its two
+    // generations outlast b's start even where SmolLM2 decodes ~100 tokens/s.
+    let a = cluster.start_slow_real_decoder("real-ho-a", &path, &flags, 50);
     common::wait_for_model(&cluster.client()).await;
     let prompts: Vec<Vec<u32>> = ["Tell me about lighthouses.", "Name a few rivers."]
         .iter()

@@ -30,6 +30,7 @@ use tokenlog_raftlog::client::{AppendStream, ClientError, LogClient};
 use tokenlog_raftlog::convert::reason_to_pb;
 use tokenlog_raftlog::types::Binding;
 
+use crate::cache::CacheExport;
 use crate::history::{Answer, Call, DecoderEvent};
 use crate::limits::{
     APPENDS_IN_FLIGHT_MAX, APPEND_ANSWER_TIMEOUT, REGISTER_PERIOD_MIN, REGISTRATION_TTL_LEASES,
@@ -360,6 +361,12 @@ pub struct Worker {
     incoming: mpsc::UnboundedReceiver<crate::handoff::Received>,
     /// Handoffs out that have ended: the generation, its epoch and committed count, the outcome.
     outcomes_tx: mpsc::UnboundedSender<(u64, u64, crate::handoff::Outcome)>,
+    /// Generations back from the copy of their cache for a handoff (id, epoch, the state and
+    /// the copy, or why the model failed).
+    copies_tx: mpsc::UnboundedSender<Copied>,
+    copies: mpsc::UnboundedReceiver<Copied>,
+    /// Generations away while their cache is copied (counted in `handing_out` too).
+    copying: usize,
     outcomes: mpsc::UnboundedReceiver<(u64, u64, crate::handoff::Outcome)>,
     /// Handoffs out in progress.
     handing_out: usize,
@@ -426,6 +433,7 @@ impl Worker {
         let identity = identity_to_pb(model.identity());
         let (incoming_tx, incoming) = mpsc::unbounded_channel();
         let (outcomes_tx, outcomes) = mpsc::unbounded_channel();
+        let (copies_tx, copies) = mpsc::unbounded_channel();
         let held: Held = Default::default();
         let cache_format = model.new_sequence().ok().and_then(|s| s.cache_format());
         let port = Arc::new(crate::handoff::PortShared {
@@ -470,6 +478,9 @@ impl Worker {
             port,
             incoming,
             outcomes_tx,
+            copies_tx,
+            copies,
+            copying: 0,
             outcomes,
             handing_out: 0,
             drain_until: None,
@@ -615,7 +626,7 @@ impl Worker {
             }
             self.absorb_handoffs();
             self.drop_lost();
-            self.start_handoffs().await;
+            self.start_handoffs();
             self.settle_moving().await;
             if let Some(fired) = self.sample_ready().await? {
                 return self.halt(fired).await;
@@ -645,7 +656,7 @@ impl Worker {
             let sent = self.in_flight.len() < APPENDS_IN_FLIGHT_MAX && self.send().await;
             self.port
                 .load
-                .store(self.active.len(), std::sync::atomic::Ordering::Release);
+                .store(self.active.len() + self.copying, std::sync::atomic::Ordering::Release);
             if !sent && !sampling && self.in_flight.is_empty() && !self.standbys.has_work() {
                 // Idle, or the log is unreachable: do not spin. An arriving generation or an
                 // ended handoff wakes it at once.
@@ -678,7 +689,7 @@ impl Worker {
     /// Generations held or on their way: active (those being handed out included), or being
     /// received (and not yet taken in).
     fn load(&self) -> usize {
-        self.active.len() + self.port.reserved.load(std::sync::atomic::Ordering::Acquire)
+        self.active.len() + self.copying + self.port.reserved.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Called while `stop` is set: whether to keep going to hand generations out. The first
@@ -706,7 +717,7 @@ impl Worker {
         };
         // A few at a time: the others keep decoding meanwhile (each client's pause is its own
         // generation's handoff only).
-        let moving = self.active.values().filter(|g| g.moving || g.out).count();
+        let moving = self.active.values().filter(|g| g.moving || g.out).count() + self.copying;
         let next: Vec<u64> = self
             .active
             .values()
@@ -721,7 +732,8 @@ impl Worker {
             .active
             .values()
             .filter(|g| !self.drain_kept.contains(&g.id))
-            .count();
+            .count()
+            + self.copying;
         if left == 0 {
             tracing::info!("drained");
             return false;
@@ -794,11 +806,12 @@ impl Worker {
     }
 
     /// Starts a handoff for every generation ready to move, up to `HANDOFFS_AT_ONCE_MAX`: copies
-    /// its cache (on the model thread, at a frontier where every sampled token is committed),
-    /// and sends the copy on its way while the generation decodes on here. Its client's pause
-    /// is the copy, not the transfer: the log's commit fences this decoder at whatever frontier
-    /// it reached, and the destination follows the records past the copy's.
-    async fn start_handoffs(&mut self) {
+    /// its cache (on a blocking thread while the others step, at a frontier where every sampled
+    /// token is committed); [`Worker::copied`] sends the copy on its way and the generation
+    /// decodes on here. Its client's pause is the copy, not the transfer: the log's commit
+    /// fences this decoder at whatever frontier it reached, and the destination follows the
+    /// records past the copy's.
+    fn start_handoffs(&mut self) {
         if self.handing_out >= crate::limits::HANDOFFS_AT_ONCE_MAX {
             return;
         }
@@ -809,69 +822,72 @@ impl Worker {
             .map(|g| g.id)
             .take(crate::limits::HANDOFFS_AT_ONCE_MAX - self.handing_out)
             .collect();
-        if ready.is_empty() {
-            return;
-        }
-        let epochs: Vec<(u64, u64)> = ready.iter().map(|id| (*id, self.active[id].epoch)).collect();
-        let gens: Vec<Active> = ready
-            .iter()
-            .map(|id| self.active.remove(id).expect("listed above"))
-            .collect();
         let forget = self.cfg.source_frees_early();
-        let exported = model_work(move || {
-            gens.into_iter()
-                .map(|mut g| {
+        for id in ready {
+            // Away while its cache is copied (on a blocking thread, beside the others' steps).
+            let mut g = self.active.remove(&id).expect("listed above");
+            let epoch = g.epoch;
+            self.handing_out += 1;
+            self.copying += 1;
+            let (tx, wake) = (self.copies_tx.clone(), self.wake.clone());
+            tokio::spawn(async move {
+                let copied = model_work(move || {
                     let cache = g.state.export_cache();
                     if forget && cache.is_ok() {
                         plant_forget_cache(g.id, &mut g.state);
                     }
                     (g, cache)
                 })
-                .collect::<Vec<_>>()
-        })
-        .await;
-        let exported = match exported {
-            Ok(e) => e,
-            Err(why) => {
-                // The states went down with the model: nothing to decode them with here.
-                for (id, epoch) in epochs {
-                    tracing::error!(generation = id, why, "copying the cache failed: releasing it");
-                    self.held.lock().expect("lock").remove(&id);
-                    release(&self.client, self.history.as_deref(), id, epoch).await;
-                }
-                return;
-            }
-        };
-        for (mut g, cache) in exported {
-            g.moving = false;
-            let id = g.id;
-            let cache = match cache {
-                Ok(c) => c,
-                Err(e) => {
-                    self.active.insert(id, g);
-                    self.kept(id, format!("no cache to hand over: {e}"));
-                    continue;
-                }
-            };
-            g.out = true;
-            let (epoch, committed) = (g.epoch, g.committed);
-            self.active.insert(id, g);
-            self.handing_out += 1;
-            let source = crate::handoff::Source {
-                decoder_id: self.cfg.decoder_id.clone(),
-                identity: self.identity.clone(),
-                client: self.client.clone(),
-                history: self.history.clone(),
-                hooks: self.hooks.clone(),
-            };
-            let to = self.move_to.remove(&id);
-            let (tx, wake) = (self.outcomes_tx.clone(), self.wake.clone());
-            tokio::spawn(async move {
-                let outcome = source.hand_out(id, epoch, committed, cache, to).await;
-                let _ = tx.send((id, epoch, outcome));
+                .await;
+                let _ = tx.send((id, epoch, copied));
                 wake.notify_one();
             });
         }
+    }
+
+    /// A generation back from the copy of its cache: decodes on here, and the copy goes on its
+    /// way to another decoder.
+    fn copied(&mut self, id: u64, epoch: u64, copied: Result<(Active, crate::Result<CacheExport>), String>) {
+        self.copying -= 1;
+        let (mut g, cache) = match copied {
+            Ok(c) => c,
+            Err(why) => {
+                // The state went down with the model: nothing to decode it with here.
+                self.handing_out -= 1;
+                tracing::error!(generation = id, why, "copying the cache failed: releasing it");
+                self.held.lock().expect("lock").remove(&id);
+                let (client, history) = (self.client.clone(), self.history.clone());
+                tokio::spawn(async move { release(&client, history.as_deref(), id, epoch).await });
+                return;
+            }
+        };
+        g.moving = false;
+        let cache = match cache {
+            Ok(c) => c,
+            Err(e) => {
+                self.handing_out -= 1;
+                self.active.insert(id, g);
+                self.kept(id, format!("no cache to hand over: {e}"));
+                return;
+            }
+        };
+        g.out = true;
+        let committed = g.committed;
+        self.active.insert(id, g);
+        let source = crate::handoff::Source {
+            decoder_id: self.cfg.decoder_id.clone(),
+            identity: self.identity.clone(),
+            client: self.client.clone(),
+            history: self.history.clone(),
+            hooks: self.hooks.clone(),
+        };
+        let to = self.move_to.remove(&id);
+        let (tx, wake) = (self.outcomes_tx.clone(), self.wake.clone());
+        tokio::spawn(async move {
+            let outcome = source.hand_out(id, epoch, committed, cache, to).await;
+            let _ = tx.send((id, epoch, outcome));
+            wake.notify_one();
+        });
     }
 
     /// A generation to be moved stays here (`why`): says so in the history, with what its
@@ -933,7 +949,7 @@ impl Worker {
                 }
             }
         }
-        self.start_handoffs().await;
+        self.start_handoffs();
     }
 
     /// Takes in generations received from other decoders and the outcomes of handoffs out.
@@ -952,6 +968,9 @@ impl Worker {
             drop(self.standbys.take(r.id));
             self.active
                 .insert(r.id, Active::new(r.id, r.epoch, r.committed, r.state));
+        }
+        while let Ok((id, epoch, copied)) = self.copies.try_recv() {
+            self.copied(id, epoch, copied);
         }
         while let Ok((id, epoch, outcome)) = self.outcomes.try_recv() {
             self.handing_out -= 1;
@@ -1537,6 +1556,10 @@ pub(crate) async fn model_work<R: Send + 'static>(f: impl FnOnce() -> R + Send +
         Err(e) => Err(e.to_string()),
     }
 }
+
+/// A generation back from the copy of its cache: (id, epoch, the state and the copy, or why the
+/// model failed).
+type Copied = (u64, u64, Result<(Active, crate::Result<CacheExport>), String>);
 
 /// Planted bug `source-frees-early`: the source frees the generation's cache once it copied it
 /// for a handoff, before the log released it (its own decoding then runs on an empty cache).

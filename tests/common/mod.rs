@@ -313,6 +313,18 @@ impl Cluster {
         self.start_decoder_of(id, &["--model", model.to_str().unwrap(), "--threads", "1"], extra, &[])
     }
 
+    /// A real-model decoder whose steps take at least `ms` (failpoint `min-step-ms`): on a fast
+    /// machine its generations then outlast the start of another decoder.
+    pub fn start_slow_real_decoder(&self, id: &str, model: &std::path::Path, extra: &[&str], ms: u64) -> Decoder {
+        let fp = format!("min-step-ms={ms}");
+        self.start_decoder_of(
+            id,
+            &["--model", model.to_str().unwrap(), "--threads", "1"],
+            extra,
+            &[("TOKENLOG_FAILPOINTS", fp.as_str())],
+        )
+    }
+
     fn start_decoder_of(&self, id: &str, model: &[&str], extra: &[&str], env: &[(&str, &str)]) -> Decoder {
         let log = self.dir.path().join(format!("{id}.log"));
         let child = Command::new(bin())
