@@ -830,9 +830,17 @@ impl Worker {
             self.handing_out += 1;
             self.copying += 1;
             let (tx, wake) = (self.copies_tx.clone(), self.wake.clone());
+            let since_sample = Instant::now();
             tokio::spawn(async move {
                 let copied = model_work(move || {
+                    let began = Instant::now();
                     let cache = g.state.export_cache();
+                    tracing::info!(
+                        generation = g.id,
+                        wait_ms = (began - since_sample).as_millis() as u64,
+                        copy_ms = began.elapsed().as_millis() as u64,
+                        "cache copied for a handoff"
+                    );
                     if forget && cache.is_ok() {
                         plant_forget_cache(g.id, &mut g.state);
                     }

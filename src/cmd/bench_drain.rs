@@ -15,6 +15,9 @@ use crate::cmd::bench::{start_tokenlog, wait_for_leader};
 use crate::cmd::bench_decoder::{binding, dargs, prompt_ids, Dec};
 use crate::cmd::decoder::load_model;
 
+/// How long the destination runs before the drain (its start is not the drain's cost).
+const DESTINATION_WARM_UP: Duration = Duration::from_secs(1);
+
 #[derive(clap::Args, Clone)]
 pub struct DrainArgs {
     /// Drains to run, each with fresh decoders.
@@ -145,6 +148,9 @@ pub async fn drain(a: DrainArgs) -> anyhow::Result<()> {
             .collect();
         let dst = spawn(&a, &cluster, &format!("drain-dst-{round}"), dir.path())?;
         wait_registered(&client, &dst.id, dir.path()).await?;
+        // A decoder that just started pages its model in and allocates for a while; a rolling
+        // restart drains into decoders that have been up for longer than that.
+        tokio::time::sleep(DESTINATION_WARM_UP).await;
         // Every generation past `after` records, all on the source.
         let deadline = Instant::now() + Duration::from_secs(300);
         loop {
@@ -210,6 +216,8 @@ pub async fn drain(a: DrainArgs) -> anyhow::Result<()> {
         }
         normal.sort();
         let median = normal.get(normal.len() / 2).copied().unwrap_or_default();
+        // The same measure before the drain: how long a gap gets without one (noise).
+        let calm = normal.last().copied().unwrap_or_default();
         let exit = {
             let (status, at) = exited.await?;
             let status = status?;
@@ -229,7 +237,11 @@ pub async fn drain(a: DrainArgs) -> anyhow::Result<()> {
             ratio,
             ms(exit)
         );
-        println!("  longest gap of each generation: {}", worst_gaps.join(", "));
+        println!(
+            "  longest gap of each generation: {}; before the drain the longest was {:.0} ms",
+            worst_gaps.join(", "),
+            ms(calm)
+        );
         for g in 0..gids.len() {
             let _ = client
                 .cancel(pb::CancelRequest {
