@@ -213,7 +213,8 @@ async fn drain_and_check(
             "manifest {} > switch {switch}",
             m.frontier
         );
-        assert_eq!(m.kv_positions as usize, p.len() + m.frontier as usize);
+        // Copied while a decoded on: every committed position but the last, which b prefilled.
+        assert_eq!(m.kv_positions as usize, p.len() + m.frontier as usize - 1);
         assert_eq!(r.generation.unwrap().takeovers, 1);
     }
     assert_eq!(
@@ -514,6 +515,70 @@ async fn every_handoff_failure_point_keeps_one_owner_and_the_clients_stream() {
         );
         drop((s, d, c));
     }
+}
+
+/// A destination whose ownership commit applied but whose catch-up read then failed (failpoint
+/// `catch-up-read-fails`) gives the generation back to the log and its receive slot back to
+/// itself: with capacity 1 and no other decoder alive, it takes the generation over again and
+/// finishes it (before the fix the slot leaked and the generation stayed unowned for good).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destination_that_cannot_catch_up_after_its_commit_releases_the_generation_and_its_slot() {
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    let client = cluster.client();
+    let m = fake();
+    let flags = [
+        "--handoff-listen",
+        "127.0.0.1:0",
+        "--fake-step-ms",
+        "25",
+        "--capacity",
+        "1",
+    ];
+    let mut s = cluster.start_decoder("catchup-s", &flags);
+    common::wait_for_model(&client).await;
+    let prompt = m.tokenizer().encode("catch-up read fails").unwrap();
+    let id = submit(&client, &m, "catchup", &prompt, MAX_TOKENS).await;
+    wait_until("the source to own it with a few records", async || {
+        let g = get(&client, id).await.generation.unwrap();
+        g.lease.is_some_and(|l| l.owner == s.id) && g.frontier >= 4
+    })
+    .await;
+    let d = cluster.start_decoder_env("catchup-d", &flags, &[("TOKENLOG_FAILPOINTS", "catch-up-read-fails=1")]);
+    let d_id = d.id.clone();
+    wait_until("the destination to register", async || {
+        takes_handoffs(&client, &d_id).await
+    })
+    .await;
+    let follower = {
+        let c = client.clone();
+        tokio::spawn(async move { follow(&c, id).await })
+    };
+    s.signal("-TERM");
+    s.wait_exit(Duration::from_secs(30)).expect("the source exits");
+    wait_until("the destination to take the released generation over", async || {
+        let g = get(&client, id).await;
+        let committed = g
+            .handoff
+            .is_some_and(|h| h.phase >= pb::HandoffPhase::OwnershipCommitted as i32);
+        // The latest grant: still there once the generation has finished.
+        let taken_again = g
+            .generation
+            .unwrap()
+            .lease
+            .is_some_and(|l| l.owner == d_id && l.epoch > 2);
+        committed && taken_again
+    })
+    .await;
+    let (toks, epochs, _) = follower.await.unwrap();
+    assert_eq!(toks, expected(&m, &prompt, MAX_TOKENS), "the uninterrupted run");
+    assert!(
+        epochs.windows(2).all(|w| w[0] <= w[1]),
+        "a stale epoch wrote: {epochs:?}"
+    );
+    let log = d.log_text();
+    assert!(log.contains("failpoint fired: the catch-up read fails"), "{log}");
+    assert!(log.contains("releasing it"), "{log}");
 }
 
 /// Over mutual TLS: decoders hand over to each other with their decoder certificates (which

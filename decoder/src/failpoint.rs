@@ -22,6 +22,8 @@
 //!   `destination-after-commit` (5), `source-before-release` (6).
 //! - `commit-answer-lost=1`: a destination's ownership commit applies but its answer is dropped;
 //!   the destination asks the log (point 4).
+//! - `catch-up-read-fails=1`: after its ownership commit applied, a destination's read of the
+//!   records the source committed since its last follow fails; it releases the generation.
 //! - `prefix-restore-exit=1`: the process exits (as if killed) every time it is about to restore
 //!   a generation from a prefix cache entry: a poisoned entry (seed 004).
 //!
@@ -49,6 +51,7 @@ pub struct Failpoints {
     pub prefix_read_errors: u32,
     pub handoff_exit: Option<String>,
     pub commit_answer_lost: bool,
+    pub catch_up_read_fails: bool,
     pub prefix_restore_exit: bool,
     pub deaf_to_lost_renewals: bool,
     pub min_step: Option<Duration>,
@@ -98,6 +101,7 @@ impl Failpoints {
                     fp.handoff_exit = Some(arg.to_string());
                 }
                 "commit-answer-lost" => fp.commit_answer_lost = num(arg)? != 0,
+                "catch-up-read-fails" => fp.catch_up_read_fails = num(arg)? != 0,
                 "prefix-restore-exit" => fp.prefix_restore_exit = num(arg)? != 0,
                 "deaf-to-lost-renewals" => fp.deaf_to_lost_renewals = num(arg)? != 0,
                 "min-step-ms" => fp.min_step = Some(Duration::from_millis(num(arg)?)),
@@ -110,7 +114,7 @@ impl Failpoints {
                 _ => {
                     return Err(bad(format!(
                         "unknown failpoint {name:?} (known: exit-after-sample, delay-append, model-error, \
-                         model-panic, prefix-read-errors, handoff-exit, commit-answer-lost, prefix-restore-exit, \
+                         model-panic, prefix-read-errors, handoff-exit, commit-answer-lost, catch-up-read-fails, prefix-restore-exit, \
                          deaf-to-lost-renewals, min-step-ms)"
                     )))
                 }
@@ -131,6 +135,10 @@ impl StepHooks for Failpoints {
 
     fn commit_answer_lost(&self) -> bool {
         self.commit_answer_lost
+    }
+
+    fn catch_up_read_fails(&self) -> bool {
+        self.catch_up_read_fails
     }
 
     fn prefix_restore_exit(&self) -> bool {
@@ -210,6 +218,10 @@ mod tests {
         assert!(fp.handoff_exit(HandoffPoint::DestinationAfterReady));
         assert!(!fp.handoff_exit(HandoffPoint::SourceCopying));
         assert!(fp.commit_answer_lost());
+        assert!(!fp.catch_up_read_fails());
+        assert!(Failpoints::parse("catch-up-read-fails=1")
+            .unwrap()
+            .catch_up_read_fails());
         assert!(Failpoints::parse("handoff-exit=nowhere").is_err());
         assert!(Failpoints::parse("deaf-to-lost-renewals=1")
             .unwrap()

@@ -129,6 +129,7 @@ impl Model for FakeModel {
             config: self.config.clone(),
             hash: initial_hash(self.config.variant),
             kv_len: 0,
+            prefix_hashes: Vec::new(),
         }))
     }
 }
@@ -138,6 +139,9 @@ struct FakeSequence {
     /// Hash of every token fed so far (the fake "KV cache").
     hash: u64,
     kv_len: usize,
+    /// The hash after each position (`None` before an imported cache's last position): what
+    /// a copy of a prefix of the cache holds.
+    prefix_hashes: Vec<Option<u64>>,
 }
 
 fn mix(x: u64) -> u64 {
@@ -190,6 +194,7 @@ impl Sequence for FakeSequence {
         }
         for &t in tokens {
             self.hash = mix(self.hash ^ u64::from(t));
+            self.prefix_hashes.push(Some(self.hash));
         }
         self.kv_len += tokens.len();
         Ok(self.logits())
@@ -202,6 +207,7 @@ impl Sequence for FakeSequence {
     fn reset(&mut self) {
         self.hash = initial_hash(self.config.variant);
         self.kv_len = 0;
+        self.prefix_hashes.clear();
     }
 
     /// The hash of a prefix does not depend on how it was fed, like the real model's CPU pass.
@@ -215,13 +221,20 @@ impl Sequence for FakeSequence {
     }
 
     fn export_cache(&self) -> Result<Vec<CacheBlock>> {
-        Ok(vec![CacheBlock {
-            layer: 0,
-            kind: BlockKind::Keys,
-            dtype: "u64".into(),
-            shape: vec![1],
-            data: self.hash.to_le_bytes().to_vec(),
-        }])
+        Ok(vec![fake_block(self.hash)])
+    }
+
+    fn export_cache_prefix(&self, positions: usize) -> Result<Vec<CacheBlock>> {
+        if positions == self.kv_len {
+            return self.export_cache();
+        }
+        match positions.checked_sub(1).and_then(|i| self.prefix_hashes.get(i)) {
+            Some(Some(h)) => Ok(vec![fake_block(*h)]),
+            _ => Err(Error::Invalid(format!(
+                "no copy of the first {positions} positions of a fake cache of {}",
+                self.kv_len
+            ))),
+        }
     }
 
     fn import_cache(&mut self, blocks: &[CacheBlock], positions: usize) -> Result<()> {
@@ -243,7 +256,22 @@ impl Sequence for FakeSequence {
         }
         self.hash = u64::from_le_bytes(b.data[..8].try_into().expect("checked"));
         self.kv_len = positions;
+        self.prefix_hashes = vec![None; positions];
+        if let Some(last) = self.prefix_hashes.last_mut() {
+            *last = Some(self.hash);
+        }
         Ok(())
+    }
+}
+
+/// A fake cache: one block holding the prefix hash.
+fn fake_block(hash: u64) -> CacheBlock {
+    CacheBlock {
+        layer: 0,
+        kind: BlockKind::Keys,
+        dtype: "u64".into(),
+        shape: vec![1],
+        data: hash.to_le_bytes().to_vec(),
     }
 }
 

@@ -53,7 +53,6 @@ use crate::worker_lease::{read_prefix, read_records, Held};
 use crate::Model;
 
 /// Where a handoff's time went, for its log line: the milliseconds of each part in order.
-#[derive(Clone)]
 pub(crate) struct Laps {
     at: Instant,
     parts: Vec<(&'static str, u128)>,
@@ -242,8 +241,11 @@ impl HandoffPort {
         }
         let model = s.model.clone();
         let c = committed.clone();
+        // The copy may end short of the manifest's frontier (a source that copies while it
+        // decodes leaves out the last committed position): the rest is prefilled here, the
+        // same bits on a grouping-invariant model.
         let state = model_work(move || {
-            DecodeState::import(
+            DecodeState::resume_from_cache(
                 model.as_ref(),
                 &prompt,
                 &c,
@@ -277,9 +279,21 @@ impl HandoffPort {
         }
         laps.lap("receiver_ready");
         halt_at(&s.hooks, &s.history, HandoffPoint::DestinationAfterReady, id);
-        // Once more right before the commit: what is left after it is what the source committed
-        // during the commit's own write (each record left is a forward pass its client waits for).
-        let (state, followed) = follow_log(&s.client, id, state, followed, None).await?;
+        // Again right before the commit, until a round finds at most one new record or no
+        // fewer than the round before (this decoder follows no faster than the source writes):
+        // what is left after the commit is then what the source committed during the last round
+        // and the commit's own write (forward passes its client waits for, the source fenced).
+        let (mut state, mut followed) = (state, followed);
+        let mut last_round = u32::MAX;
+        for _ in 0..crate::limits::HANDOFF_FOLLOW_ROUNDS_MAX {
+            let before = followed;
+            (state, followed) = follow_log(&s.client, id, state, followed, None).await?;
+            let new = followed - before;
+            if new <= 1 || new >= last_round {
+                break;
+            }
+            last_round = new;
+        }
         laps.lap("follow");
         let mut state = Some(state);
         if s.plant_early_write {
@@ -362,7 +376,26 @@ impl HandoffPort {
             .expect("lock")
             .insert(id, (header.handoff_epoch, Instant::now()));
         // The records the source committed between our follow and the commit.
-        let (state, frontier) = match follow_log(&s.client, id, state, followed, granted).await {
+        let caught_up = if s.hooks.as_ref().is_some_and(|h| h.catch_up_read_fails()) {
+            tracing::error!(
+                failpoint = "catch-up-read-fails",
+                generation = id,
+                "failpoint fired: the catch-up read fails"
+            );
+            if let Some(h) = &s.history {
+                h.event(DecoderEvent::Failpoint {
+                    name: "catch-up-read-fails=1".into(),
+                    gen: id,
+                    epoch: header.handoff_epoch,
+                    seq: followed,
+                    token: None,
+                });
+            }
+            Err("failpoint catch-up-read-fails: the read failed".to_string())
+        } else {
+            follow_log(&s.client, id, state, followed, granted).await
+        };
+        let (state, frontier) = match caught_up {
             Ok(x) => x,
             Err(why) => {
                 // Ours, but without a state to continue it: back to the log for a takeover.
@@ -372,13 +405,9 @@ impl HandoffPort {
                     "the records before the commit are not followed: releasing it"
                 );
                 s.held.lock().expect("lock").remove(&id);
-                let _ = s
-                    .client
-                    .release(pb::ReleaseRequest {
-                        generation_id: id,
-                        epoch: header.handoff_epoch,
-                    })
-                    .await;
+                // The slot taken for it goes back: the worker never takes this one in.
+                s.reserved.fetch_sub(1, Ordering::AcqRel);
+                crate::worker::release(&s.client, s.history.as_deref(), id, header.handoff_epoch).await;
                 return Ok(dpb::TransferResult {
                     committed: true,
                     epoch: header.handoff_epoch,
@@ -629,7 +658,9 @@ async fn follow_log(
     let records = read_records(client, id, from, upto)
         .await
         .map_err(|e| format!("records {from}..{upto} are not readable: {e}"))?;
-    let state = model_work(move || state.follow_all(&records).map(|()| state))
+    // The last record fed too: the worker's first draw after the commit is then at once,
+    // without a forward pass of its own.
+    let state = model_work(move || state.follow_all_fed(&records).map(|()| state))
         .await?
         .map_err(|e| format!("records {from}..{upto} do not follow: {e}"))?;
     Ok((state, upto))
@@ -716,9 +747,10 @@ impl Source {
     }
 
     /// Hands generation `id` (ours at `epoch`) to another decoder (`to`, or trying each
-    /// candidate until one takes it), with `cache`: a copy of its cache at `committed` records,
-    /// taken when every sampled token was committed. The generation decodes on at the source
-    /// meanwhile; the destination follows the records past `committed` from the log.
+    /// candidate until one takes it), with `cache`: a copy of its cache over `committed` records
+    /// (all of their positions, or all but the last when it was copied while the generation
+    /// decoded on). The generation decodes on at the source meanwhile; the destination
+    /// prefills what the copy leaves out and follows the records past `committed` from the log.
     pub async fn hand_out(
         &self,
         id: u64,

@@ -51,6 +51,10 @@ pub const HANDOFF_TRANSFER_TIMEOUT: Duration = Duration::from_secs(10);
 pub const HANDOFF_CACHE_BYTES_MAX: u64 = 4 << 30;
 /// Bytes of one cache block per transfer message (a block is split along its bytes).
 pub const HANDOFF_CHUNK_BYTES: usize = 4 << 20;
+/// Rounds of following the source's new records a destination runs right before its
+/// ownership commit (the source decodes on meanwhile; it stops early once a round finds at
+/// most one new record, or no fewer than the round before).
+pub const HANDOFF_FOLLOW_ROUNDS_MAX: usize = 6;
 /// The longest a worker waits for the last answers of a generation it is about to hand over
 /// before stepping the others (the answers usually take a few ms).
 pub const MOVE_SETTLE_MAX: Duration = Duration::from_millis(50);

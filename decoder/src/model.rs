@@ -61,6 +61,18 @@ pub trait Sequence: Send {
     fn export_cache(&self) -> Result<Vec<crate::cache::CacheBlock>> {
         Err(Error::Unsupported("this model cannot export its cache".into()))
     }
+    /// The first `positions` positions of its cache (at most `kv_len()`), for a copy of a
+    /// committed prefix taken while the sequence runs on. By default only the whole cache.
+    fn export_cache_prefix(&self, positions: usize) -> Result<Vec<crate::cache::CacheBlock>> {
+        if positions == self.kv_len() {
+            self.export_cache()
+        } else {
+            Err(Error::Unsupported(format!(
+                "this model exports its whole cache ({} positions), not the first {positions}",
+                self.kv_len()
+            )))
+        }
+    }
     /// Replaces its cache with `blocks` of `positions` positions (checked against the layout).
     fn import_cache(&mut self, _blocks: &[crate::cache::CacheBlock], _positions: usize) -> Result<()> {
         Err(Error::Unsupported("this model cannot import a cache".into()))

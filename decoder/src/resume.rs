@@ -288,7 +288,8 @@ impl DecodeState {
                 cache.positions
             )));
         }
-        if cache.logits.len() != model.vocab_size() {
+        // A partial cache's logits are those of its prefill here.
+        if cached == positions && cache.logits.len() != model.vocab_size() {
             return Err(Error::Invalid(format!(
                 "the cache carries {} logits for a vocabulary of {}",
                 cache.logits.len(),
@@ -380,6 +381,47 @@ impl DecodeState {
             positions: self.frontiers.kv as u32,
             blocks,
             logits,
+        })
+    }
+
+    /// Whether [`DecodeState::copy_committed_cache`] works on this state's sequence: a copy for
+    /// a planned handoff taken between two steps, without pausing the generation.
+    pub fn copies_while_decoding(&self) -> bool {
+        self.sequence.grouping_invariant() && self.sequence.cache_format().is_some()
+    }
+
+    /// A copy of this generation's cache over its committed positions but the last (at most
+    /// what is fed: prompt + committed - 1), without logits, for a planned handoff while it
+    /// decodes on. No model call and no wait for the answers in flight: the destination
+    /// prefills the committed positions past the copy, which on a
+    /// [`Sequence::grouping_invariant`] sequence gives the bits this state holds. Any other
+    /// sequence: `Unsupported` (the caller copies with [`DecodeState::export_cache`] once every
+    /// sampled token is committed).
+    pub fn copy_committed_cache(&self) -> Result<CacheExport> {
+        if let Some(f) = &self.finished {
+            return Err(Error::Invalid(format!(
+                "a finished generation ({f}) is not handed over"
+            )));
+        }
+        if !self.copies_while_decoding() {
+            return Err(Error::Unsupported(
+                "this model's cache is copied only with every sampled token fed and committed".into(),
+            ));
+        }
+        let format = self.sequence.cache_format().expect("checked above");
+        let positions = self
+            .sequence
+            .kv_len()
+            .min((self.frontiers.prompt_len + self.frontiers.committed).saturating_sub(1));
+        if positions == 0 {
+            return Err(Error::Invalid("nothing fed yet: no cache to copy".into()));
+        }
+        let blocks = self.sequence.export_cache_prefix(positions)?;
+        Ok(CacheExport {
+            format,
+            positions: positions as u32,
+            blocks,
+            logits: Vec::new(),
         })
     }
 
@@ -573,6 +615,47 @@ impl DecodeState {
         self.frontiers.fed += rest.len();
         self.frontiers.kv = self.sequence.kv_len();
         self.follow(last)
+    }
+
+    /// [`DecodeState::follow_all`] with the last record fed too, so that the next draw needs no
+    /// forward pass (a destination about to take a generation over): on a
+    /// [`Sequence::grouping_invariant`] sequence all of them in one call. A record that ends the
+    /// generation is not fed, as with `follow`.
+    pub fn follow_all_fed(&mut self, tokens: &[u32]) -> Result<()> {
+        if tokens.is_empty() || !self.sequence.grouping_invariant() {
+            self.follow_all(tokens)?;
+            return match self.finished {
+                None => self.feed_pending(),
+                Some(_) => Ok(()),
+            };
+        }
+        self.check_follower()?;
+        self.feed_pending()?;
+        let mut fed = tokens.len();
+        for (i, &t) in tokens.iter().enumerate() {
+            if let Some(f) = self.accept_followed(t) {
+                if i + 1 < tokens.len() {
+                    return Err(Error::Invalid(format!(
+                        "record {} ended the generation ({f}); records follow it",
+                        self.frontiers.sampled - 1
+                    )));
+                }
+                fed = i;
+            }
+        }
+        self.logits = None;
+        if fed > 0 {
+            let t0 = Instant::now();
+            let logits = self.sequence.prefill(&tokens[..fed])?;
+            self.stats.replay += t0.elapsed();
+            self.frontiers.fed += fed;
+            self.frontiers.kv = self.sequence.kv_len();
+            if self.finished.is_none() {
+                self.logits = Some(logits);
+            }
+        }
+        self.frontiers.check();
+        Ok(())
     }
 
     /// Why this state cannot follow records: it finished, or it drew tokens of its own.

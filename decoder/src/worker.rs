@@ -243,9 +243,11 @@ impl Active {
         }
     }
 
-    /// Ready to leave for another decoder: moving, unfinished, every sampled token committed.
+    /// Ready to leave for another decoder: moving, unfinished, and either its cache can be
+    /// copied while it decodes ([`DecodeState::copies_while_decoding`]) or every sampled token
+    /// is committed.
     fn ready_to_move(&self) -> bool {
-        self.moving && self.finish.is_none() && self.uncommitted.is_empty()
+        self.moving && self.finish.is_none() && (self.uncommitted.is_empty() || self.state.copies_while_decoding())
     }
 
     /// Tokens sampled so far (committed or not): the seq of the next draw.
@@ -289,7 +291,9 @@ impl Active {
 
     /// Whether it can sample another token now.
     fn can_sample(&self) -> bool {
-        !self.moving && self.finish.is_none() && self.uncommitted.len() < UNACKED_TOKENS_MAX
+        (!self.moving || self.state.copies_while_decoding())
+            && self.finish.is_none()
+            && self.uncommitted.len() < UNACKED_TOKENS_MAX
     }
 }
 
@@ -356,6 +360,8 @@ pub struct Worker {
     session_open: Arc<std::sync::atomic::AtomicBool>,
     /// The model's tokenizer is in the log (published, or refused for good): gateways need it.
     tokenizer_published: bool,
+    /// The registration on its way (each waits for the one before: they land in order).
+    registering: Option<tokio::task::JoinHandle<()>>,
     /// What this worker shares with its handoff listener.
     port: Arc<crate::handoff::PortShared>,
     incoming: mpsc::UnboundedReceiver<crate::handoff::Received>,
@@ -471,6 +477,7 @@ impl Worker {
             origin: Instant::now(),
             appends_sent: 0,
             tokenizer_published: false,
+            registering: None,
             session_open: Default::default(),
             wake: port.wake.clone(),
             standbys: crate::standby::Standbys::new(port.wake.clone()),
@@ -676,7 +683,11 @@ impl Worker {
         // this one as a destination until its registration lapses.
         if self.stopping && !self.drain_registered && !self.cfg.handoff_addr.is_empty() {
             self.drain_registered = true;
-            if tokio::time::timeout(crate::limits::STOP_REGISTER_TIMEOUT, self.register())
+            self.register().await;
+        }
+        // The last registration (without the listener, when stopping) is out before the end.
+        if let Some(last) = self.registering.take() {
+            if tokio::time::timeout(crate::limits::STOP_REGISTER_TIMEOUT, last)
                 .await
                 .is_err()
             {
@@ -806,11 +817,13 @@ impl Worker {
     }
 
     /// Starts a handoff for every generation ready to move, up to `HANDOFFS_AT_ONCE_MAX`: copies
-    /// its cache (on a blocking thread while the others step, at a frontier where every sampled
-    /// token is committed); [`Worker::copied`] sends the copy on its way and the generation
-    /// decodes on here. Its client's pause is the copy, not the transfer: the log's commit
-    /// fences this decoder at whatever frontier it reached, and the destination follows the
-    /// records past the copy's.
+    /// its cache and [`Worker::copied`] sends the copy on its way while the generation decodes
+    /// on here. The log's commit fences this decoder at whatever frontier it reached, and the
+    /// destination follows the records past the copy's. On a grouping-invariant model the copy
+    /// is of the committed positions but the last, taken here between two steps without a
+    /// model call, so the generation never pauses; on any other, once every sampled token is
+    /// committed, the last one is fed and the copy is taken on a blocking thread while the
+    /// others step (its client's pause is that copy).
     fn start_handoffs(&mut self) {
         if self.handing_out >= crate::limits::HANDOFFS_AT_ONCE_MAX {
             return;
@@ -824,6 +837,29 @@ impl Worker {
             .collect();
         let forget = self.cfg.source_frees_early();
         for id in ready {
+            let g = self.active.get_mut(&id).expect("listed above");
+            if g.state.copies_while_decoding() {
+                // Its committed prefix, copied here between two steps (a few ms of memory copy,
+                // no model call): it never stops decoding.
+                let began = Instant::now();
+                let cache = g.state.copy_committed_cache();
+                tracing::info!(
+                    generation = id,
+                    committed = g.committed,
+                    positions = cache.as_ref().map_or(0, |c| c.positions),
+                    copy_ms = began.elapsed().as_millis() as u64,
+                    "cache copied for a handoff while it decodes"
+                );
+                if forget && cache.is_ok() {
+                    plant_forget_cache(id, &mut g.state);
+                }
+                let epoch = g.epoch;
+                let g = self.active.remove(&id).expect("listed above");
+                self.handing_out += 1;
+                self.copying += 1;
+                self.copied(id, epoch, Ok((g, cache)));
+                continue;
+            }
             // Away while its cache is copied (on a blocking thread, beside the others' steps).
             let mut g = self.active.remove(&id).expect("listed above");
             let epoch = g.epoch;
@@ -930,7 +966,7 @@ impl Worker {
         let waiting = |w: &Self| {
             w.active
                 .values()
-                .any(|g| g.moving && g.finish.is_none() && !g.uncommitted.is_empty())
+                .any(|g| g.moving && g.finish.is_none() && !g.ready_to_move())
         };
         if !waiting(self) {
             return;
@@ -1096,6 +1132,9 @@ impl Worker {
         }
     }
 
+    /// Registers this decoder (its model, capacity and handoff listener, none once stopping)
+    /// on a task of its own: the step loop does not wait for the log's write. Registrations
+    /// land in the order they were made.
     async fn register(&mut self) {
         if !self.tokenizer_published {
             self.publish_tokenizer().await;
@@ -1115,14 +1154,20 @@ impl Worker {
                 String::new()
             },
         };
-        let registered = match self.client.register(req).await {
-            Ok(_) => true,
-            Err(e) => {
-                tracing::warn!(error = %e, "registration not refreshed");
-                false
+        let (client, stats, before) = (self.client.clone(), self.stats.clone(), self.registering.take());
+        self.registering = Some(tokio::spawn(async move {
+            if let Some(before) = before {
+                let _ = before.await;
             }
-        };
-        self.stats.lock().expect("lock").registered = registered;
+            let registered = match client.register(req).await {
+                Ok(_) => true,
+                Err(e) => {
+                    tracing::warn!(error = %e, "registration not refreshed");
+                    false
+                }
+            };
+            stats.lock().expect("lock").registered = registered;
+        }));
     }
 
     async fn take_work(&mut self) {
@@ -1583,7 +1628,7 @@ fn plant_forget_cache(id: u64, state: &mut DecodeState) {
 }
 
 /// Gives generation `id` (held at `epoch`) back to the log, recorded in the history.
-async fn release(client: &LogClient, history: Option<&crate::history::History>, id: u64, epoch: u64) {
+pub(crate) async fn release(client: &LogClient, history: Option<&crate::history::History>, id: u64, epoch: u64) {
     let call = Call::Release { gen: id, epoch };
     let hid = history.map(|h| h.invoke(call.clone()));
     let done = client

@@ -76,6 +76,13 @@ pub trait StepHooks: Send + Sync {
         false
     }
 
+    /// Whether the destination's read of the records committed between its last follow and its
+    /// ownership commit fails (after the commit applied: the generation is the destination's,
+    /// without a state to continue it, and goes back to the log for a takeover).
+    fn catch_up_read_fails(&self) -> bool {
+        false
+    }
+
     /// Right after the worker chose a prefix cache entry to restore a generation from (and
     /// recorded it): `true` ends the process there, as a crash inside the restore would (seed
     /// 004's poisoned entry).

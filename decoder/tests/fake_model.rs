@@ -293,6 +293,86 @@ fn an_exported_cache_continues_exactly_at_the_destination() {
     assert!(whole.export_cache().is_err());
 }
 
+/// A copy taken while the generation decodes on (`copy_committed_cache`: committed positions
+/// but the last, no logits, no model call), with tokens sampled and not yet committed, loads at
+/// the destination at the committed frontier (the left-out position prefilled there) and
+/// continues exactly as the uninterrupted run; the source, decoding on, draws the same.
+#[test]
+fn a_cache_copied_while_decoding_continues_exactly_at_the_destination() {
+    let m = model();
+    let p = prompt(&m, "copy me while I run");
+    let (all, _) = DecodeState::start(&m, &p, sampled(), stop(40))
+        .unwrap()
+        .run_to_end()
+        .unwrap();
+    assert!(all.len() >= 12, "{}", all.len());
+    for (committed, sampled_ahead) in [(0usize, 0usize), (0, 3), (1, 0), (5, 2), (11, 4)] {
+        let mut src = DecodeState::start(&m, &p, sampled(), stop(40)).unwrap();
+        assert!(src.copies_while_decoding());
+        for _ in 0..committed + sampled_ahead {
+            src.next_token().unwrap().unwrap();
+        }
+        src.mark_committed(committed);
+        let fed = src.frontiers().kv;
+        let cache = src.copy_committed_cache().unwrap();
+        assert_eq!(
+            cache.positions as usize,
+            fed.min(p.len() + committed - 1),
+            "committed {committed}, {sampled_ahead} ahead"
+        );
+        assert!(cache.logits.is_empty());
+        assert_eq!(src.frontiers().kv, fed, "the copy fed nothing");
+        // Not a whole cache: `import` refuses it, the resume from a partial cache takes it.
+        assert!(DecodeState::import(
+            &m,
+            &p,
+            &all[..committed],
+            sampled(),
+            stop(40),
+            ResumeMode::Exact,
+            &cache
+        )
+        .is_err());
+        let mut dst = DecodeState::resume_from_cache(
+            &m,
+            &p,
+            &all[..committed],
+            sampled(),
+            stop(40),
+            ResumeMode::Exact,
+            &cache,
+        )
+        .unwrap();
+        assert_eq!(dst.frontiers().kv, p.len() + committed);
+        let (rest, _) = dst.run_to_end().unwrap();
+        assert_eq!(rest, all[committed..], "continued at {committed}");
+        let (src_rest, _) = src.run_to_end().unwrap();
+        assert_eq!(src_rest, all[committed + sampled_ahead..]);
+    }
+    // A copy of a prefix of an imported cache that does not reach back to it is refused.
+    let mut whole = DecodeState::start(&m, &p, sampled(), stop(40)).unwrap();
+    for _ in 0..4 {
+        whole.next_token().unwrap().unwrap();
+    }
+    whole.mark_committed(4);
+    let cache = whole.export_cache().unwrap();
+    let mut imported = DecodeState::import(&m, &p, &all[..4], sampled(), stop(40), ResumeMode::Exact, &cache).unwrap();
+    assert!(
+        imported.copy_committed_cache().is_err(),
+        "the position before the import's last is unknown"
+    );
+    imported.next_token().unwrap().unwrap();
+    imported.next_token().unwrap().unwrap();
+    imported.mark_committed(6);
+    let c = imported.copy_committed_cache().unwrap();
+    assert_eq!(c.positions as usize, p.len() + 5);
+    let (rest, _) = DecodeState::resume_from_cache(&m, &p, &all[..6], sampled(), stop(40), ResumeMode::Exact, &c)
+        .unwrap()
+        .run_to_end()
+        .unwrap();
+    assert_eq!(rest, all[6..]);
+}
+
 /// A hot standby (issue 15 item 3): `resume(k)` then `follow` of records `k..n` continues as
 /// `resume(n)`, from a deferred resume too and fed in batches beside another follower; a
 /// follower refuses records past the generation's end and a state with its own draws.
@@ -325,6 +405,21 @@ fn following_committed_records_continues_as_a_resume_there() {
         s.follow_all(&full.tokens[n.min(38)..n]).unwrap();
         let (rest, _) = s.run_to_end().unwrap();
         assert_eq!(rest, full.tokens[n..], "followed {k}..{n} in two batches");
+    }
+    // Fed up to the last record (the next draw needs no forward pass): the same continuation.
+    for (k, n) in [(0usize, 1usize), (2, 12), (5, 40)] {
+        let mut s = DecodeState::resume(&m, &p, &full.tokens[..k], sampled(), stop(40), ResumeMode::Exact).unwrap();
+        s.follow_all_fed(&full.tokens[k..n.min(38)]).unwrap();
+        s.follow_all_fed(&full.tokens[n.min(38)..n]).unwrap();
+        let f = s.frontiers();
+        if n < 40 {
+            assert!(s.logits_ready(), "followed {k}..{n}");
+            assert_eq!((f.fed, f.kv), (n, p.len() + n));
+        } else {
+            assert!(s.finished().is_some());
+        }
+        let (rest, _) = s.run_to_end().unwrap();
+        assert_eq!(rest, full.tokens[n..], "followed {k}..{n} fed");
     }
     // The last record ends the generation: nothing more to follow.
     let mut s = DecodeState::resume(&m, &p, &full.tokens[..38], sampled(), stop(40), ResumeMode::Exact).unwrap();

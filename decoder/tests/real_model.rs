@@ -398,6 +398,48 @@ fn an_exported_kv_cache_continues_the_sampled_run_exactly() {
     }
 }
 
+/// A copy taken while the generation decodes on (the committed positions but the last, no
+/// model call), with two tokens sampled past the committed frontier, continues the sampled run
+/// exactly once the destination prefilled the position the copy left out.
+#[test]
+fn a_kv_cache_copied_while_decoding_continues_the_sampled_run_exactly() {
+    let m = common::real_model();
+    let p = chat(&*m, "Write a short poem about rivers.");
+    let n = 24;
+    let whole = generate(&*m, &p, &sampled(11), &stop(&*m, n)).unwrap().tokens;
+    let (k, ahead) = (9usize, 2usize);
+    let mut src = DecodeState::start(&*m, &p, sampled(11), stop(&*m, n)).unwrap();
+    for _ in 0..k + ahead {
+        src.next_token().unwrap();
+    }
+    src.mark_committed(k);
+    let t0 = Instant::now();
+    let cache = src.copy_committed_cache().unwrap();
+    let copied = t0.elapsed();
+    assert_eq!(cache.positions as usize, p.len() + k - 1);
+    let t1 = Instant::now();
+    let mut dst = DecodeState::resume_from_cache(
+        &*m,
+        &p,
+        &whole[..k],
+        sampled(11),
+        stop(&*m, n),
+        ResumeMode::Exact,
+        &cache,
+    )
+    .unwrap();
+    eprintln!(
+        "copy of {} positions, {} bytes, in {copied:?}; loaded and the last position prefilled in {:?}",
+        cache.positions,
+        cache.bytes(),
+        t1.elapsed()
+    );
+    let (rest, _) = dst.run_to_end().unwrap();
+    assert_eq!(rest, whole[k..], "continued after {k} tokens");
+    let (src_rest, _) = src.run_to_end().unwrap();
+    assert_eq!(src_rest, whole[k + ahead..], "the source decoded on");
+}
+
 /// A hot standby on the real model (issue 15 item 3): resumed at k, then following the sampled
 /// run's records one at a time to n, it draws the uninterrupted run's tokens from n on.
 #[test]
@@ -420,6 +462,13 @@ fn a_standby_following_the_records_continues_the_sampled_run_exactly() {
     s.follow_all(&whole[10..12]).unwrap();
     let (rest, _) = s.run_to_end().unwrap();
     assert_eq!(rest, whole[12..], "caught up in batches");
+    // The same with the last record fed too (a handoff destination's catch-up).
+    let mut s = DecodeState::resume(&*m, &p, &whole[..3], sampled(11), stop(&*m, n), ResumeMode::Exact).unwrap();
+    s.follow_all_fed(&whole[3..10]).unwrap();
+    assert!(s.logits_ready());
+    s.follow_all_fed(&whole[10..12]).unwrap();
+    let (rest, _) = s.run_to_end().unwrap();
+    assert_eq!(rest, whole[12..], "caught up in batches, fed");
 }
 
 /// A prefix cache entry on the real model: the prompt's cache, loaded for a generation with 9

@@ -190,16 +190,17 @@ pub async fn drain(a: DrainArgs) -> anyhow::Result<()> {
                 .max()
                 .unwrap_or((Duration::ZERO, drained));
             longest = longest.max(worst);
-            // Where it was: ms after SIGTERM, before or after the move (epoch 1 or later).
+            // Where it was: ms after SIGTERM; before the move (the source's records, epoch 1),
+            // across it, or after it (the destination's).
             let moved_at = arrivals.iter().find(|(_, e)| *e > 1).map(|(t, _)| *t);
             worst_gaps.push(format!(
                 "g{gid} {:.0} ms at +{:.0} ms ({})",
                 ms(worst),
                 ms(at.saturating_duration_since(drained)),
-                if moved_at.is_some_and(|m| m <= at + worst && m > at) {
-                    "across the move"
-                } else {
-                    "at the source"
+                match moved_at {
+                    Some(m) if m > at && m <= at + worst => "across the move",
+                    Some(m) if m <= at => "at the destination",
+                    _ => "at the source",
                 }
             ));
             let g = client

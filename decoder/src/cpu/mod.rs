@@ -631,17 +631,27 @@ impl Sequence for CpuSequence {
     }
 
     fn export_cache(&self) -> Result<Vec<CacheBlock>> {
-        if self.len == 0 {
-            return Err(Error::Invalid("an empty sequence has no cache to export".into()));
+        self.export_cache_prefix(self.len)
+    }
+
+    fn export_cache_prefix(&self, positions: usize) -> Result<Vec<CacheBlock>> {
+        if positions == 0 {
+            return Err(Error::Invalid("a cache of no positions is not exported".into()));
+        }
+        if positions > self.len {
+            return Err(Error::Invalid(format!(
+                "the first {positions} positions of a cache of {}",
+                self.len
+            )));
         }
         let (g, d, kvw) = (self.w.n_kv_head, self.w.head_dim, self.w.kv_width());
         let mut out = Vec::with_capacity(2 * self.keys.len());
         for (i, (k, v)) in self.keys.iter().zip(&self.values).enumerate() {
             for (kind, t) in [(BlockKind::Keys, k), (BlockKind::Values, v)] {
                 // Position-major here, head-major on the wire.
-                let mut data = Vec::with_capacity(t.len());
+                let mut data = Vec::with_capacity(positions * kvw);
                 for head in 0..g {
-                    for p in 0..self.len {
+                    for p in 0..positions {
                         data.extend_from_slice(&t[p * kvw + head * d..p * kvw + (head + 1) * d]);
                     }
                 }
@@ -649,7 +659,7 @@ impl Sequence for CpuSequence {
                     layer: i as u32,
                     kind,
                     dtype: "f32".into(),
-                    shape: vec![1, g as u32, self.len as u32, d as u32],
+                    shape: vec![1, g as u32, positions as u32, d as u32],
                     data: f32s_to_bytes(&data),
                 });
             }
