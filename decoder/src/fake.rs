@@ -224,6 +224,15 @@ impl Sequence for FakeSequence {
         Ok(vec![fake_block(self.hash)])
     }
 
+    fn prefix_export_bytes(&self, positions: usize) -> Option<usize> {
+        let known = positions == self.kv_len
+            || positions
+                .checked_sub(1)
+                .and_then(|i| self.prefix_hashes.get(i))
+                .is_some_and(Option::is_some);
+        (positions >= 1 && known).then_some(8)
+    }
+
     fn export_cache_prefix(&self, positions: usize) -> Result<Vec<CacheBlock>> {
         if positions == self.kv_len {
             return self.export_cache();

@@ -73,6 +73,11 @@ pub trait Sequence: Send {
             )))
         }
     }
+    /// The bytes of [`Sequence::export_cache_prefix`] of its first `positions` positions, when
+    /// it can give them (`None`: it cannot, or does not say).
+    fn prefix_export_bytes(&self, _positions: usize) -> Option<usize> {
+        None
+    }
     /// Replaces its cache with `blocks` of `positions` positions (checked against the layout).
     fn import_cache(&mut self, _blocks: &[crate::cache::CacheBlock], _positions: usize) -> Result<()> {
         Err(Error::Unsupported("this model cannot import a cache".into()))

@@ -384,38 +384,52 @@ impl DecodeState {
         })
     }
 
-    /// Whether [`DecodeState::copy_committed_cache`] works on this state's sequence: a copy for
-    /// a planned handoff taken between two steps, without pausing the generation.
+    /// The positions [`DecodeState::copy_committed_cache`] would copy, when it can: an
+    /// unfinished state of a grouping-invariant sequence whose deferred prefill (if any) is
+    /// done, with at least one such position, no more than
+    /// `limits::CACHE_COPY_IN_STEP_BYTES_MAX` of them, and a sequence that gives them.
+    fn committed_copy_positions(&self) -> Option<usize> {
+        if self.finished.is_some()
+            || self.prefilling()
+            || !self.sequence.grouping_invariant()
+            || self.sequence.cache_format().is_none()
+        {
+            return None;
+        }
+        let positions = self
+            .sequence
+            .kv_len()
+            .min((self.frontiers.prompt_len + self.frontiers.committed).saturating_sub(1));
+        let bytes = self.sequence.prefix_export_bytes(positions)?;
+        (positions >= 1 && bytes <= crate::limits::CACHE_COPY_IN_STEP_BYTES_MAX).then_some(positions)
+    }
+
+    /// Whether [`DecodeState::copy_committed_cache`] works on this state now: a copy for a
+    /// planned handoff taken between two steps, without pausing the generation.
     pub fn copies_while_decoding(&self) -> bool {
-        self.sequence.grouping_invariant() && self.sequence.cache_format().is_some()
+        self.committed_copy_positions().is_some()
     }
 
     /// A copy of this generation's cache over its committed positions but the last (at most
     /// what is fed: prompt + committed - 1), without logits, for a planned handoff while it
     /// decodes on. No model call and no wait for the answers in flight: the destination
     /// prefills the committed positions past the copy, which on a
-    /// [`Sequence::grouping_invariant`] sequence gives the bits this state holds. Any other
-    /// sequence: `Unsupported` (the caller copies with [`DecodeState::export_cache`] once every
-    /// sampled token is committed).
+    /// [`Sequence::grouping_invariant`] sequence gives the bits this state holds. When
+    /// [`DecodeState::copies_while_decoding`] says no: `Unsupported` (the caller copies with
+    /// [`DecodeState::export_cache`] once every sampled token is committed).
     pub fn copy_committed_cache(&self) -> Result<CacheExport> {
         if let Some(f) = &self.finished {
             return Err(Error::Invalid(format!(
                 "a finished generation ({f}) is not handed over"
             )));
         }
-        if !self.copies_while_decoding() {
-            return Err(Error::Unsupported(
-                "this model's cache is copied only with every sampled token fed and committed".into(),
-            ));
-        }
-        let format = self.sequence.cache_format().expect("checked above");
-        let positions = self
+        let positions = self.committed_copy_positions().ok_or_else(|| {
+            Error::Unsupported("this cache is copied only with every sampled token fed and committed".into())
+        })?;
+        let format = self
             .sequence
-            .kv_len()
-            .min((self.frontiers.prompt_len + self.frontiers.committed).saturating_sub(1));
-        if positions == 0 {
-            return Err(Error::Invalid("nothing fed yet: no cache to copy".into()));
-        }
+            .cache_format()
+            .expect("checked by committed_copy_positions");
         let blocks = self.sequence.export_cache_prefix(positions)?;
         Ok(CacheExport {
             format,

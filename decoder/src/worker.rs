@@ -362,6 +362,8 @@ pub struct Worker {
     tokenizer_published: bool,
     /// The registration on its way (each waits for the one before: they land in order).
     registering: Option<tokio::task::JoinHandle<()>>,
+    /// Whether a registration went out yet (the first one is awaited).
+    registered_once: bool,
     /// What this worker shares with its handoff listener.
     port: Arc<crate::handoff::PortShared>,
     incoming: mpsc::UnboundedReceiver<crate::handoff::Received>,
@@ -478,6 +480,7 @@ impl Worker {
             appends_sent: 0,
             tokenizer_published: false,
             registering: None,
+            registered_once: false,
             session_open: Default::default(),
             wake: port.wake.clone(),
             standbys: crate::standby::Standbys::new(port.wake.clone()),
@@ -1155,7 +1158,9 @@ impl Worker {
             },
         };
         let (client, stats, before) = (self.client.clone(), self.stats.clone(), self.registering.take());
-        self.registering = Some(tokio::spawn(async move {
+        let first = !self.registered_once;
+        self.registered_once = true;
+        let task = tokio::spawn(async move {
             if let Some(before) = before {
                 let _ = before.await;
             }
@@ -1167,7 +1172,13 @@ impl Worker {
                 }
             };
             stats.lock().expect("lock").registered = registered;
-        }));
+        });
+        if first {
+            // Work is taken (and standbys claimed) only once the log knows this decoder.
+            let _ = task.await;
+        } else {
+            self.registering = Some(task);
+        }
     }
 
     async fn take_work(&mut self) {

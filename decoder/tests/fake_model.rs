@@ -357,6 +357,7 @@ fn a_cache_copied_while_decoding_continues_exactly_at_the_destination() {
     whole.mark_committed(4);
     let cache = whole.export_cache().unwrap();
     let mut imported = DecodeState::import(&m, &p, &all[..4], sampled(), stop(40), ResumeMode::Exact, &cache).unwrap();
+    assert!(!imported.copies_while_decoding());
     assert!(
         imported.copy_committed_cache().is_err(),
         "the position before the import's last is unknown"
@@ -371,6 +372,14 @@ fn a_cache_copied_while_decoding_continues_exactly_at_the_destination() {
         .run_to_end()
         .unwrap();
     assert_eq!(rest, all[6..]);
+    // A deferred prefill not done yet is copied the other way (fed first, the generation paused).
+    let deferred = DecodeState::resume_deferred(&m, &p, &all[..3], sampled(), stop(40), ResumeMode::Exact).unwrap();
+    assert!(deferred.prefilling());
+    assert!(!deferred.copies_while_decoding());
+    assert!(deferred.copy_committed_cache().is_err());
+    // A one-token prompt with nothing committed has no committed position to copy but the last.
+    let one = DecodeState::start(&m, &p[..1], sampled(), stop(40)).unwrap();
+    assert!(!one.copies_while_decoding());
 }
 
 /// A hot standby (issue 15 item 3): `resume(k)` then `follow` of records `k..n` continues as

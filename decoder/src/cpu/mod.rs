@@ -634,6 +634,12 @@ impl Sequence for CpuSequence {
         self.export_cache_prefix(self.len)
     }
 
+    fn prefix_export_bytes(&self, positions: usize) -> Option<usize> {
+        (1..=self.len)
+            .contains(&positions)
+            .then(|| 2 * self.keys.len() * positions * self.w.kv_width() * std::mem::size_of::<f32>())
+    }
+
     fn export_cache_prefix(&self, positions: usize) -> Result<Vec<CacheBlock>> {
         if positions == 0 {
             return Err(Error::Invalid("a cache of no positions is not exported".into()));
