@@ -181,6 +181,17 @@ impl FakeSequence {
     }
 }
 
+impl FakeSequence {
+    /// The hash after the first `positions` positions, when known (the whole cache's always).
+    fn prefix_hash(&self, positions: usize) -> Option<u64> {
+        positions
+            .checked_sub(1)
+            .and_then(|i| self.prefix_hashes.get(i))
+            .copied()
+            .flatten()
+    }
+}
+
 impl Sequence for FakeSequence {
     fn prefill(&mut self, tokens: &[u32]) -> Result<Logits> {
         check_feed(tokens, self.kv_len, self.config.max_context, FAKE_VOCAB_SIZE)?;
@@ -225,25 +236,17 @@ impl Sequence for FakeSequence {
     }
 
     fn prefix_export_bytes(&self, positions: usize) -> Option<usize> {
-        let known = positions == self.kv_len
-            || positions
-                .checked_sub(1)
-                .and_then(|i| self.prefix_hashes.get(i))
-                .is_some_and(Option::is_some);
-        (positions >= 1 && known).then_some(8)
+        self.prefix_hash(positions).map(|_| 8)
     }
 
     fn export_cache_prefix(&self, positions: usize) -> Result<Vec<CacheBlock>> {
-        if positions == self.kv_len {
-            return self.export_cache();
-        }
-        match positions.checked_sub(1).and_then(|i| self.prefix_hashes.get(i)) {
-            Some(Some(h)) => Ok(vec![fake_block(*h)]),
-            _ => Err(Error::Invalid(format!(
+        let h = self.prefix_hash(positions).ok_or_else(|| {
+            Error::Invalid(format!(
                 "no copy of the first {positions} positions of a fake cache of {}",
                 self.kv_len
-            ))),
-        }
+            ))
+        })?;
+        Ok(vec![fake_block(h)])
     }
 
     fn import_cache(&mut self, blocks: &[CacheBlock], positions: usize) -> Result<()> {

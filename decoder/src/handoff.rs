@@ -260,7 +260,7 @@ impl HandoffPort {
         laps.lap("import");
         // The source decodes on until the commit: follow what it committed since the copy, so
         // that only the last few records are left to follow once the commit fences it.
-        let (state, followed) = follow_log(&s.client, id, state, manifest.frontier, None).await?;
+        let (mut state, mut followed) = follow_log(&s.client, id, state, manifest.frontier, None).await?;
         laps.lap("follow");
         halt_at(&s.hooks, &s.history, HandoffPoint::DestinationBeforeReady, id);
         let ready = step(
@@ -283,7 +283,6 @@ impl HandoffPort {
         // fewer than the round before (this decoder follows no faster than the source writes):
         // what is left after the commit is then what the source committed during the last round
         // and the commit's own write (forward passes its client waits for, the source fenced).
-        let (mut state, mut followed) = (state, followed);
         let mut last_round = u32::MAX;
         for _ in 0..crate::limits::HANDOFF_FOLLOW_ROUNDS_MAX {
             let before = followed;
