@@ -135,6 +135,6 @@ pub fn verify(data_dir: &Path) -> Result<LoadReport, LogError> {
         }
     }
     report.generations = machine.generations.len() as u64;
-    report.records = sm_store::check_chains(&machine.log, &mut report.problems);
+    report.records = sm_store::check_chains(&machine, &mut report.problems);
     Ok(report)
 }

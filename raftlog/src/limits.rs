@@ -46,6 +46,13 @@ pub const UNOWNED_MS_DEFAULT: u64 = 120_000;
 pub const UNOWNED_MS_MAX: u64 = 24 * 3_600_000;
 /// How long finished generations are kept before `Tick` prunes them.
 pub const RETENTION_MS_DEFAULT: u64 = 24 * 3_600_000;
+/// A finished generation is sealed this long (log time) after it finished: an append to it is
+/// refused as `Terminal` without comparing records (before, an identical re-send of committed
+/// records, a retry whose acknowledgment was lost, is acknowledged). Longer than any decoder's
+/// retry of its last append. A node keeps in memory the records of running generations and of
+/// those finished less than this long ago, plus what was committed since its last snapshot;
+/// a snapshot moves the records of sealed generations to disk (`raftlog::sm_store`).
+pub const SEAL_AFTER_MS: u64 = 10_000;
 /// Grants (epoch, owner, log time, frontier) a generation keeps for audits: the newest ones.
 pub const GRANTS_KEPT_MAX: usize = 16;
 /// The shortest retention a node accepts (`--retention-ms`): a client that reconnects right

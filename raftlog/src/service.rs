@@ -670,6 +670,17 @@ async fn watch_loop(
     loop {
         // Mark the current apply as seen before reading, so an apply after the read wakes us.
         applied.borrow_and_update();
+        let cold = {
+            let s = ctx.sm.read();
+            s.generations
+                .get(&id)
+                .filter(|g| g.cold.is_some())
+                .map(|g| (s.cold_file().cloned(), g.clone()))
+        };
+        if let Some((file, g)) = cold {
+            // Sealed and on disk: nothing more will come; read it once, outside the lock.
+            return watch_cold(&ctx, file, g, seq, &tx).await;
+        }
         let event = {
             let s = ctx.sm.read();
             match s.generations.get(&id) {
@@ -723,5 +734,53 @@ async fn watch_loop(
                 }
             }
         }
+    }
+}
+
+/// The rest of a Watch on a generation whose records this node keeps on disk only: read them
+/// once (checked against the chain head), send them from `seq` in events of at most
+/// [`WATCH_RECORDS_PER_EVENT_MAX`], the last with the terminal info.
+async fn watch_cold(
+    ctx: &NodeCtx,
+    file: Option<crate::snapshot::SnapshotFile>,
+    g: Generation,
+    mut seq: Seq,
+    tx: &mpsc::Sender<Result<pb::WatchEvent, Status>>,
+) {
+    let id = g.id;
+    let read = tokio::task::spawn_blocking(move || {
+        let r = g.cold.expect("a generation on disk");
+        let file = file.ok_or(crate::sm_store::ColdReadError::NoFile(g.id))?;
+        crate::sm_store::read_cold(&file, &g, &r).map(|records| (g, records))
+    })
+    .await;
+    let (g, records) = match read {
+        Ok(Ok(x)) => x,
+        Ok(Err(e)) => {
+            tracing::error!(generation = id, error = %e, "records on disk cannot be served");
+            let e = LogError::Integrity {
+                dir: ctx.sm.snapshot_dir().display().to_string(),
+                problems: vec![e.to_string()],
+            };
+            let _ = tx.send(Err(e.into())).await;
+            return;
+        }
+        Err(e) => {
+            let _ = tx.send(Err(LogError::Internal(e.to_string()).into())).await;
+            return;
+        }
+    };
+    loop {
+        let start = (seq as usize).min(records.len());
+        let end = records.len().min(start + WATCH_RECORDS_PER_EVENT_MAX);
+        let done = end == records.len();
+        let event = pb::WatchEvent {
+            records: (start..end).map(|i| record_to_pb(i as Seq, &records[i])).collect(),
+            terminal: done.then(|| pb::GenerationInfo::from(&g)),
+        };
+        if tx.send(Ok(event)).await.is_err() || done {
+            return;
+        }
+        seq = end as Seq;
     }
 }

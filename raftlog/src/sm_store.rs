@@ -35,6 +35,29 @@ pub struct Machine {
     pub log: LogState,
     applied: Option<LogId>,
     membership: StoredMembership,
+    /// The snapshot file that holds the records of the generations kept on disk only
+    /// ([`Generation::cold`]): the newest one this state was loaded from or written to.
+    #[serde(skip)]
+    cold_file: Option<SnapshotFile>,
+}
+
+/// A snapshot body of format 9: the machine (generations on disk with no records in it), then
+/// where in the file each of those generations' records are.
+#[derive(Serialize, Deserialize)]
+struct Body {
+    machine: Machine,
+    cold: Vec<(GenerationId, ColdRef)>,
+}
+
+/// Why the records of a generation kept on disk cannot be served.
+#[derive(Debug, thiserror::Error)]
+pub enum ColdReadError {
+    #[error(transparent)]
+    Snapshot(#[from] crate::snapshot::SnapshotError),
+    #[error("generation {0}: its records on disk do not hash to its chain head")]
+    Chain(GenerationId),
+    #[error("generation {0}: its records are on disk, and no snapshot file is open")]
+    NoFile(GenerationId),
 }
 
 impl Deref for Machine {
@@ -70,6 +93,24 @@ impl Machine {
         response
     }
 
+    /// A generation's records, from memory or, when it is kept on disk only, read from the
+    /// snapshot file and checked against its chain head.
+    pub fn records_of<'a>(&'a self, g: &'a Generation) -> Result<std::borrow::Cow<'a, [Record]>, ColdReadError> {
+        match g.cold {
+            None => Ok(std::borrow::Cow::Borrowed(&g.records)),
+            Some(r) => {
+                let file = self.cold_file.as_ref().ok_or(ColdReadError::NoFile(g.id))?;
+                read_cold(file, g, &r).map(std::borrow::Cow::Owned)
+            }
+        }
+    }
+
+    /// The snapshot file holding the records of the generations kept on disk (cheap to clone:
+    /// read from it without the state lock).
+    pub fn cold_file(&self) -> Option<&SnapshotFile> {
+        self.cold_file.as_ref()
+    }
+
     /// The snapshot meta of this applied state: the last applied log id and the membership.
     pub fn meta(&self) -> SnapshotMeta {
         SnapshotMeta {
@@ -88,6 +129,8 @@ pub struct SmShared {
     /// Bumped after every apply batch and snapshot install; readers wait on it.
     applied_tx: tokio::sync::watch::Sender<u64>,
     faults: Faults,
+    /// One snapshot build at a time (the cold records of one go into the next).
+    building: tokio::sync::Mutex<()>,
 }
 
 #[derive(Clone)]
@@ -115,18 +158,35 @@ pub struct LoadReport {
     pub problems: Vec<String>,
 }
 
-/// Recomputes every generation's hash chain from its records and compares it with the stored
-/// chain head. Returns the record count; mismatches go to `problems`.
-pub fn check_chains(state: &LogState, problems: &mut Vec<String>) -> u64 {
+/// The records `r` names in `file`, checked against `g`'s chain head.
+pub fn read_cold(file: &SnapshotFile, g: &Generation, r: &ColdRef) -> Result<Vec<Record>, ColdReadError> {
+    let records = file.read_records(r)?;
+    if chain::head(g.id, &records) != g.chain_head {
+        return Err(ColdReadError::Chain(g.id));
+    }
+    Ok(records)
+}
+
+/// Recomputes every generation's hash chain from its records (read from the snapshot file for
+/// generations kept on disk, one at a time) and compares it with the stored chain head.
+/// Returns the record count; mismatches go to `problems`.
+pub fn check_chains(m: &Machine, problems: &mut Vec<String>) -> u64 {
     let mut records = 0;
-    for g in state.generations.values() {
-        records += g.records.len() as u64;
-        if chain::head(g.id, &g.records) != g.chain_head {
+    for g in m.generations.values() {
+        records += g.frontier() as u64;
+        let ok = match m.records_of(g) {
+            Ok(r) => chain::head(g.id, &r) == g.chain_head,
+            Err(e) => {
+                problems.push(format!("request {:?} (generation {}): {e}", g.request_id, g.id));
+                continue;
+            }
+        };
+        if !ok {
             problems.push(format!(
                 "request {:?} (generation {}): its {} records do not hash to its chain head",
                 g.request_id,
                 g.id,
-                g.records.len()
+                g.frontier()
             ));
         }
     }
@@ -169,6 +229,7 @@ impl From<MachineV3> for Machine {
             },
             applied: m.applied,
             membership: m.membership,
+            cold_file: None,
         }
     }
 }
@@ -206,6 +267,7 @@ impl From<MachineV4> for Machine {
             },
             applied: m.applied,
             membership: m.membership,
+            cold_file: None,
         }
     }
 }
@@ -247,6 +309,7 @@ impl From<MachineV5> for Machine {
             },
             applied: m.applied,
             membership: m.membership,
+            cold_file: None,
         }
     }
 }
@@ -292,6 +355,7 @@ impl From<MachineV6> for Machine {
             },
             applied: m.applied,
             membership: m.membership,
+            cold_file: None,
         }
     }
 }
@@ -332,7 +396,22 @@ pub fn load_snapshot(file: &SnapshotFile, problems: &mut Vec<String>) -> Option<
         Ok(5) => file.load::<MachineV5>().map(|(meta, m)| (meta, Machine::from(m))),
         Ok(6) => file.load::<MachineV6>().map(|(meta, m)| (meta, Machine::from(m))),
         Ok(7) => file.load::<MachineV7>().map(|(meta, m)| (meta, Machine::from(m))),
-        _ => file.load::<Machine>(),
+        Ok(8) => file.load::<Machine>(),
+        _ => file.load::<Body>().and_then(|(meta, b)| {
+            let Body { mut machine, cold } = b;
+            for (id, r) in cold {
+                match machine.log.generations.get_mut(&id) {
+                    Some(g) if g.records.is_empty() && g.cold.is_none() => g.cold = Some(r),
+                    _ => {
+                        return Err(crate::snapshot::SnapshotError::Corrupt {
+                            path: file.path().display().to_string(),
+                            what: format!("records on disk for generation {id}, which has none to put there"),
+                        })
+                    }
+                }
+            }
+            Ok((meta, machine))
+        }),
     };
     let (meta, mut m): (SnapshotMeta, Machine) = match loaded {
         Ok(x) => x,
@@ -350,13 +429,71 @@ pub fn load_snapshot(file: &SnapshotFile, problems: &mut Vec<String>) -> Option<
         ));
         return None;
     }
+    m.cold_file = Some(file.clone());
     let before = problems.len();
-    check_chains(&m.log, problems);
+    check_chains(&m, problems);
     if problems.len() > before {
         return None;
     }
     m.log.rebuild_index();
     Some((meta, m))
+}
+
+/// Writes `copy` as a snapshot: sealed generations' records go to its cold section (those
+/// already on disk are read from the file they are in and checked on the way), everything else
+/// to the body. Returns the file and what it holds on disk, with each generation's chain head.
+#[allow(clippy::type_complexity)]
+fn write_snapshot(
+    dir: &SnapshotDir,
+    mut copy: Machine,
+) -> io::Result<(SnapshotFile, Vec<(GenerationId, ColdRef, chain::Hash)>)> {
+    let meta = copy.meta();
+    let now = copy.log_ms;
+    let mut cold = Vec::new();
+    let cold_out = &mut cold;
+    let file = dir.write_with_cold(&meta, move |section| {
+        let mut refs = Vec::new();
+        for g in copy.log.generations.values_mut() {
+            let r = match g.cold {
+                Some(r) => {
+                    let from = copy
+                        .cold_file
+                        .as_ref()
+                        .ok_or(ColdReadError::NoFile(g.id))
+                        .map_err(io::Error::other)?;
+                    let records = read_cold(from, g, &r).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+                    section.put(&records)?
+                }
+                None if g.sealed(now) && !g.records.is_empty() => {
+                    let r = section.put(&g.records)?;
+                    g.records = Vec::new();
+                    r
+                }
+                None => continue,
+            };
+            refs.push((g.id, r));
+            cold_out.push((g.id, r, g.chain_head));
+        }
+        Ok(Body {
+            machine: copy,
+            cold: refs,
+        })
+    })?;
+    Ok((file, cold))
+}
+
+/// The digest of an applied state ([`crate::snapshot::digest`]): the same whether a node keeps
+/// a generation's records in memory or on disk. Records enter it through each generation's
+/// chain head (their hash) and frontier.
+pub fn digest(m: &Machine) -> io::Result<[u8; 32]> {
+    let mut normal = m.clone();
+    let mut frontiers = Vec::with_capacity(normal.generations.len());
+    for g in normal.log.generations.values_mut() {
+        frontiers.push((g.id, g.frontier()));
+        g.records = Vec::new();
+        g.cold = None;
+    }
+    crate::snapshot::digest(&(&normal, &frontiers))
 }
 
 impl SmStore {
@@ -373,7 +510,7 @@ impl SmStore {
             }
         }
         report.generations = machine.generations.len() as u64;
-        report.records = machine.generations.values().map(|g| g.records.len() as u64).sum();
+        report.records = machine.generations.values().map(|g| g.frontier() as u64).sum();
         machine.log.faults = faults;
         let (applied_tx, _) = tokio::sync::watch::channel(machine.applied.map_or(0, |l| l.index));
         let shared = SmShared {
@@ -382,6 +519,7 @@ impl SmStore {
             snapshots,
             applied_tx,
             faults,
+            building: Default::default(),
         };
         Ok((
             SmStore {
@@ -434,7 +572,7 @@ impl SmShared {
     /// The audit behind `tokenlog verify` on a live node: every chain of the applied state
     /// (from a copy, so apply is not held up), and the newest snapshot file on disk.
     pub fn verify(&self) -> io::Result<LoadReport> {
-        let copy = self.read().log.clone();
+        let copy = self.read().clone();
         let mut report = LoadReport {
             generations: copy.generations.len() as u64,
             ..Default::default()
@@ -454,15 +592,56 @@ impl SmShared {
         let copy = self.read().clone();
         Ok(StateDigest {
             applied_index: copy.applied.map_or(0, |l| l.index),
-            digest: crate::snapshot::digest(&copy)?,
+            digest: digest(&copy)?,
             generations: copy.generations.len() as u64,
-            records: copy.generations.values().map(|g| g.records.len() as u64).sum(),
+            records: copy.generations.values().map(|g| g.frontier() as u64).sum(),
         })
     }
 
     /// A new partial file for a snapshot streamed from the leader.
     pub fn receive_snapshot(&self) -> io::Result<PartialSnapshot> {
         self.snapshots.partial()
+    }
+
+    /// After a snapshot built from a copy whose cold records were in `from` was written to
+    /// `file`: the generations it holds on disk (`cold`) drop their records from memory and
+    /// read them from `file` from now on. Nothing changes if the state was replaced meanwhile
+    /// (a snapshot installed: its records are in the installed file). Returns how many
+    /// generations' records left memory.
+    fn keep_on_disk(
+        &self,
+        from: Option<&SnapshotFile>,
+        file: &SnapshotFile,
+        cold: &[(GenerationId, ColdRef, chain::Hash)],
+    ) -> usize {
+        let mut m = self.state.write().expect("state lock poisoned");
+        let same = match (from, &m.cold_file) {
+            (None, None) => true,
+            (Some(a), Some(b)) => a.same_file(b),
+            _ => false,
+        };
+        if !same {
+            return 0;
+        }
+        let mut moved = 0;
+        for (id, r, head) in cold {
+            if let Some(g) = m.log.generations.get_mut(id) {
+                // Sealed generations never change: this is the one the copy had.
+                assert!(g.frontier() == r.records && g.chain_head == *head && g.state.is_terminal());
+                if g.cold.is_none() {
+                    moved += 1;
+                }
+                g.records = Vec::new();
+                g.cold = Some(*r);
+            }
+        }
+        // `cold` is in generation order (the copy's map): every generation on disk is in it.
+        debug_assert!(m
+            .generations
+            .values()
+            .all(|g| g.cold.is_none() || cold.binary_search_by_key(&g.id, |c| c.0).is_ok()));
+        m.cold_file = Some(file.clone());
+        moved
     }
 
     fn publish(&self, m: &Machine) {
@@ -474,16 +653,21 @@ impl RaftSnapshotBuilder<TypeConfig> for SmStore {
     type SnapshotData = SnapshotData;
 
     async fn build_snapshot(&mut self) -> Result<Snapshot, io::Error> {
+        let _one_at_a_time = self.shared.building.lock().await;
         // A copy under the read lock: its meta and content are one applied state.
         let copy = self.shared.read().clone();
         let meta = copy.meta();
+        let from = copy.cold_file.clone();
         let shared = self.shared.clone();
-        let file = tokio::task::spawn_blocking(move || shared.snapshots.write(&copy.meta(), &copy))
+        let (file, cold) = tokio::task::spawn_blocking(move || write_snapshot(&shared.snapshots, copy))
             .await
             .map_err(io::Error::other)??;
+        let moved = self.shared.keep_on_disk(from.as_ref(), &file, &cold);
         tracing::info!(
             index = meta.last_log_id.map_or(0, |l| l.index),
             bytes = file.len(),
+            on_disk = cold.len(),
+            moved,
             "snapshot written"
         );
         Ok(Snapshot { meta, snapshot: file })
@@ -551,7 +735,9 @@ impl RaftStateMachine<TypeConfig> for SmStore {
                     ),
                 ));
             }
-            shared.snapshots.install(&snapshot)?;
+            let (_, installed) = shared.snapshots.install(&snapshot)?;
+            let mut m = m;
+            m.cold_file = Some(installed);
             Ok(m)
         })
         .await
@@ -628,6 +814,7 @@ mod tests {
                 3,
             )),
             membership: StoredMembership::default(),
+            cold_file: None,
         };
         #[derive(Serialize)]
         struct V3<'a> {
@@ -661,7 +848,7 @@ mod tests {
         // Written again, it is format 4 and keeps its tokenizers.
         let mut m = loaded;
         m.log.tokenizers.insert("t".into(), TokenizerPackage(vec![1, 2, 3]));
-        let f = dir.write(&m.meta(), &m).unwrap();
+        let f = write_snapshot(&dir, m.clone()).unwrap().0;
         assert_eq!(f.format().unwrap(), crate::snapshot::FORMAT);
         let (_, again) = load_snapshot(&f, &mut problems).expect("loads");
         assert_eq!(again.log.tokenizers, m.log.tokenizers);
@@ -716,12 +903,7 @@ mod tests {
             applied: None,
             membership: StoredMembership::default(),
         };
-        let meta = Machine {
-            log: LogState::default(),
-            applied: None,
-            membership: StoredMembership::default(),
-        }
-        .meta();
+        let meta = Machine::default().meta();
         let d = tempfile::tempdir().unwrap();
         let dir = SnapshotDir::open(d.path()).unwrap();
         let path = dir.write(&meta, &v4).unwrap().path().to_path_buf();
@@ -776,12 +958,7 @@ mod tests {
             applied: None,
             membership: StoredMembership::default(),
         };
-        let meta = Machine {
-            log: LogState::default(),
-            applied: None,
-            membership: StoredMembership::default(),
-        }
-        .meta();
+        let meta = Machine::default().meta();
         let d = tempfile::tempdir().unwrap();
         let dir = SnapshotDir::open(d.path()).unwrap();
         let path = dir.write(&meta, &v5).unwrap().path().to_path_buf();
@@ -813,7 +990,7 @@ mod tests {
                 set_log_ms: 11,
             },
         );
-        let f = dir.write(&m.meta(), &m).unwrap();
+        let f = write_snapshot(&dir, m.clone()).unwrap().0;
         assert_eq!(f.format().unwrap(), crate::snapshot::FORMAT);
         let (_, again) = load_snapshot(&f, &mut problems).expect("loads");
         assert_eq!(
@@ -866,12 +1043,7 @@ mod tests {
             applied: None,
             membership: StoredMembership::default(),
         };
-        let meta = Machine {
-            log: LogState::default(),
-            applied: None,
-            membership: StoredMembership::default(),
-        }
-        .meta();
+        let meta = Machine::default().meta();
         let d = tempfile::tempdir().unwrap();
         let dir = SnapshotDir::open(d.path()).unwrap();
         let path = dir.write(&meta, &v6).unwrap().path().to_path_buf();
@@ -901,7 +1073,7 @@ mod tests {
             },
         );
         m.log.rebuild_index();
-        let f = dir.write(&m.meta(), &m).unwrap();
+        let f = write_snapshot(&dir, m.clone()).unwrap().0;
         assert_eq!(f.format().unwrap(), crate::snapshot::FORMAT);
         let (_, again) = load_snapshot(&f, &mut problems).expect("loads");
         assert_eq!(again.log.stages, m.log.stages);
@@ -984,10 +1156,34 @@ mod tests {
                 since_log_ms: 41,
             },
         );
-        let f = dir.write(&m.meta(), &m).unwrap();
+        let f = write_snapshot(&dir, m.clone()).unwrap().0;
         assert_eq!(f.format().unwrap(), crate::snapshot::FORMAT);
         let (_, again) = load_snapshot(&f, &mut problems).expect("loads");
         assert_eq!(again.log.standbys, m.log.standbys);
         assert_eq!(again.log.stages, log.stages);
+    }
+
+    /// A format 8 data dir (the body is the machine alone, no cold section) loads, and is
+    /// written again as format 9.
+    #[test]
+    fn a_format_8_snapshot_still_loads() {
+        let mut m = Machine::default();
+        m.log.next_generation = 5;
+        m.log.log_ms = 33;
+        let d = tempfile::tempdir().unwrap();
+        let dir = SnapshotDir::open(d.path()).unwrap();
+        // Format 8 wrote the body right after the meta, then the checksum: a format 9 file with
+        // an empty cold section is that plus the body offset, which an older reader ignores.
+        let path = dir.write(&m.meta(), &m).unwrap().path().to_path_buf();
+        let file = as_written_by(&path, b"TLSNAP08");
+        assert_eq!(file.format().unwrap(), 8);
+        let mut problems = Vec::new();
+        let (_, loaded) = load_snapshot(&file, &mut problems).expect("loads");
+        assert!(problems.is_empty(), "{problems:?}");
+        assert_eq!((loaded.log.next_generation, loaded.log.log_ms), (5, 33));
+        let f = write_snapshot(&dir, loaded).unwrap().0;
+        assert_eq!(f.format().unwrap(), crate::snapshot::FORMAT);
+        let (_, again) = load_snapshot(&f, &mut problems).expect("loads");
+        assert_eq!((again.log.next_generation, again.log.log_ms), (5, 33));
     }
 }

@@ -5,11 +5,18 @@
 //!
 //! | bytes           | content                                                      |
 //! |-----------------|--------------------------------------------------------------|
-//! | 8               | magic `TLSNAP08` (format version 8; 3 to 7 are still read)    |
+//! | 8               | magic `TLSNAP09` (format version 9; 3 to 8 are still read)    |
 //! | 4               | length M of the meta (little endian)                          |
 //! | M               | the snapshot's meta: last log id, membership (bincode)       |
-//! | rest - 32       | the body: the state machine at that log id (bincode)         |
+//! | C               | the cold section: records of sealed generations, one frame    |
+//! |                 | (bincode `Vec<Record>`) per generation, found by a `ColdRef`  |
+//! | B               | the body: the state machine at that log id (bincode)         |
+//! | 8               | where the body starts (little endian)                         |
 //! | 32              | SHA-256 of every byte before it                              |
+//!
+//! Formats 3 to 8 have no cold section and no body offset: the body runs from the meta to the
+//! checksum. A node keeps the records of sealed generations in its newest snapshot file and
+//! reads them from there ([`SnapshotFile::read_records`]): the next snapshot copies them over.
 //!
 //! It is written aside (`*.partial`), fsynced, renamed to `snapshot-{index:020}.snap` and the
 //! directory fsynced: a crash at any point leaves the old snapshot or the new one, never a mix.
@@ -29,8 +36,11 @@ use serde::Serialize;
 use sha2::{Digest, Sha256};
 
 use crate::raft_types::SnapshotMeta;
+use crate::types::{ColdRef, Record};
 
-const MAGIC: &[u8; 8] = b"TLSNAP08";
+const MAGIC: &[u8; 8] = b"TLSNAP09";
+/// Format 8: no cold section, no body offset (read, never written).
+const MAGIC_V8: &[u8; 8] = b"TLSNAP08";
 /// Format 7: the same layout, a body without the hot standbys (read, never written).
 const MAGIC_V7: &[u8; 8] = b"TLSNAP07";
 /// Format 6: the same layout, a body without the stage registrations (read, never written).
@@ -43,9 +53,11 @@ const MAGIC_V4: &[u8; 8] = b"TLSNAP04";
 /// Format 3: as format 4, and without the tokenizer and session tables (read, never written).
 const MAGIC_V3: &[u8; 8] = b"TLSNAP03";
 /// The format version this build writes.
-pub const FORMAT: u8 = 8;
+pub const FORMAT: u8 = 9;
 const HEADER_BYTES: u64 = 12;
 const TRAILER_BYTES: u64 = 32;
+/// Format 9 keeps the body's offset just before the checksum.
+const BODY_OFFSET_BYTES: u64 = 8;
 /// Largest meta accepted (membership of a cluster: a few hundred bytes in practice).
 const META_BYTES_MAX: u32 = 1 << 20;
 const PARTIAL_SUFFIX: &str = ".partial";
@@ -108,6 +120,11 @@ impl SnapshotFile {
         &self.path
     }
 
+    /// Whether `other` is a clone of this open file (not merely the same path).
+    pub fn same_file(&self, other: &SnapshotFile) -> bool {
+        Arc::ptr_eq(&self.file, &other.file)
+    }
+
     pub fn len(&self) -> u64 {
         self.len
     }
@@ -135,21 +152,29 @@ impl SnapshotFile {
         }
     }
 
-    /// The meta and the body's byte range, from the header alone (no checksum check).
-    fn layout(&self) -> Result<(SnapshotMeta, u64, u64), SnapshotError> {
+    /// The format version of the file from its magic, and the meta, the byte range of the
+    /// cold section and of the body, from the header and trailer alone (no checksum check).
+    fn layout(&self) -> Result<Layout, SnapshotError> {
         if self.len < HEADER_BYTES + TRAILER_BYTES {
             return Err(self.corrupt(format!("{} bytes: too short for a snapshot", self.len)));
         }
         let mut header = [0u8; HEADER_BYTES as usize];
         self.file.read_exact_at(&mut header, 0).map_err(|e| self.io(e))?;
-        if ![MAGIC, MAGIC_V7, MAGIC_V6, MAGIC_V5, MAGIC_V4, MAGIC_V3]
-            .iter()
-            .any(|m| &header[..8] == *m)
-        {
-            return Err(self.corrupt(format!("not a tokenlog snapshot of format 3 to {FORMAT} (bad magic)")));
-        }
+        let format = match &header[..8] {
+            m if m == MAGIC => FORMAT,
+            m if m == MAGIC_V8 => 8,
+            m if m == MAGIC_V7 => 7,
+            m if m == MAGIC_V6 => 6,
+            m if m == MAGIC_V5 => 5,
+            m if m == MAGIC_V4 => 4,
+            m if m == MAGIC_V3 => 3,
+            _ => {
+                return Err(self.corrupt(format!("not a tokenlog snapshot of format 3 to {FORMAT} (bad magic)")));
+            }
+        };
+        let trailer = TRAILER_BYTES + if format >= 9 { BODY_OFFSET_BYTES } else { 0 };
         let meta_len = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
-        if meta_len > META_BYTES_MAX || HEADER_BYTES + meta_len as u64 + TRAILER_BYTES > self.len {
+        if meta_len > META_BYTES_MAX || HEADER_BYTES + meta_len as u64 + trailer > self.len {
             return Err(self.corrupt(format!("meta length {meta_len} does not fit the file")));
         }
         let mut meta = vec![0u8; meta_len as usize];
@@ -159,39 +184,48 @@ impl SnapshotFile {
         let meta: SnapshotMeta = bincode_opts(meta_len as u64)
             .deserialize(&meta)
             .map_err(|e| self.corrupt(format!("meta does not decode: {e}")))?;
-        let body_start = HEADER_BYTES + meta_len as u64;
-        Ok((meta, body_start, self.len - TRAILER_BYTES))
+        let cold_start = HEADER_BYTES + meta_len as u64;
+        let body_end = self.len - trailer;
+        let body_start = if format >= 9 {
+            let mut b = [0u8; 8];
+            self.file.read_exact_at(&mut b, body_end).map_err(|e| self.io(e))?;
+            let start = u64::from_le_bytes(b);
+            if start < cold_start || start > body_end {
+                return Err(self.corrupt(format!("body offset {start} does not fit the file")));
+            }
+            start
+        } else {
+            cold_start
+        };
+        Ok(Layout {
+            format,
+            meta,
+            cold: cold_start..body_start,
+            body: body_start..body_end,
+            hashed_end: self.len - TRAILER_BYTES,
+        })
     }
 
-    /// The format version of the file (3 to 7, or [`FORMAT`]), from its magic (no checksum check).
+    /// The format version of the file (3 to 8, or [`FORMAT`]), from its magic (no checksum check).
     pub fn format(&self) -> Result<u8, SnapshotError> {
-        self.layout()?;
-        let mut magic = [0u8; 8];
-        self.file.read_exact_at(&mut magic, 0).map_err(|e| self.io(e))?;
-        Ok(match &magic {
-            m if m == MAGIC_V3 => 3,
-            m if m == MAGIC_V4 => 4,
-            m if m == MAGIC_V5 => 5,
-            m if m == MAGIC_V6 => 6,
-            m if m == MAGIC_V7 => 7,
-            _ => FORMAT,
-        })
+        Ok(self.layout()?.format)
     }
 
     /// The snapshot's meta, read from the header. Use [`SnapshotFile::verify`] before trusting
     /// anything else in the file.
     pub fn meta(&self) -> Result<SnapshotMeta, SnapshotError> {
-        Ok(self.layout()?.0)
+        Ok(self.layout()?.meta)
     }
 
     /// Checks the whole file against its checksum and returns its meta.
     pub fn verify(&self) -> Result<SnapshotMeta, SnapshotError> {
-        Ok(self.verified_layout()?.0)
+        Ok(self.verified_layout()?.meta)
     }
 
     /// [`SnapshotFile::layout`], after checking the whole file against its checksum.
-    fn verified_layout(&self) -> Result<(SnapshotMeta, u64, u64), SnapshotError> {
-        let (meta, start, end) = self.layout()?;
+    fn verified_layout(&self) -> Result<Layout, SnapshotError> {
+        let layout = self.layout()?;
+        let end = layout.hashed_end;
         let mut hasher = Sha256::new();
         let mut buf = vec![0u8; 1 << 20];
         let mut off = 0u64;
@@ -206,22 +240,87 @@ impl SnapshotFile {
         if hasher.finalize().as_slice() != stored {
             return Err(self.corrupt("checksum mismatch: the file was changed or damaged after it was written"));
         }
-        Ok((meta, start, end))
+        Ok(layout)
     }
 
     /// Verifies the checksum, then decodes the body (bounded by its length).
     pub fn load<T: DeserializeOwned>(&self) -> Result<(SnapshotMeta, T), SnapshotError> {
-        let (meta, start, end) = self.verified_layout()?;
+        let layout = self.verified_layout()?;
         let range = RangeReader {
             file: &self.file,
-            pos: start,
-            end,
+            pos: layout.body.start,
+            end: layout.body.end,
         };
         let mut reader = io::BufReader::with_capacity(1 << 20, range);
-        let body: T = bincode_opts(end - start)
+        let body: T = bincode_opts(layout.body.end - layout.body.start)
             .deserialize_from(&mut reader)
             .map_err(|e| self.corrupt(format!("body does not decode: {e}")))?;
-        Ok((meta, body))
+        Ok((layout.meta, body))
+    }
+
+    /// The records a [`ColdRef`] of this file's body names, read from its cold section. Bounded
+    /// by the section; the caller compares them with the generation's chain head (the file may
+    /// have been damaged since it was verified).
+    pub fn read_records(&self, r: &ColdRef) -> Result<Vec<Record>, SnapshotError> {
+        let cold = self.layout()?.cold;
+        let end = r.offset.checked_add(r.bytes);
+        if r.offset < cold.start || end.is_none_or(|e| e > cold.end) || r.bytes > COLD_FRAME_BYTES_MAX {
+            return Err(self.corrupt(format!(
+                "cold records at {}+{} are outside its cold section {}..{}",
+                r.offset, r.bytes, cold.start, cold.end
+            )));
+        }
+        let mut buf = vec![0u8; r.bytes as usize];
+        self.file.read_exact_at(&mut buf, r.offset).map_err(|e| self.io(e))?;
+        let records: Vec<Record> = bincode_opts(r.bytes)
+            .deserialize(&buf)
+            .map_err(|e| self.corrupt(format!("cold records at {} do not decode: {e}", r.offset)))?;
+        if records.len() as u64 != r.records as u64 {
+            return Err(self.corrupt(format!(
+                "cold records at {}: {} of them, {} expected",
+                r.offset,
+                records.len(),
+                r.records
+            )));
+        }
+        Ok(records)
+    }
+}
+
+/// Where the parts of a snapshot file are.
+struct Layout {
+    format: u8,
+    meta: SnapshotMeta,
+    cold: std::ops::Range<u64>,
+    body: std::ops::Range<u64>,
+    /// The checksum covers every byte before this offset.
+    hashed_end: u64,
+}
+
+/// The largest cold frame read back: a generation's records at the largest `max_tokens`
+/// (8 bytes of length, 20 per record), with room to spare.
+const COLD_FRAME_BYTES_MAX: u64 = 8 + 32 * crate::limits::GENERATION_TOKENS_MAX as u64;
+
+/// The cold section of a snapshot being written: [`ColdSection::put`] appends one generation's
+/// records and says where they are.
+pub struct ColdSection<'a> {
+    w: &'a mut HashWriter<BufWriter<File>>,
+    offset: u64,
+}
+
+impl ColdSection<'_> {
+    pub fn put(&mut self, records: &[Record]) -> io::Result<ColdRef> {
+        let bytes = bincode_opts(u64::MAX)
+            .serialize(records)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+        self.w.write_all(&bytes)?;
+        let r = ColdRef {
+            offset: self.offset,
+            bytes: bytes.len() as u64,
+            records: records.len() as crate::types::Seq,
+        };
+        self.offset += bytes.len() as u64;
+        Ok(r)
     }
 }
 
@@ -388,8 +487,18 @@ impl SnapshotDir {
         })
     }
 
-    /// Writes a snapshot of `body` at `meta` and puts it in place.
+    /// Writes a snapshot of `body` at `meta` with no cold section and puts it in place.
     pub fn write<T: Serialize>(&self, meta: &SnapshotMeta, body: &T) -> io::Result<SnapshotFile> {
+        self.write_with_cold(meta, |_| Ok(body))
+    }
+
+    /// Writes a snapshot at `meta` and puts it in place: `fill` writes the cold section and
+    /// returns the body (which names where in it the records are).
+    pub fn write_with_cold<B: Serialize>(
+        &self,
+        meta: &SnapshotMeta,
+        fill: impl FnOnce(&mut ColdSection<'_>) -> io::Result<B>,
+    ) -> io::Result<SnapshotFile> {
         let mut partial = self.partial()?;
         let file = partial.file.take().expect("a new partial file is open");
         let mut w = HashWriter {
@@ -402,9 +511,16 @@ impl SnapshotDir {
         w.write_all(MAGIC)?;
         w.write_all(&(meta_bytes.len() as u32).to_le_bytes())?;
         w.write_all(&meta_bytes)?;
+        let mut cold = ColdSection {
+            w: &mut w,
+            offset: HEADER_BYTES + meta_bytes.len() as u64,
+        };
+        let body = fill(&mut cold)?;
+        let body_start = cold.offset;
         bincode_opts(u64::MAX)
-            .serialize_into(&mut w, body)
+            .serialize_into(&mut w, &body)
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+        w.write_all(&body_start.to_le_bytes())?;
         let digest = w.hasher.finalize();
         let mut inner = w.inner;
         inner.write_all(&digest)?;

@@ -233,11 +233,39 @@ pub struct Generation {
     pub unowned_ms: u64,
     pub finished_log_ms: u64,
     pub grants: Vec<Grant>,
+    /// Where the records of a sealed generation are, when this node keeps them on disk only
+    /// (`records` is then empty). A node's own choice, never replicated: a snapshot file
+    /// carries the records it refers to, and the digest and every read see the same records
+    /// whether they are here or there.
+    #[serde(skip)]
+    pub cold: Option<ColdRef>,
+}
+
+/// The records of one sealed generation inside a snapshot file ([`crate::snapshot`]): `bytes`
+/// at `offset`, `records` of them. Read back, they must hash to the generation's chain head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ColdRef {
+    pub offset: u64,
+    pub bytes: u64,
+    pub records: Seq,
 }
 
 impl Generation {
     pub fn frontier(&self) -> Seq {
-        self.records.len() as Seq
+        match self.cold {
+            Some(c) => c.records,
+            None => self.records.len() as Seq,
+        }
+    }
+    /// Terminal, and finished at least [`crate::limits::SEAL_AFTER_MS`] of log time before
+    /// `log_ms`: nothing in `apply` reads its records any more (an append to it is refused
+    /// without comparing them), so a node may keep them on disk only.
+    pub fn sealed(&self, log_ms: u64) -> bool {
+        self.state.is_terminal() && log_ms >= self.finished_log_ms.saturating_add(crate::limits::SEAL_AFTER_MS)
+    }
+    /// The records, when they are in memory (not [`Generation::cold`]).
+    pub fn hot_records(&self) -> Option<&[Record]> {
+        self.cold.is_none().then_some(&self.records[..])
     }
     pub fn takeovers(&self) -> u64 {
         // Every grant is a new epoch; `grants` keeps only the newest ones.
@@ -251,7 +279,7 @@ impl Generation {
     /// with records (before the first record `deadline_log_ms` applies), `unowned_ms` after the
     /// last lease's end.
     pub fn unowned_deadline_log_ms(&self) -> Option<u64> {
-        (!self.state.is_terminal() && !self.records.is_empty())
+        (!self.state.is_terminal() && self.frontier() > 0)
             .then(|| self.lease.expiry_log_ms.saturating_add(self.unowned_ms))
     }
 }

@@ -320,3 +320,180 @@ async fn a_log_row_that_fails_its_checksum_is_refused_at_open() {
     };
     assert!(e.contains("log entry 3: checksum mismatch"), "{e}");
 }
+
+/// The entries that put generation `g` (submitted by [`submit_entry`]`(g)`) through an owner, 3
+/// records and a finish, from log index `first` on, at log time `t`.
+fn finish_entries(first: u64, g: u64, t: u64) -> Vec<Entry> {
+    use tokenlog_raftlog::types::{AppendItem, FinishReason};
+    let decoder = format!("d{g}");
+    let cmds = vec![
+        Command::Acquire {
+            generation: g,
+            decoder: decoder.clone(),
+            lease_ms: 1_000,
+            model: model(),
+            rng_version: 0,
+        },
+        Command::Append {
+            decoder: decoder.clone(),
+            lease_ms: 1_000,
+            items: vec![AppendItem {
+                generation: g,
+                epoch: 1,
+                start_seq: 0,
+                token_ids: vec![g as u32, 8, 9],
+                finish: Some((FinishReason::Stop, String::new())),
+            }],
+        },
+    ];
+    cmds.into_iter()
+        .enumerate()
+        .map(|(i, cmd)| Entry {
+            log_id: log_id::<TypeConfig>(1, 1, first + i as u64),
+            payload: openraft::EntryPayload::Normal(Request { log_ms: t, cmd }),
+        })
+        .collect()
+}
+
+fn records_of(sm: &SmStore, g: u64) -> Vec<(u32, u64)> {
+    let s = sm.shared();
+    let m = s.read();
+    m.records_of(&m.generations[&g])
+        .expect("records read")
+        .iter()
+        .map(|r| (r.token_id, r.epoch))
+        .collect()
+}
+
+fn on_disk(sm: &SmStore, g: u64) -> bool {
+    let s = sm.shared();
+    let m = s.read();
+    let gen = &m.generations[&g];
+    assert!(gen.cold.is_none() || gen.records.is_empty());
+    gen.cold.is_some()
+}
+
+/// The memory bound: a snapshot moves the records of sealed generations out of memory, into
+/// its own file. They read back the same (checked against the chain head) from the live node,
+/// after the next snapshot (which copies them over), and after a restart; running and
+/// recently finished generations stay in memory; the state digest does not change.
+#[tokio::test]
+async fn sealed_generations_leave_memory_at_a_snapshot_and_read_back_the_same() {
+    use tokenlog_raftlog::limits::SEAL_AFTER_MS;
+    let dir = tempfile::tempdir().unwrap();
+    let mut sm = open_sm(&dir);
+    for g in 1..=3 {
+        apply_one(&mut sm, submit_entry(g)).await;
+    }
+    // 1 finishes at log time 10, 2 at 20 + SEAL_AFTER_MS; 3 stays pending.
+    let mut index = 4;
+    for (g, t) in [(1, 10), (2, 20 + SEAL_AFTER_MS)] {
+        for e in finish_entries(index, g, t) {
+            apply_one(&mut sm, e).await;
+        }
+        index += 2;
+    }
+    let digest = sm.shared().digest().unwrap();
+    let want1 = vec![(1, 1), (8, 1), (9, 1)];
+    assert_eq!(records_of(&sm, 1), want1);
+    build(&mut sm).await;
+    assert!(on_disk(&sm, 1), "sealed at log time 10 + SEAL_AFTER_MS: on disk");
+    assert!(!on_disk(&sm, 2), "finished less than SEAL_AFTER_MS ago: in memory");
+    assert!(!on_disk(&sm, 3));
+    assert_eq!(records_of(&sm, 1), want1);
+    assert_eq!(sm.shared().digest().unwrap(), digest, "where records are is not state");
+    let report = sm.shared().verify().unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    assert_eq!(report.records, 6);
+
+    // Generation 2 seals later; the next snapshot copies 1 over and adds 2.
+    let tick = Entry {
+        log_id: log_id::<TypeConfig>(1, 1, index),
+        payload: openraft::EntryPayload::Normal(Request {
+            log_ms: 20 + 2 * SEAL_AFTER_MS,
+            cmd: Command::Tick {
+                retention_ms: tokenlog_raftlog::limits::RETENTION_MS_DEFAULT,
+            },
+        }),
+    };
+    apply_one(&mut sm, tick).await;
+    let digest = sm.shared().digest().unwrap();
+    let snap = build(&mut sm).await;
+    assert!(on_disk(&sm, 1) && on_disk(&sm, 2));
+    assert_eq!(records_of(&sm, 1), want1);
+    assert_eq!(records_of(&sm, 2), vec![(2, 1), (8, 1), (9, 1)]);
+    assert_eq!(sm.shared().digest().unwrap(), digest);
+    drop(sm);
+
+    // A restart loads them from the snapshot, on disk still.
+    let sm = open_sm(&dir);
+    assert!(on_disk(&sm, 1) && on_disk(&sm, 2) && !on_disk(&sm, 3));
+    assert_eq!(records_of(&sm, 1), want1);
+    assert_eq!(sm.shared().digest().unwrap(), digest);
+    drop(sm);
+
+    // A follower installing that snapshot reads them from its own copy of the file.
+    let fdir = tempfile::tempdir().unwrap();
+    let mut f = open_sm(&fdir);
+    f.install_snapshot(&snap.meta, snap.snapshot.clone())
+        .await
+        .expect("install");
+    assert!(on_disk(&f, 1));
+    assert_eq!(records_of(&f, 2), vec![(2, 1), (8, 1), (9, 1)]);
+    assert_eq!(f.shared().digest().unwrap(), digest);
+}
+
+/// A byte flipped inside the records kept on disk of a stopped node is refused at open (the
+/// file's checksum), and a live node that reads a damaged frame refuses to serve it (the chain
+/// head), never a shortened or altered generation.
+#[tokio::test]
+async fn damaged_records_on_disk_are_refused() {
+    use tokenlog_raftlog::limits::SEAL_AFTER_MS;
+    let dir = tempfile::tempdir().unwrap();
+    let mut sm = open_sm(&dir);
+    apply_one(&mut sm, submit_entry(1)).await;
+    for e in finish_entries(2, 1, 10) {
+        apply_one(&mut sm, e).await;
+    }
+    let tick = Entry {
+        log_id: log_id::<TypeConfig>(1, 1, 4),
+        payload: openraft::EntryPayload::Normal(Request {
+            log_ms: 10 + SEAL_AFTER_MS,
+            cmd: Command::Tick {
+                retention_ms: tokenlog_raftlog::limits::RETENTION_MS_DEFAULT,
+            },
+        }),
+    };
+    apply_one(&mut sm, tick).await;
+    let path = build(&mut sm).await.snapshot.path().to_path_buf();
+    assert!(on_disk(&sm, 1));
+    let r = {
+        let s = sm.shared();
+        let m = s.read();
+        m.generations[&1].cold.unwrap()
+    };
+    let clean = std::fs::read(&path).unwrap();
+    let mut bad = clean.clone();
+    // The last record's token id: the frame still decodes, the chain does not match.
+    let at = (r.offset + r.bytes - 20) as usize;
+    bad[at] ^= 0x01;
+    std::fs::write(&path, &bad).unwrap();
+    {
+        let s = sm.shared();
+        let e = {
+            let m = s.read();
+            m.records_of(&m.generations[&1]).unwrap_err().to_string()
+        };
+        assert!(e.contains("chain head"), "{e}");
+        let report = s.verify().unwrap();
+        assert!(!report.problems.is_empty());
+    }
+    drop(sm);
+    match tokenlog_raftlog::data_dir::open(dir.path(), Default::default()) {
+        Ok(_) => panic!("a damaged record on disk, yet the data dir opened"),
+        Err(e) => assert!(e.to_string().contains("refusing to serve"), "{e}"),
+    }
+    std::fs::write(&path, &clean).unwrap();
+    let s = tokenlog_raftlog::data_dir::open(dir.path(), Default::default()).expect("clean again");
+    assert_eq!(s.report.records, 3);
+}

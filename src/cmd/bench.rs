@@ -266,10 +266,21 @@ pub async fn setup_writers(
     writers: usize,
     per_writer: usize,
 ) -> anyhow::Result<Vec<Vec<(u64, u64)>>> {
+    setup_writers_tagged(client, writers, per_writer, "").await
+}
+
+/// [`setup_writers`], with request ids that begin with `tag` (fresh generations each round).
+pub async fn setup_writers_tagged(
+    client: &LogClient,
+    writers: usize,
+    per_writer: usize,
+    tag: &str,
+) -> anyhow::Result<Vec<Vec<(u64, u64)>>> {
     let tasks: Vec<_> = (0..writers)
         .map(|w| {
             let client = client.clone();
-            tokio::spawn(async move { setup_writer(&client, w, per_writer, &format!("bench-decoder-{w}")).await })
+            let tag = tag.to_string();
+            tokio::spawn(async move { setup_writer(&client, w, per_writer, &format!("bench-decoder-{w}"), &tag).await })
         })
         .collect();
     let mut owned = Vec::new();
@@ -285,6 +296,7 @@ async fn setup_writer(
     writer: usize,
     count: usize,
     decoder: &str,
+    tag: &str,
 ) -> anyhow::Result<Vec<(u64, u64)>> {
     let mut owned = Vec::new();
     for j in 0..count {
@@ -300,7 +312,7 @@ async fn setup_writer(
         let sub = client
             .submit(pb::SubmitRequest {
                 tenant: "bench".into(),
-                request_id: format!("w{writer}-g{j}"),
+                request_id: format!("{tag}w{writer}-g{j}"),
                 binding: Some(binding),
             })
             .await?;
@@ -374,6 +386,18 @@ pub async fn append_step(
     seq: u32,
     token_ids: &[u32],
 ) -> anyhow::Result<()> {
+    append_step_then(client, w, gens, seq, token_ids, false).await
+}
+
+/// [`append_step`], and with `finish` every generation finishes (`Stop`) after these records.
+pub async fn append_step_then(
+    client: &LogClient,
+    w: usize,
+    gens: &[(u64, u64)],
+    seq: u32,
+    token_ids: &[u32],
+    finish: bool,
+) -> anyhow::Result<()> {
     let items = gens
         .iter()
         .map(|&(id, epoch)| pb::AppendItem {
@@ -381,6 +405,11 @@ pub async fn append_step(
             epoch,
             start_seq: seq,
             token_ids: token_ids.to_vec(),
+            finish: if finish {
+                pb::FinishReason::Stop as i32
+            } else {
+                pb::FinishReason::Unspecified as i32
+            },
             ..Default::default()
         })
         .collect();

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use tokenlog_raftlog::client::LogClient;
 
-use crate::cmd::bench::{append_step, setup_writers, wait_for_leader, Procs};
+use crate::cmd::bench::{append_step_then, setup_writers_tagged, wait_for_leader, Procs};
 
 #[derive(clap::Args, Clone)]
 pub struct RestartArgs {
@@ -35,6 +35,15 @@ pub struct RestartArgs {
     pub snapshot_every: u64,
     #[arg(long, default_value_t = 27_300)]
     pub port: u16,
+    /// Every generation finishes with its last append. Finished generations are sealed
+    /// `SEAL_AFTER_MS` (10 s) of log time later, and the next snapshot moves their records out
+    /// of memory: with `--rounds` spanning more than that, RSS levels off.
+    #[arg(long)]
+    pub finish: bool,
+    /// Rounds of `--records` each, every round on fresh generations; RSS and disk are printed
+    /// after each.
+    #[arg(long, default_value_t = 1)]
+    pub rounds: u32,
 }
 
 fn start_node(dir: &Path, port: u16, snapshot_every: u64) -> anyhow::Result<Procs> {
@@ -102,28 +111,45 @@ pub async fn restart(a: RestartArgs) -> anyhow::Result<()> {
     wait_for_leader(&client).await?;
     let pid = procs.0[0].id();
     let (rss0, disk0) = (rss_bytes(pid)?, dir_bytes(&data));
-    let owned = setup_writers(&client, a.writers, a.generations / a.writers).await?;
     let started = Instant::now();
-    let mut tasks = Vec::new();
-    for (w, gens) in owned.into_iter().enumerate() {
-        let client = client.clone();
-        let step = a.tokens_per_append;
-        tasks.push(tokio::spawn(async move {
-            let mut seq = 0u32;
-            let mut written = 0u64;
-            while (seq as u64) < per_gen {
-                let n = step.min((per_gen - seq as u64) as u32);
-                let tokens: Vec<u32> = (seq..seq + n).collect();
-                append_step(&client, w, &gens, seq, &tokens).await?;
-                seq += n;
-                written += n as u64 * gens.len() as u64;
-            }
-            anyhow::Ok(written)
-        }));
-    }
     let mut written = 0;
-    for t in tasks {
-        written += t.await??;
+    let mut oldest = None;
+    for round in 0..a.rounds.max(1) {
+        let tag = format!("r{round}-");
+        let owned = setup_writers_tagged(&client, a.writers, a.generations / a.writers, &tag).await?;
+        oldest = oldest.or(owned.first().and_then(|g| g.first()).map(|g| g.0));
+        let mut tasks = Vec::new();
+        for (w, gens) in owned.into_iter().enumerate() {
+            let client = client.clone();
+            let step = a.tokens_per_append;
+            let finish = a.finish;
+            tasks.push(tokio::spawn(async move {
+                let mut seq = 0u32;
+                let mut written = 0u64;
+                while (seq as u64) < per_gen {
+                    let n = step.min((per_gen - seq as u64) as u32);
+                    let tokens: Vec<u32> = (seq..seq + n).collect();
+                    let last = seq as u64 + n as u64 == per_gen;
+                    append_step_then(&client, w, &gens, seq, &tokens, finish && last).await?;
+                    seq += n;
+                    written += n as u64 * gens.len() as u64;
+                }
+                anyhow::Ok(written)
+            }));
+        }
+        for t in tasks {
+            written += t.await??;
+        }
+        if a.rounds > 1 {
+            let (rss, disk) = (rss_bytes(pid)?, dir_bytes(&data));
+            println!(
+                "round {:>3}: {written:>10} records, {:6.1} s, RSS {:7.1} MiB, disk {:7.1} MiB",
+                round + 1,
+                started.elapsed().as_secs_f64(),
+                mib(rss),
+                mib(disk)
+            );
+        }
     }
     let took = started.elapsed();
     // Let a snapshot that is being written finish before measuring.
@@ -131,9 +157,34 @@ pub async fn restart(a: RestartArgs) -> anyhow::Result<()> {
     let (rss1, disk1) = (rss_bytes(pid)?, dir_bytes(&data));
     let status = client.cluster_status(true).await?;
     let per_m = |b: u64| mib(b) / (written as f64 / 1e6);
+    if let Some(id) = oldest {
+        // The oldest generation, read late: from disk when it was sealed before a snapshot.
+        let t = Instant::now();
+        let mut stream = client.watch(id, 0).await?;
+        let mut got = 0u64;
+        let mut terminal = false;
+        while let Some(ev) = stream.message().await? {
+            got += ev.records.len() as u64;
+            if ev.terminal.is_some() {
+                terminal = true;
+                break;
+            }
+            if !a.finish && got >= per_gen {
+                break;
+            }
+        }
+        if got != per_gen {
+            bail!("a late watch of generation {id} gave {got} records, {per_gen} were committed");
+        }
+        println!(
+            "late watch of the oldest generation ({id}): {got} records{} in {:.1} ms",
+            if terminal { " and its finish" } else { "" },
+            t.elapsed().as_secs_f64() * 1e3
+        );
+    }
     println!(
         "bench restart: {written} records in {} generations, {:.1} s ({:.0} tokens/s, {} writers)",
-        a.generations,
+        a.generations * a.rounds.max(1) as usize,
         took.as_secs_f64(),
         written as f64 / took.as_secs_f64(),
         a.writers

@@ -64,6 +64,15 @@ impl LogState {
                 g,
             ));
         }
+        if g.sealed(now) {
+            // Decided without the records: a node may hold a sealed generation's on disk only.
+            return Err(reject_gen(
+                RejectReason::Terminal,
+                format!("finished {} ms ago: sealed", now - g.finished_log_ms),
+                g,
+            ));
+        }
+        debug_assert!(g.cold.is_none(), "an unsealed generation's records are in memory");
         let start = item.start_seq as usize;
         let end = start + item.token_ids.len();
         let committed = g.records.len();

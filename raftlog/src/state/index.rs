@@ -48,7 +48,7 @@ impl IndexKey {
         // lease's end); `Tick` checks the exact one.
         k.unowned_log_ms = k
             .claimable_log_ms
-            .filter(|_| !g.records.is_empty())
+            .filter(|_| g.frontier() > 0)
             .map(|c| c.saturating_add(g.unowned_ms));
         k
     }
@@ -58,7 +58,7 @@ impl IndexKey {
         let owned = g.lease.epoch > 0 && !g.lease.owner.is_empty();
         IndexKey {
             state: g.state,
-            deadline_log_ms: (live && g.records.is_empty()).then_some(g.deadline_log_ms),
+            deadline_log_ms: (live && g.frontier() == 0).then_some(g.deadline_log_ms),
             unowned_log_ms: None,
             finished_log_ms: (!live).then_some(g.finished_log_ms),
             claimable_log_ms: live.then_some(if owned { g.lease.expiry_log_ms } else { 0 }),
@@ -312,13 +312,18 @@ pub(super) fn check_generation(g: &Generation) {
         );
     }
     assert!(
-        g.records.len() <= g.binding.stop.max_tokens as usize,
+        g.frontier() <= g.binding.stop.max_tokens as Seq,
         "generation {}: {} records, max_tokens {}",
         g.id,
-        g.records.len(),
+        g.frontier(),
         g.binding.stop.max_tokens
     );
-    if g.records.is_empty() {
+    assert!(
+        g.cold.is_none() || g.records.is_empty(),
+        "generation {}: records both in memory and on disk",
+        g.id
+    );
+    if g.frontier() == 0 {
         assert_eq!(
             g.chain_head,
             chain::genesis(g.id),
@@ -326,8 +331,10 @@ pub(super) fn check_generation(g: &Generation) {
             g.id
         );
     }
+    // A generation whose records are on disk was checked when they were read (every cold read
+    // compares them with the chain head).
     #[cfg(any(test, debug_assertions))]
-    {
+    if g.cold.is_none() {
         let mut h = chain::genesis(g.id);
         for (seq, r) in g.records.iter().enumerate() {
             h = chain::next(&h, g.id, seq as Seq, r);

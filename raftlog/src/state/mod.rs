@@ -444,6 +444,7 @@ impl LogState {
             },
             finished_log_ms: 0,
             grants: Vec::new(),
+            cold: None,
         };
         let view = (&g).into();
         self.generations.insert(id, g);

@@ -163,7 +163,7 @@ impl LogState {
                 g.unowned_ms,
                 g.lease.epoch,
                 g.lease.expiry_log_ms,
-                g.records.len()
+                g.frontier()
             );
             terminate(g, FinishReason::Error, &detail, now);
             self.index.refile(g);

@@ -271,7 +271,19 @@ fn append_with_finish_and_retry_of_it() {
     };
     assert!(matches!(t.at(1, cmd.clone()), Response::Appended(ref v) if v[0].result.is_ok()));
     assert_eq!(t.gen(g).state, GenState::Finished);
-    assert!(matches!(t.at(2, cmd), Response::Appended(ref v) if v[0].result.is_ok() && v[0].frontier == 2));
+    assert!(matches!(t.at(2, cmd.clone()), Response::Appended(ref v) if v[0].result.is_ok() && v[0].frontier == 2));
+    // Until it is sealed: then the same retry is refused without a look at the records (a node
+    // may keep them on disk only), the same on every replica.
+    let sealed_at = 1 + crate::limits::SEAL_AFTER_MS;
+    assert!(matches!(t.at(sealed_at - 1, cmd.clone()), Response::Appended(ref v) if v[0].result.is_ok()));
+    assert!(t.gen(g).sealed(sealed_at) && !t.gen(g).sealed(sealed_at - 1));
+    match t.at(sealed_at, cmd) {
+        Response::Appended(v) => {
+            let e = v[0].result.clone().unwrap_err();
+            assert_eq!((e.reason, v[0].frontier), (RejectReason::Terminal, 2), "{e:?}");
+        }
+        r => panic!("{r:?}"),
+    }
 }
 
 #[test]
