@@ -456,13 +456,14 @@ fn write_snapshot(
         for g in copy.log.generations.values_mut() {
             let r = match g.cold {
                 Some(r) => {
+                    // Checked against its chain head when it was loaded or first written, and
+                    // by CRC here: copied as it is.
                     let from = copy
                         .cold_file
                         .as_ref()
                         .ok_or(ColdReadError::NoFile(g.id))
                         .map_err(io::Error::other)?;
-                    let records = read_cold(from, g, &r).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-                    section.put(&records)?
+                    section.copy(from, &r)?
                 }
                 None if g.sealed(now) && !g.records.is_empty() => {
                     let r = section.put(&g.records)?;
@@ -1185,5 +1186,64 @@ mod tests {
         assert_eq!(f.format().unwrap(), crate::snapshot::FORMAT);
         let (_, again) = load_snapshot(&f, &mut problems).expect("loads");
         assert_eq!((again.log.next_generation, again.log.log_ms), (5, 33));
+    }
+
+    /// Records on disk whose frame is intact (its CRC matches) but that are not the generation's
+    /// (a bug writing them, or a tampered file with its checksums redone) fail the chain head:
+    /// at load, and on every read.
+    #[test]
+    fn records_on_disk_that_are_not_the_generations_fail_its_chain() {
+        let mut m = Machine::default();
+        let cmd = Command::Submit {
+            tenant: "a".into(),
+            request_id: "r".into(),
+            binding: Binding {
+                model: ModelIdentity {
+                    weights_sha256: "w".into(),
+                    ..Default::default()
+                },
+                prompt_token_ids: vec![1],
+                stop: StopConfig {
+                    max_tokens: 4,
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+        };
+        m.log.apply(&Request { log_ms: 1, cmd }, &mut Changes::default());
+        let id = *m.log.generations.keys().next().unwrap();
+        let g = m.log.generations.get_mut(&id).unwrap();
+        let rec = Record {
+            token_id: 5,
+            epoch: 1,
+            log_ms: 2,
+        };
+        g.chain_head = chain::head(id, &[rec]);
+        g.records = vec![rec];
+        let d = tempfile::tempdir().unwrap();
+        let dir = SnapshotDir::open(d.path()).unwrap();
+        let other = Record { token_id: 6, ..rec };
+        let mut written = None;
+        let file = dir
+            .write_with_cold(&m.meta(), |section| {
+                let r = section.put(&[other])?;
+                written = Some(r);
+                let mut body = m.clone();
+                body.log.generations.get_mut(&id).unwrap().records.clear();
+                Ok(Body {
+                    machine: body,
+                    cold: vec![(id, r)],
+                })
+            })
+            .unwrap();
+        let mut problems = Vec::new();
+        assert!(load_snapshot(&file, &mut problems).is_none());
+        assert!(problems.iter().any(|p| p.contains("chain head")), "{problems:?}");
+        let r = written.unwrap();
+        let g = &m.log.generations[&id];
+        let mut cold = g.clone();
+        cold.records.clear();
+        cold.cold = Some(r);
+        assert!(matches!(read_cold(&file, &cold, &r), Err(ColdReadError::Chain(_))));
     }
 }

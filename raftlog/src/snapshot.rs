@@ -262,16 +262,7 @@ impl SnapshotFile {
     /// by the section; the caller compares them with the generation's chain head (the file may
     /// have been damaged since it was verified).
     pub fn read_records(&self, r: &ColdRef) -> Result<Vec<Record>, SnapshotError> {
-        let cold = self.layout()?.cold;
-        let end = r.offset.checked_add(r.bytes);
-        if r.offset < cold.start || end.is_none_or(|e| e > cold.end) || r.bytes > COLD_FRAME_BYTES_MAX {
-            return Err(self.corrupt(format!(
-                "cold records at {}+{} are outside its cold section {}..{}",
-                r.offset, r.bytes, cold.start, cold.end
-            )));
-        }
-        let mut buf = vec![0u8; r.bytes as usize];
-        self.file.read_exact_at(&mut buf, r.offset).map_err(|e| self.io(e))?;
+        let buf = self.read_frame(r)?;
         let records: Vec<Record> = bincode_opts(r.bytes)
             .deserialize(&buf)
             .map_err(|e| self.corrupt(format!("cold records at {} do not decode: {e}", r.offset)))?;
@@ -284,6 +275,26 @@ impl SnapshotFile {
             )));
         }
         Ok(records)
+    }
+}
+
+impl SnapshotFile {
+    /// The bytes a [`ColdRef`] names, bounded by the cold section and checked against its CRC.
+    fn read_frame(&self, r: &ColdRef) -> Result<Vec<u8>, SnapshotError> {
+        let cold = self.layout()?.cold;
+        let end = r.offset.checked_add(r.bytes);
+        if r.offset < cold.start || end.is_none_or(|e| e > cold.end) || r.bytes > COLD_FRAME_BYTES_MAX {
+            return Err(self.corrupt(format!(
+                "cold records at {}+{} are outside its cold section {}..{}",
+                r.offset, r.bytes, cold.start, cold.end
+            )));
+        }
+        let mut buf = vec![0u8; r.bytes as usize];
+        self.file.read_exact_at(&mut buf, r.offset).map_err(|e| self.io(e))?;
+        if crc32fast::hash(&buf) != r.crc {
+            return Err(self.corrupt(format!("cold records at {}: CRC mismatch", r.offset)));
+        }
+        Ok(buf)
     }
 }
 
@@ -313,11 +324,23 @@ impl ColdSection<'_> {
         let bytes = bincode_opts(u64::MAX)
             .serialize(records)
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-        self.w.write_all(&bytes)?;
+        self.frame(&bytes, records.len() as crate::types::Seq)
+    }
+
+    /// Copies the frame `r` of `from` (another snapshot's cold section) as it is, after its CRC:
+    /// no decoding, no hashing of records.
+    pub fn copy(&mut self, from: &SnapshotFile, r: &ColdRef) -> Result<ColdRef, SnapshotError> {
+        let bytes = from.read_frame(r)?;
+        self.frame(&bytes, r.records).map_err(|e| from.io(e))
+    }
+
+    fn frame(&mut self, bytes: &[u8], records: crate::types::Seq) -> io::Result<ColdRef> {
+        self.w.write_all(bytes)?;
         let r = ColdRef {
             offset: self.offset,
             bytes: bytes.len() as u64,
-            records: records.len() as crate::types::Seq,
+            crc: crc32fast::hash(bytes),
+            records,
         };
         self.offset += bytes.len() as u64;
         Ok(r)

@@ -242,11 +242,13 @@ pub struct Generation {
 }
 
 /// The records of one sealed generation inside a snapshot file ([`crate::snapshot`]): `bytes`
-/// at `offset`, `records` of them. Read back, they must hash to the generation's chain head.
+/// at `offset` with CRC-32 `crc`, `records` of them. Read back, they must hash to the
+/// generation's chain head; the next snapshot copies the bytes as they are, after their CRC.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ColdRef {
     pub offset: u64,
     pub bytes: u64,
+    pub crc: u32,
     pub records: Seq,
 }
 

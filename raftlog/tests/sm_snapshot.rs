@@ -444,8 +444,8 @@ async fn sealed_generations_leave_memory_at_a_snapshot_and_read_back_the_same() 
 }
 
 /// A byte flipped inside the records kept on disk of a stopped node is refused at open (the
-/// file's checksum), and a live node that reads a damaged frame refuses to serve it (the chain
-/// head), never a shortened or altered generation.
+/// file's checksum), and a live node that reads a damaged frame refuses to serve it (its CRC;
+/// then the chain head), never a shortened or altered generation.
 #[tokio::test]
 async fn damaged_records_on_disk_are_refused() {
     use tokenlog_raftlog::limits::SEAL_AFTER_MS;
@@ -484,7 +484,7 @@ async fn damaged_records_on_disk_are_refused() {
             let m = s.read();
             m.records_of(&m.generations[&1]).unwrap_err().to_string()
         };
-        assert!(e.contains("chain head"), "{e}");
+        assert!(e.contains("CRC mismatch"), "{e}");
         let report = s.verify().unwrap();
         assert!(!report.problems.is_empty());
     }
