@@ -99,6 +99,9 @@ pub struct SnapshotFile {
     path: PathBuf,
     file: Arc<File>,
     len: u64,
+    /// The cold section's byte range, read from the header and trailer once (every frame read
+    /// is bounded by it).
+    cold: Arc<std::sync::OnceLock<std::ops::Range<u64>>>,
 }
 
 impl SnapshotFile {
@@ -113,6 +116,7 @@ impl SnapshotFile {
             path: path.to_path_buf(),
             file: Arc::new(file),
             len,
+            cold: Default::default(),
         })
     }
 
@@ -281,7 +285,13 @@ impl SnapshotFile {
 impl SnapshotFile {
     /// The bytes a [`ColdRef`] names, bounded by the cold section and checked against its CRC.
     fn read_frame(&self, r: &ColdRef) -> Result<Vec<u8>, SnapshotError> {
-        let cold = self.layout()?.cold;
+        let cold = match self.cold.get() {
+            Some(c) => c.clone(),
+            None => {
+                let c = self.layout()?.cold;
+                self.cold.get_or_init(|| c).clone()
+            }
+        };
         let end = r.offset.checked_add(r.bytes);
         if r.offset < cold.start || end.is_none_or(|e| e > cold.end) || r.bytes > COLD_FRAME_BYTES_MAX {
             return Err(self.corrupt(format!(

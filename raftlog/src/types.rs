@@ -265,10 +265,6 @@ impl Generation {
     pub fn sealed(&self, log_ms: u64) -> bool {
         self.state.is_terminal() && log_ms >= self.finished_log_ms.saturating_add(crate::limits::SEAL_AFTER_MS)
     }
-    /// The records, when they are in memory (not [`Generation::cold`]).
-    pub fn hot_records(&self) -> Option<&[Record]> {
-        self.cold.is_none().then_some(&self.records[..])
-    }
     pub fn takeovers(&self) -> u64 {
         // Every grant is a new epoch; `grants` keeps only the newest ones.
         self.lease.epoch.saturating_sub(1)
