@@ -35,7 +35,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use tokio::time::Instant;
 
 use tokenlog_proto::decoder as dpb;
 use tokenlog_proto::raftlog as pb;

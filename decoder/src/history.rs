@@ -275,12 +275,26 @@ pub enum DecoderEvent {
 
 pub struct History {
     decoder: String,
-    out: Mutex<std::fs::File>,
+    out: Sink,
     next: AtomicU64,
 }
 
-/// Wall-clock microseconds; every process of a single-machine run shares the clock.
+/// Where a history's lines go.
+enum Sink {
+    File(Mutex<std::fs::File>),
+    /// Kept as typed lines (the simulation reads them back without a file).
+    Memory(Lines),
+}
+
+/// A history's lines kept in memory ([`History::in_memory`]).
+pub type Lines = std::sync::Arc<Mutex<Vec<HistoryLine>>>;
+
+/// Wall-clock microseconds; every process of a single-machine run shares the clock. Under the
+/// simulation ([`crate::simulation`]), microseconds of simulated time.
 pub fn now_us() -> u64 {
+    if let Some(us) = crate::simulation::now_us() {
+        return us;
+    }
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_micros() as u64)
@@ -292,9 +306,21 @@ impl History {
         let f = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
         Ok(History {
             decoder: decoder.to_string(),
-            out: Mutex::new(f),
+            out: Sink::File(Mutex::new(f)),
             next: AtomicU64::new(0),
         })
+    }
+
+    /// A history of decoder `decoder` kept in memory: the lines, as recorded, are in the
+    /// returned [`Lines`].
+    pub fn in_memory(decoder: &str) -> (History, Lines) {
+        let lines = Lines::default();
+        let h = History {
+            decoder: decoder.to_string(),
+            out: Sink::Memory(lines.clone()),
+            next: AtomicU64::new(0),
+        };
+        (h, lines)
     }
 
     /// Records a call's invocation; returns its id.
@@ -329,6 +355,10 @@ impl History {
     }
 
     fn record(&self, line: &HistoryLine) {
+        let f = match &self.out {
+            Sink::File(f) => f,
+            Sink::Memory(lines) => return lines.lock().expect("lock").push(line.clone()),
+        };
         let mut text = match serde_json::to_string(line) {
             Ok(t) => t,
             Err(e) => {
@@ -337,7 +367,7 @@ impl History {
             }
         };
         text.push('\n');
-        let mut f = self.out.lock().expect("lock");
+        let mut f = f.lock().expect("lock");
         if let Err(e) = f.write_all(text.as_bytes()) {
             tracing::warn!("history write failed: {e}");
         }

@@ -42,6 +42,8 @@
 //! - [`failpoint`]: test-only failpoints of the worker (`TOKENLOG_FAILPOINTS`), for the fault
 //!   suite's scenarios.
 //! - [`history`]: the worker's optional JSONL record of acquires and appends, for the checkers.
+//! - [`simulation`]: what changes when the deterministic simulation runs real workers (model
+//!   work inline, counted session ids, simulated history times), per thread.
 //!
 //! # Invariants
 //! - The random draw at position `seq` is a pure function of `(seed, seq)` ([`RNG_VERSION`]).
@@ -87,6 +89,7 @@ pub mod resume;
 #[cfg(feature = "model")]
 pub mod safetensors_model;
 pub mod sampler;
+pub mod simulation;
 #[cfg(feature = "model")]
 pub mod stage;
 pub mod stage_fence;

@@ -30,6 +30,10 @@ pub const UNACKED_TOKENS_MAX: usize = 256;
 /// An append unanswered this long ends its stream (the worker opens another and re-sends from
 /// the last acknowledged frontier).
 pub const APPEND_ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+/// A worker's append stream that fails again without an answer in between is reopened after
+/// this pause, doubling up to the maximum (the first failure reopens at once: a leader change).
+pub const STREAM_RETRY_PAUSE_MIN: Duration = Duration::from_millis(10);
+pub const STREAM_RETRY_PAUSE_MAX: Duration = Duration::from_millis(200);
 /// A decoder's session with the leader (instant crash detection): the pause before opening it
 /// again after it ended or could not be opened (doubling up to the max), and how long a
 /// starting worker waits for its first session before it takes work anyway (an older log has

@@ -21,7 +21,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
-use std::time::Instant;
+use tokio::time::Instant;
 
 use tokenlog_proto::raftlog as pb;
 use tokenlog_raftlog::client::LogClient;

@@ -22,7 +22,10 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+// tokio's clock: the production clock, and the simulated one under the simulation.
+use tokio::time::Instant;
 
 use tokenlog_proto::raftlog as pb;
 use tokenlog_raftlog::client::{AppendStream, ClientError, LogClient};
@@ -34,7 +37,7 @@ use crate::cache::CacheExport;
 use crate::history::{Answer, Call, DecoderEvent};
 use crate::limits::{
     APPENDS_IN_FLIGHT_MAX, APPEND_ANSWER_TIMEOUT, REGISTER_PERIOD_MIN, REGISTRATION_TTL_LEASES,
-    REGISTRATION_TTL_MIN_MS, TAKES_AT_ONCE_MAX, UNACKED_TOKENS_MAX,
+    REGISTRATION_TTL_MIN_MS, STREAM_RETRY_PAUSE_MAX, STREAM_RETRY_PAUSE_MIN, TAKES_AT_ONCE_MAX, UNACKED_TOKENS_MAX,
 };
 
 const _: () = assert!(UNACKED_TOKENS_MAX <= tokenlog_raftlog::limits::RECORDS_PER_APPEND_MAX);
@@ -344,6 +347,10 @@ pub struct Worker {
     active: BTreeMap<u64, Active>,
     /// The decoder's `AppendStream` to the leader, opened when there is something to send.
     stream: Option<AppendStream>,
+    /// Streams that failed since the last answer, and when the next may open: a node that
+    /// takes a stream and fails every append at once (its Raft stopped) is not hammered.
+    stream_failures: u32,
+    stream_retry_at: Option<Instant>,
     /// Appends sent on `stream` and not yet answered, oldest first.
     in_flight: VecDeque<Vec<SentItem>>,
     held: Held,
@@ -469,6 +476,8 @@ impl Worker {
             identity,
             active: BTreeMap::new(),
             stream: None,
+            stream_failures: 0,
+            stream_retry_at: None,
             in_flight: VecDeque::new(),
             held,
             lost: Default::default(),
@@ -545,6 +554,7 @@ impl Worker {
         let stall = Duration::from_millis(self.cfg.stall_ms.max(crate::limits::STALL_MS_MIN));
         let watchdog = stall_watch(self.beat.clone(), self.origin, stall);
         let result = tokio::select! {
+            biased;
             r = self.serve(stop) => r,
             why = watchdog => {
                 tracing::error!(why, "the worker is stuck: ending it, so that its leases lapse");
@@ -575,8 +585,10 @@ impl Worker {
     /// The step loop of [`Worker::run`], until `stop` turns true (then the appends in flight are
     /// awaited) or the worker fails.
     async fn serve(&mut self, mut stop: tokio::sync::watch::Receiver<bool>) -> Result<(), WorkerError> {
-        let mut last_poll = Instant::now() - Duration::from_secs(3600);
-        let mut last_register = last_poll;
+        // Due at once (an `Instant` an hour back would not exist on a machine up for less).
+        let mut last_poll: Option<Instant> = None;
+        let mut last_register: Option<Instant> = None;
+        let due = |last: Option<Instant>, period: Duration| last.is_none_or(|t| t.elapsed() >= period);
         loop {
             if *stop.borrow() && !self.keep_draining() {
                 break;
@@ -593,11 +605,14 @@ impl Worker {
             // decoders stop choosing it as a destination.
             let drain_began = self.stopping && !self.drain_registered;
             if drain_began
-                || last_register.elapsed() >= Duration::from_millis(self.cfg.lease_ms).max(REGISTER_PERIOD_MIN)
+                || due(
+                    last_register,
+                    Duration::from_millis(self.cfg.lease_ms).max(REGISTER_PERIOD_MIN),
+                )
             {
                 self.drain_registered = self.stopping;
                 self.register().await;
-                last_register = Instant::now();
+                last_register = Some(Instant::now());
             }
             // Work is taken once the session is open (a crash from then on is found at once),
             // or after a while without one.
@@ -606,10 +621,10 @@ impl Worker {
             if session_ready
                 && self.drain_until.is_none()
                 && self.load() < self.cfg.capacity
-                && last_poll.elapsed() >= Duration::from_millis(self.cfg.poll_ms)
+                && due(last_poll, Duration::from_millis(self.cfg.poll_ms))
             {
                 self.take_work().await;
-                last_poll = Instant::now();
+                last_poll = Some(Instant::now());
             }
             // A decoder with no free slot could not take a followed generation over (its
             // priority would only delay another decoder's takeover): it claims none.
@@ -672,6 +687,7 @@ impl Worker {
                 // ended handoff wakes it at once.
                 let wake = self.wake.clone();
                 tokio::select! {
+                    biased;
                     _ = stop.changed() => {}
                     _ = wake.notified() => {}
                     _ = tokio::time::sleep(Duration::from_millis(self.cfg.poll_ms)) => {}
@@ -1368,6 +1384,9 @@ impl Worker {
             return false;
         }
         if self.stream.is_none() {
+            if self.stream_retry_at.is_some_and(|t| Instant::now() < t) {
+                return false;
+            }
             match self.client.append_stream().await {
                 Ok(s) => self.stream = Some(s),
                 Err(e) => {
@@ -1421,6 +1440,7 @@ impl Worker {
 
     /// The answer to the oldest append in flight: recorded and absorbed.
     fn take_answer(&mut self, resp: pb::AppendResponse) {
+        self.stream_failures = 0;
         let sent = self
             .in_flight
             .pop_front()
@@ -1432,6 +1452,13 @@ impl Worker {
     /// Ends the stream: the answers still owed are unknown (the appends may or may not have
     /// committed), so every unacknowledged token is re-sent on the next stream.
     fn close_stream(&mut self, why: &str) {
+        if self.stream.is_some() {
+            self.stream_failures += 1;
+            self.stream_retry_at = (self.stream_failures > 1).then(|| {
+                let doublings = (self.stream_failures - 2).min(8);
+                Instant::now() + (STREAM_RETRY_PAUSE_MIN * (1 << doublings)).min(STREAM_RETRY_PAUSE_MAX)
+            });
+        }
         if self.stream.take().is_some() && !self.in_flight.is_empty() {
             tracing::warn!(
                 error = why,
@@ -1607,8 +1634,17 @@ async fn stall_watch(beat: Arc<std::sync::atomic::AtomicU64>, origin: Instant, s
 /// Runs model work on a blocking thread. A panic in it (candle's kernels panic on some bad
 /// input) is the model's failure, an error here, not a bug of the process: it runs inside
 /// [`crate::panics::catch_expected`], which the binary's abort-on-panic hook lets through.
+/// Under the simulation ([`crate::simulation`]) it runs inline, then costs a simulated step.
 pub(crate) async fn model_work<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> Result<R, String> {
-    match tokio::task::spawn_blocking(move || crate::panics::catch_expected(f)).await {
+    let done = match crate::simulation::step() {
+        Some(step) => {
+            let r = crate::panics::catch_expected(f);
+            tokio::time::sleep(step).await;
+            Ok(r)
+        }
+        None => tokio::task::spawn_blocking(move || crate::panics::catch_expected(f)).await,
+    };
+    match done {
         Ok(Ok(r)) => Ok(r),
         Ok(Err(p)) => Err(format!(
             "the model panicked: {}",
@@ -1732,20 +1768,32 @@ impl Taker {
 
     /// The acquire of [`Taker::take`]: the granted generation and epoch, `None` if refused.
     async fn acquire(&self, id: u64) -> Result<Option<(pb::GenerationInfo, u64)>, WorkerError> {
-        let hid = self.history.as_ref().map(|h| h.invoke(Call::Acquire { gen: id }));
+        let req = pb::AcquireRequest {
+            generation_id: id,
+            decoder_id: self.cfg.decoder_id.clone(),
+            lease_ms: self.cfg.lease_ms,
+            model: Some(self.identity.clone()),
+            rng_version: RNG_VERSION,
+        };
+        // Every try of the client's is an operation of its own in the history: an acquire is
+        // idempotent only while the lease it granted lives, so a retry after a lost grant's
+        // lease ran out is granted again, at a newer epoch (found by the simulation).
+        let history = self.history.clone();
         let acq = self
             .client
-            .acquire(pb::AcquireRequest {
-                generation_id: id,
-                decoder_id: self.cfg.decoder_id.clone(),
-                lease_ms: self.cfg.lease_ms,
-                model: Some(self.identity.clone()),
-                rng_version: RNG_VERSION,
+            .call(|mut c| {
+                let (req, history) = (req.clone(), history.clone());
+                async move {
+                    let hid = history.as_ref().map(|h| h.invoke(Call::Acquire { gen: id }));
+                    let r = c.acquire(req).await;
+                    if let (Some(h), Some(hid)) = (&history, hid) {
+                        let answer = r.as_ref().ok().map(|r| r.get_ref());
+                        h.complete(hid, Answer::of_ownership(&Call::Acquire { gen: id }, answer));
+                    }
+                    r
+                }
             })
             .await;
-        if let (Some(h), Some(hid)) = (&self.history, hid) {
-            h.complete(hid, Answer::of_ownership(&Call::Acquire { gen: id }, acq.as_ref().ok()));
-        }
         let acq = acq?;
         let Some(info) = acq.generation.filter(|_| acq.ok) else {
             tracing::debug!(generation = id, rejection = ?acq.rejection, "acquire refused");

@@ -1,10 +1,12 @@
 //! The lease side of the worker: reading a taken generation's committed prefix, and the renewer
 //! that keeps held leases alive while a step is slow (slow is not dead).
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use tokenlog_proto::raftlog as pb;
 use tokenlog_raftlog::client::{ClientError, LogClient};
@@ -17,7 +19,7 @@ use crate::limits::{
 };
 
 /// Shared with the renewer: what we hold, and when the log last confirmed it.
-pub(crate) type Held = Arc<Mutex<HashMap<u64, (u64, Instant)>>>;
+pub(crate) type Held = Arc<Mutex<BTreeMap<u64, (u64, Instant)>>>;
 
 /// Filled by the renewer: `(generation, epoch)` whose renewal the log rejected. The worker drops
 /// them before it sends anything more (CONTRACT §2).
@@ -70,9 +72,13 @@ pub(crate) async fn session_loop(
     }
 }
 
-/// A random non-zero id (std's per-process random hash keys; no id twice in a row).
+/// A random non-zero id (std's per-process random hash keys; no id twice in a row); counted
+/// under the simulation.
 fn fresh_session_id() -> u64 {
     use std::hash::{BuildHasher, Hasher};
+    if let Some(id) = crate::simulation::session_id() {
+        return id;
+    }
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u128(
         std::time::SystemTime::now()

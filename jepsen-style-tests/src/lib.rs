@@ -35,6 +35,7 @@ pub mod parse;
 pub mod sim;
 pub mod sim_raft;
 pub mod sim_rt;
+pub mod sim_workers;
 
 pub use checker::{check, CheckResult, Violation};
 pub use history::{Completion, History, Operation};

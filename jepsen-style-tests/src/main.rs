@@ -120,8 +120,10 @@ enum Command {
         /// Turn on a planted bug that the checkers must catch.
         #[arg(long, value_enum)]
         plant: Option<jepsen_style_tests::sim::SimPlant>,
-        /// Which replicated log: the simulation's own stand-in Raft (fast), or the real
-        /// openraft core on the simulated disk and network (slower; production code).
+        /// Which replicated log and decoders: the simulation's own stand-in Raft (fast), the
+        /// real openraft core on the simulated disk and network (slower; production code), or
+        /// `workers`: the openraft core and the real decoder workers (fake model) with the
+        /// production log client over gRPC on a simulated wire (slowest; the most production code).
         #[arg(long, value_enum, default_value_t = jepsen_style_tests::sim::SimCore::StandIn)]
         core: jepsen_style_tests::sim::SimCore,
         /// Print every seed's line (counts and history hash), not only failing ones.
@@ -311,7 +313,7 @@ fn sim_runs(
     verbose: bool,
 ) -> ExitCode {
     use jepsen_style_tests::sim;
-    if plant == Some(sim::SimPlant::LeaderRestore) && core != sim::SimCore::Openraft {
+    if plant == Some(sim::SimPlant::LeaderRestore) && core == sim::SimCore::StandIn {
         eprintln!("error: --plant leader-restore is a Raft configuration: it needs --core openraft");
         return ExitCode::from(EXIT_ERROR);
     }
@@ -356,7 +358,7 @@ fn sim_runs(
     });
     let secs = started.elapsed().as_secs_f64();
     println!(
-        "{seeds} seeds, {violations} violations{} | drew {} crashes ({} unsynced entries lost, {} kept torn, {} disks lost), {} disk write failures ({} nodes stopped and restarted), {} openraft panics (node restarted), {} partitions, {} leader changes, {} takeovers, {} decoder pauses, {} decoder crashes, {} decoder stops (releases), {} clock jumps, {} duplicated requests, {} delayed requests, {} watch reconnects, {} indeterminate ops; {} requests, {} tokens, {} pruned | {:.1} s, {:.0} seeds/s",
+        "{seeds} seeds, {violations} violations{} | drew {} crashes ({} unsynced entries lost, {} kept torn, {} disks lost), {} disk write failures ({} nodes stopped and restarted), {} openraft panics (node restarted), {} partitions, {} leader changes, {} takeovers, {} decoder pauses, {} decoder crashes, {} decoder stops (releases), {} worker exits, {} connection resets, {} clock jumps, {} duplicated requests, {} delayed requests, {} watch reconnects, {} indeterminate ops; {} requests, {} tokens, {} pruned | {:.1} s, {:.0} seeds/s",
         first.map(|s| format!(" (first at seed {s})")).unwrap_or_default(),
         total.crashes,
         total.lost_unsynced,
@@ -371,6 +373,8 @@ fn sim_runs(
         total.decoder_pauses,
         total.decoder_crashes,
         total.decoder_releases,
+        total.worker_exits,
+        total.connection_resets,
         total.clock_jumps,
         total.duplicates,
         total.delayed,

@@ -84,6 +84,11 @@ pub enum SimCore {
     StandIn,
     /// The real openraft core ([`crate::sim_raft`]): slower, production code.
     Openraft,
+    /// The real openraft core, and the real decoder workers (fake model) with the production
+    /// log client, over gRPC on the simulated wire ([`crate::sim_workers`]), in place of the
+    /// stand-in decoders. Decoder pauses become cut-offs from the log (their leases lapse, and
+    /// they come back as stale writers); a lossy network breaks connections.
+    Workers,
 }
 
 #[derive(Clone, Debug)]
@@ -162,6 +167,10 @@ pub struct SimCounts {
     pub storage_exits: u64,
     /// Log nodes whose openraft core panicked (an assertion in openraft), and restarted.
     pub raft_panics: u64,
+    /// Real workers that ended on their own and were restarted (`SimCore::Workers`).
+    pub worker_exits: u64,
+    /// Connections between real workers and nodes a lossy network broke.
+    pub connection_resets: u64,
     /// Requests held in transit and delivered late (after later ones).
     pub delayed: u64,
     pub indeterminate_ops: u64,
@@ -188,6 +197,8 @@ impl SimCounts {
         self.write_failures += o.write_failures;
         self.storage_exits += o.storage_exits;
         self.raft_panics += o.raft_panics;
+        self.worker_exits += o.worker_exits;
+        self.connection_resets += o.connection_resets;
         self.delayed += o.delayed;
         self.indeterminate_ops += o.indeterminate_ops;
         self.requests += o.requests;
@@ -218,6 +229,7 @@ const DECODER_CAPACITY: usize = 3;
 /// How long an fsync takes (ms, a range): what a crash may lose meanwhile.
 const FSYNC_MS: (u64, u64) = (1, 8);
 
+/// The identity the stand-in decoders serve.
 fn model() -> ModelIdentity {
     ModelIdentity {
         weights_sha256: "sim".into(),
@@ -435,6 +447,13 @@ struct Sim {
     /// The real openraft cluster, when it is the log (`SimCore::Openraft`); `replicas` then
     /// only keep each node's up/down, restart time and clock skew.
     real: Option<crate::sim_raft::RealLog>,
+    /// The real decoder workers (`SimCore::Workers`); the stand-in decoders' slots then only
+    /// keep each one's up/down, incarnation and restart time.
+    workers: Option<crate::sim_workers::Workers>,
+    /// The nodes the workers' wire isolates now (applied when it changes).
+    isolated_applied: BTreeSet<usize>,
+    /// What generations are bound to: the fake model's identity when real workers serve them.
+    model: ModelIdentity,
     /// Full disks (openraft only): node, when space is freed.
     disk_full: Vec<(usize, u64)>,
 }
@@ -466,7 +485,7 @@ impl Sim {
         let replicas: Vec<Replica> = (0..REPLICAS)
             .map(|_| Replica::new(faults, &clock_now, unbounded))
             .collect();
-        let real = (cfg.core == SimCore::Openraft).then(|| {
+        let real = (cfg.core != SimCore::StandIn).then(|| {
             let skews: Vec<Arc<AtomicI64>> = replicas.iter().map(|r| r.skew.clone()).collect();
             let plants = crate::sim_raft::RealPlants {
                 ack_before_fsync: cfg.plant == Some(SimPlant::AckBeforeFsync),
@@ -476,6 +495,13 @@ impl Sim {
             };
             crate::sim_raft::RealLog::new(cfg.seed, faults, &skews, clock_now.clone(), plants)
         });
+        let workers = (cfg.core == SimCore::Workers).then(|| {
+            let start = real.as_ref().expect("the openraft core").start();
+            crate::sim_workers::Workers::new(REPLICAS, DECODERS, LEASE_MS, DECODER_CAPACITY, cfg.seed, start)
+        });
+        let model = workers.as_ref().map_or_else(model, |w| w.identity());
+        // Real workers start at the first step, as incarnation 1.
+        let first_up = workers.is_none();
         Sim {
             rng,
             now: 0,
@@ -484,6 +510,9 @@ impl Sim {
             election_at: 0,
             replicas,
             real,
+            workers,
+            isolated_applied: BTreeSet::new(),
+            model,
             disk_full: Vec::new(),
             clock_now,
             cut: BTreeSet::new(),
@@ -495,8 +524,8 @@ impl Sim {
             loss: 0.0,
             decoders: (0..DECODERS)
                 .map(|_| Decoder {
-                    incarnation: 1,
-                    up: true,
+                    incarnation: if first_up { 1 } else { 0 },
+                    up: first_up,
                     paused_until: 0,
                     restart_at: 0,
                     held: BTreeMap::new(),
@@ -728,6 +757,19 @@ impl Sim {
                 // Pause a decoder past its lease: a stale writer when it wakes.
                 let d = self.rng.random_range(0..DECODERS);
                 let hold = self.rng.random_range(LEASE_MS / 2..LEASE_MS * 4);
+                if let Some(w) = &self.workers {
+                    // A real worker cannot be frozen: it is cut off from the log instead, and
+                    // comes back with what it sent meanwhile in flight.
+                    if !self.decoders[d].up || self.decoders[d].paused_until > self.now {
+                        return;
+                    }
+                    w.cut_off(d, true);
+                    self.decoders[d].paused_until = self.now + hold;
+                    self.counts.decoder_pauses += 1;
+                    self.faults_log
+                        .push(format!("{} cut d{} off the log {hold} ms", self.now, d + 1));
+                    return;
+                }
                 self.decoders[d].paused_until = self.now + hold;
                 self.counts.decoder_pauses += 1;
                 self.faults_log.push(format!("{} pause d{} {hold} ms", self.now, d + 1));
@@ -768,6 +810,17 @@ impl Sim {
     /// A graceful stop (SIGTERM): the decoder releases what it holds, then restarts as a new
     /// incarnation. The releases' answers are recorded (the ownership model checks them).
     fn stop_decoder(&mut self, d: usize) {
+        if let Some(w) = &self.workers {
+            // The real worker releases what it holds and records it; it gets until its
+            // restart, then is killed if it has not exited.
+            w.stop(d);
+        }
+        if self.workers.is_some() {
+            self.take_down(d);
+            self.counts.decoder_releases += 1;
+            self.faults_log.push(format!("{} stop d{} (releases)", self.now, d + 1));
+            return;
+        }
         // What it had in flight ends in doubt (it stops waiting); then it releases.
         self.forget_calls(d);
         let name = self.decoders[d].name(d);
@@ -782,6 +835,9 @@ impl Sim {
     }
 
     fn crash_decoder(&mut self, d: usize) {
+        if let Some(w) = self.workers.as_mut() {
+            w.crash(d);
+        }
         self.take_down(d);
         self.counts.decoder_crashes += 1;
         // Its calls in flight end in doubt: no answer is recorded.
@@ -817,6 +873,9 @@ impl Sim {
         self.loss = 0.0;
         for d in &mut self.decoders {
             d.paused_until = 0;
+        }
+        if let Some(w) = &self.workers {
+            w.heal();
         }
         self.faults_log.push(format!("{} heal all", self.now));
     }
@@ -855,6 +914,11 @@ impl Sim {
                 dec.up = true;
                 dec.incarnation += 1;
                 dec.next_poll = self.now;
+                if let (Some(w), Some(real)) = (self.workers.as_mut(), self.real.as_ref()) {
+                    // A stopped one still releasing by now is killed.
+                    w.crash(d);
+                    w.start(real, d, dec.name(d));
+                }
             }
         }
     }
@@ -1068,6 +1132,7 @@ impl Sim {
         let real = self.real.as_mut().expect("openraft core");
         real.set_links(&self.cut, &self.one_way, self.loss);
         self.arrivals();
+        self.workers_step();
         let real = self.real.as_mut().expect("openraft core");
         real.advance_to(self.now);
         let now = self.now;
@@ -1093,6 +1158,20 @@ impl Sim {
             r.restart_at = self.now + self.rng.random_range(50..500);
             self.faults_log.push(format!("{} n{i} stopped on {what}", self.now));
         }
+        if let Some(w) = self.workers.as_mut() {
+            for (d, name) in w.reap() {
+                // Ended on its own (stuck, or a failure it does not survive): the supervisor
+                // starts another incarnation. A stopped one was down already.
+                let dec = &mut self.decoders[d];
+                if dec.up {
+                    dec.up = false;
+                    dec.restart_at = self.now + self.rng.random_range(50..800);
+                    self.counts.worker_exits += 1;
+                    self.faults_log.push(format!("{} {name} exited", self.now));
+                }
+            }
+        }
+        let real = self.real.as_mut().expect("openraft core");
         let leader = real.leader();
         if leader.is_some() && leader != self.leader {
             self.counts.leader_changes += 1;
@@ -1104,6 +1183,32 @@ impl Sim {
                 if p.answer.is_none() {
                     p.answer = Some((self.now + delay, resp));
                 }
+            }
+        }
+    }
+
+    /// The real workers' wire follows the nodes and the nemesis: servers for the nodes up,
+    /// isolation, cut-off decoders whose time is up reconnected, and on a lossy network a
+    /// connection broken now and then (what was in flight on it ends in doubt).
+    fn workers_step(&mut self) {
+        let (Some(w), Some(real)) = (self.workers.as_mut(), self.real.as_ref()) else {
+            return;
+        };
+        w.sync_nodes(real);
+        if self.isolated_applied != self.isolated_from_clients {
+            self.isolated_applied = self.isolated_from_clients.clone();
+            w.isolate(&self.isolated_applied);
+        }
+        for (d, dec) in self.decoders.iter_mut().enumerate() {
+            if dec.paused_until != 0 && self.now >= dec.paused_until {
+                dec.paused_until = 0;
+                w.cut_off(d, false);
+            }
+        }
+        if self.loss > 0.0 && self.rng.random_bool(self.loss / 20.0) {
+            let k = self.rng.random_range(0..1_000);
+            if w.break_one(k) {
+                self.counts.connection_resets += 1;
             }
         }
     }
@@ -1236,6 +1341,9 @@ impl Sim {
     }
 
     fn decoders_step(&mut self) {
+        if self.workers.is_some() {
+            return;
+        }
         for d in 0..DECODERS {
             if !self.decoders[d].up || self.paused(d) {
                 continue;
@@ -1580,9 +1688,19 @@ impl Sim {
         self.submit(c);
     }
 
-    fn binding(max_tokens: u32) -> Binding {
+    fn binding(&self, max_tokens: u32) -> Binding {
+        // The real workers' sampler scheme (the stand-in decoders acquire with 0).
+        let rng_version = if self.workers.is_some() {
+            tokenlog_decoder::sampler::RNG_VERSION
+        } else {
+            0
+        };
         Binding {
-            model: model(),
+            model: self.model.clone(),
+            sampling: tokenlog_raftlog::types::SamplingConfig {
+                rng_version,
+                ..Default::default()
+            },
             prompt_token_ids: vec![1, 2, 3],
             stop: StopConfig {
                 max_tokens,
@@ -1597,7 +1715,7 @@ impl Sim {
         let cmd = Command::Submit {
             tenant: "sim".into(),
             request_id: rec.request_id.clone(),
-            binding: Self::binding(rec.max_tokens),
+            binding: self.binding(rec.max_tokens),
         };
         let id = self.call(Caller::Client(c), cmd, vec![]);
         self.clients[c].submitting = Some(id);
@@ -1736,6 +1854,16 @@ impl Sim {
                 reqs.push(r);
             }
         }
+        if let Some(w) = &self.workers {
+            // The real workers' histories, as the fault suite reads its decoders' files.
+            self.ops = crate::harness::decoder_ops::join(w.lines());
+            self.ops.sort_by_key(|o| o.invoke_us);
+            self.counts.takeovers = self
+                .ops
+                .iter()
+                .filter(|o| o.op() == "acquire" && o.ok() == Some(true) && o.epoch() > 1)
+                .count() as u64;
+        }
         self.counts.requests = reqs.len() as u64;
         self.counts.tokens = reqs.iter().map(|r| r.events.len() as u64).sum();
         self.counts.indeterminate_ops = self.ops.iter().filter(|o| o.ok().is_none()).count() as u64;
@@ -1776,7 +1904,11 @@ impl Sim {
             "liveness".into(),
             checks::liveness(&reqs, &[], LEASE_MS, tokenlog_raftlog::limits::UNOWNED_MS_DEFAULT),
         );
-        verdicts.insert("lease-time".into(), checks::lease_time(&self.ops, LEASE_MS));
+        let lost = self.workers.as_ref().map(|w| w.sessions_lost()).unwrap_or_default();
+        verdicts.insert(
+            "lease-time".into(),
+            checks::lease_time_with_sessions_lost(&self.ops, LEASE_MS, &lost),
+        );
         verdicts.insert("convergence".into(), convergence);
         if let Some(real) = &self.real {
             self.counts.duplicates += real.duplicates();

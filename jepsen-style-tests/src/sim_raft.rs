@@ -541,13 +541,86 @@ struct SimNode {
     up: Option<Process>,
 }
 
-/// What a node's process holds: gone with a crash.
-struct Process {
+/// What a node's process holds: gone with a crash. Cloned for the tasks that serve it (the
+/// simulated `raftlog.v1.Log` service of [`crate::sim_workers`]).
+#[derive(Clone)]
+pub(crate) struct Process {
+    /// Which boot of the cluster started it (a new process, a new number).
+    pub(crate) boot: u64,
     raft: SimRaft,
-    machine: Arc<Mutex<Machine>>,
-    clock: Arc<Clock>,
+    pub(crate) machine: Arc<Mutex<Machine>>,
+    pub(crate) clock: Arc<Clock>,
     /// The term this process announced with `NewLeader`.
     announced: Arc<Mutex<Option<u64>>>,
+}
+
+/// Why a write was not answered.
+pub(crate) enum WriteError {
+    /// Not the leader (the leader's id, when known).
+    NotLeader(Option<u64>),
+    /// openraft stopped, or another failure of the write.
+    Failed(String),
+}
+
+impl Process {
+    /// Stamps `cmd` with this node's clock and proposes it, after `NewLeader` when it is the
+    /// first proposal of this process in its term (as the production proposer does); returns
+    /// its answer and log index once applied. Call inside [`Rt::scope`].
+    pub(crate) async fn write(&self, cmd: Command) -> Result<(Response, u64), WriteError> {
+        let term = {
+            let m = self.raft.metrics();
+            let m = m.borrow_watched();
+            (m.state == ServerState::Leader).then_some(m.current_term)
+        };
+        let announce = {
+            let mut a = self.announced.lock().expect("announced");
+            let announce = term.is_some() && *a != term;
+            if announce {
+                *a = term;
+            }
+            announce
+        };
+        let cmd = if announce {
+            Command::Batch(vec![Command::NewLeader, cmd])
+        } else {
+            cmd
+        };
+        let log_ms = {
+            let m = self.machine.lock().expect("machine");
+            self.clock.stamp(m.log.log_ms)
+        };
+        let written = match self.raft.client_write(Request { log_ms, cmd }).await {
+            Ok(w) => w,
+            Err(e) => {
+                return Err(match e.forward_to_leader() {
+                    Some(f) => WriteError::NotLeader(f.leader_id),
+                    None => WriteError::Failed(e.to_string()),
+                })
+            }
+        };
+        let index = written.log_id().index;
+        let mut resp = written.response().clone();
+        if announce {
+            if let Response::Batch(mut parts) = resp {
+                parts.remove(0);
+                resp = parts.pop().unwrap_or(Response::None);
+            }
+        }
+        Ok((resp, index))
+    }
+
+    /// The leader this node knows, if any.
+    pub(crate) fn leader(&self) -> Option<u64> {
+        self.raft.metrics().borrow_watched().current_leader
+    }
+
+    /// Whether this node leads now (a Raft stopped on a storage error still says it leads in
+    /// its last metrics: not it).
+    pub(crate) fn leads(&self) -> bool {
+        let m = self.raft.metrics();
+        let m = m.borrow_watched();
+        m.state == ServerState::Leader && m.running_state.is_ok()
+    }
 }
 
 /// The real openraft cluster the simulation drives, one simulated millisecond at a time.
@@ -689,11 +762,31 @@ impl RealLog {
             .expect("openraft starts on a readable disk");
         self.net.rafts.lock().expect("rafts")[i] = Some(raft.clone());
         self.nodes[i].up = Some(Process {
+            boot: self.boots,
             raft,
             machine,
             clock,
             announced: Arc::default(),
         });
+    }
+
+    /// Node `i`'s process, while it is up.
+    pub(crate) fn process(&self, i: usize) -> Option<Process> {
+        self.nodes[i].up.clone()
+    }
+
+    /// Spawns `f` on the cluster's runtime (it runs as the cluster advances).
+    pub(crate) fn spawn<F>(&self, f: F) -> tokio::task::JoinHandle<F::Output>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        self.rt.spawn(f)
+    }
+
+    /// Simulated time zero on the runtime's clock.
+    pub(crate) fn start(&self) -> tokio::time::Instant {
+        self.start
     }
 
     /// Runs the cluster up to simulated millisecond `now`.
@@ -756,46 +849,14 @@ impl RealLog {
     /// Node `to` gets `cmd` (it arrives now): it stamps and proposes it; when `caller` waits,
     /// the answer goes to `take_answers` once applied.
     pub fn propose(&mut self, to: usize, cmd: Command, caller: Option<u64>) {
-        let Some(p) = self.nodes[to].up.as_ref() else { return };
-        let (raft, machine, clock, announced) =
-            (p.raft.clone(), p.machine.clone(), p.clock.clone(), p.announced.clone());
+        let Some(p) = self.nodes[to].up.clone() else { return };
         let answers = self.answers.clone();
         self.proposals += 1;
         let seed = self.seed ^ self.proposals.wrapping_mul(0xbf58_476d_1ce4_e5b9);
         self.rt.spawn(Rt::scope(seed, async move {
-            let term = {
-                let m = raft.metrics();
-                let m = m.borrow_watched();
-                (m.state == ServerState::Leader).then_some(m.current_term)
-            };
-            // A leader's first proposal in its term starts with `NewLeader` (as in production).
-            let announce = {
-                let mut a = announced.lock().expect("announced");
-                let announce = term.is_some() && *a != term;
-                if announce {
-                    *a = term;
-                }
-                announce
-            };
-            let cmd = if announce {
-                Command::Batch(vec![Command::NewLeader, cmd])
-            } else {
-                cmd
-            };
-            let log_ms = {
-                let m = machine.lock().expect("machine");
-                clock.stamp(m.log.log_ms)
-            };
-            let Ok(written) = raft.client_write(Request { log_ms, cmd }).await else {
+            let Ok((resp, _)) = p.write(cmd).await else {
                 return;
             };
-            let mut resp = written.response().clone();
-            if announce {
-                if let Response::Batch(mut parts) = resp {
-                    parts.remove(0);
-                    resp = parts.pop().unwrap_or(Response::None);
-                }
-            }
             if let Some(call) = caller {
                 answers.lock().expect("answers").push((call, resp));
             }

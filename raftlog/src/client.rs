@@ -123,6 +123,11 @@ impl Drop for AppendStream {
     }
 }
 
+/// Makes the channel to the node at an address from the endpoint this client configured for it
+/// (timeouts, keepalive): how a client reaches nodes over something other than TCP (the
+/// simulation's network, `Endpoint::connect_with_connector_lazy`).
+pub type Connector = Arc<dyn Fn(&str, Endpoint) -> Channel + Send + Sync>;
+
 #[derive(Clone)]
 pub struct LogClient {
     inner: Arc<Inner>,
@@ -135,6 +140,8 @@ struct Inner {
     retry_budget: Duration,
     /// TLS to the nodes (the cluster's CA, this process's certificate); `None`: plain text.
     tls: ClientTls,
+    /// `None`: TCP.
+    connector: Option<Connector>,
 }
 
 fn retryable(s: &Status) -> bool {
@@ -172,8 +179,20 @@ impl LogClient {
             channels: Mutex::new(HashMap::new()),
             retry_budget,
             tls,
+            connector: None,
         };
         Ok(LogClient { inner: Arc::new(inner) })
+    }
+
+    /// A plain-text client whose channels `connector` makes (not TCP).
+    pub fn with_connector(
+        addrs: Vec<String>,
+        retry_budget: Duration,
+        connector: Connector,
+    ) -> Result<Self, ClientError> {
+        let mut c = Self::with_options(addrs, retry_budget, None)?;
+        Arc::get_mut(&mut c.inner).expect("not shared yet").connector = Some(connector);
+        Ok(c)
     }
 
     pub fn addrs(&self) -> &[String] {
@@ -190,7 +209,11 @@ impl LogClient {
                 // instead of a panic.
                 let e = endpoint(addr, &self.inner.tls)
                     .unwrap_or_else(|_| Endpoint::from_static("http://invalid.invalid:1"));
-                with_keepalive(e).timeout(CALL_TIMEOUT).connect_lazy()
+                let e = with_keepalive(e).timeout(CALL_TIMEOUT);
+                match &self.inner.connector {
+                    Some(connect) => connect(addr, e),
+                    None => e.connect_lazy(),
+                }
             })
             .clone();
         PbClient::new(ch)
@@ -227,6 +250,8 @@ impl LogClient {
         let start = tokio::time::Instant::now();
         let mut next = 0usize;
         let mut pause = RETRY_PAUSE_MIN;
+        // Redirects followed since the last pause.
+        let mut hops = 0usize;
         loop {
             let addr = self.inner.leader.lock().expect("lock").clone().unwrap_or_else(|| {
                 let a = self.inner.addrs[next % self.inner.addrs.len()].clone();
@@ -241,11 +266,19 @@ impl LogClient {
                 Err(s) if !retryable(&s) => return Err(ClientError::Status(s)),
                 Err(s) => s,
             };
-            *self.inner.leader.lock().expect("lock") = leader_hint(&status);
+            let hint = leader_hint(&status);
+            *self.inner.leader.lock().expect("lock") = hint.clone();
             if start.elapsed() >= self.inner.retry_budget {
                 return Err(ClientError::Exhausted(self.inner.retry_budget, status.to_string()));
             }
-            if leader_hint(&status).is_none() {
+            // A redirect is followed at once, but not for ever: during an election two nodes
+            // can name each other as the leader, and following them without a pause would
+            // spin until one of them learns better (found by the simulation, where no time
+            // passes while a task spins).
+            if hint.is_some() && hops < self.inner.addrs.len() {
+                hops += 1;
+            } else {
+                hops = 0;
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(RETRY_PAUSE_MAX);
             }

@@ -19,6 +19,7 @@ use crate::limits::{
 };
 use crate::node::{NodeCtx, Proposed};
 use crate::raft_types::Node as RaftNode;
+use crate::state::LogState;
 use crate::types::*;
 
 pub struct LogService {
@@ -37,29 +38,98 @@ impl LogService {
             other => Err(LogError::Internal(format!("unexpected answer {other:?}")).into()),
         }
     }
+}
 
-    /// The generation a Get names, with its latest handoff attempt.
-    fn find(&self, req: &pb::GetRequest) -> Result<pb::GetResponse, LogError> {
-        let s = self.ctx.sm.read();
-        let g = if req.generation_id != 0 {
-            s.generations.get(&req.generation_id)
-        } else {
-            s.by_request(&req.tenant, &req.request_id)
-        };
-        let g = g.ok_or_else(|| LogError::NotFound("no such generation".into()))?;
-        Ok(pb::GetResponse {
-            generation: Some(g.into()),
-            handoff: s.handoffs.get(&g.id).cloned().map(Into::into),
-            standby: s.standbys.get(&g.id).map(|b| b.decoder.clone()).unwrap_or_default(),
-        })
+// What the service answers from a state, shared with the simulation's service
+// (`jepsen-style-tests`, `sim_workers`), which serves the real worker from simulated nodes.
+
+/// The generation a Get names in `s`, with its latest handoff attempt.
+pub fn find(s: &LogState, req: &pb::GetRequest) -> Result<pb::GetResponse, LogError> {
+    let g = if req.generation_id != 0 {
+        s.generations.get(&req.generation_id)
+    } else {
+        s.by_request(&req.tenant, &req.request_id)
+    };
+    let g = g.ok_or_else(|| LogError::NotFound("no such generation".into()))?;
+    Ok(pb::GetResponse {
+        generation: Some(g.into()),
+        handoff: s.handoffs.get(&g.id).cloned().map(Into::into),
+        standby: s.standbys.get(&g.id).map(|b| b.decoder.clone()).unwrap_or_default(),
+    })
+}
+
+/// The models served by the decoders registered (and not expired) in `s`.
+pub fn models(s: &LogState) -> pb::ListModelsResponse {
+    let mut models: std::collections::BTreeMap<String, pb::ModelInfo> = Default::default();
+    for (id, d) in s.decoders.iter().filter(|(_, d)| d.expiry_log_ms > s.log_ms) {
+        let m = models.entry(d.model_name.clone()).or_insert_with(|| pb::ModelInfo {
+            name: d.model_name.clone(),
+            identity: Some(d.model.clone().into()),
+            chat_template: d.chat_template.clone(),
+            context_tokens: d.context_tokens,
+            ..Default::default()
+        });
+        m.decoders.push(id.clone());
+        m.capacity += d.capacity;
+        m.held.insert(id.clone(), s.index.owned_count(id) as u32);
+        if !d.handoff_addr.is_empty() {
+            m.handoff_addrs.insert(id.clone(), d.handoff_addr.clone());
+        }
     }
+    pb::ListModelsResponse {
+        models: models.into_values().collect(),
+    }
+}
+
+/// The generations a decoder could take (or follow, for `r.standby`) in `s`, judging leases at
+/// log time `now` (a node's estimate: a hint, the Acquire that follows is fenced as usual).
+pub fn pending(s: &LogState, r: pb::PendingWorkRequest, now: u64) -> Result<pb::PendingWorkResponse, LogError> {
+    let model: ModelIdentity = r
+        .model
+        .ok_or_else(|| LogError::Invalid("model is required".into()))?
+        .into();
+    let limit = r.limit.clamp(1, PENDING_WORK_LIMIT_MAX) as usize;
+    let found = if r.standby {
+        s.standby_candidates(&model, &r.decoder_id, now, limit)
+    } else {
+        // Not what is kept for another decoder's standby: its acquire would be refused.
+        let mut found = s.pending_work(&model, now, limit);
+        if !s.standbys.is_empty() {
+            found.retain(|g| !s.kept_for_standby(g, &r.decoder_id, now));
+        }
+        found
+    };
+    Ok(pb::PendingWorkResponse {
+        generations: found.into_iter().map(pb::GenerationInfo::from).collect(),
+        log_ms: s.log_ms,
+    })
+}
+
+/// The next Watch event of generation `g` from `seq` (at most
+/// [`WATCH_RECORDS_PER_EVENT_MAX`] records; the last one carries the terminal info), and the
+/// seq after it; `None` when nothing is new.
+pub fn next_event(g: &Generation, seq: Seq) -> (Option<pb::WatchEvent>, Seq) {
+    let end = g.records.len().min(seq as usize + WATCH_RECORDS_PER_EVENT_MAX);
+    let records: Vec<pb::Record> = (seq as usize..end)
+        .map(|i| record_to_pb(i as Seq, &g.records[i]))
+        .collect();
+    let done = g.state.is_terminal() && end == g.records.len();
+    if records.is_empty() && !done {
+        return (None, seq);
+    }
+    let event = pb::WatchEvent {
+        records,
+        terminal: done.then(|| pb::GenerationInfo::from(g)),
+    };
+    (Some(event), end.max(seq as usize) as Seq)
 }
 
 type WatchStream = Pin<Box<dyn Stream<Item = Result<pb::WatchEvent, Status>> + Send>>;
 type AppendStream = Pin<Box<dyn Stream<Item = Result<pb::AppendResponse, Status>> + Send>>;
 type SessionStream = Pin<Box<dyn Stream<Item = Result<pb::SessionEvent, Status>> + Send>>;
 
-fn append_cmd(r: pb::AppendRequest) -> Command {
+/// The command of an Append request.
+pub fn append_cmd(r: pb::AppendRequest) -> Command {
     Command::Append {
         decoder: r.decoder_id,
         lease_ms: r.lease_ms,
@@ -67,7 +137,8 @@ fn append_cmd(r: pb::AppendRequest) -> Command {
     }
 }
 
-fn appended(resp: Response, index: u64) -> Result<pb::AppendResponse, Status> {
+/// An Append's answer from the command's.
+pub fn appended(resp: Response, index: u64) -> Result<pb::AppendResponse, Status> {
     match resp {
         Response::Appended(outcomes) => Ok(append_to_pb(outcomes, index)),
         other => Err(LogError::Internal(format!("unexpected answer {other:?}")).into()),
@@ -461,26 +532,7 @@ impl Log for LogService {
         &self,
         _req: Request<pb::ListModelsRequest>,
     ) -> Result<TonicResponse<pb::ListModelsResponse>, Status> {
-        let s = self.ctx.sm.read();
-        let mut models: std::collections::BTreeMap<String, pb::ModelInfo> = Default::default();
-        for (id, d) in s.decoders.iter().filter(|(_, d)| d.expiry_log_ms > s.log_ms) {
-            let m = models.entry(d.model_name.clone()).or_insert_with(|| pb::ModelInfo {
-                name: d.model_name.clone(),
-                identity: Some(d.model.clone().into()),
-                chat_template: d.chat_template.clone(),
-                context_tokens: d.context_tokens,
-                ..Default::default()
-            });
-            m.decoders.push(id.clone());
-            m.capacity += d.capacity;
-            m.held.insert(id.clone(), s.index.owned_count(id) as u32);
-            if !d.handoff_addr.is_empty() {
-                m.handoff_addrs.insert(id.clone(), d.handoff_addr.clone());
-            }
-        }
-        Ok(TonicResponse::new(pb::ListModelsResponse {
-            models: models.into_values().collect(),
-        }))
+        Ok(TonicResponse::new(models(&self.ctx.sm.read())))
     }
 
     async fn get(&self, req: Request<pb::GetRequest>) -> Result<TonicResponse<pb::GetResponse>, Status> {
@@ -488,7 +540,7 @@ impl Log for LogService {
         if r.linearizable {
             self.ctx.linearize().await?;
         }
-        Ok(TonicResponse::new(self.find(&r)?))
+        Ok(TonicResponse::new(find(&self.ctx.sm.read(), &r)?))
     }
 
     type WatchStream = WatchStream;
@@ -511,29 +563,11 @@ impl Log for LogService {
         &self,
         req: Request<pb::PendingWorkRequest>,
     ) -> Result<TonicResponse<pb::PendingWorkResponse>, Status> {
-        let r = req.into_inner();
-        let model: ModelIdentity = required(r.model, "model")?.into();
-        let limit = r.limit.clamp(1, PENDING_WORK_LIMIT_MAX) as usize;
-        let now = self.ctx.log_time_estimate();
-        let s = self.ctx.sm.read();
         // A hint, not a decision: judge leases by this node's estimate of log time now (the
         // applied log time on a quiet log only advances with the housekeeping tick). The
         // Acquire that follows is stamped and fenced by the leader as usual.
-        let found = if r.standby {
-            s.standby_candidates(&model, &r.decoder_id, now, limit)
-        } else {
-            // Not what is kept for another decoder's standby: its acquire would be refused.
-            let mut found = s.pending_work(&model, now, limit);
-            if !s.standbys.is_empty() {
-                found.retain(|g| !s.kept_for_standby(g, &r.decoder_id, now));
-            }
-            found
-        };
-        let generations = found.into_iter().map(pb::GenerationInfo::from).collect();
-        Ok(TonicResponse::new(pb::PendingWorkResponse {
-            generations,
-            log_ms: s.log_ms,
-        }))
+        let now = self.ctx.log_time_estimate();
+        Ok(TonicResponse::new(pending(&self.ctx.sm.read(), req.into_inner(), now)?))
     }
 
     async fn cluster_status(
@@ -685,32 +719,23 @@ async fn watch_loop(
             let s = ctx.sm.read();
             match s.generations.get(&id) {
                 None => Err(LogError::NotFound(format!("generation {id} was pruned"))),
-                Some(g) => {
-                    let end = g.records.len().min(seq as usize + WATCH_RECORDS_PER_EVENT_MAX);
-                    let records: Vec<pb::Record> = (seq as usize..end)
-                        .map(|i| record_to_pb(i as Seq, &g.records[i]))
-                        .collect();
-                    let done = g.state.is_terminal() && end == g.records.len();
-                    if records.is_empty() && !done {
-                        // The planted bug: show what was proposed here but is not committed.
-                        match early_records(&ctx, id, seq) {
-                            Some(early) => {
-                                seq += early.len() as Seq;
-                                Ok(Some(pb::WatchEvent {
-                                    records: early,
-                                    terminal: None,
-                                }))
-                            }
-                            None => Ok(None),
-                        }
-                    } else {
-                        seq = end.max(seq as usize) as Seq;
-                        Ok(Some(pb::WatchEvent {
-                            records,
-                            terminal: done.then(|| pb::GenerationInfo::from(g)),
-                        }))
+                Some(g) => match next_event(g, seq) {
+                    (Some(e), next) => {
+                        seq = next;
+                        Ok(Some(e))
                     }
-                }
+                    // The planted bug: show what was proposed here but is not committed.
+                    (None, _) => match early_records(&ctx, id, seq) {
+                        Some(early) => {
+                            seq += early.len() as Seq;
+                            Ok(Some(pb::WatchEvent {
+                                records: early,
+                                terminal: None,
+                            }))
+                        }
+                        None => Ok(None),
+                    },
+                },
             }
         };
         let event = match event {

@@ -576,10 +576,21 @@ pub const LEASE_TIME_SLACK_US: u64 = 250_000;
 /// before it prepared); the epoch it granted is judged like an acquired one when it is taken
 /// over in its turn.
 pub fn lease_time(decoder_ops: &[DecoderOp], lease_ms: u64) -> Verdict {
+    lease_time_with_sessions_lost(decoder_ops, lease_ms, &[])
+}
+
+/// [`lease_time`], knowing when the log ended a decoder's session (`(decoder, µs)`: when its
+/// `SessionLost` applied). A live decoder whose connection broke loses its leases then, by
+/// design (CONTRACT: a broken connection of a live process only costs a takeover; fencing keeps
+/// it safe), so a grant after such a loss of the previous owner's session is not judged. The
+/// simulation, which breaks connections and sees the log's side, passes them.
+pub fn lease_time_with_sessions_lost(decoder_ops: &[DecoderOp], lease_ms: u64, lost: &[(String, u64)]) -> Verdict {
     let mut v = Verdict::new();
     let mut last_seen: HashMap<&str, u64> = HashMap::new();
     let mut with_session: HashSet<&str> = HashSet::new();
     let mut owner: HashMap<(u64, u64), &str> = HashMap::new();
+    // When the acquire that granted an epoch was sent.
+    let mut granted_at: HashMap<(u64, u64), u64> = HashMap::new();
     for o in decoder_ops {
         let t = last_seen.entry(o.decoder.as_str()).or_insert(0);
         *t = (*t).max(o.invoke_us).max(o.complete_us.unwrap_or(0));
@@ -591,6 +602,7 @@ pub fn lease_time(decoder_ops: &[DecoderOp], lease_ms: u64) -> Verdict {
             // `handoff_received` (it asked the log).
             "acquire" | "commit" if o.ok() == Some(true) => {
                 owner.insert((o.gen(), o.epoch()), o.decoder.as_str());
+                granted_at.insert((o.gen(), o.epoch()), o.invoke_us);
             }
             "handoff-received" => {
                 owner.insert((o.gen(), o.epoch()), o.decoder.as_str());
@@ -649,6 +661,14 @@ pub fn lease_time(decoder_ops: &[DecoderOp], lease_ms: u64) -> Verdict {
             continue;
         }
         if gone_before(gen, epoch - 1, granted_us) {
+            continue;
+        }
+        // The previous owner's session was lost while it held the epoch.
+        let held_from = granted_at.get(&(gen, epoch - 1)).copied().unwrap_or(0);
+        if owner
+            .get(&(gen, epoch - 1))
+            .is_some_and(|d| lost.iter().any(|(l, t)| l == d && (held_from..=granted_us).contains(t)))
+        {
             continue;
         }
         if let Some(&sent_us) = last_append.get(&(gen, epoch - 1)) {
@@ -910,7 +930,24 @@ mod tests {
         let alive = [session, owner_grant.clone(), append(1_000), grant(1_100), append(1_200)];
         assert!(!lease_time(&alive, 800).ok, "a live owner's lease was cut short");
         // Without a session, silence proves nothing.
-        assert!(!lease_time(&[owner_grant, append(1_000), grant(1_100)], 800).ok);
+        assert!(!lease_time(&[owner_grant.clone(), append(1_000), grant(1_100)], 800).ok);
+        // A live owner whose session the log lost (its connection broke) loses its lease then:
+        // judged only when the loss was not between its grant and the next.
+        let live = [owner_grant, append(1_000), grant(1_100), append(1_200)];
+        let lost_at = |ms: u64| vec![("d1".to_string(), ms * 1_000)];
+        assert!(lease_time_with_sessions_lost(&live, 800, &lost_at(1_050)).ok);
+        assert!(
+            !lease_time_with_sessions_lost(&live, 800, &lost_at(1_150)).ok,
+            "lost after the grant"
+        );
+        assert!(
+            !lease_time_with_sessions_lost(&live, 800, &lost_at(5)).ok,
+            "lost before it held the epoch"
+        );
+        assert!(
+            !lease_time_with_sessions_lost(&live, 800, &[("d2".into(), 1_050_000)]).ok,
+            "another's session"
+        );
         // An owner by a handoff commit whose answer was lost (in doubt; its `handoff_received`
         // says it owns the epoch) that died with a session: its lease ended with the session
         // too (found by the `standby-kill` nemesis after a `handoff` one).
