@@ -102,8 +102,9 @@ enum Command {
         stall_ms: u64,
     },
     /// Run the deterministic simulation (no processes: the real state machine on every replica
-    /// of a simulated replicated log, simulated decoders and clients, seeded faults on
-    /// simulated time; see `jepsen_style_tests::sim`). Prints one line per failing seed (with
+    /// of a simulated replicated log, simulated decoders (or, with `--core workers`, the real
+    /// ones over gRPC) and clients, seeded faults on simulated time; see
+    /// `jepsen_style_tests::sim`). Prints one line per failing seed (with
     /// the first violated invariant) and `N seeds, V violations`; `--seeds 1 --seed-start S`
     /// replays seed S bit for bit (same history hash); `TOKENLOG_SIM_DUMP=DIR` writes each seed's
     /// history to `DIR/seed-S.jsonl`. Exit status: 0 no violation, 1 some.
