@@ -585,9 +585,13 @@ impl Process {
         } else {
             cmd
         };
+        // Only a leader stamps (as the production proposer): see `tokenlog_raftlog::node`.
         let log_ms = {
             let m = self.machine.lock().expect("machine");
-            self.clock.stamp(m.log.log_ms)
+            match term {
+                Some(_) => self.clock.stamp(m.log.log_ms),
+                None => m.log.log_ms,
+            }
         };
         let written = match self.raft.client_write(Request { log_ms, cmd }).await {
             Ok(w) => w,

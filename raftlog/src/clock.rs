@@ -93,7 +93,7 @@ impl Clock {
         let t = if self.trust_wall {
             wall.max(applied_ms)
         } else {
-            let base = self.base(applied_ms, wall);
+            let base = self.base(applied_ms, wall, true);
             base.max(wall.min(base.saturating_add(STAMP_WALL_LEAD_MS_MAX)))
         };
         self.last_ms.fetch_max(t, Ordering::AcqRel).max(t)
@@ -101,22 +101,34 @@ impl Clock {
 
     /// Log time now as this node estimates it, without stamping: a follower's estimate runs
     /// from the log time it has applied. For hints (PendingWork), never for decisions.
+    ///
+    /// An estimate changes nothing: a node that has applied nothing yet (just started, its log
+    /// not replayed) would otherwise anchor its clock to its wall clock, and, leading later,
+    /// move log time by however far that wall clock is ahead (found by the simulation: a
+    /// PendingWork on a restarted node whose wall clock was 3.9 s ahead; as leader it stamped
+    /// 3.2 s ahead, and retention pruned a generation some 40 ms after it finished).
     pub fn now(&self, applied_ms: u64) -> u64 {
         let wall = self.source.wall_ms();
         if self.trust_wall {
             return wall.max(applied_ms);
         }
-        self.base(applied_ms, wall).max(applied_ms)
+        self.base(applied_ms, wall, false).max(applied_ms)
     }
 
-    fn base(&self, applied_ms: u64, wall: u64) -> u64 {
+    /// `mono + offset`, the offset raised to what `applied_ms` (or, on a log with no time yet,
+    /// the wall clock) asks for; kept raised only when `remember` (a stamp).
+    fn base(&self, applied_ms: u64, wall: u64, remember: bool) -> u64 {
         let mono = self.source.mono_ms() as i64;
         let floor = if applied_ms == 0 {
             wall as i64 - mono
         } else {
             applied_ms as i64 - STAMP_WALL_LEAD_MS_MAX as i64 - mono
         };
-        let offset = self.offset.fetch_max(floor, Ordering::AcqRel).max(floor);
+        let offset = if remember {
+            self.offset.fetch_max(floor, Ordering::AcqRel).max(floor)
+        } else {
+            self.offset.load(Ordering::Acquire).max(floor)
+        };
         (mono + offset).max(0) as u64
     }
 }
@@ -174,6 +186,20 @@ mod tests {
         src.pass(300);
         let t2 = c.stamp(t1);
         assert!(t2 - t0 <= 300 + LEAD && t2 - t1 >= 300 - LEAD, "{t0} {t1} {t2}");
+    }
+
+    /// A node's estimate of log time before it applied anything (a restart, its log not yet
+    /// replayed) does not anchor its clock to its wall clock: leading later, it stamps within
+    /// the lead of the applied time however far its wall clock is ahead.
+    #[test]
+    fn an_estimate_before_anything_is_applied_does_not_move_later_stamps() {
+        let src = Manual::at(1_003_900, 0);
+        let c = Clock::new(src.clone(), false);
+        assert_eq!(c.now(0), 1_003_900, "an estimate on an empty log is the wall clock");
+        src.pass(100);
+        let applied = 1_000_000;
+        let t = c.stamp(applied);
+        assert!(t <= applied + LEAD, "stamped {} ms past the applied time", t - applied);
     }
 
     /// A leader whose wall clock is behind (or jumps back) keeps log time running at the

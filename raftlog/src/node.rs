@@ -412,10 +412,15 @@ async fn proposer(
             }
             (Command::Batch(cmds), answers)
         };
-        let req = Request {
-            log_ms: clock.stamp(applied.log_ms()),
-            cmd,
+        // Only a leader stamps. A node that has applied nothing yet (just restarted) would
+        // anchor its clock to its own wall clock by stamping, and lead later that far ahead
+        // (found by the simulation); what a follower proposes is refused anyway, and apply
+        // never moves log time back, so it carries the applied time.
+        let log_ms = match term {
+            Some(_) => clock.stamp(applied.log_ms()),
+            None => applied.log_ms(),
         };
+        let req = Request { log_ms, cmd };
         proposals.inc();
         let (responder, result) = openraft::impls::ProgressResponder::complete_only();
         if let Err(e) = raft.client_write_ff(req, Some(responder)).await {
