@@ -223,7 +223,11 @@ async fn restart_all_nodes_at_once_keeps_identical_state_and_wiped_node_catches_
     let snap = std::fs::read_dir(cluster.data_dir(2).join("snapshots"))
         .unwrap()
         .map(|e| e.unwrap().path())
-        .find(|p| p.extension().is_some_and(|x| x == "snap"))
+        .find(|p| {
+            p.extension().is_some_and(|x| x == "snap")
+                && p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("snapshot-"))
+        })
         .expect("node 3 has a snapshot file");
     let mut bytes = std::fs::read(&snap).unwrap();
     let mid = bytes.len() / 2;

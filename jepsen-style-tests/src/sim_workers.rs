@@ -42,10 +42,12 @@ use tokenlog_decoder::{FakeConfig, FakeModel, Model};
 use tokenlog_proto::raftlog as pb;
 use tokenlog_proto::raftlog::log_server::{Log, LogServer};
 use tokenlog_raftlog::client::{Connector, LogClient};
-use tokenlog_raftlog::convert::{ownership_to_pb, reason_from_pb};
 use tokenlog_raftlog::error::LogError;
-use tokenlog_raftlog::service::{append_cmd, appended, find, models, next_event, pending};
-use tokenlog_raftlog::types::{Command, DecoderInfo, ModelIdentity, Response, TokenizerPackage};
+use tokenlog_raftlog::service::{
+    acquire_cmd, append_cmd, appended, bind_prompt_cmd, cancel_cmd, find, finish_cmd, models, next_event, owned,
+    pending, register_cmd, registered, release_cmd, renew_cmd, standby_cmd, submit_cmd, submitted, unexpected,
+};
+use tokenlog_raftlog::types::{Command, ModelIdentity, Response, TokenizerPackage};
 use tokio::io::{AsyncRead, AsyncWrite, DuplexStream, ReadBuf};
 use tokio::sync::mpsc;
 use tonic::{Request, Response as TonicResponse, Status};
@@ -283,14 +285,6 @@ fn log_err(e: WriteError) -> Status {
     }
 }
 
-fn unexpected(r: Response) -> Status {
-    LogError::Internal(format!("unexpected answer {r:?}")).into()
-}
-
-fn required<T>(v: Option<T>, what: &str) -> Result<T, Status> {
-    v.ok_or_else(|| Status::from(LogError::Invalid(format!("{what} is required"))))
-}
-
 fn unserved(what: &str) -> Status {
     Status::unimplemented(format!("{what} is not served by the simulation"))
 }
@@ -309,10 +303,8 @@ impl SimLog {
     }
 
     async fn ownership(&self, cmd: Command) -> Answer<pb::OwnershipResponse> {
-        match self.write(cmd).await? {
-            (Response::Ownership(r), index) => Ok(TonicResponse::new(ownership_to_pb(r, index))),
-            (other, _) => Err(unexpected(other)),
-        }
+        let (resp, index) = self.write(cmd).await?;
+        Ok(TonicResponse::new(owned(resp, index)?))
     }
 
     fn check_leader(&self) -> Result<(), Status> {
@@ -334,53 +326,20 @@ impl SimLog {
 #[tonic::async_trait]
 impl Log for SimLog {
     async fn submit(&self, req: Request<pb::SubmitRequest>) -> Answer<pb::SubmitResponse> {
-        let r = req.into_inner();
-        let cmd = Command::Submit {
-            tenant: r.tenant,
-            request_id: r.request_id,
-            binding: required(r.binding, "binding")?.into(),
-        };
-        match self.write(cmd).await? {
-            (Response::Submitted { generation, created }, _) => Ok(TonicResponse::new(pb::SubmitResponse {
-                generation: Some(generation.into()),
-                created,
-            })),
-            (Response::Ownership(Err(rej)), _) => Err(LogError::Rejected(rej).into()),
-            (other, _) => Err(unexpected(other)),
-        }
+        let (resp, _) = self.write(submit_cmd(req.into_inner())?).await?;
+        Ok(TonicResponse::new(submitted(resp)?))
     }
 
     async fn acquire(&self, req: Request<pb::AcquireRequest>) -> Answer<pb::OwnershipResponse> {
-        let r = req.into_inner();
-        self.ownership(Command::Acquire {
-            generation: r.generation_id,
-            decoder: r.decoder_id,
-            lease_ms: r.lease_ms,
-            model: required(r.model, "model")?.into(),
-            rng_version: r.rng_version,
-        })
-        .await
+        self.ownership(acquire_cmd(req.into_inner())?).await
     }
 
     async fn renew(&self, req: Request<pb::RenewRequest>) -> Answer<pb::OwnershipResponse> {
-        let r = req.into_inner();
-        self.ownership(Command::Renew {
-            generation: r.generation_id,
-            epoch: r.epoch,
-            decoder: r.decoder_id,
-            lease_ms: r.lease_ms,
-        })
-        .await
+        self.ownership(renew_cmd(req.into_inner())).await
     }
 
     async fn bind_prompt(&self, req: Request<pb::BindPromptRequest>) -> Answer<pb::OwnershipResponse> {
-        let r = req.into_inner();
-        self.ownership(Command::BindPrompt {
-            generation: r.generation_id,
-            epoch: r.epoch,
-            prompt_token_ids: r.prompt_token_ids,
-        })
-        .await
+        self.ownership(bind_prompt_cmd(req.into_inner())).await
     }
 
     async fn append(&self, req: Request<pb::AppendRequest>) -> Answer<pb::AppendResponse> {
@@ -419,69 +378,24 @@ impl Log for SimLog {
     }
 
     async fn finish(&self, req: Request<pb::FinishRequest>) -> Answer<pb::OwnershipResponse> {
-        let r = req.into_inner();
-        let reason = reason_from_pb(r.reason)
-            .ok_or_else(|| Status::from(LogError::Invalid("a finish reason is required".into())))?;
-        self.ownership(Command::Finish {
-            generation: r.generation_id,
-            epoch: r.epoch,
-            reason,
-            detail: r.detail,
-        })
-        .await
+        self.ownership(finish_cmd(req.into_inner())?).await
     }
 
     async fn release(&self, req: Request<pb::ReleaseRequest>) -> Answer<pb::OwnershipResponse> {
-        let r = req.into_inner();
-        self.ownership(Command::Release {
-            generation: r.generation_id,
-            epoch: r.epoch,
-        })
-        .await
+        self.ownership(release_cmd(req.into_inner())).await
     }
 
     async fn cancel(&self, req: Request<pb::CancelRequest>) -> Answer<pb::OwnershipResponse> {
-        let r = req.into_inner();
-        self.ownership(Command::Cancel {
-            tenant: r.tenant,
-            request_id: r.request_id,
-        })
-        .await
+        self.ownership(cancel_cmd(req.into_inner())).await
     }
 
     async fn standby(&self, req: Request<pb::StandbyRequest>) -> Answer<pb::OwnershipResponse> {
-        let r = req.into_inner();
-        self.ownership(Command::Standby {
-            generation: r.generation_id,
-            decoder: r.decoder_id,
-            model: required(r.model, "model")?.into(),
-        })
-        .await
+        self.ownership(standby_cmd(req.into_inner())?).await
     }
 
     async fn register(&self, req: Request<pb::RegisterRequest>) -> Answer<pb::RegisterResponse> {
-        let r = req.into_inner();
-        let info = DecoderInfo {
-            model_name: r.model_name,
-            model: required(r.model, "model")?.into(),
-            capacity: r.capacity,
-            chat_template: r.chat_template,
-            context_tokens: r.context_tokens,
-            expiry_log_ms: 0,
-            handoff_addr: r.handoff_addr,
-        };
-        let cmd = Command::RegisterDecoder {
-            decoder: r.decoder_id,
-            info,
-            ttl_ms: r.ttl_ms,
-        };
-        match self.write(cmd).await? {
-            (Response::Registered(Ok(expiry_log_ms)), _) => {
-                Ok(TonicResponse::new(pb::RegisterResponse { expiry_log_ms }))
-            }
-            (Response::Registered(Err(rej)), _) => Err(LogError::Rejected(rej).into()),
-            (other, _) => Err(unexpected(other)),
-        }
+        let (resp, _) = self.write(register_cmd(req.into_inner())?).await?;
+        Ok(TonicResponse::new(registered(resp)?))
     }
 
     type SessionStream = Boxed<pb::SessionEvent>;

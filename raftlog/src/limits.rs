@@ -53,6 +53,12 @@ pub const RETENTION_MS_DEFAULT: u64 = 24 * 3_600_000;
 /// those finished less than this long ago, plus what was committed since its last snapshot;
 /// a snapshot moves the records of sealed generations to disk (`raftlog::sm_store`).
 pub const SEAL_AFTER_MS: u64 = 10_000;
+/// A node builds a snapshot once this many tokens were appended since its last one, whatever
+/// the entry count (`NodeConfig::snapshot_every`; one entry can carry thousands of tokens).
+/// The build moves sealed generations' records to disk, so the records a node holds in memory
+/// stay under this many plus those of running generations and of generations finished less
+/// than [`SEAL_AFTER_MS`] before the last snapshot (~100 bytes each in memory: ~100 MiB).
+pub const SNAPSHOT_AFTER_TOKENS: u64 = 1 << 20;
 /// Grants (epoch, owner, log time, frontier) a generation keeps for audits: the newest ones.
 pub const GRANTS_KEPT_MAX: usize = 16;
 /// The shortest retention a node accepts (`--retention-ms`): a client that reconnects right

@@ -35,7 +35,8 @@ use crate::faults::Faults;
 use crate::health::{Health, Readiness};
 use crate::limits::{
     GRPC_MESSAGE_BYTES_MAX, KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT, PROPOSALS_IN_FLIGHT_MAX, PROPOSAL_COMMANDS_MAX,
-    PROPOSAL_TOKENS_MAX, PROPOSER_QUEUE_MAX, RETENTION_MS_DEFAULT, RETENTION_MS_MIN, TICK_INTERVAL,
+    PROPOSAL_TOKENS_MAX, PROPOSER_QUEUE_MAX, RETENTION_MS_DEFAULT, RETENTION_MS_MIN, SNAPSHOT_AFTER_TOKENS,
+    TICK_INTERVAL,
 };
 use crate::raft_types::{Node as RaftNode, NodeId, Raft};
 use crate::service::LogService;
@@ -762,6 +763,16 @@ fn spawn_ticker(ctx: Arc<NodeCtx>, retention_ms: u64, mut stop: watch::Receiver<
             tokio::select! {
                 _ = stop.wait_for(|s| *s) => return,
                 _ = tokio::time::sleep(TICK_INTERVAL) => {}
+            }
+            // Every node: enough tokens since its last snapshot, and records leave memory.
+            if ctx.sm.tokens_since_snapshot() >= SNAPSHOT_AFTER_TOKENS && !ctx.sm.building() {
+                tracing::info!(
+                    tokens = ctx.sm.tokens_since_snapshot(),
+                    "snapshot: SNAPSHOT_AFTER_TOKENS appended since the last one"
+                );
+                if let Err(e) = ctx.raft.trigger().snapshot().await {
+                    tracing::warn!(error = %e, "triggering a snapshot");
+                }
             }
             let is_leader = ctx.raft.metrics().borrow_watched().state == ServerState::Leader;
             if is_leader && ctx.sm.read().tick_due(ctx.stamp(), retention_ms) {

@@ -33,10 +33,7 @@ impl LogService {
 
     async fn ownership(&self, cmd: Command) -> Result<TonicResponse<pb::OwnershipResponse>, Status> {
         let (resp, index) = self.ctx.write(cmd).await?;
-        match resp {
-            Response::Ownership(r) => Ok(TonicResponse::new(ownership_to_pb(r, index))),
-            other => Err(LogError::Internal(format!("unexpected answer {other:?}")).into()),
-        }
+        Ok(TonicResponse::new(owned(resp, index)?))
     }
 }
 
@@ -141,7 +138,7 @@ pub fn append_cmd(r: pb::AppendRequest) -> Command {
 pub fn appended(resp: Response, index: u64) -> Result<pb::AppendResponse, Status> {
     match resp {
         Response::Appended(outcomes) => Ok(append_to_pb(outcomes, index)),
-        other => Err(LogError::Internal(format!("unexpected answer {other:?}")).into()),
+        other => Err(unexpected(other)),
     }
 }
 
@@ -149,64 +146,148 @@ fn required<T>(v: Option<T>, what: &str) -> Result<T, Status> {
     v.ok_or_else(|| Status::from(LogError::Invalid(format!("{what} is required"))))
 }
 
+// Each request's command and each answer's reply: the one mapping of the wire to commands,
+// used by this service and by the simulation's (`jepsen-style-tests`, `sim_workers`).
+
+pub fn submit_cmd(r: pb::SubmitRequest) -> Result<Command, Status> {
+    Ok(Command::Submit {
+        tenant: r.tenant,
+        request_id: r.request_id,
+        binding: required(r.binding, "binding")?.into(),
+    })
+}
+
+pub fn acquire_cmd(r: pb::AcquireRequest) -> Result<Command, Status> {
+    Ok(Command::Acquire {
+        generation: r.generation_id,
+        decoder: r.decoder_id,
+        lease_ms: r.lease_ms,
+        model: required(r.model, "model")?.into(),
+        rng_version: r.rng_version,
+    })
+}
+
+pub fn renew_cmd(r: pb::RenewRequest) -> Command {
+    Command::Renew {
+        generation: r.generation_id,
+        epoch: r.epoch,
+        decoder: r.decoder_id,
+        lease_ms: r.lease_ms,
+    }
+}
+
+pub fn bind_prompt_cmd(r: pb::BindPromptRequest) -> Command {
+    Command::BindPrompt {
+        generation: r.generation_id,
+        epoch: r.epoch,
+        prompt_token_ids: r.prompt_token_ids,
+    }
+}
+
+pub fn finish_cmd(r: pb::FinishRequest) -> Result<Command, Status> {
+    let reason = reason_from_pb(r.reason)
+        .ok_or_else(|| Status::from(LogError::Invalid("a finish reason is required".into())))?;
+    Ok(Command::Finish {
+        generation: r.generation_id,
+        epoch: r.epoch,
+        reason,
+        detail: r.detail,
+    })
+}
+
+pub fn release_cmd(r: pb::ReleaseRequest) -> Command {
+    Command::Release {
+        generation: r.generation_id,
+        epoch: r.epoch,
+    }
+}
+
+pub fn cancel_cmd(r: pb::CancelRequest) -> Command {
+    Command::Cancel {
+        tenant: r.tenant,
+        request_id: r.request_id,
+    }
+}
+
+pub fn standby_cmd(r: pb::StandbyRequest) -> Result<Command, Status> {
+    Ok(Command::Standby {
+        generation: r.generation_id,
+        decoder: r.decoder_id,
+        model: required(r.model, "model")?.into(),
+    })
+}
+
+pub fn register_cmd(r: pb::RegisterRequest) -> Result<Command, Status> {
+    let info = DecoderInfo {
+        model_name: r.model_name,
+        model: required(r.model, "model")?.into(),
+        capacity: r.capacity,
+        chat_template: r.chat_template,
+        context_tokens: r.context_tokens,
+        expiry_log_ms: 0,
+        handoff_addr: r.handoff_addr,
+    };
+    Ok(Command::RegisterDecoder {
+        decoder: r.decoder_id,
+        info,
+        ttl_ms: r.ttl_ms,
+    })
+}
+
+/// An answer of the wrong kind for its command (a bug): internal.
+pub fn unexpected(other: Response) -> Status {
+    LogError::Internal(format!("unexpected answer {other:?}")).into()
+}
+
+/// An ownership command's reply from its answer.
+pub fn owned(resp: Response, index: u64) -> Result<pb::OwnershipResponse, Status> {
+    match resp {
+        Response::Ownership(r) => Ok(ownership_to_pb(r, index)),
+        other => Err(unexpected(other)),
+    }
+}
+
+/// A Submit's reply from its answer.
+pub fn submitted(resp: Response) -> Result<pb::SubmitResponse, Status> {
+    match resp {
+        Response::Submitted { generation, created } => Ok(pb::SubmitResponse {
+            generation: Some(generation.into()),
+            created,
+        }),
+        Response::Ownership(Err(rej)) => Err(LogError::Rejected(rej).into()),
+        other => Err(unexpected(other)),
+    }
+}
+
+/// A Register's reply from its answer.
+pub fn registered(resp: Response) -> Result<pb::RegisterResponse, Status> {
+    match resp {
+        Response::Registered(Ok(expiry_log_ms)) => Ok(pb::RegisterResponse { expiry_log_ms }),
+        Response::Registered(Err(rej)) => Err(LogError::Rejected(rej).into()),
+        other => Err(unexpected(other)),
+    }
+}
+
 #[tonic::async_trait]
 impl Log for LogService {
     async fn submit(&self, req: Request<pb::SubmitRequest>) -> Result<TonicResponse<pb::SubmitResponse>, Status> {
-        let r = req.into_inner();
-        let binding = required(r.binding, "binding")?.into();
-        let (resp, _) = self
-            .ctx
-            .write(Command::Submit {
-                tenant: r.tenant,
-                request_id: r.request_id,
-                binding,
-            })
-            .await?;
-        match resp {
-            Response::Submitted { generation, created } => Ok(TonicResponse::new(pb::SubmitResponse {
-                generation: Some(generation.into()),
-                created,
-            })),
-            Response::Ownership(Err(rej)) => Err(LogError::Rejected(rej).into()),
-            other => Err(LogError::Internal(format!("unexpected answer {other:?}")).into()),
-        }
+        let (resp, _) = self.ctx.write(submit_cmd(req.into_inner())?).await?;
+        Ok(TonicResponse::new(submitted(resp)?))
     }
 
     async fn acquire(&self, req: Request<pb::AcquireRequest>) -> Result<TonicResponse<pb::OwnershipResponse>, Status> {
-        let r = req.into_inner();
-        let model = required(r.model, "model")?.into();
-        self.ownership(Command::Acquire {
-            generation: r.generation_id,
-            decoder: r.decoder_id,
-            lease_ms: r.lease_ms,
-            model,
-            rng_version: r.rng_version,
-        })
-        .await
+        self.ownership(acquire_cmd(req.into_inner())?).await
     }
 
     async fn renew(&self, req: Request<pb::RenewRequest>) -> Result<TonicResponse<pb::OwnershipResponse>, Status> {
-        let r = req.into_inner();
-        self.ownership(Command::Renew {
-            generation: r.generation_id,
-            epoch: r.epoch,
-            decoder: r.decoder_id,
-            lease_ms: r.lease_ms,
-        })
-        .await
+        self.ownership(renew_cmd(req.into_inner())).await
     }
 
     async fn bind_prompt(
         &self,
         req: Request<pb::BindPromptRequest>,
     ) -> Result<TonicResponse<pb::OwnershipResponse>, Status> {
-        let r = req.into_inner();
-        self.ownership(Command::BindPrompt {
-            generation: r.generation_id,
-            epoch: r.epoch,
-            prompt_token_ids: r.prompt_token_ids,
-        })
-        .await
+        self.ownership(bind_prompt_cmd(req.into_inner())).await
     }
 
     async fn append(&self, req: Request<pb::AppendRequest>) -> Result<TonicResponse<pb::AppendResponse>, Status> {
@@ -263,71 +344,24 @@ impl Log for LogService {
     }
 
     async fn finish(&self, req: Request<pb::FinishRequest>) -> Result<TonicResponse<pb::OwnershipResponse>, Status> {
-        let r = req.into_inner();
-        let reason = reason_from_pb(r.reason)
-            .ok_or_else(|| Status::from(LogError::Invalid("a finish reason is required".into())))?;
-        self.ownership(Command::Finish {
-            generation: r.generation_id,
-            epoch: r.epoch,
-            reason,
-            detail: r.detail,
-        })
-        .await
+        self.ownership(finish_cmd(req.into_inner())?).await
     }
 
     async fn release(&self, req: Request<pb::ReleaseRequest>) -> Result<TonicResponse<pb::OwnershipResponse>, Status> {
-        let r = req.into_inner();
-        self.ownership(Command::Release {
-            generation: r.generation_id,
-            epoch: r.epoch,
-        })
-        .await
+        self.ownership(release_cmd(req.into_inner())).await
     }
 
     async fn cancel(&self, req: Request<pb::CancelRequest>) -> Result<TonicResponse<pb::OwnershipResponse>, Status> {
-        let r = req.into_inner();
-        self.ownership(Command::Cancel {
-            tenant: r.tenant,
-            request_id: r.request_id,
-        })
-        .await
+        self.ownership(cancel_cmd(req.into_inner())).await
     }
 
     async fn standby(&self, req: Request<pb::StandbyRequest>) -> Result<TonicResponse<pb::OwnershipResponse>, Status> {
-        let r = req.into_inner();
-        let model = required(r.model, "model")?.into();
-        self.ownership(Command::Standby {
-            generation: r.generation_id,
-            decoder: r.decoder_id,
-            model,
-        })
-        .await
+        self.ownership(standby_cmd(req.into_inner())?).await
     }
 
     async fn register(&self, req: Request<pb::RegisterRequest>) -> Result<TonicResponse<pb::RegisterResponse>, Status> {
-        let r = req.into_inner();
-        let info = DecoderInfo {
-            model_name: r.model_name,
-            model: required(r.model, "model")?.into(),
-            capacity: r.capacity,
-            chat_template: r.chat_template,
-            context_tokens: r.context_tokens,
-            expiry_log_ms: 0,
-            handoff_addr: r.handoff_addr,
-        };
-        let (resp, _) = self
-            .ctx
-            .write(Command::RegisterDecoder {
-                decoder: r.decoder_id,
-                info,
-                ttl_ms: r.ttl_ms,
-            })
-            .await?;
-        match resp {
-            Response::Registered(Ok(expiry_log_ms)) => Ok(TonicResponse::new(pb::RegisterResponse { expiry_log_ms })),
-            Response::Registered(Err(rej)) => Err(LogError::Rejected(rej).into()),
-            other => Err(LogError::Internal(format!("unexpected answer {other:?}")).into()),
-        }
+        let (resp, _) = self.ctx.write(register_cmd(req.into_inner())?).await?;
+        Ok(TonicResponse::new(registered(resp)?))
     }
 
     type SessionStream = SessionStream;
@@ -354,7 +388,7 @@ impl Log for LogService {
         match resp {
             Response::Session(Ok(_)) => {}
             Response::Session(Err(rej)) => return Err(LogError::Rejected(rej).into()),
-            other => return Err(LogError::Internal(format!("unexpected answer {other:?}")).into()),
+            other => return Err(unexpected(other)),
         }
         let (out, out_rx) = mpsc::channel(1);
         let _ = out.try_send(Ok(pb::SessionEvent { opened: true }));
@@ -404,7 +438,7 @@ impl Log for LogService {
         let (resp, index) = self.ctx.write(cmd).await?;
         match resp {
             Response::Handoff(r) => Ok(TonicResponse::new(handoff_to_pb(r, index))),
-            other => Err(LogError::Internal(format!("unexpected answer {other:?}")).into()),
+            other => Err(unexpected(other)),
         }
     }
 
@@ -427,7 +461,7 @@ impl Log for LogService {
                 log_index,
             })),
             Response::Pipeline(Err(rej)) => Err(LogError::Rejected(rej).into()),
-            other => Err(LogError::Internal(format!("unexpected answer {other:?}")).into()),
+            other => Err(unexpected(other)),
         }
     }
 
@@ -471,7 +505,7 @@ impl Log for LogService {
                 log_index,
             })),
             Response::Registered(Err(rej)) => Err(LogError::Rejected(rej).into()),
-            other => Err(LogError::Internal(format!("unexpected answer {other:?}")).into()),
+            other => Err(unexpected(other)),
         }
     }
 
@@ -509,7 +543,7 @@ impl Log for LogService {
         match resp {
             Response::Published(Ok(stored)) => Ok(TonicResponse::new(pb::PublishTokenizerResponse { stored })),
             Response::Published(Err(rej)) => Err(LogError::Rejected(rej).into()),
-            other => Err(LogError::Internal(format!("unexpected answer {other:?}")).into()),
+            other => Err(unexpected(other)),
         }
     }
 
@@ -709,11 +743,11 @@ async fn watch_loop(
             s.generations
                 .get(&id)
                 .filter(|g| g.cold.is_some())
-                .map(|g| (s.cold_file().cloned(), g.clone()))
+                .map(|g| (s.cold_files().clone(), g.clone()))
         };
-        if let Some((file, g)) = cold {
+        if let Some((files, g)) = cold {
             // Sealed and on disk: nothing more will come; read it once, outside the lock.
-            return watch_cold(&ctx, file, g, seq, &tx).await;
+            return watch_cold(&ctx, files, g, seq, &tx).await;
         }
         let event = {
             let s = ctx.sm.read();
@@ -767,7 +801,7 @@ async fn watch_loop(
 /// [`WATCH_RECORDS_PER_EVENT_MAX`], the last with the terminal info.
 async fn watch_cold(
     ctx: &NodeCtx,
-    file: Option<crate::snapshot::SnapshotFile>,
+    files: crate::sm_store::ColdFiles,
     g: Generation,
     mut seq: Seq,
     tx: &mpsc::Sender<Result<pb::WatchEvent, Status>>,
@@ -775,8 +809,7 @@ async fn watch_cold(
     let id = g.id;
     let read = tokio::task::spawn_blocking(move || {
         let r = g.cold.expect("a generation on disk");
-        let file = file.ok_or(crate::sm_store::ColdReadError::NoFile(g.id))?;
-        crate::sm_store::read_cold(&file, &g, &r).map(|records| (g, records))
+        crate::sm_store::read_cold(&files, &g, &r).map(|records| (g, records))
     })
     .await;
     let (g, records) = match read {

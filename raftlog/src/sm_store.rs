@@ -11,6 +11,7 @@
 //!   committed log after it (apply is pure, so the state comes out the same). Any mismatch is a
 //!   problem in the [`LoadReport`], and a node with problems does not serve.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::io;
 use std::ops::Deref;
 use std::path::Path;
@@ -25,7 +26,7 @@ use serde::{Deserialize, Serialize};
 use crate::chain;
 use crate::faults::Faults;
 use crate::raft_types::{LogId, Snapshot, SnapshotData, SnapshotMeta, StoredMembership, TypeConfig};
-use crate::snapshot::{PartialSnapshot, SnapshotDir, SnapshotFile};
+use crate::snapshot::{PartialSnapshot, Segment, SnapshotDir, SnapshotFile};
 use crate::state::{Changes, LogState};
 use crate::types::*;
 
@@ -35,18 +36,123 @@ pub struct Machine {
     pub log: LogState,
     applied: Option<LogId>,
     membership: StoredMembership,
-    /// The snapshot file that holds the records of the generations kept on disk only
-    /// ([`Generation::cold`]): the newest one this state was loaded from or written to.
+    /// The files that hold the records of the generations kept on disk only
+    /// ([`Generation::cold`]): those of the newest snapshot this state was loaded from or
+    /// written to.
     #[serde(skip)]
-    cold_file: Option<SnapshotFile>,
+    cold: ColdFiles,
 }
 
-/// A snapshot body of format 9: the machine (generations on disk with no records in it), then
-/// where in the file each of those generations' records are.
+/// Where the records of the generations kept on disk are: the cold section of a snapshot file
+/// (segment 0: a snapshot installed from a peer, or written by format 9) and the cold segments
+/// the snapshot names ([`crate::snapshot`]). Cheap to clone; read without the state lock.
+#[derive(Clone, Debug, Default)]
+pub struct ColdFiles {
+    own: Option<SnapshotFile>,
+    segments: Arc<BTreeMap<u64, Segment>>,
+}
+
+impl ColdFiles {
+    /// The bytes of frame `r` of generation `id`, checked against its CRC.
+    pub fn read_frame(&self, id: GenerationId, r: &ColdRef) -> Result<Vec<u8>, ColdReadError> {
+        Ok(match r.segment {
+            0 => self.own.as_ref().ok_or(ColdReadError::NoFile(id))?.read_frame(r)?,
+            s => self
+                .segments
+                .get(&s)
+                .ok_or(ColdReadError::NoSegment(id, s))?
+                .read_frame(r)?,
+        })
+    }
+
+    /// The records frame `r` of generation `id` holds (not checked against the chain head).
+    fn read_records(&self, id: GenerationId, r: &ColdRef) -> Result<Vec<Record>, ColdReadError> {
+        Ok(match r.segment {
+            0 => self.own.as_ref().ok_or(ColdReadError::NoFile(id))?.read_records(r)?,
+            s => self
+                .segments
+                .get(&s)
+                .ok_or(ColdReadError::NoSegment(id, s))?
+                .read_records(r)?,
+        })
+    }
+
+    /// The file frame `r` is in (tests damage it).
+    pub fn path_of(&self, r: &ColdRef) -> Option<&Path> {
+        match r.segment {
+            0 => self.own.as_ref().map(|f| f.path()),
+            s => self.segments.get(&s).map(|f| f.path()),
+        }
+    }
+
+    /// The ids of the cold segments.
+    pub fn segment_ids(&self) -> BTreeSet<u64> {
+        self.segments.keys().copied().collect()
+    }
+
+    /// The cold segments, by id.
+    pub fn segments(&self) -> impl Iterator<Item = &Segment> {
+        self.segments.values()
+    }
+
+    /// Whether both are the same open files (not merely the same paths).
+    fn same(&self, other: &ColdFiles) -> bool {
+        let own = match (&self.own, &other.own) {
+            (None, None) => true,
+            (Some(a), Some(b)) => a.same_file(b),
+            _ => false,
+        };
+        own && Arc::ptr_eq(&self.segments, &other.segments)
+    }
+}
+
+/// A snapshot body of format 10: the machine (generations on disk with no records in it), where
+/// each of those generations' records are, and the cold segments (id, length) they are in.
 #[derive(Serialize, Deserialize)]
 struct Body {
     machine: Machine,
     cold: Vec<(GenerationId, ColdRef)>,
+    segments: Vec<(u64, u64)>,
+}
+
+/// A snapshot body of format 9: no segments, every record in the file's own cold section.
+#[derive(Deserialize)]
+struct BodyV9 {
+    machine: Machine,
+    cold: Vec<(GenerationId, ColdRefV9)>,
+}
+
+/// A [`ColdRef`] as format 9 wrote it (no segment: the file's own cold section).
+#[derive(Deserialize)]
+struct ColdRefV9 {
+    offset: u64,
+    bytes: u64,
+    crc: u32,
+    records: Seq,
+}
+
+impl From<BodyV9> for Body {
+    fn from(b: BodyV9) -> Body {
+        let cold = b
+            .cold
+            .into_iter()
+            .map(|(id, r)| {
+                let r = ColdRef {
+                    segment: 0,
+                    offset: r.offset,
+                    bytes: r.bytes,
+                    crc: r.crc,
+                    records: r.records,
+                };
+                (id, r)
+            })
+            .collect();
+        Body {
+            machine: b.machine,
+            cold,
+            segments: Vec::new(),
+        }
+    }
 }
 
 /// Why the records of a generation kept on disk cannot be served.
@@ -58,6 +164,8 @@ pub enum ColdReadError {
     Chain(GenerationId),
     #[error("generation {0}: its records are on disk, and no snapshot file is open")]
     NoFile(GenerationId),
+    #[error("generation {0}: its records are in cold segment {1}, which the snapshot does not name")]
+    NoSegment(GenerationId, u64),
 }
 
 impl Deref for Machine {
@@ -98,17 +206,14 @@ impl Machine {
     pub fn records_of<'a>(&'a self, g: &'a Generation) -> Result<std::borrow::Cow<'a, [Record]>, ColdReadError> {
         match g.cold {
             None => Ok(std::borrow::Cow::Borrowed(&g.records)),
-            Some(r) => {
-                let file = self.cold_file.as_ref().ok_or(ColdReadError::NoFile(g.id))?;
-                read_cold(file, g, &r).map(std::borrow::Cow::Owned)
-            }
+            Some(r) => read_cold(&self.cold, g, &r).map(std::borrow::Cow::Owned),
         }
     }
 
-    /// The snapshot file holding the records of the generations kept on disk (cheap to clone:
-    /// read from it without the state lock).
-    pub fn cold_file(&self) -> Option<&SnapshotFile> {
-        self.cold_file.as_ref()
+    /// The files holding the records of the generations kept on disk (cheap to clone: read
+    /// from them without the state lock).
+    pub fn cold_files(&self) -> &ColdFiles {
+        &self.cold
     }
 
     /// The snapshot meta of this applied state: the last applied log id and the membership.
@@ -131,6 +236,9 @@ pub struct SmShared {
     faults: Faults,
     /// One snapshot build at a time (the cold records of one go into the next).
     building: tokio::sync::Mutex<()>,
+    /// Tokens appended since the state the last snapshot build copied (changed under the
+    /// state's write lock; read for [`crate::limits::SNAPSHOT_AFTER_TOKENS`]).
+    tokens_since_snapshot: AtomicU64,
 }
 
 #[derive(Clone)]
@@ -158,9 +266,9 @@ pub struct LoadReport {
     pub problems: Vec<String>,
 }
 
-/// The records `r` names in `file`, checked against `g`'s chain head.
-pub fn read_cold(file: &SnapshotFile, g: &Generation, r: &ColdRef) -> Result<Vec<Record>, ColdReadError> {
-    let records = file.read_records(r)?;
+/// The records `r` names in `files`, checked against `g`'s chain head.
+pub fn read_cold(files: &ColdFiles, g: &Generation, r: &ColdRef) -> Result<Vec<Record>, ColdReadError> {
+    let records = files.read_records(g.id, r)?;
     if chain::head(g.id, &records) != g.chain_head {
         return Err(ColdReadError::Chain(g.id));
     }
@@ -229,7 +337,7 @@ impl From<MachineV3> for Machine {
             },
             applied: m.applied,
             membership: m.membership,
-            cold_file: None,
+            cold: ColdFiles::default(),
         }
     }
 }
@@ -267,7 +375,7 @@ impl From<MachineV4> for Machine {
             },
             applied: m.applied,
             membership: m.membership,
-            cold_file: None,
+            cold: ColdFiles::default(),
         }
     }
 }
@@ -309,7 +417,7 @@ impl From<MachineV5> for Machine {
             },
             applied: m.applied,
             membership: m.membership,
-            cold_file: None,
+            cold: ColdFiles::default(),
         }
     }
 }
@@ -355,7 +463,7 @@ impl From<MachineV6> for Machine {
             },
             applied: m.applied,
             membership: m.membership,
-            cold_file: None,
+            cold: ColdFiles::default(),
         }
     }
 }
@@ -397,21 +505,12 @@ pub fn load_snapshot(file: &SnapshotFile, problems: &mut Vec<String>) -> Option<
         Ok(6) => file.load::<MachineV6>().map(|(meta, m)| (meta, Machine::from(m))),
         Ok(7) => file.load::<MachineV7>().map(|(meta, m)| (meta, Machine::from(m))),
         Ok(8) => file.load::<Machine>(),
-        _ => file.load::<Body>().and_then(|(meta, b)| {
-            let Body { mut machine, cold } = b;
-            for (id, r) in cold {
-                match machine.log.generations.get_mut(&id) {
-                    Some(g) if g.records.is_empty() && g.cold.is_none() => g.cold = Some(r),
-                    _ => {
-                        return Err(crate::snapshot::SnapshotError::Corrupt {
-                            path: file.path().display().to_string(),
-                            what: format!("records on disk for generation {id}, which has none to put there"),
-                        })
-                    }
-                }
-            }
-            Ok((meta, machine))
-        }),
+        Ok(9) => file
+            .load::<BodyV9>()
+            .and_then(|(meta, b)| attach_cold(file, Body::from(b)).map(|m| (meta, m))),
+        _ => file
+            .load::<Body>()
+            .and_then(|(meta, b)| attach_cold(file, b).map(|m| (meta, m))),
     };
     let (meta, mut m): (SnapshotMeta, Machine) = match loaded {
         Ok(x) => x,
@@ -429,7 +528,9 @@ pub fn load_snapshot(file: &SnapshotFile, problems: &mut Vec<String>) -> Option<
         ));
         return None;
     }
-    m.cold_file = Some(file.clone());
+    if m.cold.own.is_none() {
+        m.cold.own = Some(file.clone());
+    }
     let before = problems.len();
     check_chains(&m, problems);
     if problems.len() > before {
@@ -439,48 +540,156 @@ pub fn load_snapshot(file: &SnapshotFile, problems: &mut Vec<String>) -> Option<
     Some((meta, m))
 }
 
-/// Writes `copy` as a snapshot: sealed generations' records go to its cold section (those
-/// already on disk are read from the file they are in and checked on the way), everything else
-/// to the body. Returns the file and what it holds on disk, with each generation's chain head.
-#[allow(clippy::type_complexity)]
-fn write_snapshot(
-    dir: &SnapshotDir,
-    mut copy: Machine,
-) -> io::Result<(SnapshotFile, Vec<(GenerationId, ColdRef, chain::Hash)>)> {
+/// A loaded body's machine with its generations on disk pointed at their records: the file's
+/// own cold section (segment 0) or the segments the body names, opened from `cold/` beside the
+/// file and checked to be the length the body says.
+fn attach_cold(file: &SnapshotFile, b: Body) -> Result<Machine, crate::snapshot::SnapshotError> {
+    let corrupt = |what: String| crate::snapshot::SnapshotError::Corrupt {
+        path: file.path().display().to_string(),
+        what,
+    };
+    let Body {
+        mut machine,
+        cold,
+        segments,
+    } = b;
+    let dir = file.path().parent().unwrap_or(Path::new("."));
+    let mut open = BTreeMap::new();
+    for (id, len) in segments {
+        let seg = Segment::open(&crate::snapshot::segment_path(dir, id), id)?;
+        if seg.len() != len || id == 0 {
+            return Err(corrupt(format!(
+                "cold segment {id} is {} bytes, the snapshot names {len}",
+                seg.len()
+            )));
+        }
+        open.insert(id, seg);
+    }
+    for (id, r) in cold {
+        if r.segment != 0 && !open.contains_key(&r.segment) {
+            return Err(corrupt(format!(
+                "generation {id}: its records are in cold segment {}, which the snapshot does not name",
+                r.segment
+            )));
+        }
+        match machine.log.generations.get_mut(&id) {
+            Some(g) if g.records.is_empty() && g.cold.is_none() => g.cold = Some(r),
+            _ => {
+                return Err(corrupt(format!(
+                    "records on disk for generation {id}, which has none to put there"
+                )))
+            }
+        }
+    }
+    machine.cold = ColdFiles {
+        own: Some(file.clone()),
+        segments: Arc::new(open),
+    };
+    Ok(machine)
+}
+
+/// Where a snapshot build put the records of the generations on disk, with each one's chain
+/// head, and the files that hold them.
+type Written = (SnapshotFile, Vec<(GenerationId, ColdRef, chain::Hash)>, ColdFiles);
+
+/// Writes `copy` as a snapshot of format 10 (see [`crate::snapshot`]): the records of the
+/// generations sealed since the last build go to one new cold segment; those on disk already
+/// stay in their segments, except segments less than half live (and the cold section of an
+/// installed file), whose live frames are copied into the new one after their CRC. The body
+/// names every segment it uses; the new segment is durable before the snapshot is.
+fn write_snapshot(dir: &SnapshotDir, mut copy: Machine) -> io::Result<Written> {
     let meta = copy.meta();
     let now = copy.log_ms;
+    let from = std::mem::take(&mut copy.cold);
+    let mut live: BTreeMap<u64, u64> = BTreeMap::new();
+    for r in copy.generations.values().filter_map(|g| g.cold) {
+        *live.entry(r.segment).or_default() += r.bytes;
+    }
+    let keep: BTreeSet<u64> = from
+        .segments
+        .values()
+        .filter(|s| live.get(&s.id()).is_some_and(|&l| l * 2 >= s.frame_bytes()))
+        .map(|s| s.id())
+        .collect();
+    let mut seg = dir.new_segment()?;
+    let mut refs = Vec::new();
     let mut cold = Vec::new();
-    let cold_out = &mut cold;
-    let file = dir.write_with_cold(&meta, move |section| {
-        let mut refs = Vec::new();
-        for g in copy.log.generations.values_mut() {
-            let r = match g.cold {
-                Some(r) => {
-                    // Checked against its chain head when it was loaded or first written, and
-                    // by CRC here: copied as it is.
-                    let from = copy
-                        .cold_file
-                        .as_ref()
-                        .ok_or(ColdReadError::NoFile(g.id))
-                        .map_err(io::Error::other)?;
-                    section.copy(from, &r)?
-                }
-                None if g.sealed(now) && !g.records.is_empty() => {
-                    let r = section.put(&g.records)?;
-                    g.records = Vec::new();
-                    r
-                }
-                None => continue,
-            };
-            refs.push((g.id, r));
-            cold_out.push((g.id, r, g.chain_head));
-        }
+    for g in copy.log.generations.values_mut() {
+        let r = match g.cold {
+            Some(r) if keep.contains(&r.segment) => r,
+            Some(r) => {
+                // Checked against its chain head when it was loaded or first written, and by
+                // CRC here: copied as it is.
+                let bytes = from.read_frame(g.id, &r).map_err(io::Error::other)?;
+                seg.put_frame(&bytes, r.records)?
+            }
+            None if g.sealed(now) && !g.records.is_empty() => {
+                let r = seg.put(&g.records)?;
+                g.records = Vec::new();
+                r
+            }
+            None => continue,
+        };
+        refs.push((g.id, r));
+        cold.push((g.id, r, g.chain_head));
+    }
+    let mut segments: BTreeMap<u64, Segment> = from
+        .segments
+        .iter()
+        .filter(|(id, _)| keep.contains(id))
+        .map(|(id, s)| (*id, s.clone()))
+        .collect();
+    if let Some(new) = seg.finish()? {
+        segments.insert(new.id(), new);
+    }
+    let named = segments.values().map(|s| (s.id(), s.len())).collect();
+    let file = dir.write_with_cold(&meta, |_| {
         Ok(Body {
             machine: copy,
             cold: refs,
+            segments: named,
         })
     })?;
-    Ok((file, cold))
+    let files = ColdFiles {
+        own: Some(file.clone()),
+        segments: Arc::new(segments),
+    };
+    Ok((file, cold, files))
+}
+
+/// `file` as a follower must receive it: itself when every record it keeps on disk is in its
+/// own cold section, else a self-contained export ([`crate::snapshot::write_transfer`]) with
+/// the frames of its segments copied in (after their CRC). Blocking I/O.
+pub fn self_contained(file: &SnapshotFile) -> io::Result<SnapshotFile> {
+    if file.format()? < crate::snapshot::FORMAT {
+        return Ok(file.clone());
+    }
+    let (meta, body) = file.load::<Body>()?;
+    if body.segments.is_empty() {
+        return Ok(file.clone());
+    }
+    let machine = attach_cold(file, body)?;
+    export(file, &meta, machine)
+}
+
+/// Writes the self-contained export of `m`, the state of snapshot `file` at `meta`.
+fn export(file: &SnapshotFile, meta: &SnapshotMeta, mut m: Machine) -> io::Result<SnapshotFile> {
+    let dir = file.path().parent().unwrap_or(Path::new("."));
+    let from = std::mem::take(&mut m.cold);
+    crate::snapshot::write_transfer(dir, meta, |section| {
+        let mut refs = Vec::new();
+        for g in m.log.generations.values() {
+            if let Some(r) = g.cold {
+                let bytes = from.read_frame(g.id, &r).map_err(io::Error::other)?;
+                refs.push((g.id, section.put_frame(&bytes, r.records)?));
+            }
+        }
+        Ok(Body {
+            machine: m,
+            cold: refs,
+            segments: Vec::new(),
+        })
+    })
 }
 
 /// The digest of an applied state ([`crate::snapshot::digest`]): the same whether a node keeps
@@ -510,6 +719,14 @@ impl SmStore {
                 machine = m;
             }
         }
+        if report.problems.is_empty() {
+            // Segments of a build that crashed before its snapshot was in place, or that a
+            // crash kept from being removed: no snapshot names them.
+            let removed = snapshots.remove_segments_except(&machine.cold.segment_ids())?;
+            if removed > 0 {
+                tracing::info!(removed, "removed cold segments no snapshot names");
+            }
+        }
         report.generations = machine.generations.len() as u64;
         report.records = machine.generations.values().map(|g| g.frontier() as u64).sum();
         machine.log.faults = faults;
@@ -521,6 +738,7 @@ impl SmStore {
             applied_tx,
             faults,
             building: Default::default(),
+            tokens_since_snapshot: AtomicU64::new(0),
         };
         Ok((
             SmStore {
@@ -566,6 +784,16 @@ impl SmShared {
         self.log_ms.load(Ordering::Acquire)
     }
 
+    /// Tokens appended since the state the last snapshot build copied.
+    pub fn tokens_since_snapshot(&self) -> u64 {
+        self.tokens_since_snapshot.load(Ordering::Relaxed)
+    }
+
+    /// Whether a snapshot build is under way.
+    pub fn building(&self) -> bool {
+        self.building.try_lock().is_err()
+    }
+
     pub fn snapshot_dir(&self) -> &Path {
         self.snapshots.path()
     }
@@ -604,25 +832,20 @@ impl SmShared {
         self.snapshots.partial()
     }
 
-    /// After a snapshot built from a copy whose cold records were in `from` was written to
-    /// `file`: the generations it holds on disk (`cold`) drop their records from memory and
-    /// read them from `file` from now on. Nothing changes if the state was replaced meanwhile
-    /// (a snapshot installed: its records are in the installed file). Returns how many
-    /// generations' records left memory.
+    /// After a snapshot built from a copy whose cold records were in `from` was written: the
+    /// generations it holds on disk (`cold`) drop their records from memory and read them from
+    /// `files` from now on. Nothing changes if the state was replaced meanwhile (a snapshot
+    /// installed: its records are in the installed file). Returns how many generations'
+    /// records left memory, or `None` if the state was replaced.
     fn keep_on_disk(
         &self,
-        from: Option<&SnapshotFile>,
-        file: &SnapshotFile,
+        from: &ColdFiles,
+        files: ColdFiles,
         cold: &[(GenerationId, ColdRef, chain::Hash)],
-    ) -> usize {
+    ) -> Option<usize> {
         let mut m = self.state.write().expect("state lock poisoned");
-        let same = match (from, &m.cold_file) {
-            (None, None) => true,
-            (Some(a), Some(b)) => a.same_file(b),
-            _ => false,
-        };
-        if !same {
-            return 0;
+        if !from.same(&m.cold) {
+            return None;
         }
         let mut moved = 0;
         for (id, r, head) in cold {
@@ -641,8 +864,20 @@ impl SmShared {
             .generations
             .values()
             .all(|g| g.cold.is_none() || cold.binary_search_by_key(&g.id, |c| c.0).is_ok()));
-        m.cold_file = Some(file.clone());
-        moved
+        m.cold = files;
+        Some(moved)
+    }
+
+    /// Removes the cold segments the state's files do not name (after the snapshot that names
+    /// them is in place), and logs what it could not remove.
+    fn remove_unnamed_segments(&self, named: &BTreeSet<u64>) -> usize {
+        match self.snapshots.remove_segments_except(named) {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::warn!(error = %e, "removing cold segments no snapshot names");
+                0
+            }
+        }
     }
 
     fn publish(&self, m: &Machine) {
@@ -656,19 +891,36 @@ impl RaftSnapshotBuilder<TypeConfig> for SmStore {
     async fn build_snapshot(&mut self) -> Result<Snapshot, io::Error> {
         let _one_at_a_time = self.shared.building.lock().await;
         // A copy under the read lock: its meta and content are one applied state.
-        let copy = self.shared.read().clone();
+        let copy = {
+            let m = self.shared.read();
+            // Apply adds under the write lock: what it added so far is in this copy.
+            let counted = self.shared.tokens_since_snapshot.load(Ordering::Relaxed);
+            self.shared.tokens_since_snapshot.fetch_sub(counted, Ordering::Relaxed);
+            m.clone()
+        };
         let meta = copy.meta();
-        let from = copy.cold_file.clone();
+        let from = copy.cold.clone();
         let shared = self.shared.clone();
-        let (file, cold) = tokio::task::spawn_blocking(move || write_snapshot(&shared.snapshots, copy))
+        let (file, cold, files) = tokio::task::spawn_blocking(move || write_snapshot(&shared.snapshots, copy))
             .await
             .map_err(io::Error::other)??;
-        let moved = self.shared.keep_on_disk(from.as_ref(), &file, &cold);
+        let named = files.segment_ids();
+        let segment_bytes: u64 = files.segments().map(|s| s.len()).sum();
+        let moved = self.shared.keep_on_disk(&from, files, &cold);
+        // Only segments the snapshot in place names are kept (an install meanwhile, which
+        // cannot overlap a build, would have replaced the state: then nothing is removed).
+        let removed = match moved {
+            Some(_) => self.shared.remove_unnamed_segments(&named),
+            None => 0,
+        };
         tracing::info!(
             index = meta.last_log_id.map_or(0, |l| l.index),
             bytes = file.len(),
             on_disk = cold.len(),
-            moved,
+            moved = moved.unwrap_or(0),
+            segments = named.len(),
+            segment_bytes,
+            segments_removed = removed,
             "snapshot written"
         );
         Ok(Snapshot { meta, snapshot: file })
@@ -698,6 +950,10 @@ impl RaftStateMachine<TypeConfig> for SmStore {
         let applied = {
             let mut m = s.state.write().expect("state lock poisoned");
             for (entry, responder) in batch {
+                if let EntryPayload::Normal(req) = &entry.payload {
+                    s.tokens_since_snapshot
+                        .fetch_add(req.cmd.appended_tokens(), Ordering::Relaxed);
+                }
                 let response = m.apply_entry(entry.log_id, entry.payload, &mut changes);
                 responders.push((responder, response));
             }
@@ -718,6 +974,8 @@ impl RaftStateMachine<TypeConfig> for SmStore {
     }
 
     async fn install_snapshot(&mut self, meta: &SnapshotMeta, snapshot: SnapshotData) -> Result<(), io::Error> {
+        // Not while a build writes segments: the install decides which ones stay (none).
+        let _one_at_a_time = self.shared.building.lock().await;
         let shared = self.shared.clone();
         let want = meta.clone();
         let machine = tokio::task::spawn_blocking(move || -> io::Result<Machine> {
@@ -736,9 +994,23 @@ impl RaftStateMachine<TypeConfig> for SmStore {
                     ),
                 ));
             }
+            // A snapshot that names segments (handed over in process, not streamed: a stream is
+            // self-contained) is made self-contained first: the records come with the state.
+            let (snapshot, m) = if m.cold.segments.is_empty() {
+                (snapshot, m)
+            } else {
+                let exported = export(&snapshot, &got, m)?;
+                match load_snapshot(&exported, &mut problems) {
+                    Some((_, m)) => (exported, m),
+                    None => return Err(io::Error::new(io::ErrorKind::InvalidData, problems.join("; "))),
+                }
+            };
             let (_, installed) = shared.snapshots.install(&snapshot)?;
             let mut m = m;
-            m.cold_file = Some(installed);
+            m.cold = ColdFiles {
+                own: Some(installed),
+                segments: Default::default(),
+            };
             Ok(m)
         })
         .await
@@ -752,7 +1024,8 @@ impl RaftStateMachine<TypeConfig> for SmStore {
             s.publish(&m);
         }
         s.applied_tx.send_replace(index);
-        tracing::info!(index, "snapshot installed");
+        let removed = s.remove_unnamed_segments(&BTreeSet::new());
+        tracing::info!(index, segments_removed = removed, "snapshot installed");
         Ok(())
     }
 
@@ -815,7 +1088,7 @@ mod tests {
                 3,
             )),
             membership: StoredMembership::default(),
-            cold_file: None,
+            cold: ColdFiles::default(),
         };
         #[derive(Serialize)]
         struct V3<'a> {
@@ -1233,6 +1506,7 @@ mod tests {
                 Ok(Body {
                     machine: body,
                     cold: vec![(id, r)],
+                    segments: Vec::new(),
                 })
             })
             .unwrap();
@@ -1244,6 +1518,10 @@ mod tests {
         let mut cold = g.clone();
         cold.records.clear();
         cold.cold = Some(r);
-        assert!(matches!(read_cold(&file, &cold, &r), Err(ColdReadError::Chain(_))));
+        let files = ColdFiles {
+            own: Some(file),
+            segments: Default::default(),
+        };
+        assert!(matches!(read_cold(&files, &cold, &r), Err(ColdReadError::Chain(_))));
     }
 }

@@ -5,18 +5,31 @@
 //!
 //! | bytes           | content                                                      |
 //! |-----------------|--------------------------------------------------------------|
-//! | 8               | magic `TLSNAP09` (format version 9; 3 to 8 are still read)    |
+//! | 8               | magic `TLSNAP10` (format version 10; 3 to 9 are still read)   |
 //! | 4               | length M of the meta (little endian)                          |
 //! | M               | the snapshot's meta: last log id, membership (bincode)       |
 //! | C               | the cold section: records of sealed generations, one frame    |
 //! |                 | (bincode `Vec<Record>`) per generation, found by a `ColdRef`  |
+//! |                 | (empty in the files a node writes itself, see below)         |
 //! | B               | the body: the state machine at that log id (bincode)         |
 //! | 8               | where the body starts (little endian)                         |
 //! | 32              | SHA-256 of every byte before it                              |
 //!
 //! Formats 3 to 8 have no cold section and no body offset: the body runs from the meta to the
-//! checksum. A node keeps the records of sealed generations in its newest snapshot file and
-//! reads them from there ([`SnapshotFile::read_records`]): the next snapshot copies them over.
+//! checksum. Format 9 is format 10's layout, its `ColdRef`s naming no segment.
+//!
+//! **Cold segments** (format 10). The records of sealed generations live in immutable segment
+//! files, `<snapshots>/cold/segment-{id:020}.seg` (magic `TLCOLD10`, then frames), each frame
+//! found by a `ColdRef` (segment id, offset, length, CRC-32, record count) in the body of the
+//! snapshot that refers to it. A snapshot build writes one new segment with the generations
+//! sealed since the last one and refers to the older segments as they are: it writes each
+//! record once, not once per snapshot. A segment whose live frames (generations not pruned yet)
+//! fall under half its bytes is rewritten into the new one, so dead bytes stay under the live
+//! ones. A segment is durable before a snapshot names it, and is removed only once no snapshot
+//! in place names it. A snapshot sent to a follower must carry its records: it is exported
+//! self-contained (every frame in its own cold section, segment 0) as
+//! `transfer-{index:020}.snap` ([`write_transfer`]), and a node that installs one keeps reading
+//! those records from the installed file until its next build moves them into a segment.
 //!
 //! It is written aside (`*.partial`), fsynced, renamed to `snapshot-{index:020}.snap` and the
 //! directory fsynced: a crash at any point leaves the old snapshot or the new one, never a mix.
@@ -38,7 +51,9 @@ use sha2::{Digest, Sha256};
 use crate::raft_types::SnapshotMeta;
 use crate::types::{ColdRef, Record};
 
-const MAGIC: &[u8; 8] = b"TLSNAP09";
+const MAGIC: &[u8; 8] = b"TLSNAP10";
+/// Format 9: format 10's layout, cold references without a segment (read, never written).
+const MAGIC_V9: &[u8; 8] = b"TLSNAP09";
 /// Format 8: no cold section, no body offset (read, never written).
 const MAGIC_V8: &[u8; 8] = b"TLSNAP08";
 /// Format 7: the same layout, a body without the hot standbys (read, never written).
@@ -53,7 +68,7 @@ const MAGIC_V4: &[u8; 8] = b"TLSNAP04";
 /// Format 3: as format 4, and without the tokenizer and session tables (read, never written).
 const MAGIC_V3: &[u8; 8] = b"TLSNAP03";
 /// The format version this build writes.
-pub const FORMAT: u8 = 9;
+pub const FORMAT: u8 = 10;
 const HEADER_BYTES: u64 = 12;
 const TRAILER_BYTES: u64 = 32;
 /// Format 9 keeps the body's offset just before the checksum.
@@ -166,6 +181,7 @@ impl SnapshotFile {
         self.file.read_exact_at(&mut header, 0).map_err(|e| self.io(e))?;
         let format = match &header[..8] {
             m if m == MAGIC => FORMAT,
+            m if m == MAGIC_V9 => 9,
             m if m == MAGIC_V8 => 8,
             m if m == MAGIC_V7 => 7,
             m if m == MAGIC_V6 => 6,
@@ -210,7 +226,7 @@ impl SnapshotFile {
         })
     }
 
-    /// The format version of the file (3 to 8, or [`FORMAT`]), from its magic (no checksum check).
+    /// The format version of the file (3 to 9, or [`FORMAT`]), from its magic (no checksum check).
     pub fn format(&self) -> Result<u8, SnapshotError> {
         Ok(self.layout()?.format)
     }
@@ -267,24 +283,11 @@ impl SnapshotFile {
     /// have been damaged since it was verified).
     pub fn read_records(&self, r: &ColdRef) -> Result<Vec<Record>, SnapshotError> {
         let buf = self.read_frame(r)?;
-        let records: Vec<Record> = bincode_opts(r.bytes)
-            .deserialize(&buf)
-            .map_err(|e| self.corrupt(format!("cold records at {} do not decode: {e}", r.offset)))?;
-        if records.len() as u64 != r.records as u64 {
-            return Err(self.corrupt(format!(
-                "cold records at {}: {} of them, {} expected",
-                r.offset,
-                records.len(),
-                r.records
-            )));
-        }
-        Ok(records)
+        decode_frame(&buf, r).map_err(|what| self.corrupt(what))
     }
-}
 
-impl SnapshotFile {
     /// The bytes a [`ColdRef`] names, bounded by the cold section and checked against its CRC.
-    fn read_frame(&self, r: &ColdRef) -> Result<Vec<u8>, SnapshotError> {
+    pub fn read_frame(&self, r: &ColdRef) -> Result<Vec<u8>, SnapshotError> {
         let cold = match self.cold.get() {
             Some(c) => c.clone(),
             None => {
@@ -292,19 +295,215 @@ impl SnapshotFile {
                 self.cold.get_or_init(|| c).clone()
             }
         };
-        let end = r.offset.checked_add(r.bytes);
-        if r.offset < cold.start || end.is_none_or(|e| e > cold.end) || r.bytes > COLD_FRAME_BYTES_MAX {
-            return Err(self.corrupt(format!(
-                "cold records at {}+{} are outside its cold section {}..{}",
-                r.offset, r.bytes, cold.start, cold.end
-            )));
+        read_frame_in(&self.file, cold, r).map_err(|e| match e {
+            FrameError::Io(e) => self.io(e),
+            FrameError::Corrupt(what) => self.corrupt(what),
+        })
+    }
+}
+
+enum FrameError {
+    Io(io::Error),
+    Corrupt(String),
+}
+
+/// The frame `r` of `file`, which must lie inside `range` and match its CRC.
+fn read_frame_in(file: &File, range: std::ops::Range<u64>, r: &ColdRef) -> Result<Vec<u8>, FrameError> {
+    let end = r.offset.checked_add(r.bytes);
+    if r.offset < range.start || end.is_none_or(|e| e > range.end) || r.bytes > COLD_FRAME_BYTES_MAX {
+        return Err(FrameError::Corrupt(format!(
+            "cold records at {}+{} are outside its cold section {}..{}",
+            r.offset, r.bytes, range.start, range.end
+        )));
+    }
+    let mut buf = vec![0u8; r.bytes as usize];
+    file.read_exact_at(&mut buf, r.offset).map_err(FrameError::Io)?;
+    if crc32fast::hash(&buf) != r.crc {
+        return Err(FrameError::Corrupt(format!(
+            "cold records at {}: CRC mismatch",
+            r.offset
+        )));
+    }
+    Ok(buf)
+}
+
+/// The records of a frame `r` named (bounded by its length, their count checked).
+fn decode_frame(buf: &[u8], r: &ColdRef) -> Result<Vec<Record>, String> {
+    let records: Vec<Record> = bincode_opts(r.bytes)
+        .deserialize(buf)
+        .map_err(|e| format!("cold records at {} do not decode: {e}", r.offset))?;
+    if records.len() as u64 != r.records as u64 {
+        return Err(format!(
+            "cold records at {}: {} of them, {} expected",
+            r.offset,
+            records.len(),
+            r.records
+        ));
+    }
+    Ok(records)
+}
+
+fn encode_frame(records: &[Record]) -> io::Result<Vec<u8>> {
+    bincode_opts(u64::MAX)
+        .serialize(records)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+}
+
+const SEGMENT_MAGIC: &[u8; 8] = b"TLCOLD10";
+const SEGMENT_HEADER_BYTES: u64 = 8;
+/// The directory of the cold segments, inside the snapshots directory.
+pub const COLD_DIR: &str = "cold";
+
+/// Where segment `id` of the snapshots in `snapshot_dir` is.
+pub fn segment_path(snapshot_dir: &Path, id: u64) -> PathBuf {
+    snapshot_dir.join(COLD_DIR).join(format!("segment-{id:020}.seg"))
+}
+
+fn segment_id_of(name: &str) -> Option<u64> {
+    name.strip_prefix("segment-")?.strip_suffix(".seg")?.parse().ok()
+}
+
+/// An immutable file of cold frames that snapshots refer to (see the module doc). Cheap to
+/// clone; a removed segment stays readable through the clones still open.
+#[derive(Clone, Debug)]
+pub struct Segment {
+    id: u64,
+    path: PathBuf,
+    file: Arc<File>,
+    len: u64,
+}
+
+impl Segment {
+    /// Opens segment `id` at `path`; its magic is checked, its frames when they are read.
+    pub fn open(path: &Path, id: u64) -> Result<Self, SnapshotError> {
+        let io = |source| SnapshotError::Io {
+            path: path.display().to_string(),
+            source,
+        };
+        let file = File::open(path).map_err(io)?;
+        let len = file.metadata().map_err(io)?.len();
+        let mut magic = [0u8; SEGMENT_HEADER_BYTES as usize];
+        if len < SEGMENT_HEADER_BYTES || file.read_exact_at(&mut magic, 0).is_err() || &magic != SEGMENT_MAGIC {
+            return Err(SnapshotError::Corrupt {
+                path: path.display().to_string(),
+                what: "not a tokenlog cold segment (bad magic or too short)".into(),
+            });
         }
-        let mut buf = vec![0u8; r.bytes as usize];
-        self.file.read_exact_at(&mut buf, r.offset).map_err(|e| self.io(e))?;
-        if crc32fast::hash(&buf) != r.crc {
-            return Err(self.corrupt(format!("cold records at {}: CRC mismatch", r.offset)));
+        Ok(Segment {
+            id,
+            path: path.to_path_buf(),
+            file: Arc::new(file),
+            len,
+        })
+    }
+
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len <= SEGMENT_HEADER_BYTES
+    }
+
+    /// The bytes of its frames (all of them, live or not).
+    pub fn frame_bytes(&self) -> u64 {
+        self.len - SEGMENT_HEADER_BYTES
+    }
+
+    fn corrupt(&self, what: String) -> SnapshotError {
+        SnapshotError::Corrupt {
+            path: self.path.display().to_string(),
+            what,
         }
-        Ok(buf)
+    }
+
+    /// The bytes of frame `r` (bounded by the file, checked against its CRC).
+    pub fn read_frame(&self, r: &ColdRef) -> Result<Vec<u8>, SnapshotError> {
+        read_frame_in(&self.file, SEGMENT_HEADER_BYTES..self.len, r).map_err(|e| match e {
+            FrameError::Io(source) => SnapshotError::Io {
+                path: self.path.display().to_string(),
+                source,
+            },
+            FrameError::Corrupt(what) => self.corrupt(what),
+        })
+    }
+
+    /// The records of frame `r`; the caller compares them with the generation's chain head.
+    pub fn read_records(&self, r: &ColdRef) -> Result<Vec<Record>, SnapshotError> {
+        let buf = self.read_frame(r)?;
+        decode_frame(&buf, r).map_err(|what| self.corrupt(what))
+    }
+}
+
+/// A segment being written ([`SnapshotDir::new_segment`]): removed on drop unless finished.
+pub struct SegmentWriter {
+    id: u64,
+    partial: PathBuf,
+    dest: PathBuf,
+    w: Option<BufWriter<File>>,
+    offset: u64,
+}
+
+impl SegmentWriter {
+    /// Appends one generation's records as a frame and says where it is.
+    pub fn put(&mut self, records: &[Record]) -> io::Result<ColdRef> {
+        let bytes = encode_frame(records)?;
+        self.put_frame(&bytes, records.len() as crate::types::Seq)
+    }
+
+    /// Appends a frame read (and CRC-checked) elsewhere, as it is.
+    pub fn put_frame(&mut self, bytes: &[u8], records: crate::types::Seq) -> io::Result<ColdRef> {
+        self.w.as_mut().expect("segment open").write_all(bytes)?;
+        let r = ColdRef {
+            segment: self.id,
+            offset: self.offset,
+            bytes: bytes.len() as u64,
+            crc: crc32fast::hash(bytes),
+            records,
+        };
+        self.offset += bytes.len() as u64;
+        Ok(r)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.offset == SEGMENT_HEADER_BYTES
+    }
+
+    /// Makes the segment durable under its final name (fsync, rename, directory fsync) and
+    /// opens it; an empty one is removed instead (`None`).
+    pub fn finish(mut self) -> io::Result<Option<Segment>> {
+        let w = self.w.take().expect("segment open");
+        if self.is_empty() {
+            drop(w);
+            let _ = fs::remove_file(&self.partial);
+            self.partial = PathBuf::new();
+            return Ok(None);
+        }
+        let file = w.into_inner().map_err(|e| e.into_error())?;
+        file.sync_all()?;
+        drop(file);
+        fs::rename(&self.partial, &self.dest)?;
+        self.partial = PathBuf::new();
+        if let Some(dir) = self.dest.parent() {
+            File::open(dir)?.sync_all()?;
+        }
+        Segment::open(&self.dest, self.id).map(Some).map_err(io::Error::from)
+    }
+}
+
+impl Drop for SegmentWriter {
+    fn drop(&mut self) {
+        if !self.partial.as_os_str().is_empty() {
+            let _ = fs::remove_file(&self.partial);
+        }
     }
 }
 
@@ -331,22 +530,15 @@ pub struct ColdSection<'a> {
 
 impl ColdSection<'_> {
     pub fn put(&mut self, records: &[Record]) -> io::Result<ColdRef> {
-        let bytes = bincode_opts(u64::MAX)
-            .serialize(records)
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-        self.frame(&bytes, records.len() as crate::types::Seq)
+        let bytes = encode_frame(records)?;
+        self.put_frame(&bytes, records.len() as crate::types::Seq)
     }
 
-    /// Copies the frame `r` of `from` (another snapshot's cold section) as it is, after its CRC:
-    /// no decoding, no hashing of records.
-    pub fn copy(&mut self, from: &SnapshotFile, r: &ColdRef) -> Result<ColdRef, SnapshotError> {
-        let bytes = from.read_frame(r)?;
-        self.frame(&bytes, r.records).map_err(|e| from.io(e))
-    }
-
-    fn frame(&mut self, bytes: &[u8], records: crate::types::Seq) -> io::Result<ColdRef> {
+    /// Appends a frame read (and CRC-checked) elsewhere, as it is.
+    pub fn put_frame(&mut self, bytes: &[u8], records: crate::types::Seq) -> io::Result<ColdRef> {
         self.w.write_all(bytes)?;
         let r = ColdRef {
+            segment: 0,
             offset: self.offset,
             bytes: bytes.len() as u64,
             crc: crc32fast::hash(bytes),
@@ -429,6 +621,8 @@ pub struct SnapshotDir {
     dir: PathBuf,
     /// Unique names for partial files of this process.
     next_partial: AtomicU64,
+    /// The id the next cold segment gets: above every segment in `cold/` at open.
+    next_segment: AtomicU64,
     /// Tests only: stop (as a crash would) right after this step.
     crash_after: Option<Step>,
     /// One snapshot is put in place at a time (a build and an install may overlap).
@@ -436,18 +630,32 @@ pub struct SnapshotDir {
 }
 
 impl SnapshotDir {
-    /// Opens (creating) `dir` and removes partial files a crash left behind.
+    /// Opens (creating) `dir` and its `cold/`, and removes partial files a crash left behind
+    /// and exports made for followers (made again when needed).
     pub fn open(dir: &Path) -> io::Result<Self> {
-        fs::create_dir_all(dir)?;
+        let cold = dir.join(COLD_DIR);
+        fs::create_dir_all(&cold)?;
         for entry in fs::read_dir(dir)? {
             let entry = entry?;
-            if entry.file_name().to_string_lossy().ends_with(PARTIAL_SUFFIX) {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.ends_with(PARTIAL_SUFFIX) || transfer_index_of(&name).is_some() {
                 fs::remove_file(entry.path())?;
+            }
+        }
+        let mut next_segment = 1;
+        for entry in fs::read_dir(&cold)? {
+            let entry = entry?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.ends_with(PARTIAL_SUFFIX) {
+                fs::remove_file(entry.path())?;
+            } else if let Some(id) = segment_id_of(&name) {
+                next_segment = next_segment.max(id + 1);
             }
         }
         Ok(SnapshotDir {
             dir: dir.to_path_buf(),
             next_partial: AtomicU64::new(0),
+            next_segment: AtomicU64::new(next_segment),
             crash_after: None,
             placing: Default::default(),
         })
@@ -458,6 +666,7 @@ impl SnapshotDir {
         SnapshotDir {
             dir: dir.to_path_buf(),
             next_partial: AtomicU64::new(0),
+            next_segment: AtomicU64::new(u64::MAX),
             crash_after: None,
             placing: Default::default(),
         }
@@ -520,6 +729,52 @@ impl SnapshotDir {
         })
     }
 
+    /// A new cold segment, written aside in `cold/` until [`SegmentWriter::finish`].
+    pub fn new_segment(&self) -> io::Result<SegmentWriter> {
+        let id = self.next_segment.fetch_add(1, Ordering::Relaxed);
+        assert!(id != u64::MAX, "a read-only snapshot directory writes no segment");
+        let dest = segment_path(&self.dir, id);
+        let partial = dest.with_extension(format!("seg{PARTIAL_SUFFIX}"));
+        let mut w = BufWriter::with_capacity(1 << 20, fs::File::create_new(&partial)?);
+        w.write_all(SEGMENT_MAGIC)?;
+        Ok(SegmentWriter {
+            id,
+            partial,
+            dest,
+            w: Some(w),
+            offset: SEGMENT_HEADER_BYTES,
+        })
+    }
+
+    /// The ids of the cold segments in `cold/`.
+    pub fn segments(&self) -> io::Result<Vec<u64>> {
+        let mut out = Vec::new();
+        let entries = match fs::read_dir(self.dir.join(COLD_DIR)) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(out),
+            r => r?,
+        };
+        for entry in entries {
+            if let Some(id) = segment_id_of(&entry?.file_name().to_string_lossy()) {
+                out.push(id);
+            }
+        }
+        out.sort_unstable();
+        Ok(out)
+    }
+
+    /// Removes every cold segment but `keep` (call it once the snapshot in place names only
+    /// those); returns how many were removed. Readers holding one open still read it.
+    pub fn remove_segments_except(&self, keep: &std::collections::BTreeSet<u64>) -> io::Result<usize> {
+        let mut removed = 0;
+        for id in self.segments()? {
+            if !keep.contains(&id) {
+                fs::remove_file(segment_path(&self.dir, id))?;
+                removed += 1;
+            }
+        }
+        Ok(removed)
+    }
+
     /// Writes a snapshot of `body` at `meta` with no cold section and puts it in place.
     pub fn write<T: Serialize>(&self, meta: &SnapshotMeta, body: &T) -> io::Result<SnapshotFile> {
         self.write_with_cold(meta, |_| Ok(body))
@@ -534,31 +789,7 @@ impl SnapshotDir {
     ) -> io::Result<SnapshotFile> {
         let mut partial = self.partial()?;
         let file = partial.file.take().expect("a new partial file is open");
-        let mut w = HashWriter {
-            inner: BufWriter::with_capacity(1 << 20, file),
-            hasher: Sha256::new(),
-        };
-        let meta_bytes = bincode_opts(u64::MAX)
-            .serialize(meta)
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-        w.write_all(MAGIC)?;
-        w.write_all(&(meta_bytes.len() as u32).to_le_bytes())?;
-        w.write_all(&meta_bytes)?;
-        let mut cold = ColdSection {
-            w: &mut w,
-            offset: HEADER_BYTES + meta_bytes.len() as u64,
-        };
-        let body = fill(&mut cold)?;
-        let body_start = cold.offset;
-        bincode_opts(u64::MAX)
-            .serialize_into(&mut w, &body)
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-        w.write_all(&body_start.to_le_bytes())?;
-        let digest = w.hasher.finalize();
-        let mut inner = w.inner;
-        inner.write_all(&digest)?;
-        let file = inner.into_inner().map_err(|e| e.into_error())?;
-        partial.file = Some(file);
+        partial.file = Some(write_snapshot_to(file, meta, fill)?);
         self.put_in_place(partial, meta)
     }
 
@@ -632,9 +863,87 @@ impl SnapshotDir {
                 fs::remove_file(p)?;
             }
         }
+        for entry in fs::read_dir(&self.dir)? {
+            let entry = entry?;
+            if transfer_index_of(&entry.file_name().to_string_lossy()).is_some_and(|i| i < index) {
+                fs::remove_file(entry.path())?;
+            }
+        }
         crash(Step::OldRemoved)?;
         SnapshotFile::open(&dest).map_err(io::Error::from)
     }
+}
+
+/// Writes a whole snapshot (header, meta, the cold section `fill` writes, the body it returns,
+/// the body offset, the checksum) into `file`, and returns it flushed (not yet synced).
+fn write_snapshot_to<B: Serialize>(
+    file: File,
+    meta: &SnapshotMeta,
+    fill: impl FnOnce(&mut ColdSection<'_>) -> io::Result<B>,
+) -> io::Result<File> {
+    let mut w = HashWriter {
+        inner: BufWriter::with_capacity(1 << 20, file),
+        hasher: Sha256::new(),
+    };
+    let meta_bytes = bincode_opts(u64::MAX)
+        .serialize(meta)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    w.write_all(MAGIC)?;
+    w.write_all(&(meta_bytes.len() as u32).to_le_bytes())?;
+    w.write_all(&meta_bytes)?;
+    let mut cold = ColdSection {
+        w: &mut w,
+        offset: HEADER_BYTES + meta_bytes.len() as u64,
+    };
+    let body = fill(&mut cold)?;
+    let body_start = cold.offset;
+    bincode_opts(u64::MAX)
+        .serialize_into(&mut w, &body)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    w.write_all(&body_start.to_le_bytes())?;
+    let digest = w.hasher.finalize();
+    let mut inner = w.inner;
+    inner.write_all(&digest)?;
+    inner.into_inner().map_err(|e| e.into_error())
+}
+
+fn transfer_name(index: u64) -> String {
+    format!("transfer-{index:020}.snap")
+}
+
+fn transfer_index_of(name: &str) -> Option<u64> {
+    name.strip_prefix("transfer-")?.strip_suffix(".snap")?.parse().ok()
+}
+
+/// The self-contained export of the snapshot at `meta` for a follower, in `dir` (a snapshots
+/// directory): the one made before if it is there, else written now (aside, fsynced, renamed)
+/// with the cold section `fill` writes. Removed with the snapshot it copies.
+pub fn write_transfer<B: Serialize>(
+    dir: &Path,
+    meta: &SnapshotMeta,
+    fill: impl FnOnce(&mut ColdSection<'_>) -> io::Result<B>,
+) -> io::Result<SnapshotFile> {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let index = meta.last_log_id.map_or(0, |l| l.index);
+    let dest = dir.join(transfer_name(index));
+    if let Ok(f) = SnapshotFile::open(&dest) {
+        if f.meta().is_ok_and(|m| &m == meta) {
+            return Ok(f);
+        }
+    }
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let mut partial = PartialSnapshot {
+        path: dir.join(format!("export-{}-{n}{PARTIAL_SUFFIX}", std::process::id())),
+        file: None,
+        written: 0,
+    };
+    let file = write_snapshot_to(File::create_new(&partial.path)?, meta, fill)?;
+    file.sync_all()?;
+    drop(file);
+    fs::rename(&partial.path, &dest)?;
+    partial.path = PathBuf::new(); // renamed: nothing to clean up
+    File::open(dir)?.sync_all()?;
+    SnapshotFile::open(&dest).map_err(io::Error::from)
 }
 
 /// A snapshot file being written or received; removed on drop unless put in place.
@@ -772,7 +1081,10 @@ mod tests {
             } else {
                 assert_eq!(index, 2, "renamed before {step:?}");
             }
-            let leftovers = fs::read_dir(d.path()).unwrap().count();
+            let leftovers = fs::read_dir(d.path())
+                .unwrap()
+                .filter(|e| e.as_ref().unwrap().file_type().unwrap().is_file())
+                .count();
             assert!(leftovers <= 2, "after {step:?}: {leftovers} files");
         }
     }

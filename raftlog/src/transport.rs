@@ -227,7 +227,13 @@ impl RaftNetworkV2<TypeConfig> for Connection {
     ) -> Result<SnapshotResponse<TypeConfig>, StreamingError<TypeConfig>> {
         let mut client = self.client().map_err(StreamingError::from)?;
         let meta = pack(&(vote, snapshot.meta)).map_err(|e| StreamingError::Network(net_err(e)))?;
-        let file = snapshot.snapshot;
+        // What a follower receives carries every record it names: a snapshot whose records
+        // are in this node's cold segments goes as its self-contained export.
+        let local = snapshot.snapshot;
+        let file = tokio::task::spawn_blocking(move || crate::sm_store::self_contained(&local))
+            .await
+            .map_err(|e| StreamingError::Network(net_err(e)))?
+            .map_err(|e| StreamingError::Network(net_err(e)))?;
         // The file is read one chunk at a time as the stream is polled: a sender holds at most
         // a few chunks in memory whatever the snapshot's size.
         let first = futures::stream::once(async move {

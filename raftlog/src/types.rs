@@ -241,15 +241,29 @@ pub struct Generation {
     pub cold: Option<ColdRef>,
 }
 
-/// The records of one sealed generation inside a snapshot file ([`crate::snapshot`]): `bytes`
-/// at `offset` with CRC-32 `crc`, `records` of them. Read back, they must hash to the
-/// generation's chain head; the next snapshot copies the bytes as they are, after their CRC.
+/// The records of one sealed generation on disk ([`crate::snapshot`]): `bytes` at `offset` of
+/// cold segment `segment` (0: the cold section of the snapshot file itself) with CRC-32 `crc`,
+/// `records` of them. Read back, they must hash to the generation's chain head; a snapshot
+/// build leaves them where they are, or copies the bytes as they are after their CRC.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ColdRef {
+    pub segment: u64,
     pub offset: u64,
     pub bytes: u64,
     pub crc: u32,
     pub records: Seq,
+}
+
+impl Command {
+    /// The tokens its appends carry (a batch's, summed): an upper bound of the records it
+    /// commits (a re-send of committed records adds none).
+    pub fn appended_tokens(&self) -> u64 {
+        match self {
+            Command::Append { items, .. } => items.iter().map(|i| i.token_ids.len() as u64).sum(),
+            Command::Batch(cmds) => cmds.iter().map(Command::appended_tokens).sum(),
+            _ => 0,
+        }
+    }
 }
 
 impl Generation {

@@ -443,8 +443,8 @@ async fn sealed_generations_leave_memory_at_a_snapshot_and_read_back_the_same() 
     assert_eq!(f.shared().digest().unwrap(), digest);
 }
 
-/// A byte flipped inside the records kept on disk of a stopped node is refused at open (the
-/// file's checksum), and a live node that reads a damaged frame refuses to serve it (its CRC;
+/// A byte flipped inside the records kept on disk (a cold segment) of a stopped node is refused
+/// at open (the frame's CRC), a missing segment too, and a live node that reads a damaged frame refuses to serve it (its CRC;
 /// then the chain head), never a shortened or altered generation.
 #[tokio::test]
 async fn damaged_records_on_disk_are_refused() {
@@ -465,12 +465,13 @@ async fn damaged_records_on_disk_are_refused() {
         }),
     };
     apply_one(&mut sm, tick).await;
-    let path = build(&mut sm).await.snapshot.path().to_path_buf();
+    build(&mut sm).await;
     assert!(on_disk(&sm, 1));
-    let r = {
+    let (r, path) = {
         let s = sm.shared();
         let m = s.read();
-        m.generations[&1].cold.unwrap()
+        let r = m.generations[&1].cold.unwrap();
+        (r, m.cold_files().path_of(&r).unwrap().to_path_buf())
     };
     let clean = std::fs::read(&path).unwrap();
     let mut bad = clean.clone();
@@ -493,7 +494,228 @@ async fn damaged_records_on_disk_are_refused() {
         Ok(_) => panic!("a damaged record on disk, yet the data dir opened"),
         Err(e) => assert!(e.to_string().contains("refusing to serve"), "{e}"),
     }
+    // A segment that is gone: refused as well.
+    std::fs::rename(&path, path.with_extension("moved")).unwrap();
+    match tokenlog_raftlog::data_dir::open(dir.path(), Default::default()) {
+        Ok(_) => panic!("a missing cold segment, yet the data dir opened"),
+        Err(e) => assert!(e.to_string().contains("refusing to serve"), "{e}"),
+    }
+    std::fs::rename(path.with_extension("moved"), &path).unwrap();
     std::fs::write(&path, &clean).unwrap();
     let s = tokenlog_raftlog::data_dir::open(dir.path(), Default::default()).expect("clean again");
     assert_eq!(s.report.records, 3);
+}
+
+/// A Tick at log time `t` (entry `index`) with retention `retention_ms`.
+fn tick_entry(index: u64, t: u64, retention_ms: u64) -> Entry {
+    Entry {
+        log_id: log_id::<TypeConfig>(1, 1, index),
+        payload: openraft::EntryPayload::Normal(Request {
+            log_ms: t,
+            cmd: Command::Tick { retention_ms },
+        }),
+    }
+}
+
+/// The cold segments the state's files name: (id, length).
+fn segments_of(sm: &SmStore) -> Vec<(u64, u64)> {
+    let s = sm.shared();
+    let m = s.read();
+    m.cold_files().segments().map(|g| (g.id(), g.len())).collect()
+}
+
+/// The segment files in a data dir's `snapshots/cold/`, by id.
+fn segment_files(dir: &TempDir) -> Vec<u64> {
+    let cold = dir.path().join("snapshots").join("cold");
+    let mut ids: Vec<u64> = std::fs::read_dir(cold)
+        .unwrap()
+        .filter_map(|e| {
+            let name = e.unwrap().file_name().to_string_lossy().into_owned();
+            name.strip_prefix("segment-")?.strip_suffix(".seg")?.parse().ok()
+        })
+        .collect();
+    ids.sort_unstable();
+    ids
+}
+
+/// Incremental cold segments: each snapshot build writes only the records sealed since the
+/// last one, into a new segment, and names the older segments as they are (their files are not
+/// rewritten); the records read back the same from the live node, after a restart and at a
+/// follower, which receives them inside the snapshot.
+#[tokio::test]
+async fn a_snapshot_build_writes_only_the_records_sealed_since_the_last_one() {
+    use tokenlog_raftlog::limits::{RETENTION_MS_DEFAULT, SEAL_AFTER_MS};
+    let dir = tempfile::tempdir().unwrap();
+    let mut sm = open_sm(&dir);
+    for g in 1..=3 {
+        apply_one(&mut sm, submit_entry(g)).await;
+    }
+    let mut index = 4;
+    for (g, t) in [(1, 10), (2, 10)] {
+        for e in finish_entries(index, g, t) {
+            apply_one(&mut sm, e).await;
+        }
+        index += 2;
+    }
+    apply_one(&mut sm, tick_entry(index, 10 + SEAL_AFTER_MS, RETENTION_MS_DEFAULT)).await;
+    index += 1;
+    let first = build(&mut sm).await;
+    let segs = segments_of(&sm);
+    assert_eq!(segs.len(), 1, "one segment with generations 1 and 2: {segs:?}");
+    let (a, a_len) = segs[0];
+    let a_path = dir.path().join(format!("snapshots/cold/segment-{a:020}.seg"));
+    let a_bytes = std::fs::read(&a_path).unwrap();
+    assert!(on_disk(&sm, 1) && on_disk(&sm, 2) && !on_disk(&sm, 3));
+
+    // Generation 3 finishes and seals: the next build adds a segment with it alone.
+    for e in finish_entries(index, 3, 20 + SEAL_AFTER_MS) {
+        apply_one(&mut sm, e).await;
+    }
+    index += 2;
+    apply_one(&mut sm, tick_entry(index, 20 + 2 * SEAL_AFTER_MS, RETENTION_MS_DEFAULT)).await;
+    let digest = sm.shared().digest().unwrap();
+    let second = build(&mut sm).await;
+    let segs = segments_of(&sm);
+    assert_eq!(segs.len(), 2, "{segs:?}");
+    assert_eq!(segs[0], (a, a_len), "the first segment is named as it is");
+    let (b, b_len) = segs[1];
+    assert!(b > a);
+    assert!(
+        b_len - 8 < a_len - 8,
+        "the new segment holds one generation's frame ({} bytes), the old one two ({} bytes)",
+        b_len - 8,
+        a_len - 8
+    );
+    assert_eq!(
+        std::fs::read(&a_path).unwrap(),
+        a_bytes,
+        "the first segment was not rewritten"
+    );
+    assert!(
+        second.snapshot.len() < first.snapshot.len() + 200,
+        "the snapshot file itself holds no records: {} then {} bytes",
+        first.snapshot.len(),
+        second.snapshot.len()
+    );
+    assert_eq!(segment_files(&dir), vec![a, b]);
+    let want3 = vec![(3, 1), (8, 1), (9, 1)];
+    assert_eq!(records_of(&sm, 3), want3);
+    assert_eq!(records_of(&sm, 1), vec![(1, 1), (8, 1), (9, 1)]);
+    assert_eq!(sm.shared().digest().unwrap(), digest);
+    let report = sm.shared().verify().unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    drop(sm);
+
+    let sm = open_sm(&dir);
+    assert!(on_disk(&sm, 1) && on_disk(&sm, 3));
+    assert_eq!(records_of(&sm, 3), want3);
+    assert_eq!(sm.shared().digest().unwrap(), digest);
+    drop(sm);
+
+    // What a follower is sent: one self-contained file, the records inside it.
+    let sent = tokenlog_raftlog::sm_store::self_contained(&second.snapshot).unwrap();
+    assert_ne!(sent.path(), second.snapshot.path());
+    assert!(sent.len() > second.snapshot.len());
+    let fdir = tempfile::tempdir().unwrap();
+    let mut f = open_sm(&fdir);
+    f.install_snapshot(&second.meta, sent).await.expect("install");
+    assert!(on_disk(&f, 1) && on_disk(&f, 3));
+    assert_eq!(records_of(&f, 3), want3);
+    assert_eq!(f.shared().digest().unwrap(), digest);
+    assert!(
+        segments_of(&f).is_empty(),
+        "an installed file keeps its records in itself"
+    );
+    // Its next build moves them into a segment of its own.
+    build(&mut f).await;
+    assert_eq!(segments_of(&f).len(), 1);
+    assert_eq!(records_of(&f, 1), vec![(1, 1), (8, 1), (9, 1)]);
+    assert_eq!(f.shared().digest().unwrap(), digest);
+}
+
+/// Dead bytes stay under the live ones: a segment whose generations were mostly pruned is
+/// rewritten (its live frames copied into the next segment) and its file removed.
+#[tokio::test]
+async fn a_segment_mostly_pruned_is_rewritten_and_removed() {
+    use tokenlog_raftlog::limits::{RETENTION_MS_DEFAULT, SEAL_AFTER_MS};
+    let dir = tempfile::tempdir().unwrap();
+    let mut sm = open_sm(&dir);
+    for g in 1..=3 {
+        apply_one(&mut sm, submit_entry(g)).await;
+    }
+    let mut index = 4;
+    for (g, t) in [(1, 10), (2, 10), (3, 1_000)] {
+        for e in finish_entries(index, g, t) {
+            apply_one(&mut sm, e).await;
+        }
+        index += 2;
+    }
+    apply_one(&mut sm, tick_entry(index, 1_000 + SEAL_AFTER_MS, RETENTION_MS_DEFAULT)).await;
+    index += 1;
+    build(&mut sm).await;
+    let segs = segments_of(&sm);
+    assert_eq!(segs.len(), 1);
+    let old = segs[0].0;
+    // 1 and 2 (finished at 10) pass a retention that 3 (finished at 1,000) does not.
+    apply_one(&mut sm, tick_entry(index, 1_000 + SEAL_AFTER_MS, SEAL_AFTER_MS + 500)).await;
+    {
+        let s = sm.shared();
+        let m = s.read();
+        assert!(!m.generations.contains_key(&1) && !m.generations.contains_key(&2));
+        assert!(m.generations.contains_key(&3));
+    }
+    build(&mut sm).await;
+    let segs = segments_of(&sm);
+    assert_eq!(segs.len(), 1, "{segs:?}");
+    assert_ne!(segs[0].0, old, "rewritten into a new segment");
+    assert_eq!(
+        segment_files(&dir),
+        vec![segs[0].0],
+        "the old segment's file is removed"
+    );
+    assert_eq!(records_of(&sm, 3), vec![(3, 1), (8, 1), (9, 1)]);
+    drop(sm);
+    let sm = open_sm(&dir);
+    assert_eq!(records_of(&sm, 3), vec![(3, 1), (8, 1), (9, 1)]);
+}
+
+/// A crash at any step of putting a build's snapshot in place (its segment written and synced
+/// before) restarts to the old snapshot or the new one with every record readable, and the
+/// segment no snapshot names is removed at that restart.
+#[tokio::test]
+async fn a_crash_at_every_step_of_a_build_with_a_segment_restarts_whole() {
+    use tokenlog_raftlog::limits::{RETENTION_MS_DEFAULT, SEAL_AFTER_MS};
+    use tokenlog_raftlog::snapshot::Step;
+    for step in Step::ALL {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let mut sm = open_sm(&dir);
+            apply_one(&mut sm, submit_entry(1)).await;
+            for e in finish_entries(2, 1, 10) {
+                apply_one(&mut sm, e).await;
+            }
+            apply_one(&mut sm, tick_entry(4, 10 + SEAL_AFTER_MS, RETENTION_MS_DEFAULT)).await;
+            assert!(sm.crash_install_after(Some(step)), "store is shared");
+            let r = sm.get_snapshot_builder().await.build_snapshot().await;
+            assert!(r.is_err(), "no crash after {step:?}");
+            assert_eq!(segment_files(&dir).len(), 1, "the segment is durable first");
+        }
+        let sm = open_sm(&dir);
+        let named = segments_of(&sm);
+        let (index, _) = count_of(&sm);
+        match step {
+            Step::Written => {
+                assert_eq!(index, 0, "no snapshot in place after {step:?}");
+                assert!(named.is_empty());
+                assert!(segment_files(&dir).is_empty(), "the unnamed segment is removed");
+            }
+            _ => {
+                assert_eq!(index, 4, "the new snapshot was in place after {step:?}");
+                assert_eq!(named.len(), 1);
+                assert_eq!(segment_files(&dir), vec![named[0].0]);
+                assert!(on_disk(&sm, 1));
+                assert_eq!(records_of(&sm, 1), vec![(1, 1), (8, 1), (9, 1)]);
+            }
+        }
+    }
 }

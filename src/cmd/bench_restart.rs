@@ -3,7 +3,7 @@
 //!
 //! One node (`--peers` of itself), default retention, a snapshot every `--snapshot-every` entries. Writers append
 //! `--records` tokens spread over `--generations` generations; the node's RSS (`/proc`) and data
-//! dir size are read before and after. Then the node is killed with SIGKILL and started again,
+//! dir size are read before and after, and the bytes it wrote (`/proc/PID/io`). Then the node is killed with SIGKILL and started again,
 //! and the time until it answers a linearizable status with everything applied is reported.
 
 use std::path::Path;
@@ -74,6 +74,18 @@ fn rss_bytes(pid: u32) -> anyhow::Result<u64> {
     Ok(kb * 1024)
 }
 
+/// Bytes the process has passed to `write` and its kind (`wchar` of `/proc/PID/io`): the Raft
+/// log, snapshots and cold segments, whatever the file system does with them.
+fn written_bytes(pid: u32) -> anyhow::Result<u64> {
+    let io = std::fs::read_to_string(format!("/proc/{pid}/io"))?;
+    Ok(io
+        .lines()
+        .find_map(|l| l.strip_prefix("wchar:"))
+        .context("no wchar")?
+        .trim()
+        .parse()?)
+}
+
 fn dir_bytes(dir: &Path) -> u64 {
     let mut total = 0;
     if let Ok(rd) = std::fs::read_dir(dir) {
@@ -110,7 +122,7 @@ pub async fn restart(a: RestartArgs) -> anyhow::Result<()> {
     let client = LogClient::new(vec![addr.clone()])?;
     wait_for_leader(&client).await?;
     let pid = procs.0[0].id();
-    let (rss0, disk0) = (rss_bytes(pid)?, dir_bytes(&data));
+    let (rss0, disk0, io0) = (rss_bytes(pid)?, dir_bytes(&data), written_bytes(pid)?);
     let started = Instant::now();
     let mut written = 0;
     let mut oldest = None;
@@ -141,20 +153,21 @@ pub async fn restart(a: RestartArgs) -> anyhow::Result<()> {
             written += t.await??;
         }
         if a.rounds > 1 {
-            let (rss, disk) = (rss_bytes(pid)?, dir_bytes(&data));
+            let (rss, disk, io) = (rss_bytes(pid)?, dir_bytes(&data), written_bytes(pid)?);
             println!(
-                "round {:>3}: {written:>10} records, {:6.1} s, RSS {:7.1} MiB, disk {:7.1} MiB",
+                "round {:>3}: {written:>10} records, {:6.1} s, RSS {:7.1} MiB, disk {:7.1} MiB, written {:8.1} MiB",
                 round + 1,
                 started.elapsed().as_secs_f64(),
                 mib(rss),
-                mib(disk)
+                mib(disk),
+                mib(io - io0)
             );
         }
     }
     let took = started.elapsed();
     // Let a snapshot that is being written finish before measuring.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let (rss1, disk1) = (rss_bytes(pid)?, dir_bytes(&data));
+    let (rss1, disk1, io1) = (rss_bytes(pid)?, dir_bytes(&data), written_bytes(pid)?);
     let status = client.cluster_status(true).await?;
     let per_m = |b: u64| mib(b) / (written as f64 / 1e6);
     if let Some(id) = oldest {
@@ -202,6 +215,11 @@ pub async fn restart(a: RestartArgs) -> anyhow::Result<()> {
         per_m(disk1.saturating_sub(disk0)),
         status.snapshot_index,
         status.last_log_index
+    );
+    println!(
+        "written   {:.1} MiB in all (log, snapshots, cold segments; /proc wchar): {:.1} MiB per million records",
+        mib(io1 - io0),
+        per_m(io1 - io0)
     );
     let applied = status.applied_index;
     let pid = procs.0[0].id();

@@ -482,17 +482,19 @@ const CORRUPT_DETECT_WITHIN: Duration = Duration::from_secs(6);
 /// Marks a `corrupt` record whose node refused to start.
 pub const DETECTED: &str = "refused to start";
 
-/// The files of a node's data dir that hold data: snapshots, and the Raft log's WALs, tables
-/// and manifest (not RocksDB's info log or options).
+/// The files of a node's data dir that hold data: snapshots, cold segments, and the Raft log's
+/// WALs, tables and manifest (not RocksDB's info log or options, nor a snapshot's export for a
+/// follower, which a restart removes).
 fn data_files(dir: &std::path::Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
-    for sub in ["snapshots", "log"] {
+    for sub in ["snapshots", "snapshots/cold", "log"] {
         let Ok(rd) = std::fs::read_dir(dir.join(sub)) else {
             continue;
         };
         for e in rd.flatten() {
             let name = e.file_name().to_string_lossy().to_string();
-            let data = name.ends_with(".snap")
+            let data = (name.ends_with(".snap") && name.starts_with("snapshot-"))
+                || name.ends_with(".seg")
                 || name.ends_with(".log")
                 || name.ends_with(".sst")
                 || name.starts_with("MANIFEST-");
