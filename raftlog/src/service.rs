@@ -742,7 +742,7 @@ async fn watch_loop(
             let s = ctx.sm.read();
             s.generations
                 .get(&id)
-                .filter(|g| g.cold.is_some())
+                .filter(|g| g.on_disk_only())
                 .map(|g| (s.cold_files().clone(), g.clone()))
         };
         if let Some((files, g)) = cold {

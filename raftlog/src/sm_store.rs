@@ -205,8 +205,8 @@ impl Machine {
     /// snapshot file and checked against its chain head.
     pub fn records_of<'a>(&'a self, g: &'a Generation) -> Result<std::borrow::Cow<'a, [Record]>, ColdReadError> {
         match g.cold {
-            None => Ok(std::borrow::Cow::Borrowed(&g.records)),
-            Some(r) => read_cold(&self.cold, g, &r).map(std::borrow::Cow::Owned),
+            Some(r) if g.records.is_empty() => read_cold(&self.cold, g, &r).map(std::borrow::Cow::Owned),
+            _ => Ok(std::borrow::Cow::Borrowed(&g.records)),
         }
     }
 
@@ -536,6 +536,20 @@ pub fn load_snapshot(file: &SnapshotFile, problems: &mut Vec<String>) -> Option<
     if problems.len() > before {
         return None;
     }
+    // Finished but not sealed: `apply` may still compare a re-send with their records.
+    let now = m.log_ms;
+    let cold = m.cold.clone();
+    for g in m.log.generations.values_mut() {
+        if let Some(r) = g.cold.filter(|_| !g.sealed(now)) {
+            match read_cold(&cold, g, &r) {
+                Ok(records) => g.records = records,
+                Err(e) => {
+                    problems.push(format!("request {:?} (generation {}): {e}", g.request_id, g.id));
+                    return None;
+                }
+            }
+        }
+    }
     m.log.rebuild_index();
     Some((meta, m))
 }
@@ -588,12 +602,22 @@ fn attach_cold(file: &SnapshotFile, b: Body) -> Result<Machine, crate::snapshot:
     Ok(machine)
 }
 
-/// Where a snapshot build put the records of the generations on disk, with each one's chain
-/// head, and the files that hold them.
-type Written = (SnapshotFile, Vec<(GenerationId, ColdRef, chain::Hash)>, ColdFiles);
+/// What a snapshot build put on disk: for each generation whose records are there, where, its
+/// chain head, and whether it is sealed (its records then leave memory); and the files that
+/// hold them.
+type Written = (SnapshotFile, Vec<OnDisk>, ColdFiles);
+
+/// A generation whose records a snapshot holds on disk ([`write_snapshot`]).
+struct OnDisk {
+    id: GenerationId,
+    at: ColdRef,
+    chain_head: chain::Hash,
+    sealed: bool,
+}
 
 /// Writes `copy` as a snapshot of format 10 (see [`crate::snapshot`]): the records of the
-/// generations sealed since the last build go to one new cold segment; those on disk already
+/// generations finished since the last build go to one new cold segment (the body holds no
+/// records of a finished generation, only of running ones); those on disk already
 /// stay in their segments, except segments less than half live (and the cold section of an
 /// installed file), whose live frames are copied into the new one after their CRC. The body
 /// names every segment it uses; the new segment is durable before the snapshot is.
@@ -623,15 +647,18 @@ fn write_snapshot(dir: &SnapshotDir, mut copy: Machine) -> io::Result<Written> {
                 let bytes = from.read_frame(g.id, &r).map_err(io::Error::other)?;
                 seg.put_frame(&bytes, r.records)?
             }
-            None if g.sealed(now) && !g.records.is_empty() => {
-                let r = seg.put(&g.records)?;
-                g.records = Vec::new();
-                r
-            }
+            // Finished: its records never change again.
+            None if g.state.is_terminal() && !g.records.is_empty() => seg.put(&g.records)?,
             None => continue,
         };
+        g.records = Vec::new();
         refs.push((g.id, r));
-        cold.push((g.id, r, g.chain_head));
+        cold.push(OnDisk {
+            id: g.id,
+            at: r,
+            chain_head: g.chain_head,
+            sealed: g.sealed(now),
+        });
     }
     let mut segments: BTreeMap<u64, Segment> = from
         .segments
@@ -833,37 +860,32 @@ impl SmShared {
     }
 
     /// After a snapshot built from a copy whose cold records were in `from` was written: the
-    /// generations it holds on disk (`cold`) drop their records from memory and read them from
-    /// `files` from now on. Nothing changes if the state was replaced meanwhile (a snapshot
-    /// installed: its records are in the installed file). Returns how many generations'
-    /// records left memory, or `None` if the state was replaced.
-    fn keep_on_disk(
-        &self,
-        from: &ColdFiles,
-        files: ColdFiles,
-        cold: &[(GenerationId, ColdRef, chain::Hash)],
-    ) -> Option<usize> {
+    /// generations it holds on disk (`cold`) are found there from now on (`files`), and the
+    /// sealed ones drop their records from memory. Nothing changes if the state was replaced
+    /// meanwhile (a snapshot installed: its records are in the installed file). Returns how many
+    /// generations' records left memory, or `None` if the state was replaced.
+    fn keep_on_disk(&self, from: &ColdFiles, files: ColdFiles, cold: &[OnDisk]) -> Option<usize> {
         let mut m = self.state.write().expect("state lock poisoned");
         if !from.same(&m.cold) {
             return None;
         }
         let mut moved = 0;
-        for (id, r, head) in cold {
-            if let Some(g) = m.log.generations.get_mut(id) {
-                // Sealed generations never change: this is the one the copy had.
-                assert!(g.frontier() == r.records && g.chain_head == *head && g.state.is_terminal());
-                if g.cold.is_none() {
+        for d in cold {
+            if let Some(g) = m.log.generations.get_mut(&d.id) {
+                // Finished generations never change: this is the one the copy had.
+                assert!(g.frontier() == d.at.records && g.chain_head == d.chain_head && g.state.is_terminal());
+                if d.sealed && !g.records.is_empty() {
                     moved += 1;
+                    g.records = Vec::new();
                 }
-                g.records = Vec::new();
-                g.cold = Some(*r);
+                g.cold = Some(d.at);
             }
         }
         // `cold` is in generation order (the copy's map): every generation on disk is in it.
         debug_assert!(m
             .generations
             .values()
-            .all(|g| g.cold.is_none() || cold.binary_search_by_key(&g.id, |c| c.0).is_ok()));
+            .all(|g| g.cold.is_none() || cold.binary_search_by_key(&g.id, |c| c.id).is_ok()));
         m.cold = files;
         Some(moved)
     }

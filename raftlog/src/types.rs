@@ -233,10 +233,12 @@ pub struct Generation {
     pub unowned_ms: u64,
     pub finished_log_ms: u64,
     pub grants: Vec<Grant>,
-    /// Where the records of a sealed generation are, when this node keeps them on disk only
-    /// (`records` is then empty). A node's own choice, never replicated: a snapshot file
-    /// carries the records it refers to, and the digest and every read see the same records
-    /// whether they are here or there.
+    /// Where the records of a finished generation are on disk, once a snapshot build wrote
+    /// them to a cold segment. Until the generation is sealed they stay in `records` too (an
+    /// identical re-send is compared with them in `apply`); the build after it is sealed drops
+    /// them from memory (`records` is then empty: [`Generation::on_disk_only`]). A node's own
+    /// choice, never replicated: the digest and every read see the same records whether they
+    /// are here or there.
     #[serde(skip)]
     pub cold: Option<ColdRef>,
 }
@@ -267,6 +269,10 @@ impl Command {
 }
 
 impl Generation {
+    /// Its records are on disk and not in memory (sealed, and a snapshot build moved them).
+    pub fn on_disk_only(&self) -> bool {
+        self.cold.is_some() && self.records.is_empty()
+    }
     pub fn frontier(&self) -> Seq {
         match self.cold {
             Some(c) => c.records,

@@ -368,9 +368,7 @@ fn records_of(sm: &SmStore, g: u64) -> Vec<(u32, u64)> {
 fn on_disk(sm: &SmStore, g: u64) -> bool {
     let s = sm.shared();
     let m = s.read();
-    let gen = &m.generations[&g];
-    assert!(gen.cold.is_none() || gen.records.is_empty());
-    gen.cold.is_some()
+    m.generations[&g].on_disk_only()
 }
 
 /// The memory bound: a snapshot moves the records of sealed generations out of memory, into
@@ -718,4 +716,76 @@ async fn a_crash_at_every_step_of_a_build_with_a_segment_restarts_whole() {
             }
         }
     }
+}
+
+/// A finished generation goes to a cold segment at the first build after its finish, and stays
+/// in memory too until it is sealed (an identical re-send is still compared with its records
+/// and acknowledged, also after a restart); the build after the seal drops it from memory
+/// without writing it again. The snapshot's body never holds a finished generation's records.
+#[tokio::test]
+async fn a_finished_generation_is_written_once_and_leaves_memory_when_sealed() {
+    use tokenlog_raftlog::limits::{RETENTION_MS_DEFAULT, SEAL_AFTER_MS};
+    use tokenlog_raftlog::types::{AppendItem, FinishReason, Response};
+    let dir = tempfile::tempdir().unwrap();
+    let mut sm = open_sm(&dir);
+    apply_one(&mut sm, submit_entry(1)).await;
+    for e in finish_entries(2, 1, 10) {
+        apply_one(&mut sm, e).await;
+    }
+    let empty = build(&mut sm).await.snapshot.len();
+    let segs = segments_of(&sm);
+    assert_eq!(segs.len(), 1, "written at the first build after the finish");
+    {
+        let s = sm.shared();
+        let m = s.read();
+        let g = &m.generations[&1];
+        assert!(
+            g.cold.is_some() && g.records.len() == 3,
+            "on disk and, unsealed, in memory"
+        );
+    }
+    drop(sm);
+    let mut sm = open_sm(&dir);
+    assert!(!on_disk(&sm, 1), "a restart keeps an unsealed generation in memory");
+    // The decoder's retry of its finishing append, before the seal: acknowledged.
+    let resend = Entry {
+        log_id: log_id::<TypeConfig>(1, 1, 4),
+        payload: openraft::EntryPayload::Normal(Request {
+            log_ms: 20,
+            cmd: Command::Append {
+                decoder: "d1".into(),
+                lease_ms: 1_000,
+                items: vec![AppendItem {
+                    generation: 1,
+                    epoch: 1,
+                    start_seq: 0,
+                    token_ids: vec![1, 8, 9],
+                    finish: Some((FinishReason::Stop, String::new())),
+                }],
+            },
+        }),
+    };
+    {
+        let mut m = sm.shared().read().clone();
+        let r = m.apply_entry(
+            resend.log_id,
+            resend.payload,
+            &mut tokenlog_raftlog::state::Changes::default(),
+        );
+        match r {
+            Response::Appended(o) => assert!(o[0].result.is_ok() && o[0].frontier == 3, "{o:?}"),
+            other => panic!("{other:?}"),
+        }
+    }
+    apply_one(&mut sm, tick_entry(5, 10 + SEAL_AFTER_MS, RETENTION_MS_DEFAULT)).await;
+    let b = build(&mut sm).await;
+    assert!(on_disk(&sm, 1), "sealed: out of memory");
+    assert_eq!(segments_of(&sm), segs, "not written again");
+    assert_eq!(records_of(&sm, 1), vec![(1, 1), (8, 1), (9, 1)]);
+    assert!(
+        b.snapshot.len() < empty + 200,
+        "{} then {} bytes",
+        empty,
+        b.snapshot.len()
+    );
 }

@@ -72,7 +72,7 @@ impl LogState {
                 g,
             ));
         }
-        debug_assert!(g.cold.is_none(), "an unsealed generation's records are in memory");
+        debug_assert!(!g.on_disk_only(), "an unsealed generation's records are in memory");
         let start = item.start_seq as usize;
         let end = start + item.token_ids.len();
         let committed = g.records.len();

@@ -319,8 +319,14 @@ pub(super) fn check_generation(g: &Generation) {
         g.binding.stop.max_tokens
     );
     assert!(
-        g.cold.is_none() || g.records.is_empty(),
-        "generation {}: records both in memory and on disk",
+        g.cold.is_none() || g.state.is_terminal(),
+        "generation {}: a running generation's records on disk",
+        g.id
+    );
+    assert!(
+        g.cold
+            .is_none_or(|c| g.records.is_empty() || g.records.len() as Seq == c.records),
+        "generation {}: records in memory and on disk disagree in number",
         g.id
     );
     if g.frontier() == 0 {
@@ -334,7 +340,7 @@ pub(super) fn check_generation(g: &Generation) {
     // A generation whose records are on disk was checked when they were read (every cold read
     // compares them with the chain head).
     #[cfg(any(test, debug_assertions))]
-    if g.cold.is_none() {
+    if !g.on_disk_only() {
         let mut h = chain::genesis(g.id);
         for (seq, r) in g.records.iter().enumerate() {
             h = chain::next(&h, g.id, seq as Seq, r);
