@@ -464,3 +464,31 @@ fn a_panicked_task_ends_its_process() {
         "{err}"
     );
 }
+
+/// `SNAPSHOT_AFTER_TOKENS`: a node snapshots once 2^20 tokens were appended since its last
+/// snapshot, whatever its `--snapshot-every` (here a million entries, never reached: 1.1M
+/// tokens take ~1,000 entries), so sealed records leave memory at a bounded token count. Run
+/// through `tokenlog bench restart`, which prints the snapshot index it finds.
+#[test]
+fn a_node_snapshots_after_enough_tokens_whatever_its_entry_count() {
+    let _one = serial();
+    let out = std::process::Command::new(common::bin())
+        .args(["bench", "restart", "--records", "1100000", "--generations", "1000"])
+        .args([
+            "--snapshot-every",
+            "1000000",
+            "--port",
+            &common::free_port().to_string(),
+        ])
+        .output()
+        .expect("run tokenlog bench restart");
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text} {}", String::from_utf8_lossy(&out.stderr));
+    let index: u64 = text
+        .split("(snapshot at entry ")
+        .nth(1)
+        .and_then(|t| t.split(',').next())
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no snapshot index in: {text}"));
+    assert!(index > 0, "no snapshot after 1.1M tokens: {text}");
+}
