@@ -46,8 +46,11 @@ pub const SESSION_WAIT_MAX: Duration = Duration::from_secs(2);
 pub const TAKES_AT_ONCE_MAX: usize = 64;
 
 /// Planned handoffs a source runs at once (each pauses its own generation only while its cache
-/// is copied; the generation decodes on during the transfer).
-pub const HANDOFFS_AT_ONCE_MAX: usize = 2;
+/// is copied; the generation decodes on during the transfer). One: two at once, with both
+/// decoders and the log on 2 cores, stalled every generation of the source while two caches
+/// were hashed, sent and loaded (`tokenlog bench drain --rounds 3`, SmolLM2: longest gap
+/// 2.19-3.53x the normal one with 2, 1.65-2.03x with 1; a drain of 4 takes ~0.9 s, not ~0.5 s).
+pub const HANDOFFS_AT_ONCE_MAX: usize = 1;
 /// The longest a source waits for a destination's answer to a cache transfer (then it asks the
 /// log what happened).
 pub const HANDOFF_TRANSFER_TIMEOUT: Duration = Duration::from_secs(10);
