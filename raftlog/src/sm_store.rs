@@ -67,13 +67,10 @@ impl ColdFiles {
 
     /// The records frame `r` of generation `id` holds (not checked against the chain head).
     fn read_records(&self, id: GenerationId, r: &ColdRef) -> Result<Vec<Record>, ColdReadError> {
-        Ok(match r.segment {
-            0 => self.own.as_ref().ok_or(ColdReadError::NoFile(id))?.read_records(r)?,
-            s => self
-                .segments
-                .get(&s)
-                .ok_or(ColdReadError::NoSegment(id, s))?
-                .read_records(r)?,
+        let bytes = self.read_frame(id, r)?;
+        crate::snapshot::decode_frame(&bytes, r).map_err(|what| {
+            let path = self.path_of(r).map(|p| p.display().to_string()).unwrap_or_default();
+            crate::snapshot::SnapshotError::Corrupt { path, what }.into()
         })
     }
 
@@ -1460,7 +1457,7 @@ mod tests {
     }
 
     /// A format 8 data dir (the body is the machine alone, no cold section) loads, and is
-    /// written again as format 9.
+    /// written again in the current format.
     #[test]
     fn a_format_8_snapshot_still_loads() {
         let mut m = Machine::default();
@@ -1481,6 +1478,83 @@ mod tests {
         assert_eq!(f.format().unwrap(), crate::snapshot::FORMAT);
         let (_, again) = load_snapshot(&f, &mut problems).expect("loads");
         assert_eq!((again.log.next_generation, again.log.log_ms), (5, 33));
+    }
+
+    /// A format 9 data dir (records in the snapshot's own cold section, references without a
+    /// segment) loads and serves them; the next build moves them into a cold segment.
+    #[test]
+    fn a_format_9_snapshot_still_loads() {
+        #[derive(Serialize)]
+        struct RefV9 {
+            offset: u64,
+            bytes: u64,
+            crc: u32,
+            records: Seq,
+        }
+        #[derive(Serialize)]
+        struct BodyV9W<'a> {
+            machine: &'a Machine,
+            cold: Vec<(GenerationId, RefV9)>,
+        }
+        let mut m = Machine::default();
+        let cmd = Command::Submit {
+            tenant: "a".into(),
+            request_id: "r".into(),
+            binding: Binding {
+                model: ModelIdentity {
+                    weights_sha256: "w".into(),
+                    ..Default::default()
+                },
+                prompt_token_ids: vec![1],
+                stop: StopConfig {
+                    max_tokens: 4,
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+        };
+        m.log.apply(&Request { log_ms: 1, cmd }, &mut Changes::default());
+        let id = *m.log.generations.keys().next().unwrap();
+        let rec = Record {
+            token_id: 5,
+            epoch: 1,
+            log_ms: 2,
+        };
+        let g = m.log.generations.get_mut(&id).unwrap();
+        g.chain_head = chain::head(id, &[rec]);
+        let d = tempfile::tempdir().unwrap();
+        let dir = SnapshotDir::open(d.path()).unwrap();
+        let path = dir
+            .write_with_cold(&m.meta(), |section| {
+                let r = section.put(&[rec])?;
+                let v9 = RefV9 {
+                    offset: r.offset,
+                    bytes: r.bytes,
+                    crc: r.crc,
+                    records: r.records,
+                };
+                Ok(BodyV9W {
+                    machine: &m,
+                    cold: vec![(id, v9)],
+                })
+            })
+            .unwrap()
+            .path()
+            .to_path_buf();
+        let file = as_written_by(&path, b"TLSNAP09");
+        assert_eq!(file.format().unwrap(), 9);
+        let mut problems = Vec::new();
+        let (_, loaded) = load_snapshot(&file, &mut problems).expect("loads");
+        assert!(problems.is_empty(), "{problems:?}");
+        let g = &loaded.generations[&id];
+        assert_eq!(g.cold.map(|c| c.segment), Some(0));
+        assert_eq!(loaded.records_of(g).unwrap().as_ref(), &[rec]);
+        let (f, _, files) = write_snapshot(&dir, loaded).unwrap();
+        assert_eq!(files.segment_ids().len(), 1, "moved into a segment");
+        let (_, again) = load_snapshot(&f, &mut problems).expect("loads");
+        let g = &again.generations[&id];
+        assert_ne!(g.cold.map(|c| c.segment), Some(0));
+        assert_eq!(again.records_of(g).unwrap().as_ref(), &[rec]);
     }
 
     /// Records on disk whose frame is intact (its CRC matches) but that are not the generation's

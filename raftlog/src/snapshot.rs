@@ -278,14 +278,6 @@ impl SnapshotFile {
         Ok((layout.meta, body))
     }
 
-    /// The records a [`ColdRef`] of this file's body names, read from its cold section. Bounded
-    /// by the section; the caller compares them with the generation's chain head (the file may
-    /// have been damaged since it was verified).
-    pub fn read_records(&self, r: &ColdRef) -> Result<Vec<Record>, SnapshotError> {
-        let buf = self.read_frame(r)?;
-        decode_frame(&buf, r).map_err(|what| self.corrupt(what))
-    }
-
     /// The bytes a [`ColdRef`] names, bounded by the cold section and checked against its CRC.
     pub fn read_frame(&self, r: &ColdRef) -> Result<Vec<u8>, SnapshotError> {
         let cold = match self.cold.get() {
@@ -328,7 +320,7 @@ fn read_frame_in(file: &File, range: std::ops::Range<u64>, r: &ColdRef) -> Resul
 }
 
 /// The records of a frame `r` named (bounded by its length, their count checked).
-fn decode_frame(buf: &[u8], r: &ColdRef) -> Result<Vec<Record>, String> {
+pub(crate) fn decode_frame(buf: &[u8], r: &ColdRef) -> Result<Vec<Record>, String> {
     let records: Vec<Record> = bincode_opts(r.bytes)
         .deserialize(buf)
         .map_err(|e| format!("cold records at {} do not decode: {e}", r.offset))?;
@@ -435,12 +427,6 @@ impl Segment {
             FrameError::Corrupt(what) => self.corrupt(what),
         })
     }
-
-    /// The records of frame `r`; the caller compares them with the generation's chain head.
-    pub fn read_records(&self, r: &ColdRef) -> Result<Vec<Record>, SnapshotError> {
-        let buf = self.read_frame(r)?;
-        decode_frame(&buf, r).map_err(|what| self.corrupt(what))
-    }
 }
 
 /// A segment being written ([`SnapshotDir::new_segment`]): removed on drop unless finished.
@@ -462,15 +448,7 @@ impl SegmentWriter {
     /// Appends a frame read (and CRC-checked) elsewhere, as it is.
     pub fn put_frame(&mut self, bytes: &[u8], records: crate::types::Seq) -> io::Result<ColdRef> {
         self.w.as_mut().expect("segment open").write_all(bytes)?;
-        let r = ColdRef {
-            segment: self.id,
-            offset: self.offset,
-            bytes: bytes.len() as u64,
-            crc: crc32fast::hash(bytes),
-            records,
-        };
-        self.offset += bytes.len() as u64;
-        Ok(r)
+        Ok(next_frame(self.id, &mut self.offset, bytes, records))
     }
 
     pub fn is_empty(&self) -> bool {
@@ -537,16 +515,22 @@ impl ColdSection<'_> {
     /// Appends a frame read (and CRC-checked) elsewhere, as it is.
     pub fn put_frame(&mut self, bytes: &[u8], records: crate::types::Seq) -> io::Result<ColdRef> {
         self.w.write_all(bytes)?;
-        let r = ColdRef {
-            segment: 0,
-            offset: self.offset,
-            bytes: bytes.len() as u64,
-            crc: crc32fast::hash(bytes),
-            records,
-        };
-        self.offset += bytes.len() as u64;
-        Ok(r)
+        Ok(next_frame(0, &mut self.offset, bytes, records))
     }
+}
+
+/// The reference to `bytes`, just written at `*offset` of `segment` (0: a snapshot's own cold
+/// section), and the offset after it.
+fn next_frame(segment: u64, offset: &mut u64, bytes: &[u8], records: crate::types::Seq) -> ColdRef {
+    let r = ColdRef {
+        segment,
+        offset: *offset,
+        bytes: bytes.len() as u64,
+        crc: crc32fast::hash(bytes),
+        records,
+    };
+    *offset += bytes.len() as u64;
+    r
 }
 
 /// Reads `pos..end` of a file with positioned reads (clones of a `SnapshotFile` share no cursor).
@@ -927,7 +911,8 @@ pub fn write_transfer<B: Serialize>(
     let index = meta.last_log_id.map_or(0, |l| l.index);
     let dest = dir.join(transfer_name(index));
     if let Ok(f) = SnapshotFile::open(&dest) {
-        if f.meta().is_ok_and(|m| &m == meta) {
+        // Checked whole: a damaged export would otherwise be sent, and refused, for ever.
+        if f.verify().is_ok_and(|m| &m == meta) {
             return Ok(f);
         }
     }
