@@ -1480,22 +1480,8 @@ mod tests {
         assert_eq!((again.log.next_generation, again.log.log_ms), (5, 33));
     }
 
-    /// A format 9 data dir (records in the snapshot's own cold section, references without a
-    /// segment) loads and serves them; the next build moves them into a cold segment.
-    #[test]
-    fn a_format_9_snapshot_still_loads() {
-        #[derive(Serialize)]
-        struct RefV9 {
-            offset: u64,
-            bytes: u64,
-            crc: u32,
-            records: Seq,
-        }
-        #[derive(Serialize)]
-        struct BodyV9W<'a> {
-            machine: &'a Machine,
-            cold: Vec<(GenerationId, RefV9)>,
-        }
+    /// A machine holding one submitted generation (no records), and its id.
+    fn one_generation() -> (Machine, GenerationId) {
         let mut m = Machine::default();
         let cmd = Command::Submit {
             tenant: "a".into(),
@@ -1515,6 +1501,26 @@ mod tests {
         };
         m.log.apply(&Request { log_ms: 1, cmd }, &mut Changes::default());
         let id = *m.log.generations.keys().next().unwrap();
+        (m, id)
+    }
+
+    /// A format 9 data dir (records in the snapshot's own cold section, references without a
+    /// segment) loads and serves them; the next build moves them into a cold segment.
+    #[test]
+    fn a_format_9_snapshot_still_loads() {
+        #[derive(Serialize)]
+        struct RefV9 {
+            offset: u64,
+            bytes: u64,
+            crc: u32,
+            records: Seq,
+        }
+        #[derive(Serialize)]
+        struct BodyV9W<'a> {
+            machine: &'a Machine,
+            cold: Vec<(GenerationId, RefV9)>,
+        }
+        let (mut m, id) = one_generation();
         let rec = Record {
             token_id: 5,
             epoch: 1,
@@ -1562,25 +1568,7 @@ mod tests {
     /// at load, and on every read.
     #[test]
     fn records_on_disk_that_are_not_the_generations_fail_its_chain() {
-        let mut m = Machine::default();
-        let cmd = Command::Submit {
-            tenant: "a".into(),
-            request_id: "r".into(),
-            binding: Binding {
-                model: ModelIdentity {
-                    weights_sha256: "w".into(),
-                    ..Default::default()
-                },
-                prompt_token_ids: vec![1],
-                stop: StopConfig {
-                    max_tokens: 4,
-                    ..Default::default()
-                },
-                ..Default::default()
-            },
-        };
-        m.log.apply(&Request { log_ms: 1, cmd }, &mut Changes::default());
-        let id = *m.log.generations.keys().next().unwrap();
+        let (mut m, id) = one_generation();
         let g = m.log.generations.get_mut(&id).unwrap();
         let rec = Record {
             token_id: 5,

@@ -442,8 +442,8 @@ async fn sealed_generations_leave_memory_at_a_snapshot_and_read_back_the_same() 
 }
 
 /// A byte flipped inside the records kept on disk (a cold segment) of a stopped node is refused
-/// at open (the frame's CRC), a missing segment too, and a live node that reads a damaged frame refuses to serve it (its CRC;
-/// then the chain head), never a shortened or altered generation.
+/// at open (the frame's CRC), a missing segment too, and a live node that reads a damaged frame
+/// refuses to serve it (its CRC; then the chain head), never a shortened or altered generation.
 #[tokio::test]
 async fn damaged_records_on_disk_are_refused() {
     use tokenlog_raftlog::limits::SEAL_AFTER_MS;
