@@ -528,12 +528,9 @@ pub fn load_snapshot(file: &SnapshotFile, problems: &mut Vec<String>) -> Option<
     if m.cold.own.is_none() {
         m.cold.own = Some(file.clone());
     }
-    let before = problems.len();
-    check_chains(&m, problems);
-    if problems.len() > before {
-        return None;
-    }
-    // Finished but not sealed: `apply` may still compare a re-send with their records.
+    // Finished but not sealed: `apply` may still compare a re-send with their records, so they
+    // are read back into memory (checked against the chain head), before the chains are checked
+    // (which then reads only the sealed ones from disk).
     let now = m.log_ms;
     let cold = m.cold.clone();
     for g in m.log.generations.values_mut() {
@@ -546,6 +543,11 @@ pub fn load_snapshot(file: &SnapshotFile, problems: &mut Vec<String>) -> Option<
                 }
             }
         }
+    }
+    let before = problems.len();
+    check_chains(&m, problems);
+    if problems.len() > before {
+        return None;
     }
     m.log.rebuild_index();
     Some((meta, m))
@@ -567,8 +569,11 @@ fn attach_cold(file: &SnapshotFile, b: Body) -> Result<Machine, crate::snapshot:
     let dir = file.path().parent().unwrap_or(Path::new("."));
     let mut open = BTreeMap::new();
     for (id, len) in segments {
+        if id == 0 {
+            return Err(corrupt("it names cold segment 0 (the file's own cold section)".into()));
+        }
         let seg = Segment::open(&crate::snapshot::segment_path(dir, id), id)?;
-        if seg.len() != len || id == 0 {
+        if seg.len() != len {
             return Err(corrupt(format!(
                 "cold segment {id} is {} bytes, the snapshot names {len}",
                 seg.len()
@@ -858,14 +863,15 @@ impl SmShared {
 
     /// After a snapshot built from a copy whose cold records were in `from` was written: the
     /// generations it holds on disk (`cold`) are found there from now on (`files`), and the
-    /// sealed ones drop their records from memory. Nothing changes if the state was replaced
-    /// meanwhile (a snapshot installed: its records are in the installed file). Returns how many
-    /// generations' records left memory, or `None` if the state was replaced.
-    fn keep_on_disk(&self, from: &ColdFiles, files: ColdFiles, cold: &[OnDisk]) -> Option<usize> {
+    /// sealed ones drop their records from memory. Returns how many generations' records left
+    /// memory. The caller holds `building`, which an install takes too: the state's files are
+    /// still the copy's.
+    fn keep_on_disk(&self, from: &ColdFiles, files: ColdFiles, cold: &[OnDisk]) -> usize {
         let mut m = self.state.write().expect("state lock poisoned");
-        if !from.same(&m.cold) {
-            return None;
-        }
+        assert!(
+            from.same(&m.cold),
+            "the state's cold files changed during a snapshot build"
+        );
         let mut moved = 0;
         for d in cold {
             if let Some(g) = m.log.generations.get_mut(&d.id) {
@@ -884,7 +890,7 @@ impl SmShared {
             .values()
             .all(|g| g.cold.is_none() || cold.binary_search_by_key(&g.id, |c| c.id).is_ok()));
         m.cold = files;
-        Some(moved)
+        moved
     }
 
     /// Removes the cold segments the state's files do not name (after the snapshot that names
@@ -913,8 +919,7 @@ impl RaftSnapshotBuilder<TypeConfig> for SmStore {
         let copy = {
             let m = self.shared.read();
             // Apply adds under the write lock: what it added so far is in this copy.
-            let counted = self.shared.tokens_since_snapshot.load(Ordering::Relaxed);
-            self.shared.tokens_since_snapshot.fetch_sub(counted, Ordering::Relaxed);
+            self.shared.tokens_since_snapshot.store(0, Ordering::Relaxed);
             m.clone()
         };
         let meta = copy.meta();
@@ -926,17 +931,13 @@ impl RaftSnapshotBuilder<TypeConfig> for SmStore {
         let named = files.segment_ids();
         let segment_bytes: u64 = files.segments().map(|s| s.len()).sum();
         let moved = self.shared.keep_on_disk(&from, files, &cold);
-        // Only segments the snapshot in place names are kept (an install meanwhile, which
-        // cannot overlap a build, would have replaced the state: then nothing is removed).
-        let removed = match moved {
-            Some(_) => self.shared.remove_unnamed_segments(&named),
-            None => 0,
-        };
+        // Only the segments the snapshot now in place names are kept.
+        let removed = self.shared.remove_unnamed_segments(&named);
         tracing::info!(
             index = meta.last_log_id.map_or(0, |l| l.index),
             bytes = file.len(),
             on_disk = cold.len(),
-            moved = moved.unwrap_or(0),
+            moved,
             segments = named.len(),
             segment_bytes,
             segments_removed = removed,

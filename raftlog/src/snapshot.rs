@@ -287,34 +287,31 @@ impl SnapshotFile {
                 self.cold.get_or_init(|| c).clone()
             }
         };
-        read_frame_in(&self.file, cold, r).map_err(|e| match e {
-            FrameError::Io(e) => self.io(e),
-            FrameError::Corrupt(what) => self.corrupt(what),
-        })
+        read_frame_in(&self.file, &self.path, cold, r)
     }
 }
 
-enum FrameError {
-    Io(io::Error),
-    Corrupt(String),
-}
-
 /// The frame `r` of `file`, which must lie inside `range` and match its CRC.
-fn read_frame_in(file: &File, range: std::ops::Range<u64>, r: &ColdRef) -> Result<Vec<u8>, FrameError> {
+fn read_frame_in(file: &File, path: &Path, range: std::ops::Range<u64>, r: &ColdRef) -> Result<Vec<u8>, SnapshotError> {
+    let corrupt = |what: String| SnapshotError::Corrupt {
+        path: path.display().to_string(),
+        what,
+    };
     let end = r.offset.checked_add(r.bytes);
     if r.offset < range.start || end.is_none_or(|e| e > range.end) || r.bytes > COLD_FRAME_BYTES_MAX {
-        return Err(FrameError::Corrupt(format!(
+        return Err(corrupt(format!(
             "cold records at {}+{} are outside its cold section {}..{}",
             r.offset, r.bytes, range.start, range.end
         )));
     }
     let mut buf = vec![0u8; r.bytes as usize];
-    file.read_exact_at(&mut buf, r.offset).map_err(FrameError::Io)?;
+    file.read_exact_at(&mut buf, r.offset)
+        .map_err(|source| SnapshotError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
     if crc32fast::hash(&buf) != r.crc {
-        return Err(FrameError::Corrupt(format!(
-            "cold records at {}: CRC mismatch",
-            r.offset
-        )));
+        return Err(corrupt(format!("cold records at {}: CRC mismatch", r.offset)));
     }
     Ok(buf)
 }
@@ -410,22 +407,9 @@ impl Segment {
         self.len - SEGMENT_HEADER_BYTES
     }
 
-    fn corrupt(&self, what: String) -> SnapshotError {
-        SnapshotError::Corrupt {
-            path: self.path.display().to_string(),
-            what,
-        }
-    }
-
     /// The bytes of frame `r` (bounded by the file, checked against its CRC).
     pub fn read_frame(&self, r: &ColdRef) -> Result<Vec<u8>, SnapshotError> {
-        read_frame_in(&self.file, SEGMENT_HEADER_BYTES..self.len, r).map_err(|e| match e {
-            FrameError::Io(source) => SnapshotError::Io {
-                path: self.path.display().to_string(),
-                source,
-            },
-            FrameError::Corrupt(what) => self.corrupt(what),
-        })
+        read_frame_in(&self.file, &self.path, SEGMENT_HEADER_BYTES..self.len, r)
     }
 }
 
@@ -461,9 +445,7 @@ impl SegmentWriter {
         let w = self.w.take().expect("segment open");
         if self.is_empty() {
             drop(w);
-            let _ = fs::remove_file(&self.partial);
-            self.partial = PathBuf::new();
-            return Ok(None);
+            return Ok(None); // dropped: the partial file is removed
         }
         let file = w.into_inner().map_err(|e| e.into_error())?;
         file.sync_all()?;

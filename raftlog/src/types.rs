@@ -243,7 +243,7 @@ pub struct Generation {
     pub cold: Option<ColdRef>,
 }
 
-/// The records of one sealed generation on disk ([`crate::snapshot`]): `bytes` at `offset` of
+/// The records of one finished generation on disk ([`crate::snapshot`]): `bytes` at `offset` of
 /// cold segment `segment` (0: the cold section of the snapshot file itself) with CRC-32 `crc`,
 /// `records` of them. Read back, they must hash to the generation's chain head; a snapshot
 /// build leaves them where they are, or copies the bytes as they are after their CRC.
