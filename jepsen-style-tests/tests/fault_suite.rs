@@ -153,17 +153,21 @@ async fn a_pipeline_run_under_stage_and_head_nemeses_shows_no_violation() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn planted_missing_epoch_fence_is_caught() {
+    // Whether the continued stale owner's write lands past a newer owner's records (and not
+    // only at its frontier, or not at all before its generation moved on) depends on timing:
+    // runs seen here flagged it in both checkers, in one, or (a loaded CI machine) in neither.
+    // A seed counts when both checkers flag it; up to six seeds are tried.
     let s = first_caught(
-        &[21, 22, 23],
+        &[21, 22, 23, 24, 25, 26],
         |cfg| {
             cfg.faults = vec![Fault::PauseDecoder];
             cfg.clients = 8;
             cfg.plant = Some(Plant::NoFence);
         },
-        |s| !s.verdicts["fencing"].ok || !s.verdicts["linearizability"].ok,
+        |s| !s.verdicts["fencing"].ok && !s.verdicts["linearizability"].ok,
     )
     .await
-    .expect("a paused decoder writing without the fence was never flagged in 3 seeds");
+    .expect("a paused decoder writing without the fence was never flagged by both checkers in 6 seeds");
     // The bug is in fencing; the checks of what clients saw may still pass (the fake model's
     // stale writer produces the same tokens), which is why the fencing checkers exist. Both
     // must see it: a stale write accepted past the frontier puts an older epoch after a newer
