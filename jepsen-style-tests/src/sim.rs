@@ -996,7 +996,10 @@ impl Sim {
         let term = self.term;
         self.replicas[l].log.push(Entry {
             term,
-            req: Request { log_ms, cmd },
+            req: Request {
+                log_ms,
+                cmd: cmd.into(),
+            },
             caller,
         });
         true

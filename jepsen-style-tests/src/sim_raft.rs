@@ -593,7 +593,14 @@ impl Process {
                 None => m.log.log_ms,
             }
         };
-        let written = match self.raft.client_write(Request { log_ms, cmd }).await {
+        let written = match self
+            .raft
+            .client_write(Request {
+                log_ms,
+                cmd: cmd.into(),
+            })
+            .await
+        {
             Ok(w) => w,
             Err(e) => {
                 return Err(match e.forward_to_leader() {

@@ -451,6 +451,37 @@ mod tests {
         v.map(|v| v.iter().map(|e| e.log_id.index).collect())
     }
 
+    /// The command is shared in memory (`Arc`), and its encoding is the command's own: a log
+    /// written when `Request` held the command by value decodes the same, and the other way.
+    #[test]
+    fn a_request_encodes_as_its_command_by_value() {
+        #[derive(Serialize, serde::Deserialize, PartialEq, Debug)]
+        struct ByValue {
+            log_ms: u64,
+            cmd: crate::types::Command,
+        }
+        let cmd = crate::types::Command::Append {
+            decoder: "d1".into(),
+            lease_ms: 1_000,
+            items: vec![crate::types::AppendItem {
+                generation: 7,
+                epoch: 2,
+                start_seq: 3,
+                token_ids: vec![4, 5],
+                finish: None,
+            }],
+        };
+        let shared = crate::types::Request {
+            log_ms: 9,
+            cmd: cmd.clone().into(),
+        };
+        let plain = ByValue { log_ms: 9, cmd };
+        let bytes = encode(&plain).unwrap();
+        assert_eq!(encode(&shared).unwrap(), bytes);
+        assert_eq!(decode::<crate::types::Request>(&bytes).unwrap(), shared);
+        assert_eq!(decode::<ByValue>(&encode(&shared).unwrap()).unwrap(), plain);
+    }
+
     #[test]
     fn the_cache_answers_only_ranges_it_holds_whole_and_follows_truncate_and_purge() {
         let mut c = EntryCache::default();

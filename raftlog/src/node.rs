@@ -421,7 +421,10 @@ async fn proposer(
             Some(_) => clock.stamp(applied.log_ms()),
             None => applied.log_ms(),
         };
-        let req = Request { log_ms, cmd };
+        let req = Request {
+            log_ms,
+            cmd: cmd.into(),
+        };
         proposals.inc();
         let (responder, result) = openraft::impls::ProgressResponder::complete_only();
         if let Err(e) = raft.client_write_ff(req, Some(responder)).await {

@@ -1098,7 +1098,13 @@ mod tests {
             request_id: "r".into(),
             binding,
         };
-        log.apply(&Request { log_ms: 7, cmd }, &mut Changes::default());
+        log.apply(
+            &Request {
+                log_ms: 7,
+                cmd: cmd.into(),
+            },
+            &mut Changes::default(),
+        );
         let machine = Machine {
             log,
             applied: Some(LogId::new(
@@ -1500,7 +1506,13 @@ mod tests {
                 ..Default::default()
             },
         };
-        m.log.apply(&Request { log_ms: 1, cmd }, &mut Changes::default());
+        m.log.apply(
+            &Request {
+                log_ms: 1,
+                cmd: cmd.into(),
+            },
+            &mut Changes::default(),
+        );
         let id = *m.log.generations.keys().next().unwrap();
         (m, id)
     }

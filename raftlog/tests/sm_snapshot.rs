@@ -44,7 +44,8 @@ fn submit_entry(index: u64) -> Entry {
             tenant: "t".into(),
             request_id: format!("r{index}"),
             binding,
-        },
+        }
+        .into(),
     };
     Entry {
         log_id: log_id::<TypeConfig>(1, 1, index),
@@ -198,7 +199,7 @@ async fn records_and_pruning_in_one_apply_batch() {
             log_id: log_id::<TypeConfig>(1, 1, index),
             payload: openraft::EntryPayload::Normal(Request {
                 log_ms: index * 10,
-                cmd,
+                cmd: cmd.into(),
             }),
         });
     }
@@ -350,7 +351,10 @@ fn finish_entries(first: u64, g: u64, t: u64) -> Vec<Entry> {
         .enumerate()
         .map(|(i, cmd)| Entry {
             log_id: log_id::<TypeConfig>(1, 1, first + i as u64),
-            payload: openraft::EntryPayload::Normal(Request { log_ms: t, cmd }),
+            payload: openraft::EntryPayload::Normal(Request {
+                log_ms: t,
+                cmd: cmd.into(),
+            }),
         })
         .collect()
 }
@@ -411,7 +415,8 @@ async fn sealed_generations_leave_memory_at_a_snapshot_and_read_back_the_same() 
             log_ms: 20 + 2 * SEAL_AFTER_MS,
             cmd: Command::Tick {
                 retention_ms: tokenlog_raftlog::limits::RETENTION_MS_DEFAULT,
-            },
+            }
+            .into(),
         }),
     };
     apply_one(&mut sm, tick).await;
@@ -459,7 +464,8 @@ async fn damaged_records_on_disk_are_refused() {
             log_ms: 10 + SEAL_AFTER_MS,
             cmd: Command::Tick {
                 retention_ms: tokenlog_raftlog::limits::RETENTION_MS_DEFAULT,
-            },
+            }
+            .into(),
         }),
     };
     apply_one(&mut sm, tick).await;
@@ -510,7 +516,7 @@ fn tick_entry(index: u64, t: u64, retention_ms: u64) -> Entry {
         log_id: log_id::<TypeConfig>(1, 1, index),
         payload: openraft::EntryPayload::Normal(Request {
             log_ms: t,
-            cmd: Command::Tick { retention_ms },
+            cmd: Command::Tick { retention_ms }.into(),
         }),
     }
 }
@@ -762,7 +768,8 @@ async fn a_finished_generation_is_written_once_and_leaves_memory_when_sealed() {
                     token_ids: vec![1, 8, 9],
                     finish: Some((FinishReason::Stop, String::new())),
                 }],
-            },
+            }
+            .into(),
         }),
     };
     {

@@ -97,6 +97,29 @@ pub async fn run(cmd: BenchCmd) -> anyhow::Result<()> {
 /// Child processes killed on drop.
 pub struct Procs(pub Vec<Child>);
 
+impl Procs {
+    /// User + system CPU time of all of them so far, in clock ticks.
+    fn cpu_ticks(&self) -> u64 {
+        self.0.iter().map(|c| cpu_ticks(c.id())).sum()
+    }
+}
+
+/// Clock ticks per second of `/proc/PID/stat` (`USER_HZ`, 100 on every Linux this runs on).
+const TICKS_PER_S: f64 = 100.0;
+
+/// User + system CPU time of a running process, in clock ticks (`/proc/PID/stat`); 0 when it
+/// cannot be read.
+pub fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name (which may hold spaces) end at the last ')'.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map_or(vec![], |(_, f)| f.split_whitespace().collect());
+    // utime and stime are fields 14 and 15; the first after ')' is field 3.
+    let at = |i: usize| fields.get(i - 3).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
+    at(14) + at(15)
+}
+
 impl Drop for Procs {
     fn drop(&mut self) {
         for c in &mut self.0 {
@@ -112,6 +135,8 @@ struct Outcome {
     tokens: u64,
     elapsed: Duration,
     latency_us: Option<Histogram<u64>>,
+    /// CPU time of the 3 server processes over the measured window, in clock ticks.
+    server_cpu_ticks: u64,
 }
 
 impl Outcome {
@@ -121,14 +146,21 @@ impl Outcome {
     fn tokens_per_s(&self) -> f64 {
         self.tokens as f64 / self.elapsed.as_secs_f64()
     }
+    /// CPU time of the servers (all 3 together) per write, in µs.
+    fn cpu_us_per_write(&self) -> f64 {
+        self.server_cpu_ticks as f64 / TICKS_PER_S * 1e6 / self.steps.max(1) as f64
+    }
     fn print(&self, name: &str) {
         let h = self.latency_us.as_ref().expect("measured");
         println!(
-            "{name:<9} {:>10.0} writes/s {:>10.0} tokens/s   commit latency p50 {:>7.2} ms  p99 {:>7.2} ms",
+            "{name:<9} {:>10.0} writes/s {:>10.0} tokens/s   commit latency p50 {:>7.2} ms  p99 {:>7.2} ms   \
+             server CPU {:>6.0} us/write ({:.2} cores)",
             self.steps_per_s(),
             self.tokens_per_s(),
             h.value_at_quantile(0.5) as f64 / 1000.0,
-            h.value_at_quantile(0.99) as f64 / 1000.0
+            h.value_at_quantile(0.99) as f64 / 1000.0,
+            self.cpu_us_per_write(),
+            self.server_cpu_ticks as f64 / TICKS_PER_S / self.elapsed.as_secs_f64()
         );
     }
 }
@@ -146,19 +178,19 @@ async fn bench_log(a: LogArgs) -> anyhow::Result<()> {
             a.generations, a.tokens_per_step, a.seconds
         );
         let ours = {
-            let _procs = start_tokenlog(dir.path(), a.base_port)?;
+            let procs = start_tokenlog(dir.path(), a.base_port)?;
             let addrs: Vec<String> = (0..3).map(|i| format!("127.0.0.1:{}", a.base_port + i)).collect();
-            run_tokenlog(&a, writers, addrs).await?
+            run_tokenlog(&a, writers, addrs, &procs).await?
         };
         ours.print("tokenlog");
         if a.no_etcd {
             continue;
         }
         let theirs = {
-            let _procs = start_etcd(&a.etcd, dir.path(), a.base_port + 10)?;
+            let procs = start_etcd(&a.etcd, dir.path(), a.base_port + 10)?;
             let mut best: Option<Outcome> = None;
             for &conns in &a.etcd_connections {
-                let o = run_etcd(&a, writers, conns, a.base_port + 10).await?;
+                let o = run_etcd(&a, writers, conns, a.base_port + 10, &procs).await?;
                 o.print(&format!("etcd/{conns}c"));
                 if best.as_ref().is_none_or(|b| o.steps_per_s() > b.steps_per_s()) {
                     best = Some(o);
@@ -172,19 +204,21 @@ async fn bench_log(a: LogArgs) -> anyhow::Result<()> {
             q(&ours, 0.5) / q(&theirs, 0.5),
             q(&ours, 0.99) / q(&theirs, 0.99),
         );
+        let cpu = ours.cpu_us_per_write() / theirs.cpu_us_per_write();
         println!(
-            "ratio     tokenlog / etcd: {:.2}x writes/s, {:.2}x tokens/s, p50 latency {:.2}x, p99 latency {:.2}x",
+            "ratio     tokenlog / etcd: {:.2}x writes/s, {:.2}x tokens/s, p50 latency {:.2}x, p99 latency {:.2}x, \
+             server CPU per write {cpu:.2}x",
             ratio.0,
             ours.tokens_per_s() / theirs.tokens_per_s(),
             ratio.1,
             ratio.2
         );
-        rows.push((writers, ratio));
+        rows.push((writers, ratio, cpu));
     }
     if rows.len() > 1 {
-        println!("summary   writers  writes/s vs etcd  p50 vs etcd  p99 vs etcd");
-        for (w, (t, p50, p99)) in rows {
-            println!("          {w:>7}  {t:>15.2}x  {p50:>10.2}x  {p99:>10.2}x");
+        println!("summary   writers  writes/s vs etcd  p50 vs etcd  p99 vs etcd  CPU/write vs etcd");
+        for (w, (t, p50, p99), cpu) in rows {
+            println!("          {w:>7}  {t:>15.2}x  {p50:>10.2}x  {p99:>10.2}x  {cpu:>16.2}x");
         }
     }
     Ok(())
@@ -348,10 +382,11 @@ pub async fn wait_for_leader(client: &LogClient) -> anyhow::Result<()> {
     }
 }
 
-async fn run_tokenlog(a: &LogArgs, writers: usize, addrs: Vec<String>) -> anyhow::Result<Outcome> {
+async fn run_tokenlog(a: &LogArgs, writers: usize, addrs: Vec<String>, procs: &Procs) -> anyhow::Result<Outcome> {
     let client = LogClient::new(addrs)?;
     wait_for_leader(&client).await?;
     let owned = setup_writers(&client, writers, a.generations / writers).await?;
+    let cpu_at_start = procs.cpu_ticks();
     let start = Instant::now();
     let deadline = start + Duration::from_secs(a.seconds);
     let mut tasks = Vec::new();
@@ -374,7 +409,9 @@ async fn run_tokenlog(a: &LogArgs, writers: usize, addrs: Vec<String>) -> anyhow
             anyhow::Ok((steps, steps * (tokens * gens.len()) as u64, h))
         }));
     }
-    collect(tasks, start).await
+    let mut out = collect(tasks, start).await?;
+    out.server_cpu_ticks = procs.cpu_ticks().saturating_sub(cpu_at_start);
+    Ok(out)
 }
 
 /// One step of writer `w` (decoder `bench-decoder-{w}`): one Append carrying `token_ids` from
@@ -466,7 +503,13 @@ async fn etcd_leader(base: u16) -> anyhow::Result<String> {
 }
 
 /// etcd's side: `writers` concurrent writers over `connections` gRPC connections to the leader.
-async fn run_etcd(a: &LogArgs, writers: usize, connections: usize, base: u16) -> anyhow::Result<Outcome> {
+async fn run_etcd(
+    a: &LogArgs,
+    writers: usize,
+    connections: usize,
+    base: u16,
+    procs: &Procs,
+) -> anyhow::Result<Outcome> {
     let leader = etcd_leader(base).await?;
     let mut channels = Vec::new();
     for _ in 0..connections.clamp(1, writers) {
@@ -482,6 +525,7 @@ async fn run_etcd(a: &LogArgs, writers: usize, connections: usize, base: u16) ->
     let start = Instant::now();
     let deadline = start + Duration::from_secs(a.seconds);
     let value = Arc::new(vec![7u8; value_bytes]);
+    let cpu_at_start = procs.cpu_ticks();
     let mut tasks = Vec::new();
     for w in 0..writers {
         let mut kv = etcd::kv_client::KvClient::new(channels[w % channels.len()].clone());
@@ -505,5 +549,7 @@ async fn run_etcd(a: &LogArgs, writers: usize, connections: usize, base: u16) ->
             anyhow::Ok((steps, steps * tokens_per_put, h))
         }));
     }
-    collect(tasks, start).await
+    let mut out = collect(tasks, start).await?;
+    out.server_cpu_ticks = procs.cpu_ticks().saturating_sub(cpu_at_start);
+    Ok(out)
 }

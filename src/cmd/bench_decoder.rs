@@ -670,20 +670,9 @@ struct KillTimings {
     other_cpu: u64,
 }
 
-/// User + system CPU time of a running process, in clock ticks (`/proc/PID/stat`); 0 when it
-/// cannot be read.
+/// [`super::bench::cpu_ticks`] of a decoder; 0 when it is not running.
 fn cpu_ticks(d: &Dec) -> u64 {
-    let Some(pid) = d.child.as_ref().map(Child::id) else {
-        return 0;
-    };
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // Fields after the command name (which may hold spaces) end at the last ')'.
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .map_or(vec![], |(_, f)| f.split_whitespace().collect());
-    // utime and stime are fields 14 and 15; the first after ')' is field 3.
-    let at = |i: usize| fields.get(i - 3).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
-    at(14) + at(15)
+    d.child.as_ref().map_or(0, |c| super::bench::cpu_ticks(c.id()))
 }
 
 /// Waits until both decoders are registered (the standby has its model loaded).

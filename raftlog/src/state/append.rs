@@ -18,19 +18,29 @@ impl LogState {
         let batch_error = check_lease_ms(lease_ms)
             .and(check_len("append items", items.len(), ITEMS_PER_APPEND_MAX))
             .err();
-        let mut seen = BTreeSet::new();
+        // Which items repeat a generation of an earlier one: a sort of the ids, and a set only
+        // when some id repeats (never, from a decoder that follows the protocol).
+        let mut ids: Vec<GenerationId> = items.iter().map(|i| i.generation).collect();
+        ids.sort_unstable();
+        let mut seen = ids.windows(2).any(|w| w[0] == w[1]).then(BTreeSet::new);
         items
             .iter()
             .map(|item| {
-                let result = match (&batch_error, seen.insert(item.generation)) {
-                    (Some(e), _) => Err(e.clone()),
-                    (None, false) => Err(reject(
-                        RejectReason::Invalid,
-                        "a generation appears twice in one append",
-                    )),
-                    (None, true) => self.append_one(decoder, lease_ms, item, changes),
+                let repeated = seen.as_mut().is_some_and(|s| !s.insert(item.generation));
+                let (result, frontier) = match (&batch_error, repeated) {
+                    (Some(e), _) => (Err(e.clone()), self.frontier_of(item.generation)),
+                    (None, true) => (
+                        Err(reject(
+                            RejectReason::Invalid,
+                            "a generation appears twice in one append",
+                        )),
+                        self.frontier_of(item.generation),
+                    ),
+                    (None, false) => match self.append_one(decoder, lease_ms, item, changes) {
+                        Ok((lease, frontier)) => (Ok(lease), frontier),
+                        Err(e) => (Err(e), self.frontier_of(item.generation)),
+                    },
                 };
-                let frontier = self.generations.get(&item.generation).map_or(0, |g| g.frontier());
                 AppendOutcome {
                     generation: item.generation,
                     result,
@@ -40,13 +50,18 @@ impl LogState {
             .collect()
     }
 
+    /// A generation's frontier, 0 if it does not exist.
+    fn frontier_of(&self, id: GenerationId) -> Seq {
+        self.generations.get(&id).map_or(0, |g| g.frontier())
+    }
+
     fn append_one(
         &mut self,
         decoder: &str,
         lease_ms: u64,
         item: &AppendItem,
         changes: &mut Changes,
-    ) -> Result<Lease, Rejection> {
+    ) -> Result<(AppendedLease, Seq), Rejection> {
         check_len("records in one append", item.token_ids.len(), RECORDS_PER_APPEND_MAX)?;
         if let Some((_, detail)) = &item.finish {
             check_len("finish detail bytes", detail.len(), FINISH_DETAIL_BYTES_MAX)?;
@@ -82,7 +97,7 @@ impl LogState {
             .all(|(r, t)| r.token_id == *t);
         // An identical re-send of committed records (a retry) is acknowledged without effect.
         if end <= committed && overlap_ok && (item.finish.is_none() || g.state.is_terminal()) {
-            return Ok(g.lease.clone());
+            return Ok((appended_lease(g), g.frontier()));
         }
         if !no_fence {
             fence(g, item.epoch, now)?;
@@ -132,6 +147,13 @@ impl LogState {
             terminate(g, *reason, detail, now);
         }
         changes.touch(g.id);
-        Ok(g.lease.clone())
+        Ok((appended_lease(g), g.frontier()))
+    }
+}
+
+fn appended_lease(g: &Generation) -> AppendedLease {
+    AppendedLease {
+        epoch: g.lease.epoch,
+        expiry_log_ms: g.lease.expiry_log_ms,
     }
 }

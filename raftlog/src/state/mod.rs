@@ -256,7 +256,7 @@ impl LogState {
         // Log time is monotone even across leaders whose clocks disagree.
         let before = self.log_ms;
         self.log_ms = self.log_ms.max(req.log_ms);
-        match &req.cmd {
+        match &*req.cmd {
             Command::Batch(cmds) => Response::Batch(
                 cmds.iter()
                     .map(|c| match c {

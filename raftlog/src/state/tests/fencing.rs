@@ -367,8 +367,41 @@ fn many_generations_in_one_append_are_independent() {
     ) else {
         panic!()
     };
-    assert!(out[0].result.is_ok());
+    assert_eq!(
+        out[0].result,
+        Ok(AppendedLease {
+            epoch: 1,
+            expiry_log_ms: 6 + LEASE
+        })
+    );
     assert_eq!(out[1].result.as_ref().unwrap_err().reason, RejectReason::Invalid);
+    assert_eq!(
+        (out[0].frontier, out[1].frontier),
+        (2, 2),
+        "the frontier after the item"
+    );
+    // A repeat that is not next to its first: only the repeat is refused.
+    let item = |generation, start_seq| AppendItem {
+        generation,
+        epoch: 1,
+        start_seq,
+        token_ids: vec![3],
+        finish: None,
+    };
+    let Response::Appended(out) = t.at(
+        7,
+        Command::Append {
+            decoder: "d1".into(),
+            lease_ms: LEASE,
+            items: vec![item(a, 2), item(77, 0), item(a, 3)],
+        },
+    ) else {
+        panic!()
+    };
+    assert!(out[0].result.is_ok());
+    assert_eq!(out[1].result.as_ref().unwrap_err().reason, RejectReason::NotFound);
+    assert_eq!(out[2].result.as_ref().unwrap_err().reason, RejectReason::Invalid);
+    assert_eq!((out[0].frontier, out[1].frontier, out[2].frontier), (3, 0, 3));
 }
 
 #[test]

@@ -464,7 +464,8 @@ impl LogState {
                         destination: DST.into(),
                         manifest: manifest(0),
                     },
-                },
+                }
+                .into(),
             },
             &mut Changes::default(),
         );

@@ -41,7 +41,13 @@ impl T {
         }
     }
     fn at(&mut self, log_ms: u64, cmd: Command) -> Response {
-        self.s.apply(&Request { log_ms, cmd }, &mut self.changes)
+        self.s.apply(
+            &Request {
+                log_ms,
+                cmd: cmd.into(),
+            },
+            &mut self.changes,
+        )
     }
     fn submit(&mut self, t: u64, rid: &str) -> GenerationId {
         match self.at(
@@ -77,7 +83,7 @@ impl T {
         epoch: Epoch,
         start: Seq,
         toks: &[u32],
-    ) -> Result<Lease, Rejection> {
+    ) -> Result<AppendedLease, Rejection> {
         let item = AppendItem {
             generation: g,
             epoch,

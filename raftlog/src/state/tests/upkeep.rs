@@ -407,13 +407,13 @@ fn a_register_entry_of_the_previous_release_still_decodes_and_applies() {
     b.extend(0u64.to_le_bytes()); // expiry_log_ms
     b.extend(5_000u64.to_le_bytes()); // ttl_ms
     let req: Request = bincode::deserialize(&b).expect("an old Register entry decodes");
-    let Command::Register { decoder, info, ttl_ms } = &req.cmd else {
+    let Command::Register { decoder, info, ttl_ms } = &*req.cmd else {
         panic!("{req:?}");
     };
     assert_eq!((decoder.as_str(), info.capacity, *ttl_ms), ("d1", 4, 5_000));
     assert_eq!(info.model, model());
     let mut t = T::new();
-    assert_eq!(t.at(7, req.cmd.clone()), Response::Registered(Ok(5_007)));
+    assert_eq!(t.at(7, (*req.cmd).clone()), Response::Registered(Ok(5_007)));
     let d = &t.s.decoders["d1"];
     assert_eq!(
         (d.chat_template.as_str(), d.context_tokens, d.handoff_addr.as_str()),
