@@ -324,16 +324,7 @@ fn many_generations_in_one_append_are_independent() {
             finish: None,
         },
     ];
-    let Response::Appended(out) = t.at(
-        5,
-        Command::Append {
-            decoder: "d1".into(),
-            lease_ms: LEASE,
-            items,
-        },
-    ) else {
-        panic!()
-    };
+    let out = t.append_items(5, "d1", items);
     assert!(out[0].result.is_ok());
     assert_eq!(
         out[1].result.as_ref().unwrap_err().reason,
@@ -357,16 +348,7 @@ fn many_generations_in_one_append_are_independent() {
             finish: None,
         },
     ];
-    let Response::Appended(out) = t.at(
-        6,
-        Command::Append {
-            decoder: "d1".into(),
-            lease_ms: LEASE,
-            items: dup,
-        },
-    ) else {
-        panic!()
-    };
+    let out = t.append_items(6, "d1", dup);
     assert_eq!(
         out[0].result,
         Ok(AppendedLease {
@@ -388,16 +370,7 @@ fn many_generations_in_one_append_are_independent() {
         token_ids: vec![3],
         finish: None,
     };
-    let Response::Appended(out) = t.at(
-        7,
-        Command::Append {
-            decoder: "d1".into(),
-            lease_ms: LEASE,
-            items: vec![item(a, 2), item(77, 0), item(a, 3)],
-        },
-    ) else {
-        panic!()
-    };
+    let out = t.append_items(7, "d1", vec![item(a, 2), item(77, 0), item(a, 3)]);
     assert!(out[0].result.is_ok());
     assert_eq!(out[1].result.as_ref().unwrap_err().reason, RejectReason::NotFound);
     assert_eq!(out[2].result.as_ref().unwrap_err().reason, RejectReason::Invalid);

@@ -40,6 +40,18 @@ impl T {
             changes: Changes::default(),
         }
     }
+    /// One `Append` of `items` by `dec` at `log_ms`: each item's outcome.
+    fn append_items(&mut self, log_ms: u64, dec: &str, items: Vec<AppendItem>) -> Vec<AppendOutcome> {
+        let cmd = Command::Append {
+            decoder: dec.into(),
+            lease_ms: LEASE,
+            items,
+        };
+        match self.at(log_ms, cmd) {
+            Response::Appended(out) => out,
+            r => panic!("{r:?}"),
+        }
+    }
     fn at(&mut self, log_ms: u64, cmd: Command) -> Response {
         self.s.apply(
             &Request {
@@ -91,17 +103,7 @@ impl T {
             token_ids: toks.to_vec(),
             finish: None,
         };
-        match self.at(
-            t,
-            Command::Append {
-                decoder: dec.into(),
-                lease_ms: LEASE,
-                items: vec![item],
-            },
-        ) {
-            Response::Appended(mut v) => v.remove(0).result,
-            r => panic!("{r:?}"),
-        }
+        self.append_items(t, dec, vec![item]).remove(0).result
     }
     fn ownership(&mut self, t: u64, cmd: Command) -> Result<GenerationView, Rejection> {
         match self.at(t, cmd) {
