@@ -996,10 +996,7 @@ impl Sim {
         let term = self.term;
         self.replicas[l].log.push(Entry {
             term,
-            req: Request {
-                log_ms,
-                cmd: cmd.into(),
-            },
+            req: Request::new(log_ms, cmd),
             caller,
         });
         true

@@ -593,14 +593,7 @@ impl Process {
                 None => m.log.log_ms,
             }
         };
-        let written = match self
-            .raft
-            .client_write(Request {
-                log_ms,
-                cmd: cmd.into(),
-            })
-            .await
-        {
+        let written = match self.raft.client_write(Request::new(log_ms, cmd)).await {
             Ok(w) => w,
             Err(e) => {
                 return Err(match e.forward_to_leader() {

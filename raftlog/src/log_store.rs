@@ -471,10 +471,7 @@ mod tests {
                 finish: None,
             }],
         };
-        let shared = crate::types::Request {
-            log_ms: 9,
-            cmd: cmd.clone().into(),
-        };
+        let shared = crate::types::Request::new(9, cmd.clone());
         let plain = ByValue { log_ms: 9, cmd };
         let bytes = encode(&plain).unwrap();
         assert_eq!(encode(&shared).unwrap(), bytes);

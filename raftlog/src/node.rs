@@ -421,10 +421,7 @@ async fn proposer(
             Some(_) => clock.stamp(applied.log_ms()),
             None => applied.log_ms(),
         };
-        let req = Request {
-            log_ms,
-            cmd: cmd.into(),
-        };
+        let req = Request::new(log_ms, cmd);
         proposals.inc();
         let (responder, result) = openraft::impls::ProgressResponder::complete_only();
         if let Err(e) = raft.client_write_ff(req, Some(responder)).await {

@@ -557,10 +557,7 @@ pub fn load_snapshot(file: &SnapshotFile, problems: &mut Vec<String>) -> Option<
 /// own cold section (segment 0) or the segments the body names, opened from `cold/` beside the
 /// file and checked to be the length the body says.
 fn attach_cold(file: &SnapshotFile, b: Body) -> Result<Machine, crate::snapshot::SnapshotError> {
-    let corrupt = |what: String| crate::snapshot::SnapshotError::Corrupt {
-        path: file.path().display().to_string(),
-        what,
-    };
+    let corrupt = |what: String| crate::snapshot::SnapshotError::corrupt(file.path(), what);
     let Body {
         mut machine,
         cold,
@@ -1098,13 +1095,7 @@ mod tests {
             request_id: "r".into(),
             binding,
         };
-        log.apply(
-            &Request {
-                log_ms: 7,
-                cmd: cmd.into(),
-            },
-            &mut Changes::default(),
-        );
+        log.apply(&Request::new(7, cmd), &mut Changes::default());
         let machine = Machine {
             log,
             applied: Some(LogId::new(
@@ -1506,13 +1497,7 @@ mod tests {
                 ..Default::default()
             },
         };
-        m.log.apply(
-            &Request {
-                log_ms: 1,
-                cmd: cmd.into(),
-            },
-            &mut Changes::default(),
-        );
+        m.log.apply(&Request::new(1, cmd), &mut Changes::default());
         let id = *m.log.generations.keys().next().unwrap();
         (m, id)
     }

@@ -91,6 +91,22 @@ pub enum SnapshotError {
     Corrupt { path: String, what: String },
 }
 
+impl SnapshotError {
+    pub fn corrupt(path: &Path, what: impl Into<String>) -> Self {
+        SnapshotError::Corrupt {
+            path: path.display().to_string(),
+            what: what.into(),
+        }
+    }
+
+    pub fn io(path: &Path, source: io::Error) -> Self {
+        SnapshotError::Io {
+            path: path.display().to_string(),
+            source,
+        }
+    }
+}
+
 impl From<SnapshotError> for io::Error {
     fn from(e: SnapshotError) -> Self {
         match e {
@@ -121,10 +137,7 @@ pub struct SnapshotFile {
 
 impl SnapshotFile {
     pub fn open(path: &Path) -> Result<Self, SnapshotError> {
-        let io = |source| SnapshotError::Io {
-            path: path.display().to_string(),
-            source,
-        };
+        let io = |source| SnapshotError::io(path, source);
         let file = File::open(path).map_err(io)?;
         let len = file.metadata().map_err(io)?.len();
         Ok(SnapshotFile {
@@ -158,17 +171,11 @@ impl SnapshotFile {
     }
 
     fn corrupt(&self, what: impl Into<String>) -> SnapshotError {
-        SnapshotError::Corrupt {
-            path: self.path.display().to_string(),
-            what: what.into(),
-        }
+        SnapshotError::corrupt(&self.path, what)
     }
 
     fn io(&self, source: io::Error) -> SnapshotError {
-        SnapshotError::Io {
-            path: self.path.display().to_string(),
-            source,
-        }
+        SnapshotError::io(&self.path, source)
     }
 
     /// The format version of the file from its magic, and the meta, the byte range of the
@@ -293,10 +300,7 @@ impl SnapshotFile {
 
 /// The frame `r` of `file`, which must lie inside `range` and match its CRC.
 fn read_frame_in(file: &File, path: &Path, range: std::ops::Range<u64>, r: &ColdRef) -> Result<Vec<u8>, SnapshotError> {
-    let corrupt = |what: String| SnapshotError::Corrupt {
-        path: path.display().to_string(),
-        what,
-    };
+    let corrupt = |what: String| SnapshotError::corrupt(path, what);
     let end = r.offset.checked_add(r.bytes);
     if r.offset < range.start || end.is_none_or(|e| e > range.end) || r.bytes > COLD_FRAME_BYTES_MAX {
         return Err(corrupt(format!(
@@ -306,10 +310,7 @@ fn read_frame_in(file: &File, path: &Path, range: std::ops::Range<u64>, r: &Cold
     }
     let mut buf = vec![0u8; r.bytes as usize];
     file.read_exact_at(&mut buf, r.offset)
-        .map_err(|source| SnapshotError::Io {
-            path: path.display().to_string(),
-            source,
-        })?;
+        .map_err(|source| SnapshotError::io(path, source))?;
     if crc32fast::hash(&buf) != r.crc {
         return Err(corrupt(format!("cold records at {}: CRC mismatch", r.offset)));
     }
@@ -365,18 +366,15 @@ pub struct Segment {
 impl Segment {
     /// Opens segment `id` at `path`; its magic is checked, its frames when they are read.
     pub fn open(path: &Path, id: u64) -> Result<Self, SnapshotError> {
-        let io = |source| SnapshotError::Io {
-            path: path.display().to_string(),
-            source,
-        };
+        let io = |source| SnapshotError::io(path, source);
         let file = File::open(path).map_err(io)?;
         let len = file.metadata().map_err(io)?.len();
         let mut magic = [0u8; SEGMENT_HEADER_BYTES as usize];
         if len < SEGMENT_HEADER_BYTES || file.read_exact_at(&mut magic, 0).is_err() || &magic != SEGMENT_MAGIC {
-            return Err(SnapshotError::Corrupt {
-                path: path.display().to_string(),
-                what: "not a tokenlog cold segment (bad magic or too short)".into(),
-            });
+            return Err(SnapshotError::corrupt(
+                path,
+                "not a tokenlog cold segment (bad magic or too short)",
+            ));
         }
         Ok(Segment {
             id,
@@ -775,10 +773,7 @@ impl SnapshotDir {
                 return Err(e);
             }
         };
-        let io = |source| SnapshotError::Io {
-            path: self.dir.display().to_string(),
-            source,
-        };
+        let io = |source| SnapshotError::io(&self.dir, source);
         let partial = if ours {
             PartialSnapshot {
                 path: src.path.clone(),

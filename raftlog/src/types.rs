@@ -695,6 +695,15 @@ pub struct Request {
     pub cmd: std::sync::Arc<Command>,
 }
 
+impl Request {
+    pub fn new(log_ms: u64, cmd: Command) -> Self {
+        Request {
+            log_ms,
+            cmd: std::sync::Arc::new(cmd),
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum RejectReason {
     StaleEpoch,

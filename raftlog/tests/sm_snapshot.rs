@@ -38,15 +38,14 @@ fn submit_entry(index: u64) -> Entry {
         },
         ..Default::default()
     };
-    let req = Request {
-        log_ms: index,
-        cmd: Command::Submit {
+    let req = Request::new(
+        index,
+        Command::Submit {
             tenant: "t".into(),
             request_id: format!("r{index}"),
             binding,
-        }
-        .into(),
-    };
+        },
+    );
     Entry {
         log_id: log_id::<TypeConfig>(1, 1, index),
         payload: openraft::EntryPayload::Normal(req),
@@ -197,10 +196,7 @@ async fn records_and_pruning_in_one_apply_batch() {
         let index = i as u64 + 2;
         entries.push(Entry {
             log_id: log_id::<TypeConfig>(1, 1, index),
-            payload: openraft::EntryPayload::Normal(Request {
-                log_ms: index * 10,
-                cmd: cmd.into(),
-            }),
+            payload: openraft::EntryPayload::Normal(Request::new(index * 10, cmd)),
         });
     }
     let s = futures::stream::iter(entries.into_iter().map(|e| Ok((e, None))));
@@ -351,10 +347,7 @@ fn finish_entries(first: u64, g: u64, t: u64) -> Vec<Entry> {
         .enumerate()
         .map(|(i, cmd)| Entry {
             log_id: log_id::<TypeConfig>(1, 1, first + i as u64),
-            payload: openraft::EntryPayload::Normal(Request {
-                log_ms: t,
-                cmd: cmd.into(),
-            }),
+            payload: openraft::EntryPayload::Normal(Request::new(t, cmd)),
         })
         .collect()
 }
@@ -411,13 +404,12 @@ async fn sealed_generations_leave_memory_at_a_snapshot_and_read_back_the_same() 
     // Generation 2 seals later; the next snapshot copies 1 over and adds 2.
     let tick = Entry {
         log_id: log_id::<TypeConfig>(1, 1, index),
-        payload: openraft::EntryPayload::Normal(Request {
-            log_ms: 20 + 2 * SEAL_AFTER_MS,
-            cmd: Command::Tick {
+        payload: openraft::EntryPayload::Normal(Request::new(
+            20 + 2 * SEAL_AFTER_MS,
+            Command::Tick {
                 retention_ms: tokenlog_raftlog::limits::RETENTION_MS_DEFAULT,
-            }
-            .into(),
-        }),
+            },
+        )),
     };
     apply_one(&mut sm, tick).await;
     let digest = sm.shared().digest().unwrap();
@@ -460,13 +452,12 @@ async fn damaged_records_on_disk_are_refused() {
     }
     let tick = Entry {
         log_id: log_id::<TypeConfig>(1, 1, 4),
-        payload: openraft::EntryPayload::Normal(Request {
-            log_ms: 10 + SEAL_AFTER_MS,
-            cmd: Command::Tick {
+        payload: openraft::EntryPayload::Normal(Request::new(
+            10 + SEAL_AFTER_MS,
+            Command::Tick {
                 retention_ms: tokenlog_raftlog::limits::RETENTION_MS_DEFAULT,
-            }
-            .into(),
-        }),
+            },
+        )),
     };
     apply_one(&mut sm, tick).await;
     build(&mut sm).await;
@@ -514,10 +505,7 @@ async fn damaged_records_on_disk_are_refused() {
 fn tick_entry(index: u64, t: u64, retention_ms: u64) -> Entry {
     Entry {
         log_id: log_id::<TypeConfig>(1, 1, index),
-        payload: openraft::EntryPayload::Normal(Request {
-            log_ms: t,
-            cmd: Command::Tick { retention_ms }.into(),
-        }),
+        payload: openraft::EntryPayload::Normal(Request::new(t, Command::Tick { retention_ms })),
     }
 }
 
@@ -756,9 +744,9 @@ async fn a_finished_generation_is_written_once_and_leaves_memory_when_sealed() {
     // The decoder's retry of its finishing append, before the seal: acknowledged.
     let resend = Entry {
         log_id: log_id::<TypeConfig>(1, 1, 4),
-        payload: openraft::EntryPayload::Normal(Request {
-            log_ms: 20,
-            cmd: Command::Append {
+        payload: openraft::EntryPayload::Normal(Request::new(
+            20,
+            Command::Append {
                 decoder: "d1".into(),
                 lease_ms: 1_000,
                 items: vec![AppendItem {
@@ -768,9 +756,8 @@ async fn a_finished_generation_is_written_once_and_leaves_memory_when_sealed() {
                     token_ids: vec![1, 8, 9],
                     finish: Some((FinishReason::Stop, String::new())),
                 }],
-            }
-            .into(),
-        }),
+            },
+        )),
     };
     {
         let mut m = sm.shared().read().clone();

@@ -454,9 +454,9 @@ impl LogState {
     /// Prepares a handoff of `h` (owned by `src` at epoch 1, no records) to `dst`.
     fn prepare_other(&mut self, h: GenerationId) {
         let r = self.apply(
-            &Request {
-                log_ms: 23,
-                cmd: Command::Handoff {
+            &Request::new(
+                23,
+                Command::Handoff {
                     generation: h,
                     step: HandoffStep::Prepare {
                         epoch: 1,
@@ -464,9 +464,8 @@ impl LogState {
                         destination: DST.into(),
                         manifest: manifest(0),
                     },
-                }
-                .into(),
-            },
+                },
+            ),
             &mut Changes::default(),
         );
         assert!(matches!(r, Response::Handoff(Ok(_))), "{r:?}");

@@ -53,13 +53,7 @@ impl T {
         }
     }
     fn at(&mut self, log_ms: u64, cmd: Command) -> Response {
-        self.s.apply(
-            &Request {
-                log_ms,
-                cmd: cmd.into(),
-            },
-            &mut self.changes,
-        )
+        self.s.apply(&Request::new(log_ms, cmd), &mut self.changes)
     }
     fn submit(&mut self, t: u64, rid: &str) -> GenerationId {
         match self.at(
