@@ -244,12 +244,15 @@ fn write_report(
     Ok(())
 }
 
-/// Whether `e` is the log's not-found answer.
+/// Whether `e` is the log's not-found answer: from a call (wrapped in the client's error) or from
+/// a watch stream that was open when retention pruned the generation (a bare status).
 fn is_not_found(e: &anyhow::Error) -> bool {
-    matches!(
-        e.downcast_ref::<tokenlog_raftlog::client::ClientError>(),
-        Some(tokenlog_raftlog::client::ClientError::Status(s)) if s.code() == tonic::Code::NotFound
-    )
+    let status = match e.downcast_ref::<tokenlog_raftlog::client::ClientError>() {
+        Some(tokenlog_raftlog::client::ClientError::Status(s)) => Some(s),
+        Some(_) => None,
+        None => e.downcast_ref::<tonic::Status>(),
+    };
+    status.is_some_and(|s| s.code() == tonic::Code::NotFound)
 }
 
 /// The committed records of a generation (up to its frontier now), read linearizably.
@@ -581,5 +584,21 @@ mod tests {
         assert!(d.observe("n3", 9, vec![2]).is_none(), "behind: not compared");
         let p = d.observe("n3", 10, vec![2]).expect("a diverging node");
         assert!(p.contains("n3 and n1") && p.contains("state digests differ"), "{p}");
+    }
+
+    use tokenlog_raftlog::client::ClientError;
+
+    #[test]
+    fn not_found_is_recognised_from_a_call_and_from_a_watch_stream() {
+        let pruned = || tonic::Status::not_found("generation 46 was pruned");
+        assert!(is_not_found(&anyhow::Error::from(ClientError::Status(pruned()))));
+        // A watch stream opened before retention pruned the generation ends with a bare status.
+        assert!(is_not_found(&anyhow::Error::from(pruned())));
+        assert!(!is_not_found(&anyhow::Error::from(tonic::Status::unavailable("no leader"))));
+        assert!(!is_not_found(&anyhow::Error::from(ClientError::BadAddress(
+            "x".into(),
+            "y".into()
+        ))));
+        assert!(!is_not_found(&anyhow::anyhow!("not found")));
     }
 }
