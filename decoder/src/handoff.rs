@@ -242,10 +242,11 @@ impl HandoffPort {
         let model = s.model.clone();
         let c = committed.clone();
         // The copy may end short of the manifest's frontier (a source that copies while it
-        // decodes leaves out the last committed position): the rest is prefilled here, the
-        // same bits on a grouping-invariant model.
+        // decodes leaves out the last committed position): the rest is prefilled with the
+        // first records followed below, in one forward pass (the same bits on a
+        // grouping-invariant model), not in one of its own here.
         let state = model_work(move || {
-            DecodeState::resume_from_cache(
+            DecodeState::resume_from_cache_deferred(
                 model.as_ref(),
                 &prompt,
                 &c,
@@ -639,7 +640,8 @@ async fn resolve_lost_commit(client: &LogClient, id: u64, attempt: u64, me: &str
 
 /// Follows generation `id`'s committed records `from..upto` (`None`: up to the log's frontier
 /// now) on `state`, a copy of the cache at `from` records: the state and the frontier it
-/// reached. Exact as the source's own feeding (`DecodeState::follow`).
+/// reached. Exact as the source's own feeding (`DecodeState::follow`). The positions a loaded
+/// cache left out (a deferred prefill) go into the same forward pass, ahead of the records.
 async fn follow_log(
     client: &LogClient,
     id: u64,
@@ -651,12 +653,18 @@ async fn follow_log(
         Some(f) => f,
         None => client.generation(id).await.map_err(|e| e.to_string())?.frontier,
     };
-    if upto <= from {
+    if upto <= from && !state.prefilling() {
         return Ok((state, from));
     }
-    let records = read_records(client, id, from, upto)
-        .await
-        .map_err(|e| format!("records {from}..{upto} are not readable: {e}"))?;
+    let records = if upto > from {
+        read_records(client, id, from, upto)
+            .await
+            .map_err(|e| format!("records {from}..{upto} are not readable: {e}"))?
+    } else {
+        // No new record: only the positions the loaded cache left out are fed.
+        Vec::new()
+    };
+    let upto = upto.max(from);
     // The last record fed too: the worker's first draw after the commit is then at once,
     // without a forward pass of its own.
     let state = model_work(move || state.follow_all_fed(&records).map(|()| state))

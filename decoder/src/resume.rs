@@ -92,6 +92,15 @@ pub struct ResumeStats {
     pub replayed_tokens: usize,
 }
 
+/// What [`DecodeState::from_cache`] takes: a whole cache (with logits), or a partial one whose
+/// positions past it are prefilled at once or deferred.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Load {
+    Whole,
+    Partial,
+    PartialDeferred,
+}
+
 /// A generation being decoded: sequence, sampler, stop matcher and frontiers, advanced together.
 pub struct DecodeState {
     sequence: Box<dyn Sequence>,
@@ -240,7 +249,7 @@ impl DecodeState {
         mode: ResumeMode,
         cache: &CacheExport,
     ) -> Result<Self> {
-        Self::from_cache(model, prompt, committed, params, stop, mode, cache, false)
+        Self::from_cache(model, prompt, committed, params, stop, mode, cache, Load::Whole)
     }
 
     /// Continues a generation from a prefix cache entry (issue 15 item 6): `cache` holds the
@@ -257,7 +266,33 @@ impl DecodeState {
         mode: ResumeMode,
         cache: &CacheExport,
     ) -> Result<Self> {
-        Self::from_cache(model, prompt, committed, params, stop, mode, cache, true)
+        Self::from_cache(model, prompt, committed, params, stop, mode, cache, Load::Partial)
+    }
+
+    /// [`DecodeState::resume_from_cache`] without the prefill of the positions past the cache
+    /// where the sequence is [`Sequence::grouping_invariant`]: they are fed by the first
+    /// [`DecodeState::follow_all_fed`] in the same call as its records (a handoff destination
+    /// catching up: one forward pass fewer), or by the first draw or
+    /// [`DecodeState::feed_pending_batch`] as a deferred prefill. The logits come out the same.
+    pub fn resume_from_cache_deferred(
+        model: &dyn Model,
+        prompt: &[u32],
+        committed: &[u32],
+        params: SamplingConfig,
+        stop: StopConfig,
+        mode: ResumeMode,
+        cache: &CacheExport,
+    ) -> Result<Self> {
+        Self::from_cache(
+            model,
+            prompt,
+            committed,
+            params,
+            stop,
+            mode,
+            cache,
+            Load::PartialDeferred,
+        )
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -269,8 +304,9 @@ impl DecodeState {
         stop: StopConfig,
         mode: ResumeMode,
         cache: &CacheExport,
-        partial: bool,
+        load: Load,
     ) -> Result<Self> {
+        let partial = load != Load::Whole;
         if prompt.is_empty() {
             return Err(Error::Invalid("empty prompt".into()));
         }
@@ -319,12 +355,20 @@ impl DecodeState {
         }
         let t0 = Instant::now();
         sequence.import_cache(&cache.blocks, cached)?;
+        let mut to_prefill = Vec::new();
         let logits = if cached < positions {
             let rest: Vec<u32> = prompt.iter().chain(committed).skip(cached).copied().collect();
-            sequence.prefill(&rest)?
+            if load == Load::PartialDeferred && sequence.grouping_invariant() {
+                to_prefill = rest;
+                None
+            } else {
+                Some(sequence.prefill(&rest)?)
+            }
         } else {
-            cache.logits.clone()
+            Some(cache.logits.clone())
         };
+        // A deferred rest counts as not fed until it is in (as after `resume_deferred`).
+        let (fed, kv) = if to_prefill.is_empty() { (k, positions) } else { (0, 0) };
         let state = DecodeState {
             sequence,
             sampler: Sampler::new(params, prompt, committed),
@@ -332,14 +376,14 @@ impl DecodeState {
             frontiers: Frontiers {
                 prompt_len: prompt.len(),
                 sampled: k,
-                fed: k,
-                kv: positions,
+                fed,
+                kv,
                 committed: k,
             },
             max_context: model.max_context(),
-            logits: Some(logits),
+            logits,
             unfed: None,
-            to_prefill: Vec::new(),
+            to_prefill,
             finished: None,
             stats: ResumeStats {
                 mode,
@@ -635,6 +679,8 @@ impl DecodeState {
     /// forward pass (a destination about to take a generation over): on a
     /// [`Sequence::grouping_invariant`] sequence all of them in one call. A record that ends the
     /// generation is not fed, as with `follow`.
+    ///
+    /// A deferred prefill not done yet goes into the same call, ahead of the records.
     pub fn follow_all_fed(&mut self, tokens: &[u32]) -> Result<()> {
         if tokens.is_empty() || !self.sequence.grouping_invariant() {
             self.follow_all(tokens)?;
@@ -644,7 +690,12 @@ impl DecodeState {
             };
         }
         self.check_follower()?;
-        self.feed_pending()?;
+        // The positions before the records: a deferred prefill's, or the last record followed.
+        let mut input = std::mem::take(&mut self.to_prefill);
+        if input.is_empty() {
+            self.feed_pending()?;
+        }
+        let base = self.frontiers.sampled;
         let mut fed = tokens.len();
         for (i, &t) in tokens.iter().enumerate() {
             if let Some(f) = self.accept_followed(t) {
@@ -658,11 +709,12 @@ impl DecodeState {
             }
         }
         self.logits = None;
-        if fed > 0 {
+        input.extend_from_slice(&tokens[..fed]);
+        if !input.is_empty() {
             let t0 = Instant::now();
-            let logits = self.sequence.prefill(&tokens[..fed])?;
+            let logits = self.sequence.prefill(&input)?;
             self.stats.replay += t0.elapsed();
-            self.frontiers.fed += fed;
+            self.frontiers.fed = base + fed;
             self.frontiers.kv = self.sequence.kv_len();
             if self.finished.is_none() {
                 self.logits = Some(logits);
@@ -753,8 +805,9 @@ impl DecodeState {
 
     /// Positions this state's cache covers, its record not yet fed (a followed one, or the
     /// last draw) included: prompt + committed for a follower.
+    /// A deferred prefill's positions count as covered.
     pub fn covered_positions(&self) -> usize {
-        self.sequence.kv_len() + usize::from(self.unfed.is_some())
+        self.sequence.kv_len() + usize::from(self.unfed.is_some()) + self.to_prefill.len()
     }
 
     /// Planted bug `source-frees-early` (fault builds only): empties the KV cache behind the

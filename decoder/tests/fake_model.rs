@@ -470,3 +470,164 @@ fn a_prompt_cache_plus_a_prefill_of_the_rest_continues_as_a_resume() {
     let short = &p[..p.len() - 1];
     assert!(DecodeState::resume_from_cache(&m, short, &[], sampled(), stop(40), ResumeMode::Exact, &cache).is_err());
 }
+
+/// A model that counts the forward passes of its sequences (each `prefill` or `step` call).
+struct Counting {
+    inner: FakeModel,
+    passes: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+struct CountingSequence {
+    inner: Box<dyn tokenlog_decoder::Sequence>,
+    passes: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Counting {
+    fn passes(&self) -> usize {
+        self.passes.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Model for Counting {
+    fn identity(&self) -> &tokenlog_decoder::ModelIdentity {
+        self.inner.identity()
+    }
+    fn tokenizer(&self) -> &tokenlog_decoder::Tokenizer {
+        self.inner.tokenizer()
+    }
+    fn max_context(&self) -> usize {
+        self.inner.max_context()
+    }
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn new_sequence(&self) -> tokenlog_decoder::Result<Box<dyn tokenlog_decoder::Sequence>> {
+        Ok(Box::new(CountingSequence {
+            inner: self.inner.new_sequence()?,
+            passes: self.passes.clone(),
+        }))
+    }
+}
+
+impl tokenlog_decoder::Sequence for CountingSequence {
+    fn prefill(&mut self, tokens: &[u32]) -> tokenlog_decoder::Result<tokenlog_decoder::Logits> {
+        self.passes.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.prefill(tokens)
+    }
+    fn kv_len(&self) -> usize {
+        self.inner.kv_len()
+    }
+    fn reset(&mut self) {
+        self.inner.reset()
+    }
+    fn cache_format(&self) -> Option<String> {
+        self.inner.cache_format()
+    }
+    fn export_cache(&self) -> tokenlog_decoder::Result<Vec<tokenlog_decoder::cache::CacheBlock>> {
+        self.inner.export_cache()
+    }
+    fn export_cache_prefix(
+        &self,
+        positions: usize,
+    ) -> tokenlog_decoder::Result<Vec<tokenlog_decoder::cache::CacheBlock>> {
+        self.inner.export_cache_prefix(positions)
+    }
+    fn prefix_export_bytes(&self, positions: usize) -> Option<usize> {
+        self.inner.prefix_export_bytes(positions)
+    }
+    fn import_cache(
+        &mut self,
+        blocks: &[tokenlog_decoder::cache::CacheBlock],
+        positions: usize,
+    ) -> tokenlog_decoder::Result<()> {
+        self.inner.import_cache(blocks, positions)
+    }
+    fn grouping_invariant(&self) -> bool {
+        self.inner.grouping_invariant()
+    }
+}
+
+/// A handoff destination (issue 15): the copy taken while the source decodes on leaves out
+/// the last committed position; `resume_from_cache_deferred` loads it without a forward pass,
+/// and the first `follow_all_fed` feeds that position and the records the source committed
+/// since, in one pass (`resume_from_cache` then `follow_all_fed` takes two). The continuation
+/// is the uninterrupted run's, with records to follow, with none, and drawn at once.
+#[test]
+fn a_handed_over_cache_is_fed_with_the_first_records_in_one_forward_pass() {
+    let m = Counting {
+        inner: model(),
+        passes: Default::default(),
+    };
+    let p = prompt(&m.inner, "hand me over in one pass");
+    let (all, _) = DecodeState::start(&m, &p, sampled(), stop(40))
+        .unwrap()
+        .run_to_end()
+        .unwrap();
+    assert!(all.len() >= 16, "{}", all.len());
+    for (k, since) in [(0usize, 3usize), (1, 0), (5, 1), (9, 6)] {
+        let mut src = DecodeState::start(&m, &p, sampled(), stop(40)).unwrap();
+        for _ in 0..k + 1 {
+            src.next_token().unwrap().unwrap();
+        }
+        src.mark_committed(k);
+        let cache = src.copy_committed_cache().unwrap();
+        let load = |deferred: bool| {
+            let f = if deferred {
+                DecodeState::resume_from_cache_deferred
+            } else {
+                DecodeState::resume_from_cache
+            };
+            f(&m, &p, &all[..k], sampled(), stop(40), ResumeMode::Exact, &cache).unwrap()
+        };
+        let before = m.passes();
+        let mut dst = load(true);
+        assert_eq!(m.passes(), before, "loaded without a forward pass ({k})");
+        assert!(dst.prefilling() && !dst.logits_ready());
+        assert_eq!(dst.covered_positions(), p.len() + k);
+        assert!(!dst.copies_while_decoding());
+        let before = m.passes();
+        dst.follow_all_fed(&all[k..k + since]).unwrap();
+        assert_eq!(
+            m.passes() - before,
+            1,
+            "the left-out position and {since} records in one pass"
+        );
+        assert!(dst.logits_ready() && !dst.prefilling());
+        let f = dst.frontiers();
+        assert_eq!(
+            (f.sampled, f.fed, f.kv, f.committed),
+            (k + since, k + since, p.len() + k + since, k + since)
+        );
+        let (rest, _) = dst.run_to_end().unwrap();
+        assert_eq!(rest, all[k + since..], "handed over at {k}, followed {since}");
+        // Loaded and prefilled at once, then followed: two passes, the same continuation.
+        let before = m.passes();
+        let mut eager = load(false);
+        eager.follow_all_fed(&all[k..k + since]).unwrap();
+        assert_eq!(m.passes() - before, if since == 0 { 1 } else { 2 });
+        assert_eq!(eager.run_to_end().unwrap().0, all[k + since..]);
+        // Drawn from at once: the deferred position is fed by the first draw.
+        let (rest, _) = load(true).run_to_end().unwrap();
+        assert_eq!(rest, all[k..], "drawn at {k}");
+        // Beside another generation in a batch, as a deferred prefill.
+        let mut batched = load(true);
+        DecodeState::feed_pending_batch(&m, &mut [&mut batched]).unwrap();
+        assert!(batched.logits_ready());
+        assert_eq!(batched.run_to_end().unwrap().0, all[k..], "fed in a batch at {k}");
+    }
+    // A record that ends the generation is taken, not fed; the left-out position is.
+    let (n, c) = (all.len(), all.len() - 4);
+    let mut src = DecodeState::start(&m, &p, sampled(), stop(40)).unwrap();
+    for _ in 0..c + 1 {
+        src.next_token().unwrap().unwrap();
+    }
+    src.mark_committed(c);
+    let cache = src.copy_committed_cache().unwrap();
+    let mut dst =
+        DecodeState::resume_from_cache_deferred(&m, &p, &all[..c], sampled(), stop(40), ResumeMode::Exact, &cache)
+            .unwrap();
+    dst.follow_all_fed(&all[c..]).unwrap();
+    assert!(dst.finished().is_some());
+    let f = dst.frontiers();
+    assert_eq!((f.sampled, f.fed, f.kv), (n, n - 1, p.len() + n - 1));
+}

@@ -436,6 +436,23 @@ fn a_kv_cache_copied_while_decoding_continues_the_sampled_run_exactly() {
     );
     let (rest, _) = dst.run_to_end().unwrap();
     assert_eq!(rest, whole[k..], "continued after {k} tokens");
+    // A handoff destination: the left-out position fed with the records committed since the
+    // copy, in one forward pass.
+    let mut deferred = DecodeState::resume_from_cache_deferred(
+        &*m,
+        &p,
+        &whole[..k],
+        sampled(11),
+        stop(&*m, n),
+        ResumeMode::Exact,
+        &cache,
+    )
+    .unwrap();
+    assert!(deferred.prefilling());
+    deferred.follow_all_fed(&whole[k..k + ahead]).unwrap();
+    assert!(deferred.logits_ready());
+    let (rest, _) = deferred.run_to_end().unwrap();
+    assert_eq!(rest, whole[k + ahead..], "fed with {ahead} records after {k}");
     let (src_rest, _) = src.run_to_end().unwrap();
     assert_eq!(src_rest, whole[k + ahead..], "the source decoded on");
 }

@@ -594,7 +594,9 @@ mod tests {
         assert!(is_not_found(&anyhow::Error::from(ClientError::Status(pruned()))));
         // A watch stream opened before retention pruned the generation ends with a bare status.
         assert!(is_not_found(&anyhow::Error::from(pruned())));
-        assert!(!is_not_found(&anyhow::Error::from(tonic::Status::unavailable("no leader"))));
+        assert!(!is_not_found(&anyhow::Error::from(tonic::Status::unavailable(
+            "no leader"
+        ))));
         assert!(!is_not_found(&anyhow::Error::from(ClientError::BadAddress(
             "x".into(),
             "y".into()
