@@ -67,6 +67,15 @@ pub fn open(data_dir: &Path, faults: Faults) -> Result<Storage, LogError> {
     std::fs::create_dir_all(data_dir).map_err(|e| LogError::storage(data_dir.display(), e))?;
     let db = crate::db::open(&log_dir(data_dir), faults).map_err(|e| storage_err("opening the Raft log", e))?;
     let lc = log_store::check(&db, |_| {}).map_err(|e| LogError::storage("reading the Raft log", e))?;
+    if let (Some(purged), 1..) = (lc.last_purged, lc.purge_leftovers) {
+        // A purge was cut off after it recorded its point: finish it.
+        log_store::finish_purge(&db, purged).map_err(|e| LogError::storage("finishing a purge", e))?;
+        tracing::warn!(
+            entries = lc.purge_leftovers,
+            purged_to = purged.index,
+            "finished an interrupted purge: deleted the entries left at or before its point"
+        );
+    }
     let (sm, mut report) =
         SmStore::open(&snapshot_dir(data_dir), faults).map_err(|e| LogError::storage("loading the snapshot", e))?;
     report.problems.extend(lc.problems.iter().cloned());

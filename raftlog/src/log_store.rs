@@ -80,11 +80,17 @@ pub struct LogCheck {
     pub last_index: Option<u64>,
     pub last_purged: Option<LogId>,
     pub committed: Option<LogId>,
+    /// Entries at or before the purge point: a purge records its point (synced) before it
+    /// deletes them, and a crash or power cut between the two leaves them behind. Not a
+    /// problem: they are never read, and [`finish_purge`] deletes them at the next open. Not
+    /// counted in `entries`, `first_index`, `last_index`, nor passed to `each`.
+    pub purge_leftovers: u64,
     pub problems: Vec<String>,
 }
 
-/// Reads every entry of the log: checksums, indexes, no holes, nothing at or before the purge
-/// point. Calls `each` with every entry that reads back whole, in order.
+/// Reads every entry of the log: checksums, indexes, no holes; entries at or before the purge
+/// point are counted apart ([`LogCheck::purge_leftovers`]). Calls `each` with every entry past
+/// the purge point that reads back whole, in order.
 pub fn check(db: &DB, mut each: impl FnMut(&Entry)) -> io::Result<LogCheck> {
     let meta = db.cf_handle(CF_META).expect("column family exists");
     let get = |k: &[u8]| -> io::Result<Option<Vec<u8>>> { db.get_cf(meta, k).map_err(io_err) };
@@ -119,10 +125,8 @@ pub fn check(db: &DB, mut each: impl FnMut(&Entry)) -> io::Result<LogCheck> {
             }
         };
         if c.last_purged.is_some_and(|p| index <= p.index) {
-            c.problems.push(format!(
-                "log entry {index} is at or before the purge point {}",
-                c.last_purged.map_or(0, |p| p.index)
-            ));
+            c.purge_leftovers += 1;
+            continue;
         }
         if let Some(e) = expect {
             if index != e {
@@ -148,6 +152,15 @@ pub fn check(db: &DB, mut each: impl FnMut(&Entry)) -> io::Result<LogCheck> {
         }
     }
     Ok(c)
+}
+
+/// Deletes the entries at or before the purge point that a purge cut off before its deletion
+/// left behind ([`LogCheck::purge_leftovers`]), synced.
+pub fn finish_purge(db: &DB, purged: LogId) -> io::Result<()> {
+    let logs = db.cf_handle(CF_LOGS).expect("column family exists");
+    db.delete_range_cf(logs, index_key(0), index_key(purged.index + 1))
+        .map_err(io_err)?;
+    db.flush_wal(true).map_err(io_err)
 }
 
 pub(crate) fn io_err(e: impl std::fmt::Display) -> io::Error {
@@ -503,6 +516,40 @@ mod tests {
         assert_eq!(indexes(c.get(20, 21)), Some(vec![20]));
         c.truncate_after(None);
         assert_eq!((c.entries.len(), c.bytes), (0, 0));
+    }
+
+    /// A purge cut off between its synced purge point and its deletion (a crash, a power cut)
+    /// leaves entries at or before the point: the check counts them apart, not as integrity
+    /// problems (the node would refuse to start, again and again), and `finish_purge` deletes
+    /// them.
+    #[test]
+    fn entries_left_by_an_interrupted_purge_are_not_problems_and_are_deleted() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = crate::db::open(dir.path(), Default::default()).unwrap();
+        let logs = db.cf_handle(CF_LOGS).unwrap();
+        for i in 1..=10 {
+            db.put_cf(logs, index_key(i), encode_entry(&blank(i)).unwrap()).unwrap();
+        }
+        let point = log_id::<TypeConfig>(1, 1, 6);
+        db.put_cf(db.cf_handle(CF_META).unwrap(), KEY_PURGED, encode(&point).unwrap())
+            .unwrap();
+        let mut seen = Vec::new();
+        let c = check(&db, |e| seen.push(e.log_id.index)).unwrap();
+        assert!(c.problems.is_empty(), "{:?}", c.problems);
+        assert_eq!(c.purge_leftovers, 6);
+        assert_eq!((c.entries, c.first_index, c.last_index), (4, Some(7), Some(10)));
+        assert_eq!(seen, vec![7, 8, 9, 10]);
+        finish_purge(&db, point).unwrap();
+        let c = check(&db, |_| {}).unwrap();
+        assert!(c.problems.is_empty(), "{:?}", c.problems);
+        assert_eq!((c.purge_leftovers, c.entries, c.first_index), (0, 4, Some(7)));
+        // A hole past the purge point still is one.
+        db.delete_cf(logs, index_key(8)).unwrap();
+        let c = check(&db, |_| {}).unwrap();
+        assert_eq!(
+            c.problems,
+            vec!["the log has a hole: entry 8 is missing before 9".to_string()]
+        );
     }
 
     #[test]
