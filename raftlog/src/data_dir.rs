@@ -65,7 +65,7 @@ fn storage_err(what: &str, e: impl std::fmt::Display) -> LogError {
 pub fn open(data_dir: &Path, faults: Faults) -> Result<Storage, LogError> {
     refuse_old_layout(data_dir)?;
     std::fs::create_dir_all(data_dir).map_err(|e| LogError::storage(data_dir.display(), e))?;
-    let db = crate::db::open(&log_dir(data_dir), faults).map_err(|e| storage_err("opening the Raft log", e))?;
+    let db = crate::db::open(&log_dir(data_dir)).map_err(|e| storage_err("opening the Raft log", e))?;
     let lc = log_store::check(&db, |_| {}).map_err(|e| LogError::storage("reading the Raft log", e))?;
     if let (Some(purged), 1..) = (lc.last_purged, lc.purge_leftovers) {
         // A purge was cut off after it recorded its point: finish it.

@@ -9,7 +9,6 @@ use std::sync::Arc;
 
 use rocksdb::{ColumnFamilyDescriptor, DBRecoveryMode, Options, DB};
 
-use crate::faults::Faults;
 use crate::log_store::{CF_LOGS, CF_META};
 
 #[derive(Debug, thiserror::Error)]
@@ -20,19 +19,19 @@ pub struct OpenError {
     pub source: rocksdb::Error,
 }
 
-fn options(faults: Faults) -> Options {
+fn options() -> Options {
     let mut opts = Options::default();
     opts.create_if_missing(true);
     opts.create_missing_column_families(true);
     opts.set_keep_log_file_num(4);
     opts.set_wal_recovery_mode(DBRecoveryMode::AbsoluteConsistency);
     opts.set_paranoid_checks(true);
-    if faults.ack_before_fsync() {
-        // The planted ack-before-fsync bug (test only) also keeps written WAL data in this
-        // process until a flush, so that kill -9 loses acknowledged entries the way a power cut
-        // loses unsynced ones. The fault suite must catch it.
-        opts.set_manual_wal_flush(true);
-    }
+    // Written WAL data stays in this process until the log store's flush (one write and one
+    // fsync per group of appends, not a write per append); nothing is acknowledged before
+    // that flush. (So the planted ack-before-fsync bug, which acknowledges first, loses
+    // acknowledged entries at kill -9 the way a power cut loses unsynced ones, and the fault
+    // suite must catch it.)
+    opts.set_manual_wal_flush(true);
     opts
 }
 
@@ -44,8 +43,8 @@ fn descriptors() -> [ColumnFamilyDescriptor; 2] {
 }
 
 /// Opens (creating) the log's database at `path`.
-pub fn open(path: &Path, faults: Faults) -> Result<Arc<DB>, OpenError> {
-    DB::open_cf_descriptors(&options(faults), path, descriptors())
+pub fn open(path: &Path) -> Result<Arc<DB>, OpenError> {
+    DB::open_cf_descriptors(&options(), path, descriptors())
         .map(Arc::new)
         .map_err(|source| OpenError {
             path: path.display().to_string(),
@@ -56,7 +55,7 @@ pub fn open(path: &Path, faults: Faults) -> Result<Arc<DB>, OpenError> {
 /// Opens an existing log read-only (`tokenlog verify --data-dir`): nothing is written, not
 /// even a recovered WAL.
 pub fn open_read_only(path: &Path) -> Result<DB, OpenError> {
-    let mut opts = options(Faults::default());
+    let mut opts = options();
     opts.create_if_missing(false);
     DB::open_cf_descriptors_read_only(&opts, path, descriptors(), false).map_err(|source| OpenError {
         path: path.display().to_string(),

@@ -7,8 +7,9 @@
 //! contains none of the planted code paths. Each plant must be caught by the fault suite:
 //! - `no_fence`: appends skip the epoch fence, and a superseded owner's renewal is acknowledged
 //!   without effect (fencing, linearizability);
-//! - `ack_before_fsync`: appends are acknowledged before the WAL fsync, and written WAL data is
-//!   kept in the process, so kill -9 acts as a power cut (durability);
+//! - `ack_before_fsync`: appends are acknowledged before the WAL fsync (written WAL data is
+//!   kept in the process until the flush, as always, so kill -9 acts as a power cut:
+//!   durability);
 //! - `early_visibility`: Watch shows records of proposed, uncommitted appends (exactly-once);
 //! - `no_unowned_deadline`: `Tick` never fails a generation with records that nobody owns (issue
 //!   11 bug 3: its clients wait forever once every compatible decoder is gone);

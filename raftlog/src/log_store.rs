@@ -2,10 +2,12 @@
 //! endian) + bincode entry) and `meta` (vote, committed, last purged, format). Every read checks
 //! the entry's checksum and index; [`check`] reads them all at start-up.
 //!
-//! Durability rule: `append` writes its batch to RocksDB (WAL, not yet synced) and hands the
-//! completion callback to one flusher thread. The flusher takes every callback that is waiting,
-//! syncs the WAL once (`flush_wal(true)`, an fsync), and only then fires them: entries are on disk
-//! before openraft counts them, and concurrent appends share one fsync (group commit).
+//! Durability rule: `append` writes its batch to RocksDB (memtable and the WAL buffer, which the
+//! database keeps in the process: `manual_wal_flush`) and hands the completion callback to one
+//! flusher thread. The flusher takes every callback that is waiting, writes out and syncs the
+//! WAL once (`flush_wal(true)`: one write and one fsync), and only then fires them: entries are
+//! on disk before openraft counts them, and concurrent appends share one write and one fsync
+//! (group commit).
 //!
 //! The newest entries are also kept in memory ([`EntryCache`], bounded by
 //! `LOG_CACHE_ENTRIES_MAX` and `LOG_CACHE_BYTES_MAX`): replication to followers and apply read
@@ -525,7 +527,7 @@ mod tests {
     #[test]
     fn entries_left_by_an_interrupted_purge_are_not_problems_and_are_deleted() {
         let dir = tempfile::tempdir().unwrap();
-        let db = crate::db::open(dir.path(), Default::default()).unwrap();
+        let db = crate::db::open(dir.path()).unwrap();
         let logs = db.cf_handle(CF_LOGS).unwrap();
         for i in 1..=10 {
             db.put_cf(logs, index_key(i), encode_entry(&blank(i)).unwrap()).unwrap();

@@ -303,8 +303,7 @@ async fn a_log_row_that_fails_its_checksum_is_refused_at_open() {
         append_blank_entries(&mut s.log, 5).await;
     }
     {
-        let db =
-            tokenlog_raftlog::db::open(&tokenlog_raftlog::data_dir::log_dir(dir.path()), Default::default()).unwrap();
+        let db = tokenlog_raftlog::db::open(&tokenlog_raftlog::data_dir::log_dir(dir.path())).unwrap();
         let cf = db.cf_handle(tokenlog_raftlog::log_store::CF_LOGS).unwrap();
         let mut v = db.get_cf(cf, 3u64.to_be_bytes()).unwrap().unwrap();
         let last = v.len() - 1;
