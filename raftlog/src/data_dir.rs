@@ -69,7 +69,7 @@ pub fn open(data_dir: &Path, faults: Faults) -> Result<Storage, LogError> {
     let lc = log_store::check(&db, |_| {}).map_err(|e| LogError::storage("reading the Raft log", e))?;
     if let (Some(purged), 1..) = (lc.last_purged, lc.purge_leftovers) {
         // A purge was cut off after it recorded its point: finish it.
-        log_store::finish_purge(&db, purged).map_err(|e| LogError::storage("finishing a purge", e))?;
+        log_store::purge_through(&db, purged).map_err(|e| LogError::storage("finishing a purge", e))?;
         tracing::warn!(
             entries = lc.purge_leftovers,
             purged_to = purged.index,

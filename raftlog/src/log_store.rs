@@ -82,9 +82,9 @@ pub struct LogCheck {
     pub last_index: Option<u64>,
     pub last_purged: Option<LogId>,
     pub committed: Option<LogId>,
-    /// Entries at or before the purge point: a purge records its point (synced) before it
-    /// deletes them, and a crash or power cut between the two leaves them behind. Not a
-    /// problem: they are never read, and [`finish_purge`] deletes them at the next open. Not
+    /// Entries at or before the purge point: earlier versions recorded the point (synced)
+    /// before deleting them, and a crash or power cut between the two left them behind. Not a
+    /// problem: they are never read, and [`purge_through`] deletes them at the next open. Not
     /// counted in `entries`, `first_index`, `last_index`, nor passed to `each`.
     pub purge_leftovers: u64,
     pub problems: Vec<String>,
@@ -156,12 +156,22 @@ pub fn check(db: &DB, mut each: impl FnMut(&Entry)) -> io::Result<LogCheck> {
     Ok(c)
 }
 
-/// Deletes the entries at or before the purge point that a purge cut off before its deletion
-/// left behind ([`LogCheck::purge_leftovers`]), synced.
-pub fn finish_purge(db: &DB, purged: LogId) -> io::Result<()> {
-    let logs = db.cf_handle(CF_LOGS).expect("column family exists");
-    db.delete_range_cf(logs, index_key(0), index_key(purged.index + 1))
-        .map_err(io_err)?;
+/// Records `purged` as the purge point and deletes the entries at or before it, in one write
+/// batch (atomic in the WAL), synced. A purge, and at open the finish of one that an earlier
+/// version cut off between its point and its deletion ([`LogCheck::purge_leftovers`]).
+pub fn purge_through(db: &DB, purged: LogId) -> io::Result<()> {
+    let mut batch = WriteBatch::default();
+    batch.put_cf(
+        db.cf_handle(CF_META).expect("column family exists"),
+        KEY_PURGED,
+        encode(&purged)?,
+    );
+    batch.delete_range_cf(
+        db.cf_handle(CF_LOGS).expect("column family exists"),
+        index_key(0),
+        index_key(purged.index + 1),
+    );
+    db.write(batch).map_err(io_err)?;
     db.flush_wal(true).map_err(io_err)
 }
 
@@ -441,12 +451,9 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     }
 
     async fn purge(&mut self, log_id: LogId) -> Result<(), io::Error> {
-        // Record the purge point first: entries at or before it are ignored from then on.
-        self.put_meta_synced(KEY_PURGED, &log_id)?;
+        purge_through(&self.db, log_id)?;
         self.cache.lock().expect("lock").purge(log_id.index);
-        self.db
-            .delete_range_cf(self.cf(CF_LOGS), index_key(0), index_key(log_id.index + 1))
-            .map_err(io_err)
+        Ok(())
     }
 }
 
@@ -520,10 +527,10 @@ mod tests {
         assert_eq!((c.entries.len(), c.bytes), (0, 0));
     }
 
-    /// A purge cut off between its synced purge point and its deletion (a crash, a power cut)
-    /// leaves entries at or before the point: the check counts them apart, not as integrity
-    /// problems (the node would refuse to start, again and again), and `finish_purge` deletes
-    /// them.
+    /// A purge cut off between its synced purge point and its deletion (a crash, a power cut,
+    /// in versions that did not write both at once) leaves entries at or before the point: the
+    /// check counts them apart, not as integrity problems (the node would refuse to start,
+    /// again and again), and `purge_through` deletes them.
     #[test]
     fn entries_left_by_an_interrupted_purge_are_not_problems_and_are_deleted() {
         let dir = tempfile::tempdir().unwrap();
@@ -541,7 +548,7 @@ mod tests {
         assert_eq!(c.purge_leftovers, 6);
         assert_eq!((c.entries, c.first_index, c.last_index), (4, Some(7), Some(10)));
         assert_eq!(seen, vec![7, 8, 9, 10]);
-        finish_purge(&db, point).unwrap();
+        purge_through(&db, point).unwrap();
         let c = check(&db, |_| {}).unwrap();
         assert!(c.problems.is_empty(), "{:?}", c.problems);
         assert_eq!((c.purge_leftovers, c.entries, c.first_index), (0, 4, Some(7)));
