@@ -86,9 +86,15 @@ impl GgufModel {
             identity,
             max_context,
         } = LlamaFile::open(path)?;
-        let weights = match engine {
-            GgufEngine::Cpu => Weights::Cpu(Arc::new(CpuWeights::from_gguf(&content, &mut file, max_context)?)),
-            GgufEngine::Candle => Weights::Candle(Arc::new(LlamaWeights::from_gguf(&content, &mut file, &dev)?)),
+        let (weights, identity) = match engine {
+            GgufEngine::Cpu => (
+                Weights::Cpu(Arc::new(CpuWeights::from_gguf(&content, &mut file, max_context)?)),
+                crate::cpu::identity_of(identity),
+            ),
+            GgufEngine::Candle => (
+                Weights::Candle(Arc::new(LlamaWeights::from_gguf(&content, &mut file, &dev)?)),
+                identity,
+            ),
         };
         Ok(GgufModel {
             weights,

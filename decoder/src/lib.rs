@@ -60,6 +60,8 @@
 pub mod cache;
 #[cfg(feature = "model")]
 mod cpu;
+#[cfg(feature = "model")]
+pub use cpu::NUMERICS as CPU_ENGINE_NUMERICS;
 pub mod detokenizer;
 pub mod error;
 #[cfg(feature = "model")]

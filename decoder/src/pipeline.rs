@@ -224,6 +224,8 @@ impl PipelineModel {
             max_context,
             ..
         } = LlamaFile::open(path)?;
+        // The stages run the CPU engine: its generations are bound to its numerics.
+        let identity = crate::cpu::identity_of(identity);
         let vocab = tokenizer.vocab_size();
         let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
         let (jobs, job_rx) = tokio::sync::mpsc::unbounded_channel();
@@ -349,6 +351,14 @@ async fn open_stage(
         return Err(format!(
             "stage {addr} has a vocabulary of {} and the model file's tokenizer {vocab}",
             d.vocab
+        ));
+    }
+    if d.numerics != crate::cpu::NUMERICS {
+        return Err(format!(
+            "stage {addr} computes the CPU engine's numerics {:?} and this head's are {:?} \
+             (another release: run the head and its stages from one)",
+            d.numerics,
+            crate::cpu::NUMERICS
         ));
     }
     let (tx, rx) = tokio::sync::mpsc::channel(1);

@@ -163,6 +163,7 @@ impl StageModel {
             vocab: self.w.vocab_size() as u32,
             max_positions: self.w.max_positions().min(self.max_context) as u32,
             stage_id: stage_id.to_string(),
+            numerics: crate::cpu::NUMERICS.into(),
         }
     }
 
@@ -301,6 +302,7 @@ impl StageService {
             vocab: f.tokenizer.vocab_size() as u32,
             max_positions: f.max_context as u32,
             stage_id: stage_id.clone(),
+            numerics: crate::cpu::NUMERICS.into(),
         };
         Ok(Self::with(cold, stage_id, log, Some(path.to_path_buf())))
     }

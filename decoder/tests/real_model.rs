@@ -9,7 +9,7 @@ use std::time::Instant;
 use tokenlog_decoder::fetch::{DEFAULT_MODEL_FILE, DEFAULT_MODEL_SHA256};
 use tokenlog_decoder::{
     generate, ChatMessage, DecodeState, DeviceSpec, GgufEngine, GgufModel, Logits, Model, ResumeMode, SamplingConfig,
-    Sequence, StopConfig,
+    Sequence, StopConfig, CPU_ENGINE_NUMERICS,
 };
 
 fn chat(m: &dyn Model, text: &str) -> Vec<u32> {
@@ -38,7 +38,9 @@ fn identity_of_the_default_model() {
     let m = common::real_model();
     let id = m.identity();
     assert_eq!(id.architecture, "llama");
-    assert_eq!(id.dtype_class, "q4_1");
+    // The CPU engine binds its generations to its numerics as well (candle's do not carry it).
+    assert_eq!(m.engine(), GgufEngine::Cpu);
+    assert_eq!(id.dtype_class, format!("q4_1+{CPU_ENGINE_NUMERICS}"));
     if m.path().file_name().unwrap() == DEFAULT_MODEL_FILE {
         assert_eq!(id.weights_sha256, DEFAULT_MODEL_SHA256);
     }
@@ -613,9 +615,10 @@ fn a_model_split_into_stages_computes_the_whole_models_bits() {
 /// The CPU engine's numbers are pinned: a digest of the logits of a fixed prompt and 40 greedy
 /// steps. Exact-mode takeover across decoder releases (a generation begun by one release and
 /// continued by the next) needs the same bits; a kernel change (such as AVX-VNNI, or more rows per
-/// weight block) must keep this digest. If it has to change, the model
-/// identity must change with it (so that old and new decoders never continue each other's
-/// generations), and this test with it.
+/// weight block) must keep this digest. If it has to change, the model identity must change
+/// with it (so that old and new decoders never continue each other's generations): the digest
+/// is pinned together with the engine's numerics version, which is in the identity
+/// (`CPU_ENGINE_NUMERICS`). `cpu2` (2026-12-04): one lane per whole block in the kernels.
 #[test]
 fn the_cpu_engines_numbers_do_not_change_between_releases() {
     let m = common::real_model();
@@ -631,8 +634,8 @@ fn the_cpu_engines_numbers_do_not_change_between_releases() {
         logits = s.prefill(&[next]).unwrap();
     }
     assert_eq!(
-        format!("{digest:016x}"),
-        "60827c1a230e6978",
-        "the CPU engine's logits changed"
+        (CPU_ENGINE_NUMERICS, format!("{digest:016x}").as_str()),
+        ("cpu2", "0140b8bb71e2a0be"),
+        "the CPU engine's logits changed: bump its numerics version (it is in the model identity) with the digest"
     );
 }

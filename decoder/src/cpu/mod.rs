@@ -22,6 +22,23 @@
 
 pub(crate) mod quant;
 
+/// The CPU engine's numerics version. A generation run on this engine is bound to a model
+/// identity whose `dtype_class` is the file's followed by `+` and this ([`identity_of`]), so a
+/// decoder whose engine computes other bits (an older release's CPU engine, candle's kernels)
+/// never continues it. Bumped with every change of the engine's logits, which the test
+/// `the_cpu_engines_numbers_do_not_change_between_releases` pins. `cpu2`: whole blocks' integer
+/// sums per lane (2026-12-04); before it, the identity carried no tag.
+pub const NUMERICS: &str = "cpu2";
+
+/// The identity of a model file's generations on the CPU engine: the file's, with
+/// [`NUMERICS`] in its dtype class.
+pub fn identity_of(file: crate::identity::ModelIdentity) -> crate::identity::ModelIdentity {
+    crate::identity::ModelIdentity {
+        dtype_class: format!("{}+{NUMERICS}", file.dtype_class),
+        ..file
+    }
+}
+
 use std::any::Any;
 use std::io::{Read, Seek};
 use std::sync::Arc;
@@ -520,10 +537,7 @@ fn run_layers(w: &CpuWeights, items: &mut [(&mut CpuSequence, usize)], x: &mut [
                 acc.iter_mut().for_each(|a| *a = 0.0);
                 for (t, &e) in scores.iter().enumerate() {
                     let p = e / sum;
-                    let vt = &values[t * kvw + kvh * d..t * kvw + (kvh + 1) * d];
-                    for (a, &vv) in acc.iter_mut().zip(vt) {
-                        *a += p * vv;
-                    }
+                    quant::add_scaled(&mut acc, p, &values[t * kvw + kvh * d..t * kvw + (kvh + 1) * d]);
                 }
                 // SAFETY: each (row, head) slice of `att` belongs to one work item.
                 #[allow(unsafe_code)]

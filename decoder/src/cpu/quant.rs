@@ -10,6 +10,12 @@
 //! - the float part is the same operations in the same order in both kernels (see
 //!   [`portable`], which defines it).
 //!
+//! Weights and activations are laid out for the AVX2 kernels: each whole group of 8 blocks of
+//! a row is interleaved so that block `j` fills lane `j` of 8 vectors ([`interleaved`]). A
+//! block's integer sum then ends in one lane, and the conversion, the scales and the Q4_1
+//! offset cost one vector operation per 8 blocks instead of one per block; the weights are
+//! rearranged once, at load.
+//!
 //! So the result does not depend on how many rows are multiplied at once (other generations of a
 //! batch, other positions of a prefill), on the thread count, or on whether the CPU has AVX2:
 //! `tests` below check all four.
@@ -23,12 +29,6 @@ use crate::error::{Error, Result};
 
 /// Elements per quantization block (GGUF's `QK4_1` and `QK8_0`).
 pub(crate) const BLOCK: usize = 32;
-
-/// `kb` blocks rounded up to whole groups of 8 (the offset term's vector width): the stride of
-/// a Q4_1 row's minimums and of an activation row's sums, zero-padded.
-pub(crate) fn padded(kb: usize) -> usize {
-    kb.div_ceil(8) * 8
-}
 
 /// IEEE half → single precision (exact: every f16 is an f32).
 pub(crate) fn f16_to_f32(h: u16) -> f32 {
@@ -50,23 +50,59 @@ pub(crate) fn f16_to_f32(h: u16) -> f32 {
     f32::from_bits(bits)
 }
 
-/// One activation row, quantized: per block, 32 signed values, the scale `d` and `s` = `d` ×
-/// the sum of the values (what a block with an offset needs).
+/// Blocks per interleaved group. The kernels give each block of a group one 32-bit lane of a
+/// 256-bit vector: a block's whole integer dot product ends in its own lane, and the float part
+/// (the scales, a Q4_1 block's offset) is one vector operation for the 8 blocks.
+pub(crate) const GROUP: usize = 8;
+
+/// Bytes of a group of [`GROUP`] blocks of 8-bit values, interleaved ([`interleaved`]).
+pub(crate) const GROUP_BYTES: usize = GROUP * BLOCK;
+
+/// Where element `e` of block `j` of a group is among its [`GROUP_BYTES`] interleaved bytes:
+/// byte `32·s + 4·j + e % 4` with `s = e / 4`. So the group is 8 vectors of 32 bytes (`s`), and
+/// lane `j` of vector `s` holds elements `4·s..4·s + 4` of block `j`.
+#[inline(always)]
+pub(crate) fn interleaved(j: usize, e: usize) -> usize {
+    32 * (e / 4) + 4 * j + e % 4
+}
+
+/// One activation row, quantized: per block, 32 signed values, the scale `d`, their integer sum
+/// and `s = d × sum` (what a block with an offset needs).
 #[derive(Default)]
 pub(crate) struct QuantRow {
-    pub(crate) qs: Vec<[i8; BLOCK]>,
+    /// The row's whole groups of [`GROUP`] blocks, interleaved ([`interleaved`]).
+    pub(crate) groups: Vec<[i8; GROUP_BYTES]>,
+    /// The blocks after the last whole group, in order.
+    pub(crate) tail: Vec<[i8; BLOCK]>,
     pub(crate) d: Vec<f32>,
+    pub(crate) sum: Vec<i32>,
     pub(crate) s: Vec<f32>,
+}
+
+impl QuantRow {
+    /// Whether it is a row of `kb` blocks (what the kernels index without checks).
+    fn has_blocks(&self, kb: usize) -> bool {
+        self.groups.len() == kb / GROUP
+            && self.tail.len() == kb % GROUP
+            && self.d.len() == kb
+            && self.sum.len() == kb
+            && self.s.len() == kb
+    }
 }
 
 /// Quantizes `x` (a whole number of blocks) into `out`: `q = round(x / d)` with
 /// `d = max|x| / 127` per block.
 pub(crate) fn quantize_row(x: &[f32], out: &mut QuantRow) {
     debug_assert_eq!(x.len() % BLOCK, 0);
-    out.qs.clear();
+    let kb = x.len() / BLOCK;
+    let grouped = kb / GROUP * GROUP;
+    out.groups.clear();
+    out.groups.resize(kb / GROUP, [0; GROUP_BYTES]);
+    out.tail.clear();
     out.d.clear();
+    out.sum.clear();
     out.s.clear();
-    for block in x.chunks_exact(BLOCK) {
+    for (b, block) in x.chunks_exact(BLOCK).enumerate() {
         let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
@@ -76,11 +112,18 @@ pub(crate) fn quantize_row(x: &[f32], out: &mut QuantRow) {
             *q = (v * id).round() as i8;
             sum += *q as i32;
         }
-        out.qs.push(q);
+        if b < grouped {
+            let group = &mut out.groups[b / GROUP];
+            for (e, &v) in q.iter().enumerate() {
+                group[interleaved(b % GROUP, e)] = v;
+            }
+        } else {
+            out.tail.push(q);
+        }
         out.d.push(d);
+        out.sum.push(sum);
         out.s.push(d * sum as f32);
     }
-    out.s.resize(padded(out.qs.len()), 0.0);
 }
 
 /// Every row of `x` (rows of `cols` elements) quantized on its own ([`quantize_row`]).
@@ -101,61 +144,125 @@ pub(crate) struct Matrix {
     data: Data,
 }
 
+/// Per weight row: its whole groups of [`GROUP`] blocks, then the blocks after them (`tail`),
+/// and a scale (and minimum) per block as f16 bits, as GGUF has them.
 enum Data {
-    /// GGUF Q4_1: per block 32 unsigned 4-bit values (low nibbles are elements 0..16, high
-    /// nibbles 16..32), a scale and a minimum (f16 bits): `w = d·q + m`.
+    /// GGUF Q4_1: `w = d·q + m`, `q` unsigned 4-bit. A group is 128 bytes of nibbles: byte
+    /// `32·k + i` holds byte `i` of interleaved vector `2·k` ([`interleaved`]) in its low nibble
+    /// and of vector `2·k + 1` in its high one; a tail block is GGUF's 16 bytes (low nibbles are
+    /// elements 0..16, high nibbles 16..32).
     Q4_1 {
-        qs: Vec<[u8; 16]>,
+        groups: Vec<[u8; GROUP_BYTES / 2]>,
+        tail: Vec<[u8; 16]>,
         d: Vec<u16>,
         m: Vec<u16>,
     },
-    /// GGUF Q8_0: per block 32 signed values and a scale (f16 bits): `w = d·q`.
-    Q8_0 { qs: Vec<[i8; BLOCK]>, d: Vec<u16> },
+    /// GGUF Q8_0: `w = d·q`, `q` signed 8-bit; groups interleaved ([`interleaved`]).
+    Q8_0 {
+        groups: Vec<[i8; GROUP_BYTES]>,
+        tail: Vec<[i8; BLOCK]>,
+        d: Vec<u16>,
+    },
     /// Any other format, dequantized.
     F32(Vec<f32>),
+}
+
+/// The 4-bit value of element `e` of block `j` of a Q4_1 group.
+fn group_nibble(group: &[u8; GROUP_BYTES / 2], j: usize, e: usize) -> u8 {
+    let i = interleaved(j, e);
+    let (vector, byte) = (i / 32, i % 32);
+    (group[32 * (vector / 2) + byte] >> (4 * (vector % 2))) & 0x0f
+}
+
+/// The 4-bit value of element `e` of a Q4_1 block in GGUF's layout.
+fn gguf_nibble(q: &[u8; 16], e: usize) -> u8 {
+    if e < 16 {
+        q[e] & 0x0f
+    } else {
+        q[e - 16] >> 4
+    }
+}
+
+/// One weight row of a matrix.
+enum Col<'a> {
+    Q4_1(Q4_1Col<'a>),
+    Q8_0(Q8_0Col<'a>),
+    F32(&'a [f32]),
+}
+
+/// A matrix's weight rows, as the kernels take them.
+enum View<'a> {
+    Q4_1(Q4_1Rows<'a>),
+    Q8_0(Q8_0Rows<'a>),
+    F32(&'a [f32]),
 }
 
 impl Matrix {
     /// From GGUF Q4_1 blocks (20 bytes each: d f16, m f16, 16 bytes of nibbles).
     pub(crate) fn q4_1(rows: usize, cols: usize, bytes: &[u8]) -> Result<Self> {
         let blocks = Self::blocks(rows, cols, bytes, 20, "q4_1")?;
-        let mut qs = Vec::with_capacity(blocks);
-        let mut d = Vec::with_capacity(blocks);
         let kb = cols / BLOCK;
-        let mut m = Vec::with_capacity(rows * padded(kb));
-        for (i, b) in bytes.chunks_exact(20).enumerate() {
-            d.push(u16::from_le_bytes([b[0], b[1]]));
-            m.push(u16::from_le_bytes([b[2], b[3]]));
-            qs.push(b[4..20].try_into().expect("16 bytes"));
-            if i % kb == kb - 1 {
-                // Each row's minimums padded to whole groups of 8 with +0.
-                m.resize(m.len() + padded(kb) - kb, 0);
+        let grouped = kb / GROUP * GROUP;
+        let mut groups = Vec::with_capacity(rows * (kb / GROUP));
+        let mut tail = Vec::with_capacity(rows * (kb % GROUP));
+        let (mut d, mut m) = (Vec::with_capacity(blocks), Vec::with_capacity(blocks));
+        for (i, blk) in bytes.chunks_exact(20).enumerate() {
+            let b = i % kb;
+            d.push(u16::from_le_bytes([blk[0], blk[1]]));
+            m.push(u16::from_le_bytes([blk[2], blk[3]]));
+            let q: &[u8; 16] = blk[4..20].try_into().expect("16 bytes");
+            if b >= grouped {
+                tail.push(*q);
+                continue;
+            }
+            if b.is_multiple_of(GROUP) {
+                groups.push([0u8; GROUP_BYTES / 2]);
+            }
+            let group = groups.last_mut().expect("pushed at the group's first block");
+            for e in 0..BLOCK {
+                let i = interleaved(b % GROUP, e);
+                let (vector, byte) = (i / 32, i % 32);
+                group[32 * (vector / 2) + byte] |= gguf_nibble(q, e) << (4 * (vector % 2));
             }
         }
         Ok(Matrix {
             rows,
             cols,
-            data: Data::Q4_1 { qs, d, m },
+            data: Data::Q4_1 { groups, tail, d, m },
         })
     }
 
     /// From GGUF Q8_0 blocks (34 bytes each: d f16, 32 signed bytes).
     pub(crate) fn q8_0(rows: usize, cols: usize, bytes: &[u8]) -> Result<Self> {
         let blocks = Self::blocks(rows, cols, bytes, 34, "q8_0")?;
-        let mut qs = Vec::with_capacity(blocks);
+        let kb = cols / BLOCK;
+        let grouped = kb / GROUP * GROUP;
+        let mut groups = Vec::with_capacity(rows * (kb / GROUP));
+        let mut tail = Vec::with_capacity(rows * (kb % GROUP));
         let mut d = Vec::with_capacity(blocks);
-        for b in bytes.chunks_exact(34) {
-            d.push(u16::from_le_bytes([b[0], b[1]]));
+        for (i, blk) in bytes.chunks_exact(34).enumerate() {
+            let b = i % kb;
+            d.push(u16::from_le_bytes([blk[0], blk[1]]));
             let mut q = [0i8; BLOCK];
-            for (q, &v) in q.iter_mut().zip(&b[2..34]) {
+            for (q, &v) in q.iter_mut().zip(&blk[2..34]) {
                 *q = v as i8;
             }
-            qs.push(q);
+            if b >= grouped {
+                tail.push(q);
+                continue;
+            }
+            if b.is_multiple_of(GROUP) {
+                groups.push([0i8; GROUP_BYTES]);
+            }
+            let group = groups.last_mut().expect("pushed at the group's first block");
+            for (e, &v) in q.iter().enumerate() {
+                group[interleaved(b % GROUP, e)] = v;
+            }
         }
         Ok(Matrix {
             rows,
             cols,
-            data: Data::Q8_0 { qs, d },
+            data: Data::Q8_0 { groups, tail, d },
         })
     }
 
@@ -196,67 +303,71 @@ impl Matrix {
         self.cols / BLOCK
     }
 
+    fn view(&self) -> View<'_> {
+        let kb = self.kb();
+        match &self.data {
+            Data::Q4_1 { groups, tail, d, m } => View::Q4_1(Q4_1Rows { groups, tail, d, m, kb }),
+            Data::Q8_0 { groups, tail, d } => View::Q8_0(Q8_0Rows { groups, tail, d, kb }),
+            Data::F32(w) => View::F32(w),
+        }
+    }
+
+    /// Weight row `c`.
+    fn col(&self, c: usize) -> Col<'_> {
+        match self.view() {
+            View::Q4_1(w) => Col::Q4_1(w.col(c)),
+            View::Q8_0(w) => Col::Q8_0(w.col(c)),
+            View::F32(w) => Col::F32(&w[c * self.cols..(c + 1) * self.cols]),
+        }
+    }
+
     /// Weight row `r`, dequantized into `out` (an embedding lookup).
     pub(crate) fn row_into(&self, r: usize, out: &mut [f32]) {
         assert!(r < self.rows && out.len() == self.cols);
-        let kb = self.kb();
-        match &self.data {
-            Data::Q4_1 { qs, d, m } => {
+        let grouped = self.kb() / GROUP * GROUP;
+        match self.col(r) {
+            Col::Q4_1(col) => {
                 for (b, out) in out.chunks_exact_mut(BLOCK).enumerate() {
-                    let i = r * kb + b;
-                    let (q, d, m) = (&qs[i], f16_to_f32(d[i]), f16_to_f32(m[r * padded(kb) + b]));
-                    for j in 0..16 {
-                        out[j] = (q[j] & 0x0f) as f32 * d + m;
-                        out[j + 16] = (q[j] >> 4) as f32 * d + m;
+                    let (d, m) = (f16_to_f32(col.d[b]), f16_to_f32(col.m[b]));
+                    for (e, out) in out.iter_mut().enumerate() {
+                        let q = match b < grouped {
+                            true => group_nibble(&col.groups[b / GROUP], b % GROUP, e),
+                            false => gguf_nibble(&col.tail[b - grouped], e),
+                        };
+                        *out = q as f32 * d + m;
                     }
                 }
             }
-            Data::Q8_0 { qs, d } => {
+            Col::Q8_0(col) => {
                 for (b, out) in out.chunks_exact_mut(BLOCK).enumerate() {
-                    let (q, d) = (&qs[r * kb + b], f16_to_f32(d[r * kb + b]));
-                    for (o, &v) in out.iter_mut().zip(q) {
-                        *o = v as f32 * d;
+                    let d = f16_to_f32(col.d[b]);
+                    for (e, out) in out.iter_mut().enumerate() {
+                        let q = match b < grouped {
+                            true => col.groups[b / GROUP][interleaved(b % GROUP, e)],
+                            false => col.tail[b - grouped][e],
+                        };
+                        *out = q as f32 * d;
                     }
                 }
             }
-            Data::F32(w) => out.copy_from_slice(&w[r * self.cols..(r + 1) * self.cols]),
+            Col::F32(w) => out.copy_from_slice(w),
         }
     }
 
     /// `out[r * cols.len() + j] = x_r · row (cols.start + j)` for the at most [`ROWS`] activation
     /// rows `x_r` (`xq[r]` quantized, [`quantize_row`]).
     fn dots(&self, xs: &[&[f32]], xq: &[QuantRow], cols: std::ops::Range<usize>, out: &mut [f32]) {
-        let kb = self.kb();
-        let width = cols.len();
-        let mut one = [0f32; ROWS];
-        let n = xs.len();
-        for (j, c) in cols.enumerate() {
-            let b = c * kb..(c + 1) * kb;
-            match &self.data {
-                Data::Q4_1 { qs, d, m } => {
-                    let col = Q4_1Col {
-                        qs: &qs[b.clone()],
-                        d: &d[b],
-                        m: &m[c * padded(kb)..(c + 1) * padded(kb)],
-                    };
-                    dot_q4_1(&col, xq, &mut one[..n]);
-                }
-                Data::Q8_0 { qs, d } => {
-                    let col = Q8_0Col {
-                        qs: &qs[b.clone()],
-                        d: &d[b],
-                    };
-                    dot_q8_0(&col, xq, &mut one[..n]);
-                }
-                Data::F32(w) => {
+        match self.view() {
+            View::Q4_1(w) => dots_q4_1(&w, xq, cols, out),
+            View::Q8_0(w) => dots_q8_0(&w, xq, cols, out),
+            View::F32(w) => {
+                let width = cols.len();
+                for (j, c) in cols.enumerate() {
                     let row = &w[c * self.cols..(c + 1) * self.cols];
-                    for (o, x) in one.iter_mut().zip(xs) {
-                        *o = dot_f32(row, x);
+                    for (r, x) in xs.iter().enumerate() {
+                        out[r * width + j] = dot_f32(row, x);
                     }
                 }
-            }
-            for (r, &v) in one[..n].iter().enumerate() {
-                out[r * width + j] = v;
             }
         }
     }
@@ -279,13 +390,7 @@ impl Matrix {
         assert_eq!(y.len(), m * self.rows, "output rows of {} elements", self.rows);
         // What the kernels rely on (they index without checks).
         let kb = self.kb();
-        assert!(
-            matches!(self.data, Data::F32(_))
-                || (xq.len() == m
-                    && xq
-                        .iter()
-                        .all(|q| q.qs.len() == kb && q.d.len() == kb && q.s.len() == padded(kb)))
-        );
+        assert!(matches!(self.data, Data::F32(_)) || (xq.len() == m && xq.iter().all(|q| q.has_blocks(kb))));
         let out = SyncPtr(y.as_mut_ptr());
         let n = self.rows;
         // Work items: chunks of 16 weight rows, each multiplied with every activation row (up
@@ -335,22 +440,47 @@ impl SyncPtr {
 }
 
 /// The dot product of two f32 slices in one fixed order: 8 lanes of partial sums (each a
-/// sequential sum), added in a fixed tree, then the tail. Vectorized or not, the same numbers.
+/// sequential sum of products, multiplied then added, never fused), added in a fixed tree, then
+/// the tail. Vectorized or not, the same numbers.
 pub(crate) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
-    debug_assert_eq!(a.len(), b.len());
+    assert_eq!(a.len(), b.len());
+    #[cfg(target_arch = "x86_64")]
+    if simd() {
+        // SAFETY: AVX2 is present; the lengths are equal.
+        return unsafe { avx2_kernels::dot_f32(a, b) };
+    }
     let mut acc = [0f32; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (at, bt) = (ac.remainder(), bc.remainder());
     for (x, y) in ac.zip(bc) {
         for i in 0..8 {
             acc[i] += x[i] * y[i];
         }
     }
+    dot_f32_finish(acc, a, b)
+}
+
+/// [`dot_f32`]'s lanes added in its tree, then its tail (the elements after the last 8).
+#[inline(always)]
+fn dot_f32_finish(acc: [f32; 8], a: &[f32], b: &[f32]) -> f32 {
     let mut s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    for (x, y) in at.iter().zip(bt) {
+    let whole = a.len() / 8 * 8;
+    for (x, y) in a[whole..].iter().zip(&b[whole..]) {
         s += x * y;
     }
     s
+}
+
+/// `acc[i] += p × v[i]` (multiplied, then added: never fused), vectorized or not the same.
+pub(crate) fn add_scaled(acc: &mut [f32], p: f32, v: &[f32]) {
+    assert_eq!(acc.len(), v.len());
+    #[cfg(target_arch = "x86_64")]
+    if simd() {
+        // SAFETY: AVX2 is present; the lengths are equal.
+        return unsafe { avx2_kernels::add_scaled(acc, p, v) };
+    }
+    for (a, &x) in acc.iter_mut().zip(v) {
+        *a += p * x;
+    }
 }
 
 /// Whether the AVX2 kernels run (AVX2, F16C and FMA; checked once).
@@ -373,16 +503,62 @@ fn simd() -> bool {
 /// Activation rows one kernel call multiplies with a weight row (its blocks decoded once).
 pub(crate) const ROWS: usize = 8;
 
-/// One weight row of a Q4_1 matrix.
+/// The weight rows of a Q4_1 matrix ([`Data::Q4_1`]), `kb` blocks each.
+#[derive(Clone, Copy)]
+pub(crate) struct Q4_1Rows<'a> {
+    groups: &'a [[u8; GROUP_BYTES / 2]],
+    tail: &'a [[u8; 16]],
+    d: &'a [u16],
+    m: &'a [u16],
+    kb: usize,
+}
+
+impl<'a> Q4_1Rows<'a> {
+    #[inline(always)]
+    fn col(&self, c: usize) -> Q4_1Col<'a> {
+        let (kb, g, t) = (self.kb, self.kb / GROUP, self.kb % GROUP);
+        Q4_1Col {
+            groups: &self.groups[c * g..(c + 1) * g],
+            tail: &self.tail[c * t..(c + 1) * t],
+            d: &self.d[c * kb..(c + 1) * kb],
+            m: &self.m[c * kb..(c + 1) * kb],
+        }
+    }
+}
+
+/// The weight rows of a Q8_0 matrix ([`Data::Q8_0`]), `kb` blocks each.
+#[derive(Clone, Copy)]
+pub(crate) struct Q8_0Rows<'a> {
+    groups: &'a [[i8; GROUP_BYTES]],
+    tail: &'a [[i8; BLOCK]],
+    d: &'a [u16],
+    kb: usize,
+}
+
+impl<'a> Q8_0Rows<'a> {
+    #[inline(always)]
+    fn col(&self, c: usize) -> Q8_0Col<'a> {
+        let (kb, g, t) = (self.kb, self.kb / GROUP, self.kb % GROUP);
+        Q8_0Col {
+            groups: &self.groups[c * g..(c + 1) * g],
+            tail: &self.tail[c * t..(c + 1) * t],
+            d: &self.d[c * kb..(c + 1) * kb],
+        }
+    }
+}
+
+/// One weight row of a Q4_1 matrix ([`Data::Q4_1`]): `d` and `m` per block.
 pub(crate) struct Q4_1Col<'a> {
-    pub(crate) qs: &'a [[u8; 16]],
+    pub(crate) groups: &'a [[u8; GROUP_BYTES / 2]],
+    pub(crate) tail: &'a [[u8; 16]],
     pub(crate) d: &'a [u16],
     pub(crate) m: &'a [u16],
 }
 
-/// One weight row of a Q8_0 matrix.
+/// One weight row of a Q8_0 matrix ([`Data::Q8_0`]).
 pub(crate) struct Q8_0Col<'a> {
-    pub(crate) qs: &'a [[i8; BLOCK]],
+    pub(crate) groups: &'a [[i8; GROUP_BYTES]],
+    pub(crate) tail: &'a [[i8; BLOCK]],
     pub(crate) d: &'a [u16],
 }
 
@@ -399,33 +575,48 @@ fn vnni() -> bool {
     }
 }
 
-/// `out[r] = col · xs[r]`, for any number of rows.
-fn dot_q4_1(col: &Q4_1Col, xs: &[QuantRow], out: &mut [f32]) {
+/// `out[r * cols.len() + j] = xs[r] · row (cols.start + j)` of `w`, for any number of rows.
+fn dots_q4_1(w: &Q4_1Rows, xs: &[QuantRow], cols: std::ops::Range<usize>, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if vnni() {
         // SAFETY: AVX2, F16C, FMA and AVX-VNNI are present.
-        return unsafe { avx2_kernels::dot_q4_1_vnni(col, xs, out) };
+        return unsafe { avx2_kernels::dots_q4_1_vnni(w, xs, cols, out) };
     }
     #[cfg(target_arch = "x86_64")]
     if simd() {
         // SAFETY: AVX2, F16C and FMA are present.
-        return unsafe { avx2_kernels::dot_q4_1(col, xs, out) };
+        return unsafe { avx2_kernels::dots_q4_1(w, xs, cols, out) };
     }
-    portable::dot_q4_1(col, xs, out)
+    portable::dots_q4_1(w, xs, cols, out)
 }
 
-fn dot_q8_0(col: &Q8_0Col, xs: &[QuantRow], out: &mut [f32]) {
+fn dots_q8_0(w: &Q8_0Rows, xs: &[QuantRow], cols: std::ops::Range<usize>, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if vnni() {
         // SAFETY: AVX2, F16C, FMA and AVX-VNNI are present.
-        return unsafe { avx2_kernels::dot_q8_0_vnni(col, xs, out) };
+        return unsafe { avx2_kernels::dots_q8_0_vnni(w, xs, cols, out) };
     }
     #[cfg(target_arch = "x86_64")]
     if simd() {
         // SAFETY: AVX2, F16C and FMA are present.
-        return unsafe { avx2_kernels::dot_q8_0(col, xs, out) };
+        return unsafe { avx2_kernels::dots_q8_0(w, xs, cols, out) };
     }
-    portable::dot_q8_0(col, xs, out)
+    portable::dots_q8_0(w, xs, cols, out)
+}
+
+/// Runs `one` (the products of one weight row with every row of `xs`) for each weight row of
+/// `cols`, writing `out[r * cols.len() + j]`.
+#[inline(always)]
+fn each_col(n: usize, cols: std::ops::Range<usize>, out: &mut [f32], mut one: impl FnMut(usize, &mut [f32])) {
+    let width = cols.len();
+    assert!(n <= ROWS && out.len() >= n * width);
+    let mut tmp = [0f32; ROWS];
+    for (j, c) in cols.enumerate() {
+        one(c, &mut tmp[..n]);
+        for (r, &v) in tmp[..n].iter().enumerate() {
+            out[r * width + j] = v;
+        }
+    }
 }
 
 /// The fixed order in which 8 lane sums are added (the one an AVX2 horizontal add of two
@@ -435,65 +626,85 @@ fn reduce_lanes(a: [f32; 8]) -> f32 {
     ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
 }
 
-/// The kernels, as the definition of the numbers the AVX2 ones reproduce:
-/// - a block's 32 products are summed exactly as integers in 8 lanes of 4 consecutive
-///   elements; each lane's sum (as f32) is multiplied by the activation block's scale `d_x`,
-///   then multiplied by the weight block's `d_w` and added in one fused multiply-add
-///   to that lane's accumulator, block after block; the lanes are added at the end
-///   ([`reduce_lanes`]);
-/// - a Q4_1 row's offset term `Σ m_b · s_b` is a second dot product: lane `b % 8` accumulates
-///   block `b`'s product (both sides zero-padded to whole groups of 8, [`padded`]), the lanes
-///   are added ([`reduce_lanes`]); it is added to the first.
+/// The kernels, as the definition of the numbers the AVX2 ones reproduce. For each weight row
+/// and activation row:
+/// - the blocks of whole groups ([`GROUP`]): block `b` goes to lane `b % 8`; its 32 products are
+///   summed exactly as an integer; that sum (as f32) times the activation block's scale `d_x`
+///   is multiplied by the weight block's `d_w` and added to the lane's accumulator in one fused
+///   multiply-add; a Q4_1 block then adds its offset `m_b · s_b` in a second one;
+/// - the blocks after them (the tail), in a second accumulator: the 32 products summed exactly
+///   in 8 lanes of 4 consecutive elements, each lane's sum times `d_x`, then times `d_w` and
+///   added in one fused multiply-add; a Q4_1 tail's offsets `m_b · s_b` are summed in order by
+///   fused multiply-adds into a scalar;
+/// - the result is `lanes(groups) + (lanes(tail) + offsets(tail))` (Q8_0: `lanes(groups) +
+///   lanes(tail)`), lanes added by [`reduce_lanes`].
 pub(crate) mod portable {
     use super::*;
+
+    pub(crate) fn dots_q4_1(w: &Q4_1Rows, xs: &[QuantRow], cols: std::ops::Range<usize>, out: &mut [f32]) {
+        each_col(xs.len(), cols, out, |c, out| dot_q4_1(&w.col(c), xs, out))
+    }
+
+    pub(crate) fn dots_q8_0(w: &Q8_0Rows, xs: &[QuantRow], cols: std::ops::Range<usize>, out: &mut [f32]) {
+        each_col(xs.len(), cols, out, |c, out| dot_q8_0(&w.col(c), xs, out))
+    }
 
     fn lanes_q4_1(q: &[u8; 16], a: &[i8; BLOCK]) -> [i32; 8] {
         std::array::from_fn(|lane| {
             (4 * lane..4 * lane + 4)
-                .map(|e| {
-                    let w = if e < 16 { q[e] & 0x0f } else { q[e - 16] >> 4 };
-                    w as i32 * a[e] as i32
-                })
+                .map(|e| gguf_nibble(q, e) as i32 * a[e] as i32)
                 .sum()
         })
     }
 
-    /// `m` and `s` padded to whole groups of 8 ([`padded`]).
-    pub(super) fn offsets(m: &[u16], s: &[f32]) -> f32 {
-        let mut acc = [0f32; 8];
-        for (m, s) in m.chunks_exact(8).zip(s.chunks_exact(8)) {
-            for i in 0..8 {
-                acc[i] += f16_to_f32(m[i]) * s[i];
-            }
-        }
-        reduce_lanes(acc)
-    }
-
-    pub(crate) fn dot_q4_1(col: &Q4_1Col, xs: &[QuantRow], out: &mut [f32]) {
+    fn dot_q4_1(col: &Q4_1Col, xs: &[QuantRow], out: &mut [f32]) {
+        let grouped = col.groups.len() * GROUP;
         for (x, out) in xs.iter().zip(out) {
             let mut acc = [0f32; 8];
-            for b in 0..col.qs.len() {
-                let (d, xd) = (f16_to_f32(col.d[b]), x.d[b]);
-                for (acc, sumi) in acc.iter_mut().zip(lanes_q4_1(&col.qs[b], &x.qs[b])) {
-                    *acc = (sumi as f32 * xd).mul_add(d, *acc);
+            for (g, (w, a)) in col.groups.iter().zip(&x.groups).enumerate() {
+                for (j, acc) in acc.iter_mut().enumerate() {
+                    let b = g * GROUP + j;
+                    let sum: i32 = (0..BLOCK)
+                        .map(|e| group_nibble(w, j, e) as i32 * a[interleaved(j, e)] as i32)
+                        .sum();
+                    *acc = (sum as f32 * x.d[b]).mul_add(f16_to_f32(col.d[b]), *acc);
+                    *acc = f16_to_f32(col.m[b]).mul_add(x.s[b], *acc);
                 }
             }
-            *out = reduce_lanes(acc) + offsets(col.m, &x.s);
+            let (mut tail, mut offsets) = ([0f32; 8], 0f32);
+            for (t, (w, a)) in col.tail.iter().zip(&x.tail).enumerate() {
+                let b = grouped + t;
+                for (acc, sum) in tail.iter_mut().zip(lanes_q4_1(w, a)) {
+                    *acc = (sum as f32 * x.d[b]).mul_add(f16_to_f32(col.d[b]), *acc);
+                }
+                offsets = f16_to_f32(col.m[b]).mul_add(x.s[b], offsets);
+            }
+            *out = reduce_lanes(acc) + (reduce_lanes(tail) + offsets);
         }
     }
 
-    pub(crate) fn dot_q8_0(col: &Q8_0Col, xs: &[QuantRow], out: &mut [f32]) {
+    fn dot_q8_0(col: &Q8_0Col, xs: &[QuantRow], out: &mut [f32]) {
+        let grouped = col.groups.len() * GROUP;
         for (x, out) in xs.iter().zip(out) {
             let mut acc = [0f32; 8];
-            for b in 0..col.qs.len() {
-                let (q, a) = (&col.qs[b], &x.qs[b]);
-                let (d, xd) = (f16_to_f32(col.d[b]), x.d[b]);
-                for (lane, acc) in acc.iter_mut().enumerate() {
-                    let sumi: i32 = (4 * lane..4 * lane + 4).map(|e| q[e] as i32 * a[e] as i32).sum();
-                    *acc = (sumi as f32 * xd).mul_add(d, *acc);
+            for (g, (w, a)) in col.groups.iter().zip(&x.groups).enumerate() {
+                for (j, acc) in acc.iter_mut().enumerate() {
+                    let b = g * GROUP + j;
+                    let sum: i32 = (0..BLOCK)
+                        .map(|e| w[interleaved(j, e)] as i32 * a[interleaved(j, e)] as i32)
+                        .sum();
+                    *acc = (sum as f32 * x.d[b]).mul_add(f16_to_f32(col.d[b]), *acc);
                 }
             }
-            *out = reduce_lanes(acc);
+            let mut tail = [0f32; 8];
+            for (t, (w, a)) in col.tail.iter().zip(&x.tail).enumerate() {
+                let b = grouped + t;
+                for (lane, acc) in tail.iter_mut().enumerate() {
+                    let sum: i32 = (4 * lane..4 * lane + 4).map(|e| w[e] as i32 * a[e] as i32).sum();
+                    *acc = (sum as f32 * x.d[b]).mul_add(f16_to_f32(col.d[b]), *acc);
+                }
+            }
+            *out = reduce_lanes(acc) + reduce_lanes(tail);
         }
     }
 }
@@ -502,6 +713,35 @@ pub(crate) mod portable {
 mod avx2_kernels {
     use super::*;
     use std::arch::x86_64::*;
+
+    /// [`super::dot_f32`]; `a` and `b` of equal lengths.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        for i in 0..a.len() / 8 {
+            let x = _mm256_loadu_ps(a.as_ptr().add(8 * i));
+            let y = _mm256_loadu_ps(b.as_ptr().add(8 * i));
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(x, y));
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+        dot_f32_finish(lanes, a, b)
+    }
+
+    /// [`super::add_scaled`]; `acc` and `v` of equal lengths.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn add_scaled(acc: &mut [f32], p: f32, v: &[f32]) {
+        let pv = _mm256_set1_ps(p);
+        let whole = acc.len() / 8 * 8;
+        for i in (0..whole).step_by(8) {
+            let a = _mm256_loadu_ps(acc.as_ptr().add(i));
+            let x = _mm256_mul_ps(pv, _mm256_loadu_ps(v.as_ptr().add(i)));
+            _mm256_storeu_ps(acc.as_mut_ptr().add(i), _mm256_add_ps(a, x));
+        }
+        for (a, &x) in acc[whole..].iter_mut().zip(&v[whole..]) {
+            *a += p * x;
+        }
+    }
 
     /// [`reduce_lanes`] of a vector.
     #[inline(always)]
@@ -517,46 +757,27 @@ mod avx2_kernels {
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
     }
 
-    /// [`portable::offsets`].
+    /// 8 f16 values from `p`, as f32.
     #[inline(always)]
-    unsafe fn offsets(m: &[u16], s: &[f32]) -> f32 {
-        let mut acc = _mm256_setzero_ps();
-        for g in 0..m.len() / 8 {
-            let mv = _mm256_cvtph_ps(_mm_loadu_si128(m.as_ptr().add(8 * g) as *const __m128i));
-            let sv = _mm256_loadu_ps(s.as_ptr().add(8 * g));
-            acc = _mm256_add_ps(acc, _mm256_mul_ps(mv, sv));
-        }
-        reduce(acc)
+    unsafe fn halves(p: *const u16) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
     }
 
-    /// The 8 exact sums of 4 consecutive `u8 × i8` products: VNNI's one instruction, or the
-    /// pairs summed into i16 then into i32 (no saturation for the operands here, see the
-    /// callers): the same integers either way.
     #[inline(always)]
-    unsafe fn dot4<const VNNI: bool>(w: __m256i, a: __m256i, ones: __m256i) -> __m256i {
+    unsafe fn load(p: *const i8) -> __m256i {
+        _mm256_loadu_si256(p as *const __m256i)
+    }
+
+    /// `acc` plus the 8 exact sums of 4 consecutive `u8 × i8` products: VNNI's one
+    /// instruction, or the pairs summed into i16 then into i32 (no saturation for the operands
+    /// here, see the callers): the same integers either way.
+    #[inline(always)]
+    unsafe fn dot4<const VNNI: bool>(acc: __m256i, w: __m256i, a: __m256i, ones: __m256i) -> __m256i {
         if VNNI {
-            _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, a)
+            _mm256_dpbusd_avx_epi32(acc, w, a)
         } else {
-            _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones)
+            _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones))
         }
-    }
-
-    /// The 8 exact lane sums of one Q4_1 block (`w`: its nibbles, decoded) with activations `a`.
-    #[inline(always)]
-    unsafe fn lanes_q4_1<const VNNI: bool>(w: __m256i, a: *const [i8; BLOCK], ones: __m256i) -> __m256 {
-        let a = _mm256_loadu_si256(a as *const __m256i);
-        // u4 × i8 pairs summed into i16 (at most 2 × 15 × 128: no saturation), then lanes of
-        // 4 in i32: exact, and exact in f32 (at most 7,680).
-        _mm256_cvtepi32_ps(dot4::<VNNI>(w, a, ones))
-    }
-
-    /// The 8 exact lane sums of one Q8_0 block.
-    #[inline(always)]
-    unsafe fn lanes_q8_0<const VNNI: bool>(w: __m256i, wabs: __m256i, a: *const [i8; BLOCK], ones: __m256i) -> __m256 {
-        let a = _mm256_loadu_si256(a as *const __m256i);
-        // |w| × (a with w's sign): the same products, with an unsigned left operand. |w| ≤ 128
-        // and |a| ≤ 127: pairs sum to at most 32,512, no saturation; lanes at most 65,024.
-        _mm256_cvtepi32_ps(dot4::<VNNI>(wabs, _mm256_sign_epi8(a, w), ones))
     }
 
     #[inline(always)]
@@ -565,47 +786,115 @@ mod avx2_kernels {
         _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask))
     }
 
-    /// `out[r] = col · xs[r]` for exactly `R` rows, each weight block decoded once for all.
+    /// `out[r] = col · xs[r]` for exactly `R` rows, each weight vector decoded once for all.
     #[inline(always)]
     unsafe fn q4_1_rows<const VNNI: bool, const R: usize>(col: &Q4_1Col, xs: &[QuantRow], out: &mut [f32]) {
-        let kb = col.qs.len();
-        let mask = _mm_set1_epi8(0x0f);
+        let mask = _mm256_set1_epi8(0x0f);
         let ones = _mm256_set1_epi16(1);
         let mut acc = [_mm256_setzero_ps(); R];
-        for b in 0..kb {
-            let w = nibbles(col.qs.get_unchecked(b), mask);
-            let d = _mm256_set1_ps(half(*col.d.get_unchecked(b)));
+        for g in 0..col.groups.len() {
+            let w = col.groups.get_unchecked(g).as_ptr();
+            let mut sums = [_mm256_setzero_si256(); R];
+            for k in 0..4 {
+                let q = _mm256_loadu_si256(w.add(32 * k) as *const __m256i);
+                let lo = _mm256_and_si256(q, mask);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+                for (r, sum) in sums.iter_mut().enumerate() {
+                    let a = xs.get_unchecked(r).groups.get_unchecked(g).as_ptr().add(64 * k);
+                    // u4 × i8 pairs summed into i16 (at most 2 × 15 × 128: no saturation), then
+                    // lanes of 4 in i32: exact, and exact in f32 (at most 61,440 per block).
+                    *sum = dot4::<VNNI>(*sum, lo, load(a), ones);
+                    *sum = dot4::<VNNI>(*sum, hi, load(a.add(32)), ones);
+                }
+            }
+            let (d, m) = (
+                halves(col.d.as_ptr().add(GROUP * g)),
+                halves(col.m.as_ptr().add(GROUP * g)),
+            );
             for (r, acc) in acc.iter_mut().enumerate() {
                 let x = xs.get_unchecked(r);
-                let l = lanes_q4_1::<VNNI>(w, x.qs.as_ptr().add(b), ones);
-                let l = _mm256_mul_ps(l, _mm256_broadcast_ss(x.d.get_unchecked(b)));
+                let xd = _mm256_loadu_ps(x.d.as_ptr().add(GROUP * g));
+                let l = _mm256_mul_ps(_mm256_cvtepi32_ps(sums[r]), xd);
                 *acc = _mm256_fmadd_ps(l, d, *acc);
+                *acc = _mm256_fmadd_ps(m, _mm256_loadu_ps(x.s.as_ptr().add(GROUP * g)), *acc);
             }
         }
-        for (r, acc) in acc.iter().enumerate() {
-            *out.get_unchecked_mut(r) = reduce(*acc) + offsets(col.m, &xs.get_unchecked(r).s);
+        let grouped = col.groups.len() * GROUP;
+        let mask = _mm_set1_epi8(0x0f);
+        let mut tail = [_mm256_setzero_ps(); R];
+        let mut offsets = [0f32; R];
+        for t in 0..col.tail.len() {
+            let b = grouped + t;
+            let w = nibbles(col.tail.get_unchecked(t), mask);
+            let (d, m) = (half(*col.d.get_unchecked(b)), half(*col.m.get_unchecked(b)));
+            for r in 0..R {
+                let x = xs.get_unchecked(r);
+                let l = dot4::<VNNI>(_mm256_setzero_si256(), w, load(x.tail.get_unchecked(t).as_ptr()), ones);
+                let l = _mm256_mul_ps(_mm256_cvtepi32_ps(l), _mm256_broadcast_ss(x.d.get_unchecked(b)));
+                tail[r] = _mm256_fmadd_ps(l, _mm256_set1_ps(d), tail[r]);
+                offsets[r] = m.mul_add(*x.s.get_unchecked(b), offsets[r]);
+            }
+        }
+        for r in 0..R {
+            *out.get_unchecked_mut(r) = reduce(acc[r]) + (reduce(tail[r]) + offsets[r]);
         }
     }
 
     /// `out[r] = col · xs[r]` for exactly `R` rows.
     #[inline(always)]
     unsafe fn q8_0_rows<const VNNI: bool, const R: usize>(col: &Q8_0Col, xs: &[QuantRow], out: &mut [f32]) {
-        let kb = col.qs.len();
         let ones = _mm256_set1_epi16(1);
+        let flip = _mm256_set1_epi8(-128);
         let mut acc = [_mm256_setzero_ps(); R];
-        for b in 0..kb {
-            let w = _mm256_loadu_si256(col.qs.as_ptr().add(b) as *const __m256i);
-            let wabs = _mm256_sign_epi8(w, w);
-            let d = _mm256_set1_ps(half(*col.d.get_unchecked(b)));
+        for g in 0..col.groups.len() {
+            let w = col.groups.get_unchecked(g).as_ptr();
+            let mut sums = [_mm256_setzero_si256(); R];
+            for s in 0..8 {
+                let v = load(w.add(32 * s));
+                // VNNI: `w + 128` (unsigned) × a, and 128 × the block's sum taken off below.
+                // Otherwise |w| × (a with w's sign): |w| ≤ 128 and |a| ≤ 127, pairs sum to at
+                // most 32,512 (no saturation). The same integers.
+                let u = if VNNI {
+                    _mm256_xor_si256(v, flip)
+                } else {
+                    _mm256_sign_epi8(v, v)
+                };
+                for (r, sum) in sums.iter_mut().enumerate() {
+                    let a = load(xs.get_unchecked(r).groups.get_unchecked(g).as_ptr().add(32 * s));
+                    let a = if VNNI { a } else { _mm256_sign_epi8(a, v) };
+                    *sum = dot4::<VNNI>(*sum, u, a, ones);
+                }
+            }
+            let d = halves(col.d.as_ptr().add(GROUP * g));
             for (r, acc) in acc.iter_mut().enumerate() {
                 let x = xs.get_unchecked(r);
-                let l = lanes_q8_0::<VNNI>(w, wabs, x.qs.as_ptr().add(b), ones);
-                let l = _mm256_mul_ps(l, _mm256_broadcast_ss(x.d.get_unchecked(b)));
+                let mut sum = sums[r];
+                if VNNI {
+                    let asum = _mm256_loadu_si256(x.sum.as_ptr().add(GROUP * g) as *const __m256i);
+                    sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(asum, 7));
+                }
+                let xd = _mm256_loadu_ps(x.d.as_ptr().add(GROUP * g));
+                let l = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), xd);
                 *acc = _mm256_fmadd_ps(l, d, *acc);
             }
         }
-        for (r, acc) in acc.iter().enumerate() {
-            *out.get_unchecked_mut(r) = reduce(*acc);
+        let grouped = col.groups.len() * GROUP;
+        let mut tail = [_mm256_setzero_ps(); R];
+        for t in 0..col.tail.len() {
+            let b = grouped + t;
+            let w = load(col.tail.get_unchecked(t).as_ptr());
+            let wabs = _mm256_sign_epi8(w, w);
+            let d = _mm256_set1_ps(half(*col.d.get_unchecked(b)));
+            for (r, tail) in tail.iter_mut().enumerate() {
+                let x = xs.get_unchecked(r);
+                let a = _mm256_sign_epi8(load(x.tail.get_unchecked(t).as_ptr()), w);
+                let l = dot4::<VNNI>(_mm256_setzero_si256(), wabs, a, ones);
+                let l = _mm256_mul_ps(_mm256_cvtepi32_ps(l), _mm256_broadcast_ss(x.d.get_unchecked(b)));
+                *tail = _mm256_fmadd_ps(l, d, *tail);
+            }
+        }
+        for r in 0..R {
+            *out.get_unchecked_mut(r) = reduce(acc[r]) + reduce(tail[r]);
         }
     }
 
@@ -614,11 +903,9 @@ mod avx2_kernels {
     #[inline(always)]
     unsafe fn q4_1_any<const VNNI: bool>(col: &Q4_1Col, xs: &[QuantRow], out: &mut [f32]) {
         // Checked once per product by `Matrix::matmul`.
-        let kb = col.qs.len();
-        debug_assert!(col.d.len() == kb && col.m.len() == padded(kb) && out.len() == xs.len());
-        debug_assert!(xs
-            .iter()
-            .all(|x| x.qs.len() == kb && x.d.len() == kb && x.s.len() == padded(kb)));
+        let kb = col.d.len();
+        debug_assert!(col.m.len() == kb && out.len() == xs.len());
+        debug_assert!(xs.iter().all(|x| x.has_blocks(kb)));
         let mut i = 0;
         while i + ROWS <= xs.len() {
             q4_1_rows::<VNNI, ROWS>(col, &xs[i..i + ROWS], &mut out[i..i + ROWS]);
@@ -637,9 +924,9 @@ mod avx2_kernels {
     #[inline(always)]
     unsafe fn q8_0_any<const VNNI: bool>(col: &Q8_0Col, xs: &[QuantRow], out: &mut [f32]) {
         // Checked once per product by `Matrix::matmul`.
-        let kb = col.qs.len();
-        debug_assert!(col.d.len() == kb && out.len() == xs.len());
-        debug_assert!(xs.iter().all(|x| x.qs.len() == kb && x.d.len() == kb));
+        let kb = col.d.len();
+        debug_assert!(out.len() == xs.len());
+        debug_assert!(xs.iter().all(|x| x.has_blocks(kb)));
         let mut i = 0;
         while i + ROWS <= xs.len() {
             q8_0_rows::<VNNI, ROWS>(col, &xs[i..i + ROWS], &mut out[i..i + ROWS]);
@@ -656,24 +943,24 @@ mod avx2_kernels {
     }
 
     #[target_feature(enable = "avx2,f16c,fma")]
-    pub(super) unsafe fn dot_q4_1(col: &Q4_1Col, xs: &[QuantRow], out: &mut [f32]) {
-        q4_1_any::<false>(col, xs, out)
+    pub(super) unsafe fn dots_q4_1(w: &Q4_1Rows, xs: &[QuantRow], cols: std::ops::Range<usize>, out: &mut [f32]) {
+        each_col(xs.len(), cols, out, |c, out| q4_1_any::<false>(&w.col(c), xs, out))
     }
 
     #[target_feature(enable = "avx2,f16c,fma")]
-    pub(super) unsafe fn dot_q8_0(col: &Q8_0Col, xs: &[QuantRow], out: &mut [f32]) {
-        q8_0_any::<false>(col, xs, out)
+    pub(super) unsafe fn dots_q8_0(w: &Q8_0Rows, xs: &[QuantRow], cols: std::ops::Range<usize>, out: &mut [f32]) {
+        each_col(xs.len(), cols, out, |c, out| q8_0_any::<false>(&w.col(c), xs, out))
     }
 
-    /// [`dot_q4_1`] with AVX-VNNI's dot product instruction (the same numbers).
+    /// [`dots_q4_1`] with AVX-VNNI's dot product instruction (the same numbers).
     #[target_feature(enable = "avx2,f16c,fma,avxvnni")]
-    pub(super) unsafe fn dot_q4_1_vnni(col: &Q4_1Col, xs: &[QuantRow], out: &mut [f32]) {
-        q4_1_any::<true>(col, xs, out)
+    pub(super) unsafe fn dots_q4_1_vnni(w: &Q4_1Rows, xs: &[QuantRow], cols: std::ops::Range<usize>, out: &mut [f32]) {
+        each_col(xs.len(), cols, out, |c, out| q4_1_any::<true>(&w.col(c), xs, out))
     }
 
     #[target_feature(enable = "avx2,f16c,fma,avxvnni")]
-    pub(super) unsafe fn dot_q8_0_vnni(col: &Q8_0Col, xs: &[QuantRow], out: &mut [f32]) {
-        q8_0_any::<true>(col, xs, out)
+    pub(super) unsafe fn dots_q8_0_vnni(w: &Q8_0Rows, xs: &[QuantRow], cols: std::ops::Range<usize>, out: &mut [f32]) {
+        each_col(xs.len(), cols, out, |c, out| q8_0_any::<true>(&w.col(c), xs, out))
     }
 }
 
@@ -721,8 +1008,9 @@ mod tests {
         out
     }
 
-    fn matrices() -> Vec<Matrix> {
-        let (rows, cols) = (37, 96);
+    /// 96 columns: 3 blocks, all a tail; 320: one whole group and a tail of 2.
+    fn matrices(cols: usize) -> Vec<Matrix> {
+        let rows = 37;
         vec![
             Matrix::q4_1(rows, cols, &q4_1_bytes(rows, cols, 1)).unwrap(),
             Matrix::q8_0(rows, cols, &q8_0_bytes(rows, cols, 2)).unwrap(),
@@ -750,15 +1038,21 @@ mod tests {
 
     #[test]
     fn a_product_is_close_to_the_dequantized_one() {
-        let x = values(3 * 96, 9);
-        for w in matrices() {
+        for cols in [96, 320] {
+            close_to_the_dequantized_one(cols);
+        }
+    }
+
+    fn close_to_the_dequantized_one(cols: usize) {
+        let x = values(3 * cols, 9);
+        for w in matrices(cols) {
             let mut y = vec![0f32; 3 * w.rows];
             w.matmul(&x, 3, &mut y);
             let mut row = vec![0f32; w.cols];
             for r in 0..3 {
                 for c in 0..w.rows {
                     w.row_into(c, &mut row);
-                    let exact: f32 = row.iter().zip(&x[r * 96..(r + 1) * 96]).map(|(a, b)| a * b).sum();
+                    let exact: f32 = row.iter().zip(&x[r * cols..(r + 1) * cols]).map(|(a, b)| a * b).sum();
                     let got = y[r * w.rows + c];
                     assert!((got - exact).abs() < 0.05 + exact.abs() * 0.02, "{got} vs {exact}");
                 }
@@ -768,14 +1062,20 @@ mod tests {
 
     #[test]
     fn a_row_does_not_depend_on_the_rows_beside_it() {
+        for cols in [96, 320] {
+            row_alone_and_among_others(cols);
+        }
+    }
+
+    fn row_alone_and_among_others(cols: usize) {
         let m = 8;
-        let x = values(m * 96, 11);
-        for w in matrices() {
+        let x = values(m * cols, 11);
+        for w in matrices(cols) {
             let mut all = vec![0f32; m * w.rows];
             w.matmul(&x, m, &mut all);
             for r in 0..m {
                 let mut one = vec![0f32; w.rows];
-                w.matmul(&x[r * 96..(r + 1) * 96], 1, &mut one);
+                w.matmul(&x[r * cols..(r + 1) * cols], 1, &mut one);
                 let batched = &all[r * w.rows..(r + 1) * w.rows];
                 assert!(
                     one.iter().zip(batched).all(|(a, b)| a.to_bits() == b.to_bits()),
@@ -791,9 +1091,9 @@ mod tests {
             eprintln!("no AVX2, F16C and FMA on this CPU: nothing to compare");
             return;
         }
-        // 96 columns: 3 blocks (no whole group of 8 for the offsets); 320: 10 blocks (one group
-        // and a tail).
-        for cols in [96usize, 320] {
+        // 96 columns: 3 blocks (no whole group, a tail); 320: 10 blocks (one group and a tail
+        // of 2); 512: two groups, no tail; 576: the model's rows (two groups, a tail of 2).
+        for cols in [96usize, 320, 512, 576] {
             let quantized: Vec<QuantRow> = (0..ROWS as u64)
                 .map(|i| {
                     let mut q = QuantRow::default();
@@ -809,35 +1109,24 @@ mod tests {
             for n in [1, 3, ROWS] {
                 let xs = &quantized[..n];
                 for w in &ms {
-                    let kb = w.kb();
                     for c in 0..w.rows {
-                        let b = c * kb..(c + 1) * kb;
                         let (mut fast, mut slow, mut vnni_out) = ([0f32; ROWS], [0f32; ROWS], [0f32; ROWS]);
-                        match &w.data {
-                            Data::Q4_1 { qs, d, m } => {
-                                let col = Q4_1Col {
-                                    qs: &qs[b.clone()],
-                                    d: &d[b],
-                                    m: &m[c * padded(kb)..(c + 1) * padded(kb)],
-                                };
-                                unsafe { avx2_kernels::dot_q4_1(&col, xs, &mut fast[..n]) };
+                        match w.view() {
+                            View::Q4_1(w) => {
+                                unsafe { avx2_kernels::dots_q4_1(&w, xs, c..c + 1, &mut fast[..n]) };
                                 if vnni() {
-                                    unsafe { avx2_kernels::dot_q4_1_vnni(&col, xs, &mut vnni_out[..n]) };
+                                    unsafe { avx2_kernels::dots_q4_1_vnni(&w, xs, c..c + 1, &mut vnni_out[..n]) };
                                 }
-                                portable::dot_q4_1(&col, xs, &mut slow[..n]);
+                                portable::dots_q4_1(&w, xs, c..c + 1, &mut slow[..n]);
                             }
-                            Data::Q8_0 { qs, d } => {
-                                let col = Q8_0Col {
-                                    qs: &qs[b.clone()],
-                                    d: &d[b],
-                                };
-                                unsafe { avx2_kernels::dot_q8_0(&col, xs, &mut fast[..n]) };
+                            View::Q8_0(w) => {
+                                unsafe { avx2_kernels::dots_q8_0(&w, xs, c..c + 1, &mut fast[..n]) };
                                 if vnni() {
-                                    unsafe { avx2_kernels::dot_q8_0_vnni(&col, xs, &mut vnni_out[..n]) };
+                                    unsafe { avx2_kernels::dots_q8_0_vnni(&w, xs, c..c + 1, &mut vnni_out[..n]) };
                                 }
-                                portable::dot_q8_0(&col, xs, &mut slow[..n]);
+                                portable::dots_q8_0(&w, xs, c..c + 1, &mut slow[..n]);
                             }
-                            Data::F32(_) => unreachable!(),
+                            View::F32(_) => unreachable!(),
                         }
                         for i in 0..n {
                             assert_eq!(
@@ -859,6 +1148,79 @@ mod tests {
         }
     }
 
+    /// The grouped layout holds the file's values: every element dequantized from the matrix
+    /// equals the one dequantized from GGUF's bytes directly.
+    #[test]
+    fn a_row_reads_back_as_the_file_holds_it() {
+        for cols in [96usize, 320, 576] {
+            let rows = 5;
+            let (b4, b8) = (q4_1_bytes(rows, cols, 21), q8_0_bytes(rows, cols, 22));
+            let (q4, q8) = (
+                Matrix::q4_1(rows, cols, &b4).unwrap(),
+                Matrix::q8_0(rows, cols, &b8).unwrap(),
+            );
+            let mut got = vec![0f32; cols];
+            for r in 0..rows {
+                q4.row_into(r, &mut got);
+                for (e, &v) in got.iter().enumerate() {
+                    let blk = &b4[(r * cols + e) / BLOCK * 20..][..20];
+                    let (d, m) = (
+                        f16_to_f32(u16::from_le_bytes([blk[0], blk[1]])),
+                        f16_to_f32(u16::from_le_bytes([blk[2], blk[3]])),
+                    );
+                    let i = e % BLOCK;
+                    let q = if i < 16 {
+                        blk[4 + i] & 0x0f
+                    } else {
+                        blk[4 + i - 16] >> 4
+                    };
+                    assert_eq!(
+                        v.to_bits(),
+                        (q as f32 * d + m).to_bits(),
+                        "q4_1 {cols} columns, row {r}, element {e}"
+                    );
+                }
+                q8.row_into(r, &mut got);
+                for (e, &v) in got.iter().enumerate() {
+                    let blk = &b8[(r * cols + e) / BLOCK * 34..][..34];
+                    let d = f16_to_f32(u16::from_le_bytes([blk[0], blk[1]]));
+                    let q = blk[2 + e % BLOCK] as i8;
+                    assert_eq!(
+                        v.to_bits(),
+                        (q as f32 * d).to_bits(),
+                        "q8_0 {cols} columns, row {r}, element {e}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// The vectorized f32 dot product and scaled add give the scalar definition's bits.
+    #[test]
+    fn the_f32_helpers_agree_with_their_scalar_definitions() {
+        for len in [0usize, 5, 8, 64, 67] {
+            let (a, b) = (values(len, 31), values(len, 32));
+            let mut acc = [0f32; 8];
+            for (x, y) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
+                for i in 0..8 {
+                    acc[i] += x[i] * y[i];
+                }
+            }
+            let scalar = dot_f32_finish(acc, &a, &b);
+            assert_eq!(dot_f32(&a, &b).to_bits(), scalar.to_bits(), "dot of {len}");
+            let mut fast = values(len, 33);
+            let mut slow = fast.clone();
+            add_scaled(&mut fast, 0.37, &a);
+            for (s, &x) in slow.iter_mut().zip(&a) {
+                *s += 0.37 * x;
+            }
+            assert!(
+                fast.iter().zip(&slow).all(|(f, s)| f.to_bits() == s.to_bits()),
+                "add_scaled of {len}"
+            );
+        }
+    }
+
     #[test]
     fn a_truncated_matrix_is_refused() {
         assert!(Matrix::q4_1(2, 64, &[0u8; 79]).is_err());
@@ -876,11 +1238,17 @@ mod speed {
     #[test]
     #[ignore]
     fn time_per_block_row() {
-        for (rows, cols) in [(1536usize, 576usize), (576, 1536)] {
-            let bytes: Vec<u8> = (0..rows * cols / BLOCK * 20)
+        // Q4_1 in the layers' shapes, Q8_0 in the output head's (a slice of its 49,152 rows).
+        for (rows, cols, q8) in [(1536usize, 576usize, false), (576, 1536, false), (4096, 576, true)] {
+            let size = if q8 { 34 } else { 20 };
+            let bytes: Vec<u8> = (0..rows * cols / BLOCK * size)
                 .map(|i| (i * 7919 % 251) as u8 & 0x3f)
                 .collect();
-            let w = Matrix::q4_1(rows, cols, &bytes).unwrap();
+            let w = match q8 {
+                true => Matrix::q8_0(rows, cols, &bytes).unwrap(),
+                false => Matrix::q4_1(rows, cols, &bytes).unwrap(),
+            };
+            let kind = if q8 { "q8_0" } else { "q4_1" };
             for m in [1usize, 4, 8, 64] {
                 let x: Vec<f32> = (0..m * cols).map(|i| ((i % 17) as f32 - 8.0) / 8.0).collect();
                 let mut y = vec![0f32; m * rows];
@@ -892,7 +1260,7 @@ mod speed {
                 let per = t.elapsed().as_secs_f64() / reps as f64;
                 let block_rows = (rows * cols / BLOCK * m) as f64;
                 eprintln!(
-                    "{rows}x{cols} m={m:>3}: {:>8.1} us per product, {:.2} ns per block-row",
+                    "{kind} {rows}x{cols} m={m:>3}: {:>8.1} us per product, {:.2} ns per block-row",
                     per * 1e6,
                     per * 1e9 / block_rows
                 );
