@@ -109,7 +109,10 @@ pub(crate) fn quantize_row(x: &[f32], out: &mut QuantRow) {
         let mut q = [0i8; BLOCK];
         let mut sum = 0i32;
         for (q, &v) in q.iter_mut().zip(block) {
-            *q = (v * id).round() as i8;
+            // Within ±127 always: the kernels negate activations (`_mm256_sign_epi8`), and -128
+            // has no negation in i8. Only a block so small that `1 / d` overflows (its largest
+            // value under ~4e-37) would reach it; for any other the clamp changes nothing.
+            *q = (v * id).round().clamp(-127.0, 127.0) as i8;
             sum += *q as i32;
         }
         if b < grouped {
@@ -1219,6 +1222,41 @@ mod tests {
                 "add_scaled of {len}"
             );
         }
+    }
+
+    /// A block so small that the inverse of its scale overflows quantizes within ±127, so the
+    /// kernels that negate activations agree with the portable ones on it too.
+    #[test]
+    fn a_tiny_block_quantizes_within_127_and_the_kernels_agree_on_it() {
+        let cols = 320;
+        let mut x = values(cols, 41);
+        for v in &mut x[..BLOCK] {
+            *v *= 1e-38;
+        }
+        for v in &mut x[8 * BLOCK..9 * BLOCK] {
+            *v *= 1e-38;
+        }
+        let mut q = QuantRow::default();
+        quantize_row(&x, &mut q);
+        assert!(q
+            .groups
+            .iter()
+            .flatten()
+            .chain(q.tail.iter().flatten())
+            .all(|&v| v != i8::MIN));
+        if !simd() {
+            return;
+        }
+        let xs = std::slice::from_ref(&q);
+        let w = Matrix::q8_0(9, cols, &q8_0_bytes(9, cols, 42)).unwrap();
+        let View::Q8_0(w) = w.view() else { unreachable!() };
+        let (mut fast, mut slow) = ([0f32; 9], [0f32; 9]);
+        unsafe { avx2_kernels::dots_q8_0(&w, xs, 0..9, &mut fast) };
+        portable::dots_q8_0(&w, xs, 0..9, &mut slow);
+        assert!(
+            fast.iter().zip(&slow).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{fast:?} vs {slow:?}"
+        );
     }
 
     #[test]
