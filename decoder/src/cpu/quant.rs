@@ -186,13 +186,6 @@ fn gguf_nibble(q: &[u8; 16], e: usize) -> u8 {
     }
 }
 
-/// One weight row of a matrix.
-enum Col<'a> {
-    Q4_1(Q4_1Col<'a>),
-    Q8_0(Q8_0Col<'a>),
-    F32(&'a [f32]),
-}
-
 /// A matrix's weight rows, as the kernels take them.
 enum View<'a> {
     Q4_1(Q4_1Rows<'a>),
@@ -315,21 +308,13 @@ impl Matrix {
         }
     }
 
-    /// Weight row `c`.
-    fn col(&self, c: usize) -> Col<'_> {
-        match self.view() {
-            View::Q4_1(w) => Col::Q4_1(w.col(c)),
-            View::Q8_0(w) => Col::Q8_0(w.col(c)),
-            View::F32(w) => Col::F32(&w[c * self.cols..(c + 1) * self.cols]),
-        }
-    }
-
     /// Weight row `r`, dequantized into `out` (an embedding lookup).
     pub(crate) fn row_into(&self, r: usize, out: &mut [f32]) {
         assert!(r < self.rows && out.len() == self.cols);
         let grouped = self.kb() / GROUP * GROUP;
-        match self.col(r) {
-            Col::Q4_1(col) => {
+        match self.view() {
+            View::Q4_1(w) => {
+                let col = w.col(r);
                 for (b, out) in out.chunks_exact_mut(BLOCK).enumerate() {
                     let (d, m) = (f16_to_f32(col.d[b]), f16_to_f32(col.m[b]));
                     for (e, out) in out.iter_mut().enumerate() {
@@ -341,7 +326,8 @@ impl Matrix {
                     }
                 }
             }
-            Col::Q8_0(col) => {
+            View::Q8_0(w) => {
+                let col = w.col(r);
                 for (b, out) in out.chunks_exact_mut(BLOCK).enumerate() {
                     let d = f16_to_f32(col.d[b]);
                     for (e, out) in out.iter_mut().enumerate() {
@@ -353,7 +339,7 @@ impl Matrix {
                     }
                 }
             }
-            Col::F32(w) => out.copy_from_slice(w),
+            View::F32(w) => out.copy_from_slice(&w[r * self.cols..(r + 1) * self.cols]),
         }
     }
 
