@@ -341,6 +341,36 @@ async fn open_stage(
         .map_err(|_| format!("stage {addr} did not answer Describe within 10 s"))?
         .map_err(|s| format!("stage {addr}: {}", s.message()))?
         .into_inner();
+    check_description(addr, &d, weights_sha256, vocab)?;
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    let rx = c
+        .forward(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .map_err(|s| format!("stage {addr}: opening its stream: {}", s.message()))?
+        .into_inner();
+    let conn = Conn {
+        info: StageInfo {
+            addr: addr.to_string(),
+            stage_id: d.stage_id.clone(),
+            layers: d.first_layer as usize..d.end_layer as usize,
+        },
+        tx,
+        rx,
+        broken: None,
+        registry,
+    };
+    Ok((conn, d))
+}
+
+/// Whether the stage at `addr`, as its Describe answer `d` says, can serve a head whose model
+/// file is `weights_sha256` with `vocab` entries: the same weights, the same vocabulary, the
+/// same CPU-engine numerics (a stage of another release computes other bits).
+fn check_description(
+    addr: &str,
+    d: &dpb::DescribeResponse,
+    weights_sha256: &str,
+    vocab: usize,
+) -> std::result::Result<(), String> {
     if d.weights_sha256 != weights_sha256 {
         return Err(format!(
             "stage {addr} runs weights {} and this head's model file is {weights_sha256}",
@@ -361,24 +391,7 @@ async fn open_stage(
             crate::cpu::NUMERICS
         ));
     }
-    let (tx, rx) = tokio::sync::mpsc::channel(1);
-    let rx = c
-        .forward(tokio_stream::wrappers::ReceiverStream::new(rx))
-        .await
-        .map_err(|s| format!("stage {addr}: opening its stream: {}", s.message()))?
-        .into_inner();
-    let conn = Conn {
-        info: StageInfo {
-            addr: addr.to_string(),
-            stage_id: d.stage_id.clone(),
-            layers: d.first_layer as usize..d.end_layer as usize,
-        },
-        tx,
-        rx,
-        broken: None,
-        registry,
-    };
-    Ok((conn, d))
+    Ok(())
 }
 
 fn stage_client(
@@ -1178,5 +1191,44 @@ impl Model for PipelineModel {
                 })
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stage that agrees with the head on everything; each case changes one thing.
+    fn described() -> dpb::DescribeResponse {
+        dpb::DescribeResponse {
+            weights_sha256: "ab12".into(),
+            vocab: 100,
+            numerics: crate::cpu::NUMERICS.into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_stage_of_other_weights_vocabulary_or_numerics_is_refused() {
+        assert_eq!(check_description("s1", &described(), "ab12", 100), Ok(()));
+        let refused = |d: dpb::DescribeResponse| check_description("s1", &d, "ab12", 100).unwrap_err();
+        let e = refused(dpb::DescribeResponse {
+            weights_sha256: "cd34".into(),
+            ..described()
+        });
+        assert!(e.contains("runs weights cd34"), "{e}");
+        let e = refused(dpb::DescribeResponse {
+            vocab: 99,
+            ..described()
+        });
+        assert!(e.contains("vocabulary of 99"), "{e}");
+        // A release before the numerics field sends "": it computes other bits (cpu1).
+        for numerics in ["", "cpu1", "cpu3"] {
+            let e = refused(dpb::DescribeResponse {
+                numerics: numerics.into(),
+                ..described()
+            });
+            assert!(e.contains(&format!("numerics {numerics:?}")), "{e}");
+        }
     }
 }
