@@ -526,19 +526,18 @@ fn run_layers(w: &CpuWeights, items: &mut [(&mut CpuSequence, usize)], x: &mut [
                 let kvh = h / rep;
                 let qh = &q[r * hidden + h * d..r * hidden + (h + 1) * d];
                 scores.clear();
-                scores
-                    .extend((0..=pos).map(|t| dot_f32(qh, &keys[t * kvw + kvh * d..t * kvw + (kvh + 1) * d]) * scale));
+                scores.resize(pos + 1, 0.0);
+                quant::scores(qh, keys, kvw, kvh * d, scale, &mut scores);
                 let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
                 let mut sum = 0f32;
                 for s in scores.iter_mut() {
                     *s = exp(*s - max);
                     sum += *s;
                 }
-                acc.iter_mut().for_each(|a| *a = 0.0);
-                for (t, &e) in scores.iter().enumerate() {
-                    let p = e / sum;
-                    quant::add_scaled(&mut acc, p, &values[t * kvw + kvh * d..t * kvw + (kvh + 1) * d]);
+                for s in scores.iter_mut() {
+                    *s /= sum;
                 }
+                quant::weighted_sum(&scores, values, kvw, kvh * d, &mut acc);
                 // SAFETY: each (row, head) slice of `att` belongs to one work item.
                 #[allow(unsafe_code)]
                 unsafe {

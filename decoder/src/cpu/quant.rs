@@ -103,22 +103,23 @@ pub(crate) fn quantize_row(x: &[f32], out: &mut QuantRow) {
     out.sum.clear();
     out.s.clear();
     for (b, block) in x.chunks_exact(BLOCK).enumerate() {
-        let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         let mut q = [0i8; BLOCK];
-        let mut sum = 0i32;
-        for (q, &v) in q.iter_mut().zip(block) {
-            // Within ±127 always: the kernels negate activations (`_mm256_sign_epi8`), and -128
-            // has no negation in i8. Only a block so small that `1 / d` overflows (its largest
-            // value under ~4e-37) would reach it; for any other the clamp changes nothing.
-            *q = (v * id).round().clamp(-127.0, 127.0) as i8;
-            sum += *q as i32;
-        }
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2 is present; a block is `BLOCK` values.
+        let fast = if simd() {
+            unsafe { avx2_kernels::quantize_block(block, &mut q) }
+        } else {
+            None
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let fast = None;
+        let (d, sum) = fast.unwrap_or_else(|| quantize_block(block, &mut q));
         if b < grouped {
+            // Elements 4·s..4·s + 4 of block j at `interleaved(j, 4·s)`.
             let group = &mut out.groups[b / GROUP];
-            for (e, &v) in q.iter().enumerate() {
-                group[interleaved(b % GROUP, e)] = v;
+            for (s, run) in q.chunks_exact(4).enumerate() {
+                let at = interleaved(b % GROUP, 4 * s);
+                group[at..at + 4].copy_from_slice(run);
             }
         } else {
             out.tail.push(q);
@@ -127,6 +128,22 @@ pub(crate) fn quantize_row(x: &[f32], out: &mut QuantRow) {
         out.sum.push(sum);
         out.s.push(d * sum as f32);
     }
+}
+
+/// One block of [`quantize_row`]: its values into `q`; the scale `d` and the sum of `q`.
+fn quantize_block(block: &[f32], q: &mut [i8; BLOCK]) -> (f32, i32) {
+    let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let mut sum = 0i32;
+    for (q, &v) in q.iter_mut().zip(block) {
+        // Within ±127 always: the kernels negate activations (`_mm256_sign_epi8`), and -128
+        // has no negation in i8. Only a block so small that `1 / d` overflows (its largest
+        // value under ~4e-37) would reach it; for any other the clamp changes nothing.
+        *q = (v * id).round().clamp(-127.0, 127.0) as i8;
+        sum += *q as i32;
+    }
+    (d, sum)
 }
 
 /// Every row of `x` (rows of `cols` elements) quantized on its own ([`quantize_row`]).
@@ -472,6 +489,47 @@ pub(crate) fn add_scaled(acc: &mut [f32], p: f32, v: &[f32]) {
     }
 }
 
+/// Attention scores of one query head: `out[t] = dot_f32(q, key t) × scale` for `t <
+/// out.len()`, where key `t` is `keys[t × stride + offset..][..q.len()]` (a cache of rows of
+/// `stride` values). Several keys at once, each in [`dot_f32`]'s order: the same bits.
+pub(crate) fn scores(q: &[f32], keys: &[f32], stride: usize, offset: usize, scale: f32, out: &mut [f32]) {
+    if let Some(last) = out.len().checked_sub(1) {
+        assert!(last * stride + offset + q.len() <= keys.len(), "keys within the cache");
+    }
+    #[cfg(target_arch = "x86_64")]
+    if simd() {
+        // SAFETY: AVX2 is present; every key lies within `keys` (checked above).
+        return unsafe { avx2_kernels::scores(q, keys, stride, offset, scale, out) };
+    }
+    let d = q.len();
+    for (t, o) in out.iter_mut().enumerate() {
+        *o = dot_f32(q, &keys[t * stride + offset..t * stride + offset + d]) * scale;
+    }
+}
+
+/// The attention's weighted sum: `out = Σ probs[t] × value t` with value `t` =
+/// `values[t × stride + offset..][..out.len()]`, each element summed from 0 in `t` order
+/// (multiplied, then added): the bits of [`add_scaled`] called for `t = 0, 1, …` on a zeroed
+/// `out`, with the running sums kept in registers.
+pub(crate) fn weighted_sum(probs: &[f32], values: &[f32], stride: usize, offset: usize, out: &mut [f32]) {
+    if let Some(last) = probs.len().checked_sub(1) {
+        assert!(
+            last * stride + offset + out.len() <= values.len(),
+            "values within the cache"
+        );
+    }
+    out.iter_mut().for_each(|o| *o = 0.0);
+    #[cfg(target_arch = "x86_64")]
+    if simd() {
+        // SAFETY: AVX2 is present; every value row lies within `values` (checked above).
+        return unsafe { avx2_kernels::weighted_sum(probs, values, stride, offset, out) };
+    }
+    let d = out.len();
+    for (t, &p) in probs.iter().enumerate() {
+        add_scaled(out, p, &values[t * stride + offset..t * stride + offset + d]);
+    }
+}
+
 /// Whether the AVX2 kernels run (AVX2, F16C and FMA; checked once).
 fn simd() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -729,6 +787,155 @@ mod avx2_kernels {
         }
         for (a, &x) in acc[whole..].iter_mut().zip(&v[whole..]) {
             *a += p * x;
+        }
+    }
+
+    /// [`super::quantize_block`] vectorized, for a block of finite values with a finite
+    /// `1 / d` (`None` otherwise: the caller takes the scalar path). Round half away from zero
+    /// as `f32::round`: truncate, then step away when the dropped fraction (exact) is at least
+    /// one half.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn quantize_block(block: &[f32], q: &mut [i8; BLOCK]) -> Option<(f32, i32)> {
+        assert_eq!(block.len(), BLOCK);
+        let p = block.as_ptr();
+        let v = [
+            _mm256_loadu_ps(p),
+            _mm256_loadu_ps(p.add(8)),
+            _mm256_loadu_ps(p.add(16)),
+            _mm256_loadu_ps(p.add(24)),
+        ];
+        let sign = _mm256_set1_ps(-0.0);
+        let zero = _mm256_setzero_ps();
+        let mut amax = zero;
+        let mut finite = _mm256_cmp_ps(zero, zero, _CMP_EQ_OQ);
+        for v in v {
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v));
+            // `v - v` is 0 for a finite value and NaN for an infinite or NaN one.
+            finite = _mm256_and_ps(finite, _mm256_cmp_ps(_mm256_sub_ps(v, v), zero, _CMP_EQ_OQ));
+        }
+        if _mm256_movemask_ps(finite) != 0xff {
+            return None;
+        }
+        let m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        if !id.is_finite() {
+            return None;
+        }
+        let (idv, half, one, lim) = (
+            _mm256_set1_ps(id),
+            _mm256_set1_ps(0.5),
+            _mm256_set1_ps(1.0),
+            _mm256_set1_ps(127.0),
+        );
+        let mut ints = [_mm256_setzero_si256(); 4];
+        for (int, v) in ints.iter_mut().zip(v) {
+            let x = _mm256_mul_ps(v, idv);
+            let t = _mm256_round_ps(x, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            let up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(x, t)), half, _CMP_GE_OQ);
+            let step = _mm256_and_ps(up, _mm256_or_ps(one, _mm256_and_ps(x, sign)));
+            let r = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(t, step), _mm256_sub_ps(zero, lim)), lim);
+            *int = _mm256_cvttps_epi32(r);
+        }
+        // i32 → i8 by saturating packs (exact: within ±127), which interleave 4-byte runs per
+        // 128-bit half; the permutation puts elements 0..32 back in order.
+        let a = _mm256_packs_epi32(ints[0], ints[1]);
+        let b = _mm256_packs_epi32(ints[2], ints[3]);
+        let bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, bytes);
+        let s = _mm256_add_epi32(_mm256_add_epi32(ints[0], ints[1]), _mm256_add_epi32(ints[2], ints[3]));
+        let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+        Some((d, _mm_cvtsi128_si32(s)))
+    }
+
+    /// [`super::scores`]: 8 keys at a time, one partial-sum vector each (8 independent
+    /// chains instead of one), each finished by [`dot_f32_finish`]. Every key lies within
+    /// `keys`.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn scores(q: &[f32], keys: &[f32], stride: usize, offset: usize, scale: f32, out: &mut [f32]) {
+        const KEYS: usize = 8;
+        let d = q.len();
+        let key = |t: usize| keys.as_ptr().add(t * stride + offset);
+        let n = out.len();
+        let mut t = 0;
+        while t + KEYS <= n {
+            let mut acc = [_mm256_setzero_ps(); KEYS];
+            for i in 0..d / 8 {
+                let x = _mm256_loadu_ps(q.as_ptr().add(8 * i));
+                for (k, acc) in acc.iter_mut().enumerate() {
+                    let y = _mm256_loadu_ps(key(t + k).add(8 * i));
+                    *acc = _mm256_add_ps(*acc, _mm256_mul_ps(x, y));
+                }
+            }
+            // The lanes of each key added in `dot_f32_finish`'s tree, 8 keys at once:
+            // `hadd` gives (0+1), (2+3) and (4+5), (6+7) of two vectors, then of those pairs
+            // (01+23) and (45+67) per key, added last.
+            let h01 = _mm256_hadd_ps(acc[0], acc[1]);
+            let h23 = _mm256_hadd_ps(acc[2], acc[3]);
+            let h45 = _mm256_hadd_ps(acc[4], acc[5]);
+            let h67 = _mm256_hadd_ps(acc[6], acc[7]);
+            // Keys 0-3 then 4-7: their (01+23) in the low half, (45+67) in the high one.
+            let (a, b) = (_mm256_hadd_ps(h01, h23), _mm256_hadd_ps(h45, h67));
+            let sums = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+            if d.is_multiple_of(8) {
+                _mm256_storeu_ps(out.as_mut_ptr().add(t), _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+            } else {
+                let mut s = [0f32; KEYS];
+                _mm256_storeu_ps(s.as_mut_ptr(), sums);
+                let whole = d / 8 * 8;
+                for (k, s) in s.iter_mut().enumerate() {
+                    for j in whole..d {
+                        *s += *q.get_unchecked(j) * *key(t + k).add(j);
+                    }
+                    *out.get_unchecked_mut(t + k) = *s * scale;
+                }
+            }
+            t += KEYS;
+        }
+        for t in t..n {
+            *out.get_unchecked_mut(t) = dot_f32(q, std::slice::from_raw_parts(key(t), d)) * scale;
+        }
+    }
+
+    /// [`super::weighted_sum`] on a zeroed `out`: up to 64 columns at a time held in
+    /// registers across all `t`. Every value row lies within `values`.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn weighted_sum(probs: &[f32], values: &[f32], stride: usize, offset: usize, out: &mut [f32]) {
+        let d = out.len();
+        let whole = d / 8 * 8;
+        let mut c = 0;
+        while c + 64 <= whole {
+            columns::<8>(probs, values.as_ptr().add(offset + c), stride, out.as_mut_ptr().add(c));
+            c += 64;
+        }
+        while c < whole {
+            columns::<1>(probs, values.as_ptr().add(offset + c), stride, out.as_mut_ptr().add(c));
+            c += 8;
+        }
+        for (t, &p) in probs.iter().enumerate() {
+            let v = values.as_ptr().add(t * stride + offset);
+            for j in whole..d {
+                *out.get_unchecked_mut(j) += p * *v.add(j);
+            }
+        }
+    }
+
+    /// `W` vectors of columns of [`weighted_sum`], from `v` (value 0's first column) into `out`.
+    #[inline(always)]
+    unsafe fn columns<const W: usize>(probs: &[f32], v: *const f32, stride: usize, out: *mut f32) {
+        let mut acc = [_mm256_setzero_ps(); W];
+        for (t, &p) in probs.iter().enumerate() {
+            let (p, row) = (_mm256_set1_ps(p), v.add(t * stride));
+            for (j, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm256_add_ps(*acc, _mm256_mul_ps(p, _mm256_loadu_ps(row.add(8 * j))));
+            }
+        }
+        for (j, acc) in acc.iter().enumerate() {
+            _mm256_storeu_ps(out.add(8 * j), *acc);
         }
     }
 
@@ -1207,6 +1414,86 @@ mod tests {
                 fast.iter().zip(&slow).all(|(f, s)| f.to_bits() == s.to_bits()),
                 "add_scaled of {len}"
             );
+        }
+    }
+
+    /// The attention's scores and weighted sum give the bits of their one-key, one-row
+    /// definitions: any number of keys (whole groups of 8 and the rest), head widths with and
+    /// without a tail, an offset into rows of a wider stride.
+    #[test]
+    fn the_attention_helpers_agree_with_their_definitions() {
+        for d in [3usize, 8, 60, 64, 72, 136] {
+            let stride = 3 * d + 5;
+            let offset = d + 2;
+            for n in [0usize, 1, 7, 8, 9, 17, 40] {
+                let keys = values(n * stride + offset + d, 41);
+                let q = values(d, 42);
+                let mut fast = vec![0f32; n];
+                scores(&q, &keys, stride, offset, 0.125, &mut fast);
+                for (t, f) in fast.iter().enumerate() {
+                    let slow = dot_f32(&q, &keys[t * stride + offset..t * stride + offset + d]) * 0.125;
+                    assert_eq!(f.to_bits(), slow.to_bits(), "score {t} of {n}, width {d}");
+                }
+                let probs: Vec<f32> = values(n, 43).iter().map(|p| p.abs()).collect();
+                let mut fast = values(d, 44); // overwritten
+                weighted_sum(&probs, &keys, stride, offset, &mut fast);
+                let mut slow = vec![0f32; d];
+                for (t, &p) in probs.iter().enumerate() {
+                    for (s, &v) in slow.iter_mut().zip(&keys[t * stride + offset..t * stride + offset + d]) {
+                        *s += p * v;
+                    }
+                }
+                assert!(
+                    fast.iter().zip(&slow).all(|(f, s)| f.to_bits() == s.to_bits()),
+                    "weighted sum of {n}, width {d}"
+                );
+            }
+        }
+    }
+
+    /// The vectorized quantization of a block gives the scalar one's scale, values and sum, or
+    /// leaves the block to it (values that are not finite, a scale whose inverse overflows);
+    /// rounding halves away from zero included.
+    #[test]
+    fn the_vectorized_quantization_agrees_with_the_scalar_one() {
+        #[cfg(target_arch = "x86_64")]
+        if simd() {
+            let mut blocks: Vec<Vec<f32>> = (0..400u64)
+                .map(|i| {
+                    let scale = [1e-30f32, 1e-3, 0.7, 1.0, 300.0, 1e30][i as usize % 6];
+                    values(BLOCK, 100 + i).iter().map(|v| v * scale).collect()
+                })
+                .collect();
+            // max |x| = 127, so d = 1 and the values are what is rounded: halves, values just
+            // below a half, negative zero.
+            let mut halves: Vec<f32> = vec![127.0, -0.0, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 126.5, -126.5];
+            halves.extend([0.49999997f32, -0.49999997, 2.4999998, -2.4999998, 1e-40, -1e-40]);
+            halves.resize(BLOCK, 3.0);
+            blocks.push(halves);
+            blocks.push(vec![0.0; BLOCK]);
+            blocks.push((0..BLOCK).map(|i| if i == 7 { 1e-39 } else { 0.0 }).collect());
+            let mut fast_taken = 0;
+            for (i, block) in blocks.iter().enumerate() {
+                let (mut slow, mut fast) = ([0i8; BLOCK], [0i8; BLOCK]);
+                let want = quantize_block(block, &mut slow);
+                // SAFETY: AVX2 is present.
+                if let Some(got) = unsafe { avx2_kernels::quantize_block(block, &mut fast) } {
+                    fast_taken += 1;
+                    assert_eq!(
+                        (got.0.to_bits(), got.1, fast),
+                        (want.0.to_bits(), want.1, slow),
+                        "block {i}: {block:?}"
+                    );
+                }
+            }
+            // Only the subnormal-scale blocks (1e-30 × values, and the 1e-39 one) go scalar.
+            assert!(fast_taken >= blocks.len() - 70, "{fast_taken} of {}", blocks.len());
+            for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
+                let mut block = values(BLOCK, 7);
+                block[5] = bad;
+                // SAFETY: AVX2 is present.
+                assert!(unsafe { avx2_kernels::quantize_block(&block, &mut [0; BLOCK]) }.is_none());
+            }
         }
     }
 
