@@ -157,3 +157,16 @@ async fn handoff_failure_points_1_3_and_5_hold_with_the_real_model() {
         assert!(r.ok, "{} ({}): {:#?}", sc.name(), out.display(), failures(&r));
     }
 }
+
+/// Watch showing proposed, uncommitted records: the leader cut off from both followers still
+/// takes the owner's appends and (planted) shows them, then loses them; the owner's lease lapses
+/// meanwhile, and the generation's next owner writes those seqs at its own epoch. The client
+/// saw records that never committed, which `exactly-once` (and `durability`) flags. Under the
+/// plant a waiting Watch polls the proposals; before it did, nothing woke it on a leader that
+/// could not commit, and this scenario passed with the bug planted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_planted_early_visibility_fails_the_leader_in_minority_scenario() {
+    let (failed, verdicts) = planted(Scenario::LeaderInMinorityPartition, Plant::EarlyVisibility).await;
+    eprintln!("expectations failed: {failed:?}\nverdicts failed: {verdicts:?}");
+    assert!(verdicts.iter().any(|(k, _)| k == "exactly-once"), "{verdicts:?}");
+}

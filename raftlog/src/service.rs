@@ -790,10 +790,24 @@ async fn watch_loop(
                 tokio::select! {
                     changed = applied.changed() => if changed.is_err() { return },
                     _ = tx.closed() => return,
+                    // The planted bug shows proposals, which wake nothing: a leader that can no
+                    // longer commit (cut off from its quorum) applies nothing either.
+                    _ = early_poll(&ctx) => {}
                 }
             }
         }
     }
+}
+
+/// Planted bug `early_visibility` only: a short wait, so that a waiting Watch looks at the
+/// proposals again; otherwise never ready.
+async fn early_poll(ctx: &NodeCtx) {
+    #[cfg(feature = "faults")]
+    if ctx.faults.early_visibility() {
+        return tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let _ = ctx;
+    std::future::pending().await
 }
 
 /// The rest of a Watch on a generation whose records this node keeps on disk only: read them
