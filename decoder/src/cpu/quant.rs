@@ -853,8 +853,9 @@ mod avx2_kernels {
     }
 
     /// [`super::scores`]: 8 keys at a time, one partial-sum vector each (8 independent
-    /// chains instead of one), each finished by [`dot_f32_finish`]. Every key lies within
-    /// `keys`.
+    /// chains instead of one), their lanes added in [`dot_f32_finish`]'s tree. A head width
+    /// with a tail (not a multiple of 8), and the keys after the last 8, go through
+    /// [`dot_f32`] one by one. Every key lies within `keys`.
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn scores(q: &[f32], keys: &[f32], stride: usize, offset: usize, scale: f32, out: &mut [f32]) {
         const KEYS: usize = 8;
@@ -862,7 +863,7 @@ mod avx2_kernels {
         let key = |t: usize| keys.as_ptr().add(t * stride + offset);
         let n = out.len();
         let mut t = 0;
-        while t + KEYS <= n {
+        while d.is_multiple_of(8) && t + KEYS <= n {
             let mut acc = [_mm256_setzero_ps(); KEYS];
             for i in 0..d / 8 {
                 let x = _mm256_loadu_ps(q.as_ptr().add(8 * i));
@@ -881,19 +882,7 @@ mod avx2_kernels {
             // Keys 0-3 then 4-7: their (01+23) in the low half, (45+67) in the high one.
             let (a, b) = (_mm256_hadd_ps(h01, h23), _mm256_hadd_ps(h45, h67));
             let sums = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-            if d.is_multiple_of(8) {
-                _mm256_storeu_ps(out.as_mut_ptr().add(t), _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
-            } else {
-                let mut s = [0f32; KEYS];
-                _mm256_storeu_ps(s.as_mut_ptr(), sums);
-                let whole = d / 8 * 8;
-                for (k, s) in s.iter_mut().enumerate() {
-                    for j in whole..d {
-                        *s += *q.get_unchecked(j) * *key(t + k).add(j);
-                    }
-                    *out.get_unchecked_mut(t + k) = *s * scale;
-                }
-            }
+            _mm256_storeu_ps(out.as_mut_ptr().add(t), _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
             t += KEYS;
         }
         for t in t..n {
@@ -1486,7 +1475,7 @@ mod tests {
                     );
                 }
             }
-            // Only the subnormal-scale blocks (1e-30 × values, and the 1e-39 one) go scalar.
+            // Only the block whose `1 / d` overflows (the 1e-39 one) goes scalar.
             assert!(fast_taken >= blocks.len() - 70, "{fast_taken} of {}", blocks.len());
             for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
                 let mut block = values(BLOCK, 7);
