@@ -71,6 +71,10 @@ pub struct LogArgs {
     /// Skip the etcd baseline (no ratio is printed then).
     #[arg(long)]
     pub no_etcd: bool,
+    /// tokenlog's writers send on an `AppendStream` each (the decoders' path), still one write
+    /// outstanding per writer, instead of one unary `Append` call per write (like etcd's puts).
+    #[arg(long)]
+    pub stream: bool,
     /// etcd binary.
     #[arg(long, default_value = "etcd")]
     pub etcd: String,
@@ -153,7 +157,7 @@ impl Outcome {
     fn print(&self, name: &str) {
         let h = self.latency_us.as_ref().expect("measured");
         println!(
-            "{name:<9} {:>10.0} writes/s {:>10.0} tokens/s   commit latency p50 {:>7.2} ms  p99 {:>7.2} ms   \
+            "{name:<15} {:>10.0} writes/s {:>10.0} tokens/s   commit latency p50 {:>7.2} ms  p99 {:>7.2} ms   \
              server CPU {:>6.0} us/write ({:.2} cores)",
             self.steps_per_s(),
             self.tokens_per_s(),
@@ -182,7 +186,7 @@ async fn bench_log(a: LogArgs) -> anyhow::Result<()> {
             let addrs: Vec<String> = (0..3).map(|i| format!("127.0.0.1:{}", a.base_port + i)).collect();
             run_tokenlog(&a, writers, addrs, &procs).await?
         };
-        ours.print("tokenlog");
+        ours.print(if a.stream { "tokenlog/stream" } else { "tokenlog" });
         if a.no_etcd {
             continue;
         }
@@ -393,12 +397,24 @@ async fn run_tokenlog(a: &LogArgs, writers: usize, addrs: Vec<String>, procs: &P
     for (w, gens) in owned.into_iter().enumerate() {
         let client = client.clone();
         let tokens = a.tokens_per_step;
+        let stream = a.stream;
         tasks.push(tokio::spawn(async move {
             let mut h = Histogram::<u64>::new(3).expect("histogram");
             let (mut steps, mut seq) = (0u64, 0u32);
+            let mut s = match stream {
+                true => Some(client.append_stream().await?),
+                false => None,
+            };
             while Instant::now() < deadline {
                 let t = Instant::now();
-                append_step(&client, w, &gens, seq, &vec![seq; tokens]).await?;
+                let token_ids = vec![seq; tokens];
+                match &mut s {
+                    Some(s) => {
+                        s.send(append_request(w, &gens, seq, &token_ids, false)).await?;
+                        accepted(&s.answer().await?)?;
+                    }
+                    None => append_step(&client, w, &gens, seq, &token_ids).await?,
+                }
                 h.record(t.elapsed().as_micros() as u64)?;
                 steps += 1;
                 seq += tokens as u32;
@@ -435,6 +451,12 @@ pub async fn append_step_then(
     token_ids: &[u32],
     finish: bool,
 ) -> anyhow::Result<()> {
+    let resp = client.append(append_request(w, gens, seq, token_ids, finish)).await?;
+    accepted(&resp)
+}
+
+/// The request of [`append_step_then`].
+fn append_request(w: usize, gens: &[(u64, u64)], seq: u32, token_ids: &[u32], finish: bool) -> pb::AppendRequest {
     let items = gens
         .iter()
         .map(|&(id, epoch)| pb::AppendItem {
@@ -450,13 +472,15 @@ pub async fn append_step_then(
             ..Default::default()
         })
         .collect();
-    let resp = client
-        .append(pb::AppendRequest {
-            decoder_id: format!("bench-decoder-{w}"),
-            lease_ms: 60_000,
-            items,
-        })
-        .await?;
+    pb::AppendRequest {
+        decoder_id: format!("bench-decoder-{w}"),
+        lease_ms: 60_000,
+        items,
+    }
+}
+
+/// `Ok` when every item of an append was accepted.
+fn accepted(resp: &pb::AppendResponse) -> anyhow::Result<()> {
     if let Some(r) = resp.results.iter().find(|r| !r.accepted) {
         bail!("append rejected: {:?}", r.rejection);
     }
