@@ -492,3 +492,26 @@ fn a_node_snapshots_after_enough_tokens_whatever_its_entry_count() {
         .unwrap_or_else(|| panic!("no snapshot index in: {text}"));
     assert!(index > 0, "no snapshot after 1.1M tokens: {text}");
 }
+
+/// `tokenlog bench log` drives a 3-node cluster through unary `Append` calls, and with
+/// `--stream` through one `AppendStream` per writer (the decoders' path). The bench fails on
+/// any refused item, so a row with writes measured means every write was accepted.
+#[test]
+fn the_log_bench_writes_through_unary_calls_and_append_streams() {
+    let _one = serial();
+    for (flag, label) in [(None, "tokenlog "), (Some("--stream"), "tokenlog/stream ")] {
+        let mut cmd = std::process::Command::new(common::bin());
+        cmd.args(["bench", "log", "--writers", "2", "--generations", "4", "--seconds", "1"])
+            .args(["--no-etcd", "--base-port", &common::free_port().to_string()])
+            .args(flag);
+        let out = cmd.output().expect("run tokenlog bench log");
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(out.status.success(), "{text} {}", String::from_utf8_lossy(&out.stderr));
+        let writes: f64 = text
+            .lines()
+            .filter_map(|l| l.strip_prefix(label))
+            .find_map(|rest| rest.split_whitespace().next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no {label:?} row in: {text}"));
+        assert!(writes > 0.0, "{text}");
+    }
+}
