@@ -390,31 +390,35 @@ async fn run_tokenlog(a: &LogArgs, writers: usize, addrs: Vec<String>, procs: &P
     let client = LogClient::new(addrs)?;
     wait_for_leader(&client).await?;
     let owned = setup_writers(&client, writers, a.generations / writers).await?;
+    // With `--stream`, each writer's stream is open before the clock starts.
+    let mut streams = Vec::with_capacity(owned.len());
+    for _ in &owned {
+        streams.push(match a.stream {
+            true => Some(client.append_stream().await?),
+            false => None,
+        });
+    }
     let cpu_at_start = procs.cpu_ticks();
     let start = Instant::now();
     let deadline = start + Duration::from_secs(a.seconds);
     let mut tasks = Vec::new();
-    for (w, gens) in owned.into_iter().enumerate() {
+    for ((w, gens), mut stream) in owned.into_iter().enumerate().zip(streams) {
         let client = client.clone();
         let tokens = a.tokens_per_step;
-        let stream = a.stream;
         tasks.push(tokio::spawn(async move {
             let mut h = Histogram::<u64>::new(3).expect("histogram");
             let (mut steps, mut seq) = (0u64, 0u32);
-            let mut s = match stream {
-                true => Some(client.append_stream().await?),
-                false => None,
-            };
             while Instant::now() < deadline {
                 let t = Instant::now();
-                let token_ids = vec![seq; tokens];
-                match &mut s {
+                let req = append_request(w, &gens, seq, &vec![seq; tokens], false);
+                let resp = match &mut stream {
                     Some(s) => {
-                        s.send(append_request(w, &gens, seq, &token_ids, false)).await?;
-                        accepted(&s.answer().await?)?;
+                        s.send(req).await?;
+                        s.answer().await?
                     }
-                    None => append_step(&client, w, &gens, seq, &token_ids).await?,
-                }
+                    None => client.append(req).await?,
+                };
+                accepted(&resp)?;
                 h.record(t.elapsed().as_micros() as u64)?;
                 steps += 1;
                 seq += tokens as u32;
@@ -431,18 +435,8 @@ async fn run_tokenlog(a: &LogArgs, writers: usize, addrs: Vec<String>, procs: &P
 }
 
 /// One step of writer `w` (decoder `bench-decoder-{w}`): one Append carrying `token_ids` from
-/// `seq` for each of its generations; an item refused is an error.
-pub async fn append_step(
-    client: &LogClient,
-    w: usize,
-    gens: &[(u64, u64)],
-    seq: u32,
-    token_ids: &[u32],
-) -> anyhow::Result<()> {
-    append_step_then(client, w, gens, seq, token_ids, false).await
-}
-
-/// [`append_step`], and with `finish` every generation finishes (`Stop`) after these records.
+/// `seq` for each of its generations, and with `finish` every generation finishes (`Stop`) after
+/// these records; an item refused is an error.
 pub async fn append_step_then(
     client: &LogClient,
     w: usize,
