@@ -1320,7 +1320,11 @@ impl Worker {
         let mut gens: Vec<Active> = std::mem::take(&mut self.active).into_values().collect();
         let model = self.model.clone();
         let pc = self.prefix_cache.clone();
+        let queued = Instant::now();
         let gens = model_work(move || {
+            let began = Instant::now();
+            let sched = step_trace().then(thread_schedstat);
+            let n = gens.iter().filter(|g| g.can_sample()).count();
             let mut feeding: Vec<&mut DecodeState> = gens
                 .iter_mut()
                 .filter(|g| g.can_sample())
@@ -1337,6 +1341,19 @@ impl Worker {
                     }
                     None => g.finish = g.state.finished().cloned(),
                 }
+            }
+            // Where a slow step's time went (`RUST_LOG=tokenlog_decoder::steps=debug`): waiting
+            // for a blocking thread, or the forward pass and the draws.
+            if let (Some(Some(a)), Some(b)) = (sched, thread_schedstat()) {
+                tracing::debug!(
+                    target: "tokenlog_decoder::steps",
+                    generations = n,
+                    wait_us = (began - queued).as_micros() as u64,
+                    model_us = began.elapsed().as_micros() as u64,
+                    on_cpu_us = b.0.saturating_sub(a.0) / 1_000,
+                    runnable_us = b.1.saturating_sub(a.1) / 1_000,
+                    "step"
+                );
             }
             Ok::<_, crate::Error>(gens)
         })
@@ -1655,6 +1672,20 @@ pub(crate) async fn model_work<R: Send + 'static>(f: impl FnOnce() -> R + Send +
         )),
         Err(e) => Err(e.to_string()),
     }
+}
+
+/// Whether steps are traced (`RUST_LOG=tokenlog_decoder::steps=debug`).
+fn step_trace() -> bool {
+    tracing::enabled!(target: "tokenlog_decoder::steps", tracing::Level::DEBUG)
+}
+
+/// This thread's time on a CPU and time runnable but waiting for one, in ns, from the kernel's
+/// scheduler statistics (Linux; `None` elsewhere): a slow step either computed longer or waited
+/// for a core.
+fn thread_schedstat() -> Option<(u64, u64)> {
+    let s = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    let mut f = s.split_whitespace().map(|x| x.parse::<u64>().ok());
+    Some((f.next()??, f.next()??))
 }
 
 /// A generation back from the copy of its cache: (id, epoch, the state and the copy, or why the
@@ -2091,5 +2122,29 @@ fn store_prefix(g: &mut Active, pc: Option<&SharedPrefixCache>) {
     match g.state.export_cache() {
         Ok(c) => pc.lock().expect("lock").insert(&tokens, c),
         Err(e) => tracing::debug!(generation = g.id, error = %e, "not stored in the prefix cache"),
+    }
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use super::thread_schedstat;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn a_thread_s_scheduler_statistics_count_its_time_on_a_cpu() {
+        let (cpu0, wait0) = thread_schedstat().expect("/proc/thread-self/schedstat is readable");
+        let began = Instant::now();
+        let mut x = 0u64;
+        while began.elapsed() < Duration::from_millis(40) {
+            x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+        }
+        let (cpu1, wait1) = thread_schedstat().expect("readable again");
+        // 40 ms of wall time spinning: on a CPU for most of it, or waiting for one.
+        let (on, waited) = (cpu1 - cpu0, wait1 - wait0);
+        assert!(on >= 10_000_000, "on a CPU {on} ns of a 40 ms spin");
+        assert!(
+            on + waited >= 35_000_000,
+            "on a CPU {on} ns + runnable {waited} ns of a 40 ms spin"
+        );
     }
 }

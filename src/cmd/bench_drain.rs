@@ -52,7 +52,12 @@ fn spawn(a: &DrainArgs, cluster: &str, id: &str, dir: &std::path::Path) -> anyho
         cmd.args(["--fake", "--fake-step-ms", &a.fake_step_ms.to_string()]);
     }
     let child = cmd
-        .env("RUST_LOG", "info,openraft=warn")
+        // TOKENLOG_BENCH_DECODER_LOG: another filter for the decoders' logs (with
+        // TOKENLOG_BENCH_KEEP to keep them), e.g. `info,tokenlog_decoder::steps=debug`.
+        .env(
+            "RUST_LOG",
+            std::env::var("TOKENLOG_BENCH_DECODER_LOG").unwrap_or_else(|_| "info,openraft=warn".into()),
+        )
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(dir.join(format!("{id}.log")))?)
         .spawn()
@@ -115,7 +120,31 @@ pub async fn drain(a: DrainArgs) -> anyhow::Result<()> {
     }
     let dir = tempfile::tempdir()?;
     println!("process logs in {} (removed at the end)", dir.path().display());
-    let _procs = start_tokenlog(dir.path(), a.base_port)?;
+    let done = rounds(&a, dir.path(), model.as_ref(), &name, &prompt).await;
+    // TOKENLOG_BENCH_KEEP: the process logs stay, whether the rounds ended well or not.
+    if std::env::var_os("TOKENLOG_BENCH_KEEP").is_some() {
+        println!("kept {}", dir.keep().display());
+    }
+    let mut ratios = done?;
+    ratios.sort_by(f64::total_cmp);
+    println!(
+        "longest gap / normal gap over {} drains: best {:.2}x, worst {:.2}x (goal: at most 2x)",
+        ratios.len(),
+        ratios.first().copied().unwrap_or_default(),
+        ratios.last().copied().unwrap_or_default()
+    );
+    Ok(())
+}
+
+/// Runs the rounds with process logs in `dir`: each round's longest / normal gap.
+async fn rounds(
+    a: &DrainArgs,
+    dir: &std::path::Path,
+    model: &dyn tokenlog_decoder::Model,
+    name: &str,
+    prompt: &[u32],
+) -> anyhow::Result<Vec<f64>> {
+    let _procs = start_tokenlog(dir, a.base_port)?;
     let addrs: Vec<String> = (0..3).map(|i| format!("127.0.0.1:{}", a.base_port + i)).collect();
     let cluster = addrs.join(",");
     let client = LogClient::new(addrs)?;
@@ -126,18 +155,18 @@ pub async fn drain(a: DrainArgs) -> anyhow::Result<()> {
     );
     let mut ratios = Vec::new();
     for round in 0..a.rounds {
-        let src = spawn(&a, &cluster, &format!("drain-src-{round}"), dir.path())?;
-        wait_registered(&client, &src.id, dir.path()).await?;
+        let src = spawn(a, &cluster, &format!("drain-src-{round}"), dir)?;
+        wait_registered(&client, &src.id, dir).await?;
         let mut gids = Vec::new();
         for g in 0..a.generations {
             // Distinct prompts: a shared prefix would not matter, but distinct is the usual case.
-            let mut p = prompt.clone();
+            let mut p = prompt.to_vec();
             p.push(p[g % p.len()]);
             let sub = client
                 .submit(pb::SubmitRequest {
                     tenant: "bench".into(),
                     request_id: format!("drain-{round}-{g}"),
-                    binding: Some(binding(model.as_ref(), &p, a.after + a.then + 2_000)),
+                    binding: Some(binding(model, &p, a.after + a.then + 2_000)),
                 })
                 .await?;
             gids.push(sub.generation.context("no generation")?.generation_id);
@@ -146,8 +175,19 @@ pub async fn drain(a: DrainArgs) -> anyhow::Result<()> {
             .iter()
             .map(|&gid| tokio::spawn(watch(client.clone(), gid, a.then)))
             .collect();
-        let dst = spawn(&a, &cluster, &format!("drain-dst-{round}"), dir.path())?;
-        wait_registered(&client, &dst.id, dir.path()).await?;
+        // All of them on the source before the destination starts: a destination that is up
+        // at once (the fake model loads in no time) would otherwise take some of them first.
+        let deadline = Instant::now() + Duration::from_secs(120);
+        for &gid in &gids {
+            while client.generation(gid).await?.lease.is_none_or(|l| l.owner != src.id) {
+                if Instant::now() > deadline {
+                    bail!("generation {gid} was not taken by the source within 120 s");
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        let dst = spawn(a, &cluster, &format!("drain-dst-{round}"), dir)?;
+        wait_registered(&client, &dst.id, dir).await?;
         // A decoder that just started pages its model in and allocates for a while; a rolling
         // restart drains into decoders that have been up for longer than that.
         tokio::time::sleep(DESTINATION_WARM_UP).await;
@@ -253,15 +293,5 @@ pub async fn drain(a: DrainArgs) -> anyhow::Result<()> {
         }
         drop(dst);
     }
-    if std::env::var_os("TOKENLOG_BENCH_KEEP").is_some() {
-        println!("kept {}", dir.keep().display());
-    }
-    ratios.sort_by(f64::total_cmp);
-    println!(
-        "longest gap / normal gap over {} drains: best {:.2}x, worst {:.2}x (goal: at most 2x)",
-        ratios.len(),
-        ratios.first().copied().unwrap_or_default(),
-        ratios.last().copied().unwrap_or_default()
-    );
-    Ok(())
+    Ok(ratios)
 }
