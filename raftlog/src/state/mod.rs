@@ -248,7 +248,7 @@ impl LogState {
                 .collect();
         }
         #[cfg(any(test, debug_assertions))]
-        self.check_indexes();
+        self.check_indexes(&changes.entry_touched);
         response
     }
 
