@@ -233,14 +233,14 @@ impl LogState {
     #[cfg(any(test, debug_assertions))]
     pub(super) fn check_indexes(&self, touched: &[GenerationId]) {
         let ix = &self.index;
+        assert_eq!(
+            ix.keys.len(),
+            self.generations.len(),
+            "index and table disagree in size"
+        );
+        let counted: u64 = ix.by_state.iter().sum();
+        assert_eq!(counted, self.generations.len() as u64, "state counts");
         if self.generations.len() > INDEX_FULL_CHECK_GENERATIONS_MAX {
-            assert_eq!(
-                ix.keys.len(),
-                self.generations.len(),
-                "index and table disagree in size"
-            );
-            let counted: u64 = ix.by_state.iter().sum();
-            assert_eq!(counted, self.generations.len() as u64, "state counts");
             for g in touched.iter().filter_map(|id| self.generations.get(id)) {
                 let current = ix.keys.get(&g.id).copied();
                 let k = IndexKey::next(g, current.as_ref());
@@ -250,13 +250,6 @@ impl LogState {
             }
             return;
         }
-        assert_eq!(
-            ix.keys.len(),
-            self.generations.len(),
-            "index and table disagree in size"
-        );
-        let counted: u64 = ix.by_state.iter().sum();
-        assert_eq!(counted, self.generations.len() as u64, "state counts");
         let claimable: usize = ix.claimable.values().map(BTreeSet::len).sum();
         let filed = ix.deadlines.len() + ix.unowned.len() + ix.finished.len() + claimable;
         let mut expected = 0;
