@@ -747,3 +747,27 @@ async fn the_real_model_hands_over_between_processes_and_stays_exact() {
     );
     assert!(!b_log.contains("generation taken"), "b re-prefilled nothing: {b_log}");
 }
+
+/// `tokenlog bench drain --fake` runs a whole round: the source takes every generation before the
+/// destination starts (a fake-model destination is up at once and took some of them first, and
+/// the round then waited out its 300 s deadline), the source hands all of them over and exits,
+/// and the bench prints the round's gaps. Only that it completes is checked: the ratio is a
+/// measurement, not a property.
+#[test]
+fn the_drain_bench_runs_a_round_with_the_fake_model() {
+    let _one = serial();
+    let out = std::process::Command::new(common::bin())
+        .args(["bench", "drain", "--fake", "--fake-step-ms", "5", "--rounds", "1"])
+        .args(["--after", "8", "--then", "4"])
+        .args(["--base-port", &common::free_port().to_string()])
+        .output()
+        .expect("run tokenlog bench drain");
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text} {}", String::from_utf8_lossy(&out.stderr));
+    let round = text
+        .lines()
+        .find(|l| l.starts_with("round 1:"))
+        .unwrap_or_else(|| panic!("no round line in: {text}"));
+    assert!(round.contains("source exited"), "{round}");
+    assert!(text.contains("over 1 drains"), "{text}");
+}
