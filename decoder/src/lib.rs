@@ -61,6 +61,7 @@ pub mod cache;
 #[cfg(feature = "model")]
 mod cpu;
 #[cfg(feature = "model")]
+pub use cpu::kernels as cpu_engine_kernels;
 pub use cpu::NUMERICS as CPU_ENGINE_NUMERICS;
 pub mod detokenizer;
 pub mod error;

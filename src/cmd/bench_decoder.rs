@@ -377,11 +377,12 @@ pub async fn decode(a: DecodeArgs) -> anyhow::Result<()> {
     let (model, name) = load_model(&dargs(a.fake, a.model.clone(), a.threads))?;
     let prompt = prompt_ids(model.as_ref())?;
     println!(
-        "bench decode: model {name}, {} thread(s), prompt {} tokens, {} tokens per run, {} rounds",
+        "bench decode: model {name}, {} thread(s), prompt {} tokens, {} tokens per run, {} rounds; CPU kernels: {}",
         a.threads,
         prompt.len(),
         a.tokens,
-        a.rounds
+        a.rounds,
+        tokenlog_decoder::cpu_engine_kernels()
     );
     // The 3-node log and the lease worker run through every round, so both measurements share
     // the machine's state; only where the tokens go differs.

@@ -30,6 +30,12 @@ pub(crate) mod quant;
 /// sums per lane (2026-12-04); before it, the identity carried no tag.
 pub const NUMERICS: &str = "cpu2";
 
+/// Which kernels the CPU engine's matrix products use on this CPU (the same numbers on every
+/// one), for reports such as `tokenlog bench decode`'s.
+pub fn kernels() -> &'static str {
+    quant::kernels()
+}
+
 /// The identity of a model file's generations on the CPU engine: the file's, with
 /// [`NUMERICS`] in its dtype class.
 pub fn identity_of(file: crate::identity::ModelIdentity) -> crate::identity::ModelIdentity {

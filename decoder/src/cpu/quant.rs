@@ -609,25 +609,52 @@ pub(crate) struct Q8_0Col<'a> {
     pub(crate) d: &'a [u16],
 }
 
-/// Whether the AVX2 kernels may use AVX-VNNI's dot product instruction (checked once).
-fn vnni() -> bool {
+/// Which dot product instruction the AVX2 kernels may use (checked once): AVX-VNNI's where the
+/// CPU has it, else AVX512-VNNI's on 256-bit vectors where it has that (with AVX512-VL), else
+/// none (`avx2_kernels::PLAIN`, also without AVX2).
+fn dot_kind() -> u8 {
     #[cfg(target_arch = "x86_64")]
     {
-        static VNNI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *VNNI.get_or_init(|| simd() && std::is_x86_feature_detected!("avxvnni"))
+        static KIND: std::sync::OnceLock<u8> = std::sync::OnceLock::new();
+        *KIND.get_or_init(|| {
+            if !simd() {
+                avx2_kernels::PLAIN
+            } else if std::is_x86_feature_detected!("avxvnni") {
+                avx2_kernels::AVX_VNNI
+            } else if std::is_x86_feature_detected!("avx512vnni") && std::is_x86_feature_detected!("avx512vl") {
+                avx2_kernels::AVX512_VNNI
+            } else {
+                avx2_kernels::PLAIN
+            }
+        })
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        false
+        0
     }
+}
+
+/// Which kernels the CPU engine's products run on this CPU, for reports.
+pub(crate) fn kernels() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    match dot_kind() {
+        avx2_kernels::AVX_VNNI => return "AVX2 with AVX-VNNI",
+        avx2_kernels::AVX512_VNNI => return "AVX2 with AVX512-VNNI (256-bit)",
+        _ if simd() => return "AVX2",
+        _ => {}
+    }
+    "portable"
 }
 
 /// `out[r * cols.len() + j] = xs[r] · row (cols.start + j)` of `w`, for any number of rows.
 fn dots_q4_1(w: &Q4_1Rows, xs: &[QuantRow], cols: std::ops::Range<usize>, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if vnni() {
+    match dot_kind() {
         // SAFETY: AVX2, F16C, FMA and AVX-VNNI are present.
-        return unsafe { avx2_kernels::dots_q4_1_vnni(w, xs, cols, out) };
+        avx2_kernels::AVX_VNNI => return unsafe { avx2_kernels::dots_q4_1_vnni(w, xs, cols, out) },
+        // SAFETY: AVX2, F16C, FMA, AVX512-VNNI and AVX512-VL are present.
+        avx2_kernels::AVX512_VNNI => return unsafe { avx2_kernels::dots_q4_1_vnni512(w, xs, cols, out) },
+        _ => {}
     }
     #[cfg(target_arch = "x86_64")]
     if simd() {
@@ -639,9 +666,12 @@ fn dots_q4_1(w: &Q4_1Rows, xs: &[QuantRow], cols: std::ops::Range<usize>, out: &
 
 fn dots_q8_0(w: &Q8_0Rows, xs: &[QuantRow], cols: std::ops::Range<usize>, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if vnni() {
+    match dot_kind() {
         // SAFETY: AVX2, F16C, FMA and AVX-VNNI are present.
-        return unsafe { avx2_kernels::dots_q8_0_vnni(w, xs, cols, out) };
+        avx2_kernels::AVX_VNNI => return unsafe { avx2_kernels::dots_q8_0_vnni(w, xs, cols, out) },
+        // SAFETY: AVX2, F16C, FMA, AVX512-VNNI and AVX512-VL are present.
+        avx2_kernels::AVX512_VNNI => return unsafe { avx2_kernels::dots_q8_0_vnni512(w, xs, cols, out) },
+        _ => {}
     }
     #[cfg(target_arch = "x86_64")]
     if simd() {
@@ -953,15 +983,24 @@ mod avx2_kernels {
         _mm256_loadu_si256(p as *const __m256i)
     }
 
+    /// Which instruction sums 4 `u8 × i8` products into an `i32` lane (a const parameter of
+    /// the kernels): none ([`PLAIN`]: two instructions and a multiply by ones), AVX-VNNI's
+    /// (VEX), or AVX512-VNNI's on 256-bit vectors (EVEX: CPUs with AVX-512 but without
+    /// AVX-VNNI, such as AMD Zen 4 and Intel Ice Lake servers; the kernel then also has 32
+    /// vector registers). The same integers every way.
+    pub(super) const PLAIN: u8 = 0;
+    pub(super) const AVX_VNNI: u8 = 1;
+    pub(super) const AVX512_VNNI: u8 = 2;
+
     /// `acc` plus the 8 exact sums of 4 consecutive `u8 × i8` products: VNNI's one
     /// instruction, or the pairs summed into i16 then into i32 (no saturation for the operands
     /// here, see the callers): the same integers either way.
     #[inline(always)]
-    unsafe fn dot4<const VNNI: bool>(acc: __m256i, w: __m256i, a: __m256i, ones: __m256i) -> __m256i {
-        if VNNI {
-            _mm256_dpbusd_avx_epi32(acc, w, a)
-        } else {
-            _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones))
+    unsafe fn dot4<const DOT: u8>(acc: __m256i, w: __m256i, a: __m256i, ones: __m256i) -> __m256i {
+        match DOT {
+            AVX_VNNI => _mm256_dpbusd_avx_epi32(acc, w, a),
+            AVX512_VNNI => _mm256_dpbusd_epi32(acc, w, a),
+            _ => _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones)),
         }
     }
 
@@ -973,7 +1012,7 @@ mod avx2_kernels {
 
     /// `out[r] = col · xs[r]` for exactly `R` rows, each weight vector decoded once for all.
     #[inline(always)]
-    unsafe fn q4_1_rows<const VNNI: bool, const R: usize>(col: &Q4_1Col, xs: &[QuantRow], out: &mut [f32]) {
+    unsafe fn q4_1_rows<const DOT: u8, const R: usize>(col: &Q4_1Col, xs: &[QuantRow], out: &mut [f32]) {
         let mask = _mm256_set1_epi8(0x0f);
         let ones = _mm256_set1_epi16(1);
         let mut acc = [_mm256_setzero_ps(); R];
@@ -988,8 +1027,8 @@ mod avx2_kernels {
                     let a = xs.get_unchecked(r).groups.get_unchecked(g).as_ptr().add(64 * k);
                     // u4 × i8 pairs summed into i16 (at most 2 × 15 × 128: no saturation), then
                     // lanes of 4 in i32: exact, and exact in f32 (at most 61,440 per block).
-                    *sum = dot4::<VNNI>(*sum, lo, load(a), ones);
-                    *sum = dot4::<VNNI>(*sum, hi, load(a.add(32)), ones);
+                    *sum = dot4::<DOT>(*sum, lo, load(a), ones);
+                    *sum = dot4::<DOT>(*sum, hi, load(a.add(32)), ones);
                 }
             }
             let (d, m) = (
@@ -1014,7 +1053,7 @@ mod avx2_kernels {
             let (d, m) = (half(*col.d.get_unchecked(b)), half(*col.m.get_unchecked(b)));
             for r in 0..R {
                 let x = xs.get_unchecked(r);
-                let l = dot4::<VNNI>(_mm256_setzero_si256(), w, load(x.tail.get_unchecked(t).as_ptr()), ones);
+                let l = dot4::<DOT>(_mm256_setzero_si256(), w, load(x.tail.get_unchecked(t).as_ptr()), ones);
                 let l = _mm256_mul_ps(_mm256_cvtepi32_ps(l), _mm256_broadcast_ss(x.d.get_unchecked(b)));
                 tail[r] = _mm256_fmadd_ps(l, _mm256_set1_ps(d), tail[r]);
                 offsets[r] = m.mul_add(*x.s.get_unchecked(b), offsets[r]);
@@ -1027,7 +1066,7 @@ mod avx2_kernels {
 
     /// `out[r] = col · xs[r]` for exactly `R` rows.
     #[inline(always)]
-    unsafe fn q8_0_rows<const VNNI: bool, const R: usize>(col: &Q8_0Col, xs: &[QuantRow], out: &mut [f32]) {
+    unsafe fn q8_0_rows<const DOT: u8, const R: usize>(col: &Q8_0Col, xs: &[QuantRow], out: &mut [f32]) {
         let ones = _mm256_set1_epi16(1);
         let flip = _mm256_set1_epi8(-128);
         let mut acc = [_mm256_setzero_ps(); R];
@@ -1039,22 +1078,22 @@ mod avx2_kernels {
                 // VNNI: `w + 128` (unsigned) × a, and 128 × the block's sum taken off below.
                 // Otherwise |w| × (a with w's sign): |w| ≤ 128 and |a| ≤ 127, pairs sum to at
                 // most 32,512 (no saturation). The same integers.
-                let u = if VNNI {
+                let u = if DOT != PLAIN {
                     _mm256_xor_si256(v, flip)
                 } else {
                     _mm256_sign_epi8(v, v)
                 };
                 for (r, sum) in sums.iter_mut().enumerate() {
                     let a = load(xs.get_unchecked(r).groups.get_unchecked(g).as_ptr().add(32 * s));
-                    let a = if VNNI { a } else { _mm256_sign_epi8(a, v) };
-                    *sum = dot4::<VNNI>(*sum, u, a, ones);
+                    let a = if DOT != PLAIN { a } else { _mm256_sign_epi8(a, v) };
+                    *sum = dot4::<DOT>(*sum, u, a, ones);
                 }
             }
             let d = halves(col.d.as_ptr().add(GROUP * g));
             for (r, acc) in acc.iter_mut().enumerate() {
                 let x = xs.get_unchecked(r);
                 let mut sum = sums[r];
-                if VNNI {
+                if DOT != PLAIN {
                     let asum = _mm256_loadu_si256(x.sum.as_ptr().add(GROUP * g) as *const __m256i);
                     sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(asum, 7));
                 }
@@ -1073,7 +1112,7 @@ mod avx2_kernels {
             for (r, tail) in tail.iter_mut().enumerate() {
                 let x = xs.get_unchecked(r);
                 let a = _mm256_sign_epi8(load(x.tail.get_unchecked(t).as_ptr()), w);
-                let l = dot4::<VNNI>(_mm256_setzero_si256(), wabs, a, ones);
+                let l = dot4::<DOT>(_mm256_setzero_si256(), wabs, a, ones);
                 let l = _mm256_mul_ps(_mm256_cvtepi32_ps(l), _mm256_broadcast_ss(x.d.get_unchecked(b)));
                 *tail = _mm256_fmadd_ps(l, d, *tail);
             }
@@ -1086,66 +1125,78 @@ mod avx2_kernels {
     /// Groups of [`ROWS`], then one of half as many, then the rest one by one; every row's
     /// numbers are the same either way.
     #[inline(always)]
-    unsafe fn q4_1_any<const VNNI: bool>(col: &Q4_1Col, xs: &[QuantRow], out: &mut [f32]) {
+    unsafe fn q4_1_any<const DOT: u8>(col: &Q4_1Col, xs: &[QuantRow], out: &mut [f32]) {
         // Checked once per product by `Matrix::matmul`.
         let kb = col.d.len();
         debug_assert!(col.m.len() == kb && out.len() == xs.len());
         debug_assert!(xs.iter().all(|x| x.has_blocks(kb)));
         let mut i = 0;
         while i + ROWS <= xs.len() {
-            q4_1_rows::<VNNI, ROWS>(col, &xs[i..i + ROWS], &mut out[i..i + ROWS]);
+            q4_1_rows::<DOT, ROWS>(col, &xs[i..i + ROWS], &mut out[i..i + ROWS]);
             i += ROWS;
         }
         if i + ROWS / 2 <= xs.len() {
-            q4_1_rows::<VNNI, { ROWS / 2 }>(col, &xs[i..i + ROWS / 2], &mut out[i..i + ROWS / 2]);
+            q4_1_rows::<DOT, { ROWS / 2 }>(col, &xs[i..i + ROWS / 2], &mut out[i..i + ROWS / 2]);
             i += ROWS / 2;
         }
         while i < xs.len() {
-            q4_1_rows::<VNNI, 1>(col, &xs[i..i + 1], &mut out[i..i + 1]);
+            q4_1_rows::<DOT, 1>(col, &xs[i..i + 1], &mut out[i..i + 1]);
             i += 1;
         }
     }
 
     #[inline(always)]
-    unsafe fn q8_0_any<const VNNI: bool>(col: &Q8_0Col, xs: &[QuantRow], out: &mut [f32]) {
+    unsafe fn q8_0_any<const DOT: u8>(col: &Q8_0Col, xs: &[QuantRow], out: &mut [f32]) {
         // Checked once per product by `Matrix::matmul`.
         let kb = col.d.len();
         debug_assert!(out.len() == xs.len());
         debug_assert!(xs.iter().all(|x| x.has_blocks(kb)));
         let mut i = 0;
         while i + ROWS <= xs.len() {
-            q8_0_rows::<VNNI, ROWS>(col, &xs[i..i + ROWS], &mut out[i..i + ROWS]);
+            q8_0_rows::<DOT, ROWS>(col, &xs[i..i + ROWS], &mut out[i..i + ROWS]);
             i += ROWS;
         }
         if i + ROWS / 2 <= xs.len() {
-            q8_0_rows::<VNNI, { ROWS / 2 }>(col, &xs[i..i + ROWS / 2], &mut out[i..i + ROWS / 2]);
+            q8_0_rows::<DOT, { ROWS / 2 }>(col, &xs[i..i + ROWS / 2], &mut out[i..i + ROWS / 2]);
             i += ROWS / 2;
         }
         while i < xs.len() {
-            q8_0_rows::<VNNI, 1>(col, &xs[i..i + 1], &mut out[i..i + 1]);
+            q8_0_rows::<DOT, 1>(col, &xs[i..i + 1], &mut out[i..i + 1]);
             i += 1;
         }
     }
 
     #[target_feature(enable = "avx2,f16c,fma")]
     pub(super) unsafe fn dots_q4_1(w: &Q4_1Rows, xs: &[QuantRow], cols: std::ops::Range<usize>, out: &mut [f32]) {
-        each_col(xs.len(), cols, out, |c, out| q4_1_any::<false>(&w.col(c), xs, out))
+        each_col(xs.len(), cols, out, |c, out| q4_1_any::<PLAIN>(&w.col(c), xs, out))
     }
 
     #[target_feature(enable = "avx2,f16c,fma")]
     pub(super) unsafe fn dots_q8_0(w: &Q8_0Rows, xs: &[QuantRow], cols: std::ops::Range<usize>, out: &mut [f32]) {
-        each_col(xs.len(), cols, out, |c, out| q8_0_any::<false>(&w.col(c), xs, out))
+        each_col(xs.len(), cols, out, |c, out| q8_0_any::<PLAIN>(&w.col(c), xs, out))
     }
 
     /// [`dots_q4_1`] with AVX-VNNI's dot product instruction (the same numbers).
     #[target_feature(enable = "avx2,f16c,fma,avxvnni")]
     pub(super) unsafe fn dots_q4_1_vnni(w: &Q4_1Rows, xs: &[QuantRow], cols: std::ops::Range<usize>, out: &mut [f32]) {
-        each_col(xs.len(), cols, out, |c, out| q4_1_any::<true>(&w.col(c), xs, out))
+        each_col(xs.len(), cols, out, |c, out| q4_1_any::<AVX_VNNI>(&w.col(c), xs, out))
     }
 
     #[target_feature(enable = "avx2,f16c,fma,avxvnni")]
     pub(super) unsafe fn dots_q8_0_vnni(w: &Q8_0Rows, xs: &[QuantRow], cols: std::ops::Range<usize>, out: &mut [f32]) {
-        each_col(xs.len(), cols, out, |c, out| q8_0_any::<true>(&w.col(c), xs, out))
+        each_col(xs.len(), cols, out, |c, out| q8_0_any::<AVX_VNNI>(&w.col(c), xs, out))
+    }
+
+    /// [`dots_q4_1`] with AVX512-VNNI's dot product instruction on 256-bit vectors (the same
+    /// numbers).
+    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni")]
+    pub(super) unsafe fn dots_q4_1_vnni512(w: &Q4_1Rows, xs: &[QuantRow], cols: std::ops::Range<usize>, out: &mut [f32]) {
+        each_col(xs.len(), cols, out, |c, out| q4_1_any::<AVX512_VNNI>(&w.col(c), xs, out))
+    }
+
+    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni")]
+    pub(super) unsafe fn dots_q8_0_vnni512(w: &Q8_0Rows, xs: &[QuantRow], cols: std::ops::Range<usize>, out: &mut [f32]) {
+        each_col(xs.len(), cols, out, |c, out| q8_0_any::<AVX512_VNNI>(&w.col(c), xs, out))
     }
 }
 
@@ -1295,19 +1346,38 @@ mod tests {
                 let xs = &quantized[..n];
                 for w in &ms {
                     for c in 0..w.rows {
-                        let (mut fast, mut slow, mut vnni_out) = ([0f32; ROWS], [0f32; ROWS], [0f32; ROWS]);
+                        let (mut fast, mut slow) = ([0f32; ROWS], [0f32; ROWS]);
+                        // The dot product instructions this CPU has, each kernel's results.
+                        let mut vnni: Vec<(&str, [f32; ROWS])> = Vec::new();
+                        let avx = std::is_x86_feature_detected!("avxvnni");
+                        let avx512 = std::is_x86_feature_detected!("avx512vnni")
+                            && std::is_x86_feature_detected!("avx512vl");
                         match w.view() {
                             View::Q4_1(w) => {
                                 unsafe { avx2_kernels::dots_q4_1(&w, xs, c..c + 1, &mut fast[..n]) };
-                                if vnni() {
-                                    unsafe { avx2_kernels::dots_q4_1_vnni(&w, xs, c..c + 1, &mut vnni_out[..n]) };
+                                if avx {
+                                    let mut o = [0f32; ROWS];
+                                    unsafe { avx2_kernels::dots_q4_1_vnni(&w, xs, c..c + 1, &mut o[..n]) };
+                                    vnni.push(("AVX-VNNI", o));
+                                }
+                                if avx512 {
+                                    let mut o = [0f32; ROWS];
+                                    unsafe { avx2_kernels::dots_q4_1_vnni512(&w, xs, c..c + 1, &mut o[..n]) };
+                                    vnni.push(("AVX512-VNNI", o));
                                 }
                                 portable::dots_q4_1(&w, xs, c..c + 1, &mut slow[..n]);
                             }
                             View::Q8_0(w) => {
                                 unsafe { avx2_kernels::dots_q8_0(&w, xs, c..c + 1, &mut fast[..n]) };
-                                if vnni() {
-                                    unsafe { avx2_kernels::dots_q8_0_vnni(&w, xs, c..c + 1, &mut vnni_out[..n]) };
+                                if avx {
+                                    let mut o = [0f32; ROWS];
+                                    unsafe { avx2_kernels::dots_q8_0_vnni(&w, xs, c..c + 1, &mut o[..n]) };
+                                    vnni.push(("AVX-VNNI", o));
+                                }
+                                if avx512 {
+                                    let mut o = [0f32; ROWS];
+                                    unsafe { avx2_kernels::dots_q8_0_vnni512(&w, xs, c..c + 1, &mut o[..n]) };
+                                    vnni.push(("AVX512-VNNI", o));
                                 }
                                 portable::dots_q8_0(&w, xs, c..c + 1, &mut slow[..n]);
                             }
@@ -1319,11 +1389,11 @@ mod tests {
                                 slow[i].to_bits(),
                                 "{cols} columns, column {c}, {n} rows: {fast:?} vs {slow:?}"
                             );
-                            if vnni() {
+                            for (what, o) in &vnni {
                                 assert_eq!(
-                                    vnni_out[i].to_bits(),
+                                    o[i].to_bits(),
                                     slow[i].to_bits(),
-                                    "VNNI: {cols} columns, column {c}, {n} rows: {vnni_out:?} vs {slow:?}"
+                                    "{what}: {cols} columns, column {c}, {n} rows: {o:?} vs {slow:?}"
                                 );
                             }
                         }
