@@ -1190,13 +1190,27 @@ mod avx2_kernels {
     /// [`dots_q4_1`] with AVX512-VNNI's dot product instruction on 256-bit vectors (the same
     /// numbers).
     #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni")]
-    pub(super) unsafe fn dots_q4_1_vnni512(w: &Q4_1Rows, xs: &[QuantRow], cols: std::ops::Range<usize>, out: &mut [f32]) {
-        each_col(xs.len(), cols, out, |c, out| q4_1_any::<AVX512_VNNI>(&w.col(c), xs, out))
+    pub(super) unsafe fn dots_q4_1_vnni512(
+        w: &Q4_1Rows,
+        xs: &[QuantRow],
+        cols: std::ops::Range<usize>,
+        out: &mut [f32],
+    ) {
+        each_col(xs.len(), cols, out, |c, out| {
+            q4_1_any::<AVX512_VNNI>(&w.col(c), xs, out)
+        })
     }
 
     #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl,avx512vnni")]
-    pub(super) unsafe fn dots_q8_0_vnni512(w: &Q8_0Rows, xs: &[QuantRow], cols: std::ops::Range<usize>, out: &mut [f32]) {
-        each_col(xs.len(), cols, out, |c, out| q8_0_any::<AVX512_VNNI>(&w.col(c), xs, out))
+    pub(super) unsafe fn dots_q8_0_vnni512(
+        w: &Q8_0Rows,
+        xs: &[QuantRow],
+        cols: std::ops::Range<usize>,
+        out: &mut [f32],
+    ) {
+        each_col(xs.len(), cols, out, |c, out| {
+            q8_0_any::<AVX512_VNNI>(&w.col(c), xs, out)
+        })
     }
 }
 
@@ -1327,6 +1341,19 @@ mod tests {
             eprintln!("no AVX2, F16C and FMA on this CPU: nothing to compare");
             return;
         }
+        eprintln!(
+            "the portable kernels against AVX2 (plain){}{}",
+            if std::is_x86_feature_detected!("avxvnni") {
+                ", AVX-VNNI"
+            } else {
+                ""
+            },
+            if std::is_x86_feature_detected!("avx512vnni") && std::is_x86_feature_detected!("avx512vl") {
+                ", AVX512-VNNI"
+            } else {
+                ""
+            }
+        );
         // 96 columns: 3 blocks (no whole group, a tail); 320: 10 blocks (one group and a tail
         // of 2); 512: two groups, no tail; 576: the model's rows (two groups, a tail of 2).
         for cols in [96usize, 320, 512, 576] {
@@ -1350,8 +1377,8 @@ mod tests {
                         // The dot product instructions this CPU has, each kernel's results.
                         let mut vnni: Vec<(&str, [f32; ROWS])> = Vec::new();
                         let avx = std::is_x86_feature_detected!("avxvnni");
-                        let avx512 = std::is_x86_feature_detected!("avx512vnni")
-                            && std::is_x86_feature_detected!("avx512vl");
+                        let avx512 =
+                            std::is_x86_feature_detected!("avx512vnni") && std::is_x86_feature_detected!("avx512vl");
                         match w.view() {
                             View::Q4_1(w) => {
                                 unsafe { avx2_kernels::dots_q4_1(&w, xs, c..c + 1, &mut fast[..n]) };
