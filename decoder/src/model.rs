@@ -52,12 +52,6 @@ pub trait Sequence: Send {
     fn kv_len(&self) -> usize;
     /// Drops the KV cache.
     fn reset(&mut self);
-    /// Makes room for `positions` positions in its cache (at most its context) without writing
-    /// any, so that growing to them later moves nothing: a cache grown by doubling copied every
-    /// layer's keys and values of every running generation in the same step (they grow in
-    /// lockstep), a 40-50 ms stall of a step of 4 on a VM whose fresh pages are slow. A hint:
-    /// by default nothing.
-    fn reserve(&mut self, _positions: usize) {}
     /// The name of this sequence's cache layout and device class when it can export and import
     /// its cache (a planned handoff moves it); `None`: a handoff of it falls back to re-prefill.
     fn cache_format(&self) -> Option<String> {

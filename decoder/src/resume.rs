@@ -128,15 +128,6 @@ impl std::fmt::Debug for DecodeState {
     }
 }
 
-/// Positions a generation's cache may reach: its prompt and `max_tokens` (0: no limit), at
-/// most the context; reserved at once ([`Sequence::reserve`]).
-fn room_for(prompt: usize, max_tokens: u32, max_context: usize) -> usize {
-    match max_tokens {
-        0 => max_context,
-        n => (prompt + n as usize).min(max_context),
-    }
-}
-
 impl DecodeState {
     /// A fresh generation: prefills the prompt.
     pub fn start(model: &dyn Model, prompt: &[u32], params: SamplingConfig, stop: StopConfig) -> Result<Self> {
@@ -194,7 +185,6 @@ impl DecodeState {
             });
         }
         let sampler = Sampler::new(params, prompt, committed);
-        let room = room_for(prompt.len(), stop.max_tokens, max_context);
         let stop = StopMatcher::new(stop, model.tokenizer(), committed);
         let k = committed.len();
         let mut finished = stop.finished().cloned();
@@ -202,10 +192,8 @@ impl DecodeState {
         if finished.is_none() && k > 0 && prompt.len() + k > max_context {
             finished = Some(StopCause::ContextFull);
         }
-        let mut sequence = model.new_sequence()?;
-        sequence.reserve(room);
         let mut state = DecodeState {
-            sequence,
+            sequence: model.new_sequence()?,
             sampler,
             stop,
             frontiers: Frontiers {
@@ -345,7 +333,6 @@ impl DecodeState {
             )));
         }
         let mut sequence = model.new_sequence()?;
-        sequence.reserve(room_for(prompt.len(), stop.max_tokens, model.max_context()));
         match sequence.cache_format() {
             Some(f) if f == cache.format => {}
             f => {

@@ -311,8 +311,6 @@ pub(crate) struct CpuSequence {
     values: Vec<Vec<f32>>,
     len: usize,
     max_context: usize,
-    /// Positions each layer's keys and values have room for ([`Sequence::reserve`]).
-    reserved: usize,
 }
 
 impl CpuSequence {
@@ -324,7 +322,6 @@ impl CpuSequence {
             keys: vec![Vec::new(); n],
             values: vec![Vec::new(); n],
             len: 0,
-            reserved: 0,
         }
     }
 
@@ -640,14 +637,6 @@ impl Sequence for CpuSequence {
         self.len = 0;
     }
 
-    fn reserve(&mut self, positions: usize) {
-        self.reserved = positions.min(self.max_context);
-        let want = self.reserved * self.w.kv_width();
-        for t in self.keys.iter_mut().chain(self.values.iter_mut()) {
-            t.reserve_exact(want.saturating_sub(t.len()));
-        }
-    }
-
     fn grouping_invariant(&self) -> bool {
         true
     }
@@ -739,9 +728,7 @@ impl Sequence for CpuSequence {
                     )));
                 }
                 let data = f32s_from_bytes(&b.data)?;
-                // With the room reserved for the positions to come (a copy now, not later).
-                let mut t = Vec::with_capacity(positions.max(self.reserved) * kvw);
-                t.resize(positions * kvw, 0f32);
+                let mut t = vec![0f32; positions * kvw];
                 for head in 0..g {
                     for p in 0..positions {
                         let src = (head * positions + p) * d;
@@ -758,108 +745,5 @@ impl Sequence for CpuSequence {
         self.values = values;
         self.len = positions;
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use crate::fetch::{locate_model, repo_models_dir};
-    use crate::{DeviceSpec, GgufModel, Model, Sequence};
-
-    use super::CpuSequence;
-
-    /// Where layer 0's keys live and how much room they have.
-    fn keys_at(s: &mut dyn Sequence) -> (*const f32, usize) {
-        let s = s.as_any_mut().unwrap().downcast_mut::<CpuSequence>().unwrap();
-        (s.keys[0].as_ptr(), s.keys[0].capacity())
-    }
-
-    /// A reserved cache grows to its reservation without moving (a moved cache is a copy of
-    /// every layer in one step); without a reservation it moves, so the check can fail.
-    #[test]
-    fn a_reserved_cache_grows_without_moving() {
-        let path = locate_model(&repo_models_dir()).expect("locate or fetch the model");
-        let m = GgufModel::load(&path, DeviceSpec::Cpu).expect("load the model");
-        let prompt: Vec<u32> = (1..=8).collect();
-        for reserve in [true, false] {
-            let mut s = m.new_sequence().unwrap();
-            if reserve {
-                s.reserve(8 + 40);
-            }
-            s.prefill(&prompt).unwrap();
-            let (before, room) = keys_at(s.as_mut());
-            let mut moved = false;
-            for t in 0..40 {
-                s.step(100 + t).unwrap();
-                moved |= keys_at(s.as_mut()).0 != before;
-            }
-            assert_eq!(s.kv_len(), 48);
-            if reserve {
-                assert!(!moved, "a cache reserved for 48 positions moved on the way to 48");
-                assert_eq!(keys_at(s.as_mut()).1, room, "its room changed");
-            } else {
-                assert!(moved, "a cache without a reservation grew 8 -> 48 positions in place");
-            }
-        }
-        // An imported cache keeps the reservation: its next positions move nothing either.
-        let mut src = m.new_sequence().unwrap();
-        src.prefill(&prompt).unwrap();
-        let blocks = src.export_cache().unwrap();
-        let mut dst = m.new_sequence().unwrap();
-        dst.reserve(8 + 16);
-        dst.import_cache(&blocks, 8).unwrap();
-        let (before, _) = keys_at(dst.as_mut());
-        for t in 0..16 {
-            dst.step(100 + t).unwrap();
-        }
-        assert_eq!(keys_at(dst.as_mut()).0, before, "an imported cache moved as it grew");
-    }
-
-    /// Not a check: the slowest and the median step of 4 sequences decoded together for 400
-    /// positions, with and without room reserved, alternated.
-    /// `cargo test --workspace --features tokenlog/faults -p tokenlog-decoder --lib
-    /// step_times_with_and_without_reserved_caches -- --ignored --nocapture`
-    #[test]
-    #[ignore]
-    fn step_times_with_and_without_reserved_caches() {
-        let path = locate_model(&repo_models_dir()).expect("locate or fetch the model");
-        let m = GgufModel::load(&path, DeviceSpec::Cpu).expect("load the model");
-        for round in 0..4 {
-            let reserve = round % 2 == 1;
-            let mut seqs: Vec<Box<dyn Sequence>> = (0..4).map(|_| m.new_sequence().unwrap()).collect();
-            for (i, s) in seqs.iter_mut().enumerate() {
-                if reserve {
-                    s.reserve(43 + 400);
-                }
-                let prompt: Vec<u32> = (1..=43).map(|t| t + i as u32).collect();
-                s.prefill(&prompt).unwrap();
-            }
-            let mut times = Vec::new();
-            for t in 0..400u32 {
-                let tokens = [100 + t];
-                let mut items: Vec<(&mut dyn Sequence, &[u32])> = seqs
-                    .iter_mut()
-                    .map(|s| (&mut **s as &mut dyn Sequence, &tokens[..]))
-                    .collect();
-                let began = std::time::Instant::now();
-                for r in m.prefill_batch(&mut items) {
-                    r.unwrap();
-                }
-                times.push((began.elapsed().as_secs_f64() * 1e3, 43 + t + 1));
-            }
-            let mut sorted: Vec<f64> = times.iter().map(|t| t.0).collect();
-            sorted.sort_by(f64::total_cmp);
-            let mut slow = times.clone();
-            slow.sort_by(|a, b| b.0.total_cmp(&a.0));
-            eprintln!(
-                "reserved {reserve:>5}: median {:.1} ms, slowest {:.1} ms; the 4 slowest (ms, positions after) {:?}",
-                sorted[sorted.len() / 2],
-                sorted[sorted.len() - 1],
-                slow.iter()
-                    .take(4)
-                    .map(|(ms, p)| (format!("{ms:.1}"), *p))
-                    .collect::<Vec<_>>()
-            );
-        }
     }
 }
