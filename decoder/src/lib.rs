@@ -62,6 +62,7 @@ pub mod cache;
 mod cpu;
 #[cfg(feature = "model")]
 pub use cpu::kernels as cpu_engine_kernels;
+#[cfg(feature = "model")]
 pub use cpu::NUMERICS as CPU_ENGINE_NUMERICS;
 pub mod detokenizer;
 pub mod error;

@@ -1341,18 +1341,13 @@ mod tests {
             eprintln!("no AVX2, F16C and FMA on this CPU: nothing to compare");
             return;
         }
+        // The dot product instructions this CPU has: each of their kernels is compared too.
+        let avx = std::is_x86_feature_detected!("avxvnni");
+        let avx512 = std::is_x86_feature_detected!("avx512vnni") && std::is_x86_feature_detected!("avx512vl");
         eprintln!(
             "the portable kernels against AVX2 (plain){}{}",
-            if std::is_x86_feature_detected!("avxvnni") {
-                ", AVX-VNNI"
-            } else {
-                ""
-            },
-            if std::is_x86_feature_detected!("avx512vnni") && std::is_x86_feature_detected!("avx512vl") {
-                ", AVX512-VNNI"
-            } else {
-                ""
-            }
+            if avx { ", AVX-VNNI" } else { "" },
+            if avx512 { ", AVX512-VNNI" } else { "" }
         );
         // 96 columns: 3 blocks (no whole group, a tail); 320: 10 blocks (one group and a tail
         // of 2); 512: two groups, no tail; 576: the model's rows (two groups, a tail of 2).
@@ -1374,11 +1369,8 @@ mod tests {
                 for w in &ms {
                     for c in 0..w.rows {
                         let (mut fast, mut slow) = ([0f32; ROWS], [0f32; ROWS]);
-                        // The dot product instructions this CPU has, each kernel's results.
+                        // Each VNNI kernel's results.
                         let mut vnni: Vec<(&str, [f32; ROWS])> = Vec::new();
-                        let avx = std::is_x86_feature_detected!("avxvnni");
-                        let avx512 =
-                            std::is_x86_feature_detected!("avx512vnni") && std::is_x86_feature_detected!("avx512vl");
                         match w.view() {
                             View::Q4_1(w) => {
                                 unsafe { avx2_kernels::dots_q4_1(&w, xs, c..c + 1, &mut fast[..n]) };
