@@ -1348,6 +1348,8 @@ impl Worker {
                 tracing::debug!(
                     target: "tokenlog_decoder::steps",
                     generations = n,
+                    // The longest cache: steps where caches grow stand out by it.
+                    positions = gens.iter().map(|g| g.state.kv_positions()).max().unwrap_or(0),
                     wait_us = (began - queued).as_micros() as u64,
                     model_us = began.elapsed().as_micros() as u64,
                     on_cpu_us = b.0.saturating_sub(a.0) / 1_000,

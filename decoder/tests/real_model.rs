@@ -639,3 +639,61 @@ fn the_cpu_engines_numbers_do_not_change_between_releases() {
         "the CPU engine's logits changed: bump its numerics version (it is in the model identity) with the digest"
     );
 }
+
+/// Timing, not a check (`cargo test --workspace --features tokenlog/faults --test real_model
+/// -- --ignored --nocapture steps_of_4`): 4 sequences decoded in lockstep to 1,400 positions,
+/// one batched forward pass per step; prints the median step and the slowest ones with their
+/// positions. A cache that grows by doubling copies every layer of all 4 in the same step
+/// (positions 85, 169, 337, 673, 1345 from a 42-token prompt); one kept in chunks does not.
+#[test]
+#[ignore]
+fn steps_of_4_sequences_to_1400_positions() {
+    let m = common::real_model();
+    // One prompt for all 4, so that their caches grow in the same steps (as in `bench drain`).
+    let prompts: Vec<Vec<u32>> = vec![chat(&*m, "Tell me about lighthouses."); 4];
+    let mut seqs: Vec<Box<dyn Sequence>> = (0..4).map(|_| m.new_sequence().unwrap()).collect();
+    let mut next: Vec<Vec<u32>> = prompts.clone();
+    let mut steps: Vec<(std::time::Duration, usize)> = vec![];
+    while seqs[0].kv_len() < 1_400 {
+        let began = std::time::Instant::now();
+        let results = {
+            let mut items: Vec<(&mut dyn Sequence, &[u32])> = seqs
+                .iter_mut()
+                .zip(&next)
+                .map(|(s, t)| (&mut **s as &mut dyn Sequence, t.as_slice()))
+                .collect();
+            m.prefill_batch(&mut items)
+        };
+        steps.push((began.elapsed(), seqs[0].kv_len()));
+        for (n, logits) in next.iter_mut().zip(results) {
+            let logits = logits.unwrap();
+            // Greedy, but never the end of the text: the run goes on to 1,400 positions.
+            let eos = m.eos_token_ids();
+            let t = logits
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| !eos.contains(&(*i as u32)))
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .unwrap()
+                .0 as u32;
+            *n = vec![t];
+        }
+    }
+    let mut sorted: Vec<_> = steps[1..].to_vec();
+    sorted.sort();
+    let median = sorted[sorted.len() / 2].0;
+    let slowest: Vec<String> = sorted
+        .iter()
+        .rev()
+        .take(6)
+        .map(|(d, p)| format!("{:.1} ms at {p}", d.as_secs_f64() * 1e3))
+        .collect();
+    let total: std::time::Duration = steps[1..].iter().map(|s| s.0).sum();
+    println!(
+        "steps of 4 to {} positions: median {:.1} ms, total {:.2} s, slowest {}",
+        seqs[0].kv_len(),
+        median.as_secs_f64() * 1e3,
+        total.as_secs_f64(),
+        slowest.join(", ")
+    );
+}

@@ -507,18 +507,26 @@ pub(crate) fn scores(q: &[f32], keys: &[f32], stride: usize, offset: usize, scal
     }
 }
 
-/// The attention's weighted sum: `out = Σ probs[t] × value t` with value `t` =
-/// `values[t × stride + offset..][..out.len()]`, each element summed from 0 in `t` order
-/// (multiplied, then added): the bits of [`add_scaled`] called for `t = 0, 1, …` on a zeroed
-/// `out`, with the running sums kept in registers.
+/// The attention's weighted sum from a zeroed `out` ([`weighted_sum_on`]), the form the tests
+/// compare with its definition.
+#[cfg(test)]
 pub(crate) fn weighted_sum(probs: &[f32], values: &[f32], stride: usize, offset: usize, out: &mut [f32]) {
+    out.iter_mut().for_each(|o| *o = 0.0);
+    weighted_sum_on(probs, values, stride, offset, out);
+}
+
+/// The attention's weighted sum, continued: adds `Σ probs[t] × value t` to `out`, with value
+/// `t` = `values[t × stride + offset..][..out.len()]`, each element summed onto what `out`
+/// holds in `t` order (multiplied, then added): the bits of [`add_scaled`] called for
+/// `t = 0, 1, …`, with the running sums kept in registers. So a cache kept in chunks, summed
+/// chunk after chunk onto a zeroed `out`, gives the bits of one call over all its values.
+pub(crate) fn weighted_sum_on(probs: &[f32], values: &[f32], stride: usize, offset: usize, out: &mut [f32]) {
     if let Some(last) = probs.len().checked_sub(1) {
         assert!(
             last * stride + offset + out.len() <= values.len(),
             "values within the cache"
         );
     }
-    out.iter_mut().for_each(|o| *o = 0.0);
     #[cfg(target_arch = "x86_64")]
     if simd() {
         // SAFETY: AVX2 is present; every value row lies within `values` (checked above).
@@ -920,8 +928,8 @@ mod avx2_kernels {
         }
     }
 
-    /// [`super::weighted_sum`] on a zeroed `out`: up to 64 columns at a time held in
-    /// registers across all `t`. Every value row lies within `values`.
+    /// [`super::weighted_sum_on`]: up to 64 columns at a time held in registers across all
+    /// `t`, starting from what `out` holds. Every value row lies within `values`.
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn weighted_sum(probs: &[f32], values: &[f32], stride: usize, offset: usize, out: &mut [f32]) {
         let d = out.len();
@@ -947,6 +955,9 @@ mod avx2_kernels {
     #[inline(always)]
     unsafe fn columns<const W: usize>(probs: &[f32], v: *const f32, stride: usize, out: *mut f32) {
         let mut acc = [_mm256_setzero_ps(); W];
+        for (j, acc) in acc.iter_mut().enumerate() {
+            *acc = _mm256_loadu_ps(out.add(8 * j));
+        }
         for (t, &p) in probs.iter().enumerate() {
             let (p, row) = (_mm256_set1_ps(p), v.add(t * stride));
             for (j, acc) in acc.iter_mut().enumerate() {
@@ -1525,6 +1536,16 @@ mod tests {
                     fast.iter().zip(&slow).all(|(f, s)| f.to_bits() == s.to_bits()),
                     "weighted sum of {n}, width {d}"
                 );
+                // Continued over a cache split in two (as one kept in chunks is): the same bits.
+                for cut in [0, n / 3, n] {
+                    let mut parts = vec![0f32; d];
+                    weighted_sum_on(&probs[..cut], &keys, stride, offset, &mut parts);
+                    weighted_sum_on(&probs[cut..], &keys[cut * stride..], stride, offset, &mut parts);
+                    assert!(
+                        parts.iter().zip(&slow).all(|(f, s)| f.to_bits() == s.to_bits()),
+                        "weighted sum of {n} split at {cut}, width {d}"
+                    );
+                }
             }
         }
     }
