@@ -84,6 +84,43 @@ impl CacheBlock {
     }
 }
 
+/// Blocks of a cache copy still to be built ([`CacheCopy`]).
+pub type BlocksLater = Box<dyn FnOnce() -> Result<Vec<CacheBlock>> + Send>;
+
+/// A copy of a sequence's cache whose blocks may still have to be built: a copy taken between
+/// two steps holds what it needs (the CPU engine: its chunks of positions, shared, not copied)
+/// and is turned into blocks later, off the step ([`CacheCopy::export`]).
+pub struct CacheCopy {
+    pub format: String,
+    pub positions: u32,
+    pub blocks: BlocksLater,
+    pub logits: Logits,
+}
+
+impl CacheCopy {
+    /// Builds the blocks (a memory copy of the whole cache).
+    pub fn export(self) -> Result<CacheExport> {
+        Ok(CacheExport {
+            format: self.format,
+            positions: self.positions,
+            blocks: (self.blocks)()?,
+            logits: self.logits,
+        })
+    }
+}
+
+impl From<CacheExport> for CacheCopy {
+    fn from(c: CacheExport) -> Self {
+        let blocks = c.blocks;
+        CacheCopy {
+            format: c.format,
+            positions: c.positions,
+            blocks: Box::new(move || Ok(blocks)),
+            logits: c.logits,
+        }
+    }
+}
+
 /// A sequence's cache, exported: what a planned handoff moves.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CacheExport {

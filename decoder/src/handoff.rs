@@ -44,7 +44,7 @@ use tokenlog_raftlog::types::Binding;
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
-use crate::cache::{f32s_from_bytes, f32s_to_bytes, BlockKind, CacheBlock, CacheExport};
+use crate::cache::{f32s_from_bytes, f32s_to_bytes, BlockKind, CacheBlock, CacheCopy, CacheExport};
 use crate::history::{Answer, Call, DecoderEvent, History};
 use crate::limits::{HANDOFF_CACHE_BYTES_MAX, HANDOFF_CHUNK_BYTES, HANDOFF_TRANSFER_TIMEOUT};
 use crate::resume::DecodeState;
@@ -758,16 +758,11 @@ impl Source {
     /// (all of their positions, or all but the last when it was copied while the generation
     /// decoded on). The generation decodes on at the source meanwhile; the destination
     /// prefills what the copy leaves out and follows the records past `committed` from the log.
-    pub async fn hand_out(
-        &self,
-        id: u64,
-        epoch: u64,
-        committed: u32,
-        cache: CacheExport,
-        to: Option<String>,
-    ) -> Outcome {
+    pub async fn hand_out(&self, id: u64, epoch: u64, committed: u32, cache: CacheCopy, to: Option<String>) -> Outcome {
         let mut laps = Laps::start();
+        // The copy's blocks are built here, off the generation's steps, then hashed.
         let manifest = model_work(move || {
+            let cache = cache.export()?;
             let m = pb::CacheManifest {
                 model: None,
                 cache_format: cache.format.clone(),
@@ -776,13 +771,21 @@ impl Source {
                 cache_sha256: cache.sha256(),
                 bytes: cache.bytes(),
             };
-            (m, cache)
+            Ok::<_, crate::Error>((m, cache))
         })
         .await;
-        let Ok((mut manifest, cache)) = manifest else {
-            return Outcome::Kept {
-                why: "the cache's checksum was not computed".into(),
-            };
+        let (mut manifest, cache) = match manifest {
+            Ok(Ok(m)) => m,
+            Ok(Err(e)) => {
+                return Outcome::Kept {
+                    why: format!("the cache's blocks were not built: {e}"),
+                }
+            }
+            Err(_) => {
+                return Outcome::Kept {
+                    why: "the cache's checksum was not computed".into(),
+                }
+            }
         };
         manifest.model = Some(self.identity.clone());
         laps.lap("checksum");

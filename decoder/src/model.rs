@@ -73,6 +73,13 @@ pub trait Sequence: Send {
             )))
         }
     }
+    /// [`Sequence::export_cache_prefix`] taken now and built later: what the blocks need is
+    /// held (a sequence that can share its cache's memory instead of copying it does so) and
+    /// the returned function builds them, on any thread. By default built now.
+    fn snapshot_cache_prefix(&self, positions: usize) -> Result<crate::cache::BlocksLater> {
+        let blocks = self.export_cache_prefix(positions)?;
+        Ok(Box::new(move || Ok(blocks)))
+    }
     /// The bytes of [`Sequence::export_cache_prefix`] of its first `positions` positions, when
     /// it can give them (`None`: it cannot, or does not say).
     fn prefix_export_bytes(&self, _positions: usize) -> Option<usize> {

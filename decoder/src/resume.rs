@@ -15,7 +15,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::cache::CacheExport;
+use crate::cache::{CacheCopy, CacheExport};
 use crate::error::{Error, Result};
 use crate::model::{Logits, Model, Sequence};
 use crate::sampler::{Sampler, SamplingConfig, StopCause, StopConfig, StopMatcher};
@@ -462,6 +462,13 @@ impl DecodeState {
     /// [`DecodeState::copies_while_decoding`] says no: `Unsupported` (the caller copies with
     /// [`DecodeState::export_cache`] once every sampled token is committed).
     pub fn copy_committed_cache(&self) -> Result<CacheExport> {
+        self.snapshot_committed_cache()?.export()
+    }
+
+    /// [`DecodeState::copy_committed_cache`] taken now, its blocks built later
+    /// ([`CacheCopy::export`]): on the CPU engine this shares the cache's chunks of positions
+    /// instead of copying them, so the step that takes it is not held up by a copy.
+    pub fn snapshot_committed_cache(&self) -> Result<CacheCopy> {
         if let Some(f) = &self.finished {
             return Err(Error::Invalid(format!(
                 "a finished generation ({f}) is not handed over"
@@ -474,8 +481,8 @@ impl DecodeState {
             .sequence
             .cache_format()
             .expect("checked by committed_copy_positions");
-        let blocks = self.sequence.export_cache_prefix(positions)?;
-        Ok(CacheExport {
+        let blocks = self.sequence.snapshot_cache_prefix(positions)?;
+        Ok(CacheCopy {
             format,
             positions: positions as u32,
             blocks,

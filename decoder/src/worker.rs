@@ -33,7 +33,7 @@ use tokenlog_raftlog::client::{AppendStream, ClientError, LogClient};
 use tokenlog_raftlog::convert::reason_to_pb;
 use tokenlog_raftlog::types::Binding;
 
-use crate::cache::CacheExport;
+use crate::cache::CacheCopy;
 use crate::history::{Answer, Call, DecoderEvent};
 use crate::limits::{
     APPENDS_IN_FLIGHT_MAX, APPEND_ANSWER_TIMEOUT, REGISTER_PERIOD_MIN, REGISTRATION_TTL_LEASES,
@@ -861,7 +861,7 @@ impl Worker {
                 // Its committed prefix, copied here between two steps (a few ms of memory copy,
                 // no model call): it never stops decoding.
                 let began = Instant::now();
-                let cache = g.state.copy_committed_cache();
+                let cache = g.state.snapshot_committed_cache();
                 tracing::info!(
                     generation = id,
                     committed = g.committed,
@@ -889,7 +889,7 @@ impl Worker {
             tokio::spawn(async move {
                 let copied = model_work(move || {
                     let began = Instant::now();
-                    let cache = g.state.export_cache();
+                    let cache = g.state.export_cache().map(CacheCopy::from);
                     tracing::info!(
                         generation = g.id,
                         wait_ms = (began - since_sample).as_millis() as u64,
@@ -910,7 +910,7 @@ impl Worker {
 
     /// A generation back from the copy of its cache: decodes on here, and the copy goes on its
     /// way to another decoder.
-    fn copied(&mut self, id: u64, epoch: u64, copied: Result<(Active, crate::Result<CacheExport>), String>) {
+    fn copied(&mut self, id: u64, epoch: u64, copied: Result<(Active, crate::Result<CacheCopy>), String>) {
         self.copying -= 1;
         let (mut g, cache) = match copied {
             Ok(c) => c,
@@ -1692,7 +1692,7 @@ fn thread_schedstat() -> Option<(u64, u64)> {
 
 /// A generation back from the copy of its cache: (id, epoch, the state and the copy, or why the
 /// model failed).
-type Copied = (u64, u64, Result<(Active, crate::Result<CacheExport>), String>);
+type Copied = (u64, u64, Result<(Active, crate::Result<CacheCopy>), String>);
 
 /// Planted bug `source-frees-early`: the source frees the generation's cache once it copied it
 /// for a handoff, before the log released it (its own decoding then runs on an empty cache).

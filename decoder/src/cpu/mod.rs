@@ -312,24 +312,41 @@ const KV_CHUNK: usize = 64;
 /// One layer's keys (or values) of one sequence, `[position][kv head][head dim]`, in chunks of
 /// [`KV_CHUNK`] positions. A growing cache allocates one chunk at a time and never moves what
 /// it holds: one grown by doubling copied every layer to fresh memory in one step, and
-/// sequences decoded in lockstep did so in the same step (4 of them at position 345: a step of
-/// ~40 ms against a median of ~17 ms).
+/// sequences decoded in lockstep did so in the same step (4 of them at position 1,185: a step
+/// of ~120 ms against a median of ~40 ms). A copy for a handoff shares the chunks
+/// ([`KvRows::share`]); a shared chunk still being filled is copied when next written.
 #[derive(Default)]
 struct KvRows {
     /// Every chunk but the last holds [`KV_CHUNK`] rows; each was allocated for that many.
-    chunks: Vec<Vec<f32>>,
+    chunks: Vec<Arc<Vec<f32>>>,
 }
 
 impl KvRows {
+    /// Chunk `c` to write: this cache's own (a copy if a handoff's copy shares it).
+    fn chunk_mut(&mut self, c: usize, width: usize) -> &mut Vec<f32> {
+        let chunk = &mut self.chunks[c];
+        if Arc::get_mut(chunk).is_none() {
+            let mut own = Vec::with_capacity(KV_CHUNK * width);
+            own.extend_from_slice(chunk);
+            *chunk = Arc::new(own);
+        }
+        Arc::get_mut(chunk).expect("not shared")
+    }
+
+    /// The chunks holding positions `0..n`, shared.
+    fn share(&self, n: usize) -> Vec<Arc<Vec<f32>>> {
+        self.chunks[..n.div_ceil(KV_CHUNK)].to_vec()
+    }
+
     /// Appends `rows` (whole rows of `width` values) after the `len` positions held.
     fn extend(&mut self, len: usize, width: usize, mut rows: &[f32]) {
         let mut p = len;
         while !rows.is_empty() {
             let (c, at) = (p / KV_CHUNK, p % KV_CHUNK);
             if c == self.chunks.len() {
-                self.chunks.push(Vec::with_capacity(KV_CHUNK * width));
+                self.chunks.push(Arc::new(Vec::with_capacity(KV_CHUNK * width)));
             }
-            let chunk = &mut self.chunks[c];
+            let chunk = self.chunk_mut(c, width);
             assert_eq!(chunk.len(), at * width, "rows appended at the end");
             let take = ((KV_CHUNK - at) * width).min(rows.len());
             chunk.extend_from_slice(&rows[..take]);
@@ -343,12 +360,14 @@ impl KvRows {
     fn truncate(&mut self, n: usize, width: usize) {
         let keep = n.div_ceil(KV_CHUNK);
         self.chunks.truncate(keep);
-        if let Some(last) = self.chunks.last_mut() {
-            last.truncate((n - (keep - 1) * KV_CHUNK) * width);
+        if keep > 0 {
+            self.chunk_mut(keep - 1, width)
+                .truncate((n - (keep - 1) * KV_CHUNK) * width);
         }
     }
 
     /// Position `p`'s row.
+    #[cfg(test)]
     fn row(&self, p: usize, width: usize) -> &[f32] {
         &self.chunks[p / KV_CHUNK][p % KV_CHUNK * width..][..width]
     }
@@ -729,6 +748,10 @@ impl Sequence for CpuSequence {
     }
 
     fn export_cache_prefix(&self, positions: usize) -> Result<Vec<CacheBlock>> {
+        self.snapshot_cache_prefix(positions)?()
+    }
+
+    fn snapshot_cache_prefix(&self, positions: usize) -> Result<crate::cache::BlocksLater> {
         if positions == 0 {
             return Err(Error::Invalid("a cache of no positions is not exported".into()));
         }
@@ -739,26 +762,36 @@ impl Sequence for CpuSequence {
             )));
         }
         let (g, d, kvw) = (self.w.n_kv_head, self.w.head_dim, self.w.kv_width());
-        let mut out = Vec::with_capacity(2 * self.keys.len());
-        for (i, (k, v)) in self.keys.iter().zip(&self.values).enumerate() {
-            for (kind, t) in [(BlockKind::Keys, k), (BlockKind::Values, v)] {
-                // Position-major here, head-major on the wire.
-                let mut data = Vec::with_capacity(positions * kvw);
-                for head in 0..g {
-                    for p in 0..positions {
-                        data.extend_from_slice(&t.row(p, kvw)[head * d..(head + 1) * d]);
+        // Shared now (no copy), laid out for the wire by the caller's thread.
+        let layers: Vec<[Vec<Arc<Vec<f32>>>; 2]> = self
+            .keys
+            .iter()
+            .zip(&self.values)
+            .map(|(k, v)| [k.share(positions), v.share(positions)])
+            .collect();
+        Ok(Box::new(move || {
+            let mut out = Vec::with_capacity(2 * layers.len());
+            for (i, pair) in layers.iter().enumerate() {
+                for (kind, chunks) in [BlockKind::Keys, BlockKind::Values].into_iter().zip(pair) {
+                    let row = |p: usize| &chunks[p / KV_CHUNK][p % KV_CHUNK * kvw..][..kvw];
+                    // Position-major here, head-major on the wire.
+                    let mut data = Vec::with_capacity(positions * kvw);
+                    for head in 0..g {
+                        for p in 0..positions {
+                            data.extend_from_slice(&row(p)[head * d..(head + 1) * d]);
+                        }
                     }
+                    out.push(CacheBlock {
+                        layer: i as u32,
+                        kind,
+                        dtype: "f32".into(),
+                        shape: vec![1, g as u32, positions as u32, d as u32],
+                        data: f32s_to_bytes(&data),
+                    });
                 }
-                out.push(CacheBlock {
-                    layer: i as u32,
-                    kind,
-                    dtype: "f32".into(),
-                    shape: vec![1, g as u32, positions as u32, d as u32],
-                    data: f32s_to_bytes(&data),
-                });
             }
-        }
-        Ok(out)
+            Ok(out)
+        }))
     }
 
     fn import_cache(&mut self, blocks: &[CacheBlock], positions: usize) -> Result<()> {
@@ -864,6 +897,24 @@ mod tests {
         for p in 0..KV_CHUNK + 4 {
             assert_eq!(kv.row(p, width), row(p).as_slice(), "row {p} after truncating");
         }
+        // A copy shares the chunks; writing after it copies the chunk being filled and leaves
+        // the copy as it was.
+        let n = KV_CHUNK + 4;
+        let shared = kv.share(n);
+        assert!(std::sync::Arc::ptr_eq(&shared[0], &kv.chunks[0]));
+        kv.extend(n, width, &[-1.0; 6]);
+        kv.truncate(n - 1, width);
+        assert_eq!(shared[1].len(), 4 * width, "the copy keeps its rows");
+        assert_eq!(shared[1][3 * width..], row(KV_CHUNK + 3)[..]);
+        assert_eq!(
+            kv.chunks[1].capacity(),
+            KV_CHUNK * width,
+            "the written chunk is this cache's own"
+        );
+        assert!(
+            std::sync::Arc::ptr_eq(&shared[0], &kv.chunks[0]),
+            "full chunks stay shared"
+        );
         kv.truncate(0, width);
         assert!(kv.chunks.is_empty());
     }
