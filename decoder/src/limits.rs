@@ -58,9 +58,11 @@ pub const HANDOFF_TRANSFER_TIMEOUT: Duration = Duration::from_secs(10);
 pub const HANDOFF_CACHE_BYTES_MAX: u64 = 4 << 30;
 /// Bytes of one cache block per transfer message (a block is split along its bytes).
 pub const HANDOFF_CHUNK_BYTES: usize = 4 << 20;
-/// The largest cache a handoff source copies between two steps without pausing its
-/// generation (a memory copy on the step loop's thread, a few ms); a larger one is copied on a
-/// blocking thread once every sampled token is committed, its generation paused meanwhile.
+/// The most a handoff source copies between two steps to take a cache without pausing its
+/// generation (a memory copy on the step loop's thread, a few ms; the CPU engine copies at
+/// most the chunk each layer is filling, as it shares the others); a cache that needs more is
+/// copied on a blocking thread once every sampled token is committed, its generation paused
+/// meanwhile.
 pub const CACHE_COPY_IN_STEP_BYTES_MAX: usize = 16 << 20;
 /// Rounds of following the source's new records a destination runs right before its
 /// ownership commit (the source decodes on meanwhile; it stops early once a round finds at

@@ -80,6 +80,11 @@ pub trait Sequence: Send {
         let blocks = self.export_cache_prefix(positions)?;
         Ok(Box::new(move || Ok(blocks)))
     }
+    /// The bytes [`Sequence::snapshot_cache_prefix`] of its first `positions` positions copies
+    /// while it is taken (the rest is shared or built later); by default the whole export.
+    fn snapshot_copy_bytes(&self, positions: usize) -> Option<usize> {
+        self.prefix_export_bytes(positions)
+    }
     /// The bytes of [`Sequence::export_cache_prefix`] of its first `positions` positions, when
     /// it can give them (`None`: it cannot, or does not say).
     fn prefix_export_bytes(&self, _positions: usize) -> Option<usize> {

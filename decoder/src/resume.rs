@@ -430,8 +430,9 @@ impl DecodeState {
 
     /// The positions [`DecodeState::copy_committed_cache`] would copy, when it can: an
     /// unfinished state of a grouping-invariant sequence whose deferred prefill (if any) is
-    /// done, with at least one such position, no more than
-    /// `limits::CACHE_COPY_IN_STEP_BYTES_MAX` of them, and a sequence that gives them.
+    /// done, with at least one such position, a copy of no more than
+    /// `limits::CACHE_COPY_IN_STEP_BYTES_MAX` to take them ([`Sequence::snapshot_copy_bytes`]),
+    /// and a sequence that gives them.
     fn committed_copy_positions(&self) -> Option<usize> {
         if self.finished.is_some()
             || self.prefilling()
@@ -444,7 +445,7 @@ impl DecodeState {
             .sequence
             .kv_len()
             .min((self.frontiers.prompt_len + self.frontiers.committed).saturating_sub(1));
-        let bytes = self.sequence.prefix_export_bytes(positions)?;
+        let bytes = self.sequence.snapshot_copy_bytes(positions)?;
         (positions >= 1 && bytes <= crate::limits::CACHE_COPY_IN_STEP_BYTES_MAX).then_some(positions)
     }
 

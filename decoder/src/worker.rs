@@ -858,8 +858,9 @@ impl Worker {
         for id in ready {
             let g = self.active.get_mut(&id).expect("listed above");
             if g.state.copies_while_decoding() {
-                // Its committed prefix, copied here between two steps (a few ms of memory copy,
-                // no model call): it never stops decoding.
+                // Its committed prefix, taken here between two steps (the CPU engine shares its
+                // cache's chunks; the blocks are built beside the checksum; no model call): it
+                // never stops decoding.
                 let began = Instant::now();
                 let cache = g.state.snapshot_committed_cache();
                 tracing::info!(

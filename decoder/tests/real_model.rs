@@ -640,6 +640,47 @@ fn the_cpu_engines_numbers_do_not_change_between_releases() {
     );
 }
 
+/// A cache over 16 MB (`CACHE_COPY_IN_STEP_BYTES_MAX`; ~350 positions of SmolLM2) is still
+/// taken between two steps without pausing its generation (the CPU engine shares its chunks
+/// and copies only the ones being filled), and the copy does not change while the generation
+/// decodes on past it: built afterwards, across a chunk boundary, it gives the blocks of one
+/// exported at the moment it was taken.
+#[test]
+fn a_long_cache_is_taken_while_decoding_and_stays_as_taken() {
+    let m = common::real_model();
+    let p = chat(
+        &*m,
+        &"The river runs to the sea and the sea returns the rain. ".repeat(30),
+    );
+    assert!(p.len() > 400, "a prompt of {} tokens", p.len());
+    // No end of text: it decodes on past the next chunk boundary whatever it samples.
+    let no_eos = StopConfig {
+        max_tokens: 100,
+        stop_strings: vec![],
+        eos_token_ids: vec![],
+    };
+    let mut src = DecodeState::start(&*m, &p, sampled(5), no_eos).unwrap();
+    for _ in 0..3 {
+        src.next_token().unwrap();
+    }
+    src.mark_committed(2);
+    assert!(
+        src.copies_while_decoding(),
+        "a cache of {} positions is taken between two steps",
+        src.kv_positions()
+    );
+    let now = src.copy_committed_cache().unwrap();
+    assert!(now.bytes() > 16 << 20, "{} bytes", now.bytes());
+    let taken = src.snapshot_committed_cache().unwrap();
+    // On past the next chunk boundary (chunks of 64 positions), writing into the shared one.
+    for _ in 0..70 {
+        src.next_token().unwrap();
+    }
+    let later = taken.export().unwrap();
+    assert_eq!(later.positions, now.positions);
+    assert!(later == now, "the copy changed while its generation decoded on");
+}
+
 /// Timing, not a check (`cargo test --workspace --features tokenlog/faults --test real_model
 /// -- --ignored --nocapture steps_of_4`): 4 sequences decoded in lockstep to 1,400 positions,
 /// one batched forward pass per step; prints the median step and the slowest ones with their

@@ -751,6 +751,12 @@ impl Sequence for CpuSequence {
         self.snapshot_cache_prefix(positions)?()
     }
 
+    fn snapshot_copy_bytes(&self, positions: usize) -> Option<usize> {
+        // The chunk each layer's keys and values are filling, copied at their next write.
+        let filling = 2 * self.keys.len() * KV_CHUNK * self.w.kv_width() * std::mem::size_of::<f32>();
+        self.prefix_export_bytes(positions).map(|b| b.min(filling))
+    }
+
     fn snapshot_cache_prefix(&self, positions: usize) -> Result<crate::cache::BlocksLater> {
         if positions == 0 {
             return Err(Error::Invalid("a cache of no positions is not exported".into()));
