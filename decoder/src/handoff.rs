@@ -783,7 +783,7 @@ impl Source {
             }
             Err(_) => {
                 return Outcome::Kept {
-                    why: "the cache's checksum was not computed".into(),
+                    why: "the cache's blocks or checksum were not computed".into(),
                 }
             }
         };

@@ -80,8 +80,10 @@ pub trait Sequence: Send {
         let blocks = self.export_cache_prefix(positions)?;
         Ok(Box::new(move || Ok(blocks)))
     }
-    /// The bytes [`Sequence::snapshot_cache_prefix`] of its first `positions` positions copies
-    /// while it is taken (the rest is shared or built later); by default the whole export.
+    /// The most [`Sequence::snapshot_cache_prefix`] of its first `positions` positions copies on
+    /// the thread that takes it, in bytes: while it is taken, or at the sequence's next write
+    /// (a copy-on-write of shared memory); the rest is shared or built later. By default the
+    /// whole export.
     fn snapshot_copy_bytes(&self, positions: usize) -> Option<usize> {
         self.prefix_export_bytes(positions)
     }

@@ -685,7 +685,7 @@ fn a_long_cache_is_taken_while_decoding_and_stays_as_taken() {
 /// -- --ignored --nocapture steps_of_4`): 4 sequences decoded in lockstep to 1,400 positions,
 /// one batched forward pass per step; prints the median step and the slowest ones with their
 /// positions. A cache that grows by doubling copies every layer of all 4 in the same step
-/// (positions 85, 169, 337, 673, 1345 from a 42-token prompt); one kept in chunks does not.
+/// (positions 75, 149, 297, 593, 1185 from this 37-token prompt); one kept in chunks does not.
 #[test]
 #[ignore]
 fn steps_of_4_sequences_to_1400_positions() {

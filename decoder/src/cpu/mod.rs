@@ -314,7 +314,8 @@ const KV_CHUNK: usize = 64;
 /// it holds: one grown by doubling copied every layer to fresh memory in one step, and
 /// sequences decoded in lockstep did so in the same step (4 of them at position 1,185: a step
 /// of ~120 ms against a median of ~40 ms). A copy for a handoff shares the chunks
-/// ([`KvRows::share`]); a shared chunk still being filled is copied when next written.
+/// ([`KvRows::share`]); a shared chunk still being filled is copied when next written or cut
+/// by a truncation (in a later step, at most one chunk per layer's keys and values).
 #[derive(Default)]
 struct KvRows {
     /// Every chunk but the last holds [`KV_CHUNK`] rows; each was allocated for that many.
@@ -360,9 +361,10 @@ impl KvRows {
     fn truncate(&mut self, n: usize, width: usize) {
         let keep = n.div_ceil(KV_CHUNK);
         self.chunks.truncate(keep);
-        if keep > 0 {
-            self.chunk_mut(keep - 1, width)
-                .truncate((n - (keep - 1) * KV_CHUNK) * width);
+        let rows = (n - keep.saturating_sub(1) * KV_CHUNK) * width;
+        // A chunk a copy shares is copied only when the cut falls inside it.
+        if keep > 0 && self.chunks[keep - 1].len() != rows {
+            self.chunk_mut(keep - 1, width).truncate(rows);
         }
     }
 
@@ -752,9 +754,10 @@ impl Sequence for CpuSequence {
     }
 
     fn snapshot_copy_bytes(&self, positions: usize) -> Option<usize> {
-        // The chunk each layer's keys and values are filling, copied at their next write.
-        let filling = 2 * self.keys.len() * KV_CHUNK * self.w.kv_width() * std::mem::size_of::<f32>();
-        self.prefix_export_bytes(positions).map(|b| b.min(filling))
+        // At most the chunk each layer's keys and values are filling, copied at their next
+        // write (or a truncation inside it): whole chunks of up to 64 rows, whatever `positions`.
+        self.prefix_export_bytes(positions)?;
+        Some(2 * self.keys.len() * KV_CHUNK * self.w.kv_width() * std::mem::size_of::<f32>())
     }
 
     fn snapshot_cache_prefix(&self, positions: usize) -> Result<crate::cache::BlocksLater> {
