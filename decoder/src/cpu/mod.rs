@@ -924,6 +924,16 @@ mod tests {
             std::sync::Arc::ptr_eq(&shared[0], &kv.chunks[0]),
             "full chunks stay shared"
         );
+        // A cut at a chunk's end leaves that chunk shared; one inside it copies it.
+        kv.truncate(KV_CHUNK, width);
+        assert!(std::sync::Arc::ptr_eq(&shared[0], &kv.chunks[0]));
+        kv.truncate(KV_CHUNK - 1, width);
+        assert!(!std::sync::Arc::ptr_eq(&shared[0], &kv.chunks[0]));
+        assert_eq!(shared[0].len(), KV_CHUNK * width, "the copy keeps its rows");
+        kv.extend(KV_CHUNK - 1, width, &row(KV_CHUNK - 1));
+        for p in 0..KV_CHUNK {
+            assert_eq!(kv.row(p, width), row(p).as_slice(), "row {p} after the cut");
+        }
         kv.truncate(0, width);
         assert!(kv.chunks.is_empty());
     }
