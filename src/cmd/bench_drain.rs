@@ -108,6 +108,46 @@ async fn watch(client: LogClient, gid: u64, stop: u32) -> anyhow::Result<Arrival
     Ok(out)
 }
 
+/// The machine's CPU time so far, from `/proc/stat` (Linux): busy, stolen by the hypervisor,
+/// and all, in clock ticks over every CPU.
+#[derive(Clone, Copy)]
+struct CpuTimes {
+    busy: u64,
+    steal: u64,
+    total: u64,
+}
+
+fn cpu_times() -> Option<CpuTimes> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = stat.lines().next()?.strip_prefix("cpu ")?;
+    let f: Vec<u64> = line.split_whitespace().filter_map(|x| x.parse().ok()).collect();
+    // user nice system idle iowait irq softirq steal (guest time is inside user).
+    let (idle, iowait, steal) = (*f.get(3)?, *f.get(4)?, f.get(7).copied().unwrap_or(0));
+    let total: u64 = f.iter().take(8).sum();
+    Some(CpuTimes {
+        busy: total - idle - iowait - steal,
+        steal,
+        total,
+    })
+}
+
+/// How many CPUs were busy (and stolen) on average between two readings: `"1.93 of 2 (steal
+/// 0.01)"`.
+fn cores_busy(from: Option<CpuTimes>, to: Option<CpuTimes>) -> String {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    match (from, to) {
+        (Some(a), Some(b)) if b.total > a.total => {
+            let t = (b.total - a.total) as f64;
+            format!(
+                "{:.2} of {cpus} (steal {:.2})",
+                (b.busy - a.busy) as f64 / t * cpus,
+                (b.steal - a.steal) as f64 / t * cpus
+            )
+        }
+        _ => "unknown".into(),
+    }
+}
+
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
@@ -191,6 +231,7 @@ async fn rounds(
         // A decoder that just started pages its model in and allocates for a while; a rolling
         // restart drains into decoders that have been up for longer than that.
         tokio::time::sleep(DESTINATION_WARM_UP).await;
+        let calm_from = cpu_times();
         // Every generation past `after` records, all on the source.
         let deadline = Instant::now() + Duration::from_secs(300);
         loop {
@@ -211,8 +252,9 @@ async fn rounds(
         let mut child = src.child.take().context("source running")?;
         let pid = child.id();
         let drained = Instant::now();
+        let drain_from = cpu_times();
         Command::new("kill").args(["-TERM", &pid.to_string()]).status()?;
-        let exited = tokio::task::spawn_blocking(move || (child.wait(), Instant::now()));
+        let exited = tokio::task::spawn_blocking(move || (child.wait(), Instant::now(), cpu_times()));
         let mut normal = Vec::new();
         let mut longest = Duration::ZERO;
         let mut worst_gaps = Vec::new();
@@ -259,13 +301,13 @@ async fn rounds(
         let median = normal.get(normal.len() / 2).copied().unwrap_or_default();
         // The same measure before the drain: how long a gap gets without one (noise).
         let calm = normal.last().copied().unwrap_or_default();
-        let exit = {
-            let (status, at) = exited.await?;
+        let (exit, drain_to) = {
+            let (status, at, cpu) = exited.await?;
             let status = status?;
             if !status.success() {
                 bail!("the drained decoder exited with {status}");
             }
-            at - drained
+            (at - drained, cpu)
         };
         drop(src);
         let ratio = longest.as_secs_f64() / median.as_secs_f64().max(1e-6);
@@ -282,6 +324,13 @@ async fn rounds(
             "  longest gap of each generation: {}; before the drain the longest was {:.0} ms",
             worst_gaps.join(", "),
             ms(calm)
+        );
+        // Whether the machine had room: the source decoding alone (the destination idle)
+        // against the drain (both decoders, the handoffs, the log nodes).
+        println!(
+            "  CPUs busy: before the drain {}, during it {}",
+            cores_busy(calm_from, drain_from),
+            cores_busy(drain_from, drain_to)
         );
         for g in 0..gids.len() {
             let _ = client
