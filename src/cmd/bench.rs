@@ -109,7 +109,7 @@ impl Procs {
 }
 
 /// Clock ticks per second of `/proc/PID/stat` (`USER_HZ`, 100 on every Linux this runs on).
-const TICKS_PER_S: f64 = 100.0;
+pub const TICKS_PER_S: f64 = 100.0;
 
 /// User + system CPU time of a running process, in clock ticks (`/proc/PID/stat`); 0 when it
 /// cannot be read.

@@ -11,7 +11,7 @@ use anyhow::{bail, Context};
 use tokenlog_proto::raftlog as pb;
 use tokenlog_raftlog::client::LogClient;
 
-use crate::cmd::bench::{start_tokenlog, wait_for_leader};
+use crate::cmd::bench::{cpu_ticks, start_tokenlog, wait_for_leader, TICKS_PER_S};
 use crate::cmd::bench_decoder::{binding, dargs, prompt_ids, Dec};
 use crate::cmd::decoder::load_model;
 
@@ -184,7 +184,8 @@ async fn rounds(
     name: &str,
     prompt: &[u32],
 ) -> anyhow::Result<Vec<f64>> {
-    let _procs = start_tokenlog(dir, a.base_port)?;
+    let nodes = start_tokenlog(dir, a.base_port)?;
+    let node_pids: Vec<u32> = nodes.0.iter().map(|c| c.id()).collect();
     let addrs: Vec<String> = (0..3).map(|i| format!("127.0.0.1:{}", a.base_port + i)).collect();
     let cluster = addrs.join(",");
     let client = LogClient::new(addrs)?;
@@ -231,7 +232,13 @@ async fn rounds(
         // A decoder that just started pages its model in and allocates for a while; a rolling
         // restart drains into decoders that have been up for longer than that.
         tokio::time::sleep(DESTINATION_WARM_UP).await;
-        let calm_from = cpu_times();
+        let dst_pid = dst.child.as_ref().map_or(0, |c| c.id());
+        // CPU time of the destination and of the log nodes, in clock ticks.
+        let others = {
+            let node_pids = node_pids.clone();
+            move || (cpu_ticks(dst_pid), node_pids.iter().map(|&p| cpu_ticks(p)).sum::<u64>())
+        };
+        let (calm_from, others_calm, calm_at) = (cpu_times(), others(), Instant::now());
         // Every generation past `after` records, all on the source.
         let deadline = Instant::now() + Duration::from_secs(300);
         loop {
@@ -252,9 +259,15 @@ async fn rounds(
         let mut child = src.child.take().context("source running")?;
         let pid = child.id();
         let drained = Instant::now();
-        let drain_from = cpu_times();
+        let (drain_from, others_from) = (cpu_times(), others());
         Command::new("kill").args(["-TERM", &pid.to_string()]).status()?;
-        let exited = tokio::task::spawn_blocking(move || (child.wait(), Instant::now(), cpu_times()));
+        let exited = tokio::task::spawn_blocking({
+            let others = others.clone();
+            move || {
+                let status = child.wait();
+                (status, Instant::now(), cpu_times(), others())
+            }
+        });
         let mut normal = Vec::new();
         let mut longest = Duration::ZERO;
         let mut worst_gaps = Vec::new();
@@ -301,13 +314,13 @@ async fn rounds(
         let median = normal.get(normal.len() / 2).copied().unwrap_or_default();
         // The same measure before the drain: how long a gap gets without one (noise).
         let calm = normal.last().copied().unwrap_or_default();
-        let (exit, drain_to) = {
-            let (status, at, cpu) = exited.await?;
+        let (exit, drain_to, others_to) = {
+            let (status, at, cpu, others) = exited.await?;
             let status = status?;
             if !status.success() {
                 bail!("the drained decoder exited with {status}");
             }
-            (at - drained, cpu)
+            (at - drained, cpu, others)
         };
         drop(src);
         let ratio = longest.as_secs_f64() / median.as_secs_f64().max(1e-6);
@@ -327,10 +340,30 @@ async fn rounds(
         );
         // Whether the machine had room: the source decoding alone (the destination idle)
         // against the drain (both decoders, the handoffs, the log nodes).
+        // Of them: the destination, the log nodes (the rest is the source and this bench), in
+        // CPUs on average.
+        let share = |from: (u64, u64), to: (u64, u64), over: Duration| {
+            let cpus = |t: u64| t as f64 / TICKS_PER_S / over.as_secs_f64().max(1e-6);
+            format!(
+                "the destination {:.2}, the log nodes {:.2}",
+                cpus(to.0.saturating_sub(from.0)),
+                cpus(to.1.saturating_sub(from.1))
+            )
+        };
+        // Clock ticks are 10 ms: a short window says nothing.
+        let before = if drained - calm_at >= Duration::from_millis(500) {
+            format!(
+                "{} ({})",
+                cores_busy(calm_from, drain_from),
+                share(others_calm, others_from, drained - calm_at)
+            )
+        } else {
+            "not measured (the source reached --after during the destination's warm-up)".into()
+        };
         println!(
-            "  CPUs busy: before the drain {}, during it {}",
-            cores_busy(calm_from, drain_from),
-            cores_busy(drain_from, drain_to)
+            "  CPUs busy: before the drain {before}; during it {} ({})",
+            cores_busy(drain_from, drain_to),
+            share(others_from, others_to, exit)
         );
         for g in 0..gids.len() {
             let _ = client
