@@ -530,7 +530,7 @@ pub(crate) fn weighted_sum_on(probs: &[f32], values: &[f32], stride: usize, offs
     #[cfg(target_arch = "x86_64")]
     if simd() {
         // SAFETY: AVX2 is present; every value row lies within `values` (checked above).
-        return unsafe { avx2_kernels::weighted_sum(probs, values, stride, offset, out) };
+        return unsafe { avx2_kernels::weighted_sum_on(probs, values, stride, offset, out) };
     }
     let d = out.len();
     for (t, &p) in probs.iter().enumerate() {
@@ -931,7 +931,7 @@ mod avx2_kernels {
     /// [`super::weighted_sum_on`]: up to 64 columns at a time held in registers across all
     /// `t`, starting from what `out` holds. Every value row lies within `values`.
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn weighted_sum(probs: &[f32], values: &[f32], stride: usize, offset: usize, out: &mut [f32]) {
+    pub(super) unsafe fn weighted_sum_on(probs: &[f32], values: &[f32], stride: usize, offset: usize, out: &mut [f32]) {
         let d = out.len();
         let whole = d / 8 * 8;
         let mut c = 0;
@@ -951,7 +951,7 @@ mod avx2_kernels {
         }
     }
 
-    /// `W` vectors of columns of [`weighted_sum`], from `v` (value 0's first column) into `out`.
+    /// `W` vectors of columns of [`weighted_sum_on`], from `v` (value 0's first column) onto `out`.
     #[inline(always)]
     unsafe fn columns<const W: usize>(probs: &[f32], v: *const f32, stride: usize, out: *mut f32) {
         let mut acc = [_mm256_setzero_ps(); W];
