@@ -499,11 +499,17 @@ fn a_node_snapshots_after_enough_tokens_whatever_its_entry_count() {
 #[test]
 fn the_log_bench_writes_through_unary_calls_and_append_streams() {
     let _one = serial();
-    for (flag, label) in [(None, "tokenlog "), (Some("--stream"), "tokenlog/stream ")] {
+    let flags: [(&[&str], &str); 3] = [
+        (&[], "tokenlog "),
+        (&["--stream"], "tokenlog/stream "),
+        // Pipelined: 4 writes in flight per writer, answered in order (a refused one fails the run).
+        (&["--stream", "--depth", "4"], "tokenlog/stream/d4 "),
+    ];
+    for (flags, label) in flags {
         let mut cmd = std::process::Command::new(common::bin());
         cmd.args(["bench", "log", "--writers", "2", "--generations", "4", "--seconds", "1"])
             .args(["--no-etcd", "--base-port", &common::free_port().to_string()])
-            .args(flag);
+            .args(flags);
         let out = cmd.output().expect("run tokenlog bench log");
         let text = String::from_utf8_lossy(&out.stdout).to_string();
         assert!(out.status.success(), "{text} {}", String::from_utf8_lossy(&out.stderr));
@@ -514,4 +520,14 @@ fn the_log_bench_writes_through_unary_calls_and_append_streams() {
             .unwrap_or_else(|| panic!("no {label:?} row in: {text}"));
         assert!(writes > 0.0, "{text}");
     }
+    // Unary appends sent at once could arrive out of order: refused before any cluster starts.
+    let out = std::process::Command::new(common::bin())
+        .args(["bench", "log", "--depth", "4", "--no-etcd"])
+        .output()
+        .expect("run tokenlog bench log");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--depth 4 needs --stream"),
+        "{err}"
+    );
 }

@@ -75,6 +75,12 @@ pub struct LogArgs {
     /// outstanding per writer, instead of one unary `Append` call per write (like etcd's puts).
     #[arg(long)]
     pub stream: bool,
+    /// Writes each writer keeps outstanding: pipelined in order on its `AppendStream` (needs
+    /// --stream), as a decoder pipelines its appends (up to 4); etcd's writers then keep as many
+    /// puts outstanding each (one put loop per outstanding write), so both systems see the same
+    /// number of writes in flight.
+    #[arg(long, default_value_t = 1)]
+    pub depth: usize,
     /// etcd binary.
     #[arg(long, default_value = "etcd")]
     pub etcd: String,
@@ -174,19 +180,34 @@ async fn bench_log(a: LogArgs) -> anyhow::Result<()> {
     if a.writers.contains(&0) || a.generations < max || a.tokens_per_step == 0 {
         bail!("need writers >= 1, generations >= writers, tokens-per-step >= 1");
     }
+    let depth_max = tokenlog_raftlog::limits::APPEND_STREAM_IN_FLIGHT_MAX;
+    if a.depth == 0 || a.depth > depth_max {
+        bail!("--depth must be 1..={depth_max} (the writes a node takes in flight on one stream)");
+    }
+    if a.depth > 1 && !a.stream {
+        bail!(
+            "--depth {} needs --stream: unary appends of one writer sent at once may arrive out of order",
+            a.depth
+        );
+    }
     let mut rows = Vec::new();
     for &writers in &a.writers {
         let dir = tempfile::tempdir()?;
         println!(
-            "bench log: {writers} writers, {} generations, {} token(s) per generation per step, {} s per system",
-            a.generations, a.tokens_per_step, a.seconds
+            "bench log: {writers} writers, {} generations, {} token(s) per generation per step, {} write(s) \
+             outstanding per writer, {} s per system",
+            a.generations, a.tokens_per_step, a.depth, a.seconds
         );
         let ours = {
             let procs = start_tokenlog(dir.path(), a.base_port)?;
             let addrs: Vec<String> = (0..3).map(|i| format!("127.0.0.1:{}", a.base_port + i)).collect();
             run_tokenlog(&a, writers, addrs, &procs).await?
         };
-        ours.print(if a.stream { "tokenlog/stream" } else { "tokenlog" });
+        ours.print(&match (a.stream, a.depth) {
+            (false, _) => "tokenlog".to_string(),
+            (true, 1) => "tokenlog/stream".to_string(),
+            (true, d) => format!("tokenlog/stream/d{d}"),
+        });
         if a.no_etcd {
             continue;
         }
@@ -404,26 +425,36 @@ async fn run_tokenlog(a: &LogArgs, writers: usize, addrs: Vec<String>, procs: &P
     let mut tasks = Vec::new();
     for ((w, gens), mut stream) in owned.into_iter().enumerate().zip(streams) {
         let client = client.clone();
-        let tokens = a.tokens_per_step;
+        let (tokens, depth) = (a.tokens_per_step, a.depth);
         tasks.push(tokio::spawn(async move {
             let mut h = Histogram::<u64>::new(3).expect("histogram");
             let (mut steps, mut seq) = (0u64, 0u32);
-            while Instant::now() < deadline {
-                let t = Instant::now();
-                let req = append_request(w, &gens, seq, &vec![seq; tokens], false);
-                let resp = match &mut stream {
-                    Some(s) => {
-                        s.send(req).await?;
-                        s.answer().await?
+            let room = |seq: u32| seq as usize + tokens <= tokenlog_raftlog::limits::GENERATION_TOKENS_MAX as usize;
+            match &mut stream {
+                // Up to `depth` writes in flight, answered in order: each answer lets the next go.
+                Some(s) => {
+                    let mut sent = std::collections::VecDeque::with_capacity(depth);
+                    loop {
+                        while sent.len() < depth && Instant::now() < deadline && room(seq) {
+                            s.send(append_request(w, &gens, seq, &vec![seq; tokens], false)).await?;
+                            sent.push_back(Instant::now());
+                            seq += tokens as u32;
+                        }
+                        let Some(t) = sent.pop_front() else { break };
+                        accepted(&s.answer().await?)?;
+                        h.record(t.elapsed().as_micros() as u64)?;
+                        steps += 1;
                     }
-                    None => client.append(req).await?,
-                };
-                accepted(&resp)?;
-                h.record(t.elapsed().as_micros() as u64)?;
-                steps += 1;
-                seq += tokens as u32;
-                if seq as usize + tokens > tokenlog_raftlog::limits::GENERATION_TOKENS_MAX as usize {
-                    break;
+                }
+                None => {
+                    while Instant::now() < deadline && room(seq) {
+                        let t = Instant::now();
+                        let req = append_request(w, &gens, seq, &vec![seq; tokens], false);
+                        accepted(&client.append(req).await?)?;
+                        h.record(t.elapsed().as_micros() as u64)?;
+                        steps += 1;
+                        seq += tokens as u32;
+                    }
                 }
             }
             anyhow::Ok((steps, steps * (tokens * gens.len()) as u64, h))
@@ -545,7 +576,8 @@ async fn run_etcd(
     let value = Arc::new(vec![7u8; value_bytes]);
     let cpu_at_start = procs.cpu_ticks();
     let mut tasks = Vec::new();
-    for w in 0..writers {
+    // `depth` put loops per writer: as many puts outstanding as tokenlog's writer has writes.
+    for (w, d) in (0..writers).flat_map(|w| (0..a.depth).map(move |d| (w, d))) {
         let mut kv = etcd::kv_client::KvClient::new(channels[w % channels.len()].clone());
         let value = value.clone();
         let tokens_per_put = (per_writer * a.tokens_per_step) as u64;
@@ -553,7 +585,7 @@ async fn run_etcd(
             let mut h = Histogram::<u64>::new(3).expect("histogram");
             let mut steps = 0u64;
             while Instant::now() < deadline {
-                let key = format!("c{connections}/w{w}/{steps:010}").into_bytes();
+                let key = format!("c{connections}/w{w}.{d}/{steps:010}").into_bytes();
                 let t = Instant::now();
                 kv.put(etcd::PutRequest {
                     key,
