@@ -59,6 +59,9 @@ pub const SEAL_AFTER_MS: u64 = 10_000;
 /// stay under this many plus those of running generations and of generations finished less
 /// than [`SEAL_AFTER_MS`] before the last snapshot (~100 bytes each in memory: ~100 MiB).
 pub const SNAPSHOT_AFTER_TOKENS: u64 = 1 << 20;
+/// A snapshot's copy of the state (under the read lock: appends wait) that takes this long is
+/// reported as a warning, with the records it copied.
+pub const SNAPSHOT_COPY_WARN_MS: u64 = 20;
 /// Grants (epoch, owner, log time, frontier) a generation keeps for audits: the newest ones.
 pub const GRANTS_KEPT_MAX: usize = 16;
 /// The shortest retention a node accepts (`--retention-ms`): a client that reconnects right

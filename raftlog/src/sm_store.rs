@@ -913,12 +913,17 @@ impl RaftSnapshotBuilder<TypeConfig> for SmStore {
     async fn build_snapshot(&mut self) -> Result<Snapshot, io::Error> {
         let _one_at_a_time = self.shared.building.lock().await;
         // A copy under the read lock: its meta and content are one applied state.
+        let copying = std::time::Instant::now();
         let copy = {
             let m = self.shared.read();
             // Apply adds under the write lock: what it added so far is in this copy.
             self.shared.tokens_since_snapshot.store(0, Ordering::Relaxed);
             m.clone()
         };
+        // Apply waits for the write lock meanwhile: the copy is of every record in memory.
+        let copy_ms = copying.elapsed().as_millis() as u64;
+        let records_in_memory: usize = copy.log.generations.values().map(|g| g.records.len()).sum();
+        let generations = copy.log.generations.len();
         let meta = copy.meta();
         let from = copy.cold.clone();
         let shared = self.shared.clone();
@@ -938,8 +943,18 @@ impl RaftSnapshotBuilder<TypeConfig> for SmStore {
             segments = named.len(),
             segment_bytes,
             segments_removed = removed,
+            copy_ms,
             "snapshot written"
         );
+        if copy_ms >= crate::limits::SNAPSHOT_COPY_WARN_MS {
+            tracing::warn!(
+                copy_ms,
+                generations,
+                records_in_memory,
+                "the snapshot's copy of the state held appends back this long (it copies every \
+                 record in memory: those of running generations and of recently finished ones)"
+            );
+        }
         Ok(Snapshot { meta, snapshot: file })
     }
 }
