@@ -62,6 +62,10 @@ pub const SNAPSHOT_AFTER_TOKENS: u64 = 1 << 20;
 /// A snapshot's copy of the state (under the read lock: appends wait) that takes this long is
 /// reported as a warning, with the records it copied.
 pub const SNAPSHOT_COPY_WARN_MS: u64 = 20;
+/// Records of a generation per shared chunk in memory ([`crate::types::Records`]): a snapshot's
+/// copy of the state shares the full chunks and copies at most this many records per generation
+/// (the tail being filled), so the copy that appends wait for is O(generations), not O(records).
+pub const RECORDS_CHUNK: usize = 256;
 /// Grants (epoch, owner, log time, frontier) a generation keeps for audits: the newest ones.
 pub const GRANTS_KEPT_MAX: usize = 16;
 /// The shortest retention a node accepts (`--retention-ms`): a client that reconnects right

@@ -203,7 +203,7 @@ impl Machine {
     pub fn records_of<'a>(&'a self, g: &'a Generation) -> Result<std::borrow::Cow<'a, [Record]>, ColdReadError> {
         match g.cold {
             Some(r) if g.records.is_empty() => read_cold(&self.cold, g, &r).map(std::borrow::Cow::Owned),
-            _ => Ok(std::borrow::Cow::Borrowed(&g.records)),
+            _ => Ok(g.records.as_slice()),
         }
     }
 
@@ -536,7 +536,7 @@ pub fn load_snapshot(file: &SnapshotFile, problems: &mut Vec<String>) -> Option<
     for g in m.log.generations.values_mut() {
         if let Some(r) = g.cold.filter(|_| !g.sealed(now)) {
             match read_cold(&cold, g, &r) {
-                Ok(records) => g.records = records,
+                Ok(records) => g.records = records.into(),
                 Err(e) => {
                     problems.push(format!("request {:?} (generation {}): {e}", g.request_id, g.id));
                     return None;
@@ -647,10 +647,10 @@ fn write_snapshot(dir: &SnapshotDir, mut copy: Machine) -> io::Result<Written> {
                 seg.put_frame(&bytes, r.records)?
             }
             // Finished: its records never change again.
-            None if g.state.is_terminal() && !g.records.is_empty() => seg.put(&g.records)?,
+            None if g.state.is_terminal() && !g.records.is_empty() => seg.put(&g.records.as_slice())?,
             None => continue,
         };
-        g.records = Vec::new();
+        g.records.clear();
         refs.push((g.id, r));
         cold.push(OnDisk {
             id: g.id,
@@ -726,7 +726,7 @@ pub fn digest(m: &Machine) -> io::Result<[u8; 32]> {
     let mut frontiers = Vec::with_capacity(normal.generations.len());
     for g in normal.log.generations.values_mut() {
         frontiers.push((g.id, g.frontier()));
-        g.records = Vec::new();
+        g.records.clear();
         g.cold = None;
     }
     crate::snapshot::digest(&(&normal, &frontiers))
@@ -876,7 +876,7 @@ impl SmShared {
                 assert!(g.frontier() == d.at.records && g.chain_head == d.chain_head && g.state.is_terminal());
                 if d.sealed && !g.records.is_empty() {
                     moved += 1;
-                    g.records = Vec::new();
+                    g.records.clear();
                 }
                 g.cold = Some(d.at);
             }
@@ -1589,7 +1589,7 @@ mod tests {
             log_ms: 2,
         };
         g.chain_head = chain::head(id, &[rec]);
-        g.records = vec![rec];
+        g.records = vec![rec].into();
         let d = tempfile::tempdir().unwrap();
         let dir = SnapshotDir::open(d.path()).unwrap();
         let other = Record { token_id: 6, ..rec };

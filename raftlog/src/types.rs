@@ -205,6 +205,107 @@ pub struct Record {
     pub log_ms: u64,
 }
 
+/// A generation's records in memory, in order: full chunks of [`RECORDS_CHUNK`] shared by
+/// reference and the tail being filled. Cloning it (a snapshot's copy of the state, taken while
+/// appends wait) shares the chunks and copies the tail only. Serialized as a sequence of
+/// records, the same bytes as a `Vec<Record>`.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Records {
+    chunks: Vec<std::sync::Arc<[Record]>>,
+    tail: Vec<Record>,
+}
+
+use crate::limits::RECORDS_CHUNK;
+
+impl Records {
+    pub fn len(&self) -> usize {
+        self.chunks.len() * RECORDS_CHUNK + self.tail.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.chunks.is_empty() && self.tail.is_empty()
+    }
+    pub fn push(&mut self, r: Record) {
+        self.tail.push(r);
+        if self.tail.len() == RECORDS_CHUNK {
+            let full = std::mem::take(&mut self.tail);
+            self.chunks.push(full.into());
+        }
+    }
+    pub fn get(&self, i: usize) -> Option<&Record> {
+        match self.chunks.get(i / RECORDS_CHUNK) {
+            Some(c) => c.get(i % RECORDS_CHUNK),
+            None => self.tail.get(i - self.chunks.len() * RECORDS_CHUNK),
+        }
+    }
+    /// Every record, in order.
+    pub fn iter(&self) -> impl Iterator<Item = &Record> + '_ {
+        self.chunks.iter().flat_map(|c| c.iter()).chain(&self.tail)
+    }
+    /// Records `from..to` (clamped to the length), in order, without walking those before.
+    pub fn range(&self, from: usize, to: usize) -> impl Iterator<Item = &Record> + '_ {
+        let to = to.min(self.len());
+        let from = from.min(to);
+        let first = from / RECORDS_CHUNK;
+        self.chunks
+            .iter()
+            .skip(first)
+            .flat_map(|c| c.iter())
+            .chain(&self.tail)
+            .skip(from - first * RECORDS_CHUNK)
+            .take(to - from)
+    }
+    /// The records as one slice: borrowed when they are all in the tail, else copied.
+    pub fn as_slice(&self) -> std::borrow::Cow<'_, [Record]> {
+        match self.chunks.is_empty() {
+            true => std::borrow::Cow::Borrowed(&self.tail),
+            false => std::borrow::Cow::Owned(self.iter().copied().collect()),
+        }
+    }
+    pub fn clear(&mut self) {
+        *self = Records::default();
+    }
+}
+
+impl std::ops::Index<usize> for Records {
+    type Output = Record;
+    fn index(&self, i: usize) -> &Record {
+        self.get(i).unwrap_or_else(|| panic!("record {i} of {}", self.len()))
+    }
+}
+
+impl From<Vec<Record>> for Records {
+    fn from(v: Vec<Record>) -> Self {
+        let mut r = Records::default();
+        for x in v {
+            r.push(x);
+        }
+        r
+    }
+}
+
+impl std::fmt::Debug for Records {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+impl Serialize for Records {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeSeq;
+        let mut seq = s.serialize_seq(Some(self.len()))?;
+        for r in self.iter() {
+            seq.serialize_element(r)?;
+        }
+        seq.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for Records {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Vec::<Record>::deserialize(d).map(Records::from)
+    }
+}
+
 /// One past grant, kept for audits ("who wrote seq N, and when").
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Grant {
@@ -223,7 +324,7 @@ pub struct Generation {
     pub binding: Binding,
     pub state: GenState,
     pub lease: Lease,
-    pub records: Vec<Record>,
+    pub records: Records,
     pub chain_head: [u8; 32],
     pub finish_reason: Option<FinishReason>,
     pub finish_detail: String,
@@ -850,5 +951,85 @@ impl std::fmt::Display for Request {
 impl std::fmt::Display for Response {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{self:?}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limits::RECORDS_CHUNK;
+
+    fn rec(i: usize) -> Record {
+        Record {
+            token_id: i as TokenId,
+            epoch: 1 + (i / 100) as Epoch,
+            log_ms: 7 * i as u64,
+        }
+    }
+
+    #[test]
+    fn records_in_chunks_read_back_as_the_vector_they_were_pushed_from() {
+        for n in [
+            0,
+            1,
+            RECORDS_CHUNK - 1,
+            RECORDS_CHUNK,
+            RECORDS_CHUNK + 1,
+            3 * RECORDS_CHUNK + 17,
+        ] {
+            let v: Vec<Record> = (0..n).map(rec).collect();
+            let r = Records::from(v.clone());
+            assert_eq!(r.len(), n);
+            assert_eq!(r.is_empty(), n == 0);
+            assert_eq!(r.iter().copied().collect::<Vec<_>>(), v);
+            assert_eq!(r.as_slice().as_ref(), v.as_slice());
+            for i in 0..n {
+                assert_eq!(r[i], v[i]);
+            }
+            assert_eq!(r.get(n), None);
+            for (a, b) in [
+                (0, n),
+                (1, n),
+                (n / 2, n / 2 + 3),
+                (RECORDS_CHUNK, n + 5),
+                (n + 1, n + 9),
+                (5, 2),
+            ] {
+                let want: Vec<Record> = v[a.min(b).min(n)..b.min(n)].to_vec();
+                let want = if a > b { Vec::new() } else { want };
+                assert_eq!(
+                    r.range(a, b).copied().collect::<Vec<_>>(),
+                    want,
+                    "n {n}, range {a}..{b}"
+                );
+            }
+            // The same bytes as the vector's (snapshots written before and after read alike).
+            let opts = bincode::DefaultOptions::new().with_fixint_encoding();
+            use bincode::Options;
+            let bytes = opts.serialize(&r).unwrap();
+            assert_eq!(bytes, opts.serialize(&v).unwrap());
+            assert_eq!(opts.deserialize::<Records>(&bytes).unwrap(), r);
+        }
+    }
+
+    #[test]
+    fn a_copy_of_records_shares_the_full_chunks_and_keeps_what_it_held() {
+        let mut r = Records::from((0..2 * RECORDS_CHUNK + 5).map(rec).collect::<Vec<_>>());
+        let copy = r.clone();
+        assert!(
+            std::sync::Arc::ptr_eq(&r.chunks[0], &copy.chunks[0]),
+            "full chunks are shared"
+        );
+        for i in 0..RECORDS_CHUNK {
+            r.push(rec(10_000 + i));
+        }
+        assert_eq!(copy.len(), 2 * RECORDS_CHUNK + 5);
+        assert_eq!(
+            copy.iter().copied().collect::<Vec<_>>(),
+            (0..2 * RECORDS_CHUNK + 5).map(rec).collect::<Vec<_>>()
+        );
+        assert_eq!(r.len(), 3 * RECORDS_CHUNK + 5);
+        r.clear();
+        assert!(r.is_empty() && !copy.is_empty());
     }
 }

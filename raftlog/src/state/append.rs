@@ -91,8 +91,9 @@ impl LogState {
         let start = item.start_seq as usize;
         let end = start + item.token_ids.len();
         let committed = g.records.len();
-        let overlap_ok = g.records[start.min(committed)..end.min(committed)]
-            .iter()
+        let overlap_ok = g
+            .records
+            .range(start, end)
             .zip(&item.token_ids)
             .all(|(r, t)| r.token_id == *t);
         // An identical re-send of committed records (a retry) is acknowledged without effect.

@@ -432,7 +432,7 @@ impl LogState {
             binding: binding.clone(),
             state: GenState::Pending,
             lease: Lease::default(),
-            records: Vec::new(),
+            records: Records::default(),
             chain_head: chain::genesis(id),
             finish_reason: None,
             finish_detail: String::new(),

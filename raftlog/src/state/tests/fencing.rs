@@ -57,7 +57,7 @@ fn append_extends_frontier_and_chain() {
         gen.records.iter().map(|r| r.token_id).collect::<Vec<_>>(),
         vec![5, 6, 7]
     );
-    assert_eq!(gen.chain_head, chain::head(g, &gen.records));
+    assert_eq!(gen.chain_head, chain::head(g, &gen.records.as_slice()));
 }
 
 #[test]
