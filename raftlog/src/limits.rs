@@ -60,7 +60,7 @@ pub const SEAL_AFTER_MS: u64 = 10_000;
 /// than [`SEAL_AFTER_MS`] before the last snapshot (~100 bytes each in memory: ~100 MiB).
 pub const SNAPSHOT_AFTER_TOKENS: u64 = 1 << 20;
 /// A snapshot's copy of the state (under the read lock: appends wait) that takes this long is
-/// reported as a warning, with the records it copied.
+/// reported as a warning, with the generations and records it held.
 pub const SNAPSHOT_COPY_WARN_MS: u64 = 20;
 /// Records of a generation per shared chunk in memory ([`crate::types::Records`]): a snapshot's
 /// copy of the state shares the full chunks and copies at most this many records per generation

@@ -920,10 +920,12 @@ impl RaftSnapshotBuilder<TypeConfig> for SmStore {
             self.shared.tokens_since_snapshot.store(0, Ordering::Relaxed);
             m.clone()
         };
-        // Apply waits for the write lock meanwhile: the copy is of every record in memory.
+        // Apply waits for the write lock meanwhile (the copy shares the records' full chunks).
         let copy_ms = copying.elapsed().as_millis() as u64;
-        let records_in_memory: usize = copy.log.generations.values().map(|g| g.records.len()).sum();
-        let generations = copy.log.generations.len();
+        let slow_copy = (copy_ms >= crate::limits::SNAPSHOT_COPY_WARN_MS).then(|| {
+            let records: usize = copy.log.generations.values().map(|g| g.records.len()).sum();
+            (copy.log.generations.len(), records)
+        });
         let meta = copy.meta();
         let from = copy.cold.clone();
         let shared = self.shared.clone();
@@ -946,13 +948,13 @@ impl RaftSnapshotBuilder<TypeConfig> for SmStore {
             copy_ms,
             "snapshot written"
         );
-        if copy_ms >= crate::limits::SNAPSHOT_COPY_WARN_MS {
+        if let Some((generations, records_in_memory)) = slow_copy {
             tracing::warn!(
                 copy_ms,
                 generations,
                 records_in_memory,
-                "the snapshot's copy of the state held appends back this long (it copies every \
-                 record in memory: those of running generations and of recently finished ones)"
+                "the snapshot's copy of the state held appends back this long (waiting for the \
+                 state's lock, then copying every generation)"
             );
         }
         Ok(Snapshot { meta, snapshot: file })
