@@ -519,6 +519,16 @@ fn the_log_bench_writes_through_unary_calls_and_append_streams() {
             .find_map(|rest| rest.split_whitespace().next()?.parse().ok())
             .unwrap_or_else(|| panic!("no {label:?} row in: {text}"));
         assert!(writes > 0.0, "{text}");
+        // The row below it: the Raft entries the leader committed meanwhile, and how many
+        // writes each carried.
+        let entries: Vec<f64> = text
+            .lines()
+            .skip_while(|l| !l.starts_with(label))
+            .nth(1)
+            .filter(|l| l.contains("entries/s") && l.contains("writes per entry"))
+            .map(|l| l.split_whitespace().filter_map(|w| w.parse().ok()).collect())
+            .unwrap_or_else(|| panic!("no entries row under {label:?} in: {text}"));
+        assert!(entries.len() >= 2 && entries[0] > 0.0 && entries[1] > 0.0, "{text}");
     }
     // Unary appends sent at once could arrive out of order: refused before any cluster starts.
     let out = std::process::Command::new(common::bin())

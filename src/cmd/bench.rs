@@ -147,6 +147,10 @@ struct Outcome {
     latency_us: Option<Histogram<u64>>,
     /// CPU time of the 3 server processes over the measured window, in clock ticks.
     server_cpu_ticks: u64,
+    /// tokenlog only: the Raft entries the leader committed over the measured window (its
+    /// commit index before and after, from `ClusterStatus`; a few housekeeping entries
+    /// included). How many writes the proposer merged into each entry.
+    entries: Option<u64>,
 }
 
 impl Outcome {
@@ -172,6 +176,15 @@ impl Outcome {
             self.cpu_us_per_write(),
             self.server_cpu_ticks as f64 / TICKS_PER_S / self.elapsed.as_secs_f64()
         );
+        if let Some(entries) = self.entries {
+            println!(
+                "{:<15} {:>10.0} entries/s {:>8.1} writes per entry   server CPU {:>6.0} us/entry",
+                "",
+                entries as f64 / self.elapsed.as_secs_f64(),
+                self.steps as f64 / entries.max(1) as f64,
+                self.server_cpu_ticks as f64 / TICKS_PER_S * 1e6 / entries.max(1) as f64
+            );
+        }
     }
 }
 
@@ -421,6 +434,7 @@ async fn run_tokenlog(a: &LogArgs, writers: usize, addrs: Vec<String>, procs: &P
             false => None,
         });
     }
+    let committed_at_start = leader_commit_index(&client).await?;
     let cpu_at_start = procs.cpu_ticks();
     let start = Instant::now();
     let deadline = start + Duration::from_secs(a.seconds);
@@ -464,7 +478,33 @@ async fn run_tokenlog(a: &LogArgs, writers: usize, addrs: Vec<String>, procs: &P
     }
     let mut out = collect(tasks, start).await?;
     out.server_cpu_ticks = procs.cpu_ticks().saturating_sub(cpu_at_start);
+    out.entries = Some(leader_commit_index(&client).await?.saturating_sub(committed_at_start));
     Ok(out)
+}
+
+/// The leader's commit index (`ClusterStatus` asked of each node until the leader answers).
+async fn leader_commit_index(client: &LogClient) -> anyhow::Result<u64> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = client.cluster_status(true).await?;
+        if s.state == "Leader" {
+            return Ok(s.commit_index);
+        }
+        let leader = s.leader_addr;
+        if !leader.is_empty() {
+            if let Ok(l) = LogClient::new(vec![leader]) {
+                if let Ok(s) = l.cluster_status(true).await {
+                    if s.state == "Leader" {
+                        return Ok(s.commit_index);
+                    }
+                }
+            }
+        }
+        if Instant::now() > deadline {
+            bail!("no leader answered ClusterStatus within 10 s");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// One step of writer `w` (decoder `bench-decoder-{w}`): one Append carrying `token_ids` from
