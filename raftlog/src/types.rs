@@ -4,6 +4,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::limits::RECORDS_CHUNK;
+
 pub type GenerationId = u64;
 pub type Epoch = u64;
 pub type Seq = u32;
@@ -214,8 +216,6 @@ pub struct Records {
     chunks: Vec<std::sync::Arc<[Record]>>,
     tail: Vec<Record>,
 }
-
-use crate::limits::RECORDS_CHUNK;
 
 impl Records {
     pub fn len(&self) -> usize {
@@ -957,7 +957,6 @@ impl std::fmt::Display for Response {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limits::RECORDS_CHUNK;
 
     fn rec(i: usize) -> Record {
         Record {
