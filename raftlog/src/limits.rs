@@ -54,11 +54,25 @@ pub const RETENTION_MS_DEFAULT: u64 = 24 * 3_600_000;
 /// a snapshot moves the records of sealed generations to disk (`raftlog::sm_store`).
 pub const SEAL_AFTER_MS: u64 = 10_000;
 /// A node builds a snapshot once this many tokens were appended since its last one, whatever
-/// the entry count (`NodeConfig::snapshot_every`; one entry can carry thousands of tokens).
-/// The build moves sealed generations' records to disk, so the records a node holds in memory
-/// stay under this many plus those of running generations and of generations finished less
-/// than [`SEAL_AFTER_MS`] before the last snapshot (~100 bytes each in memory: ~100 MiB).
+/// the entry count (`NodeConfig::snapshot_every`; one entry can carry thousands of tokens), or
+/// once as many tokens as the last snapshot's body held records of running generations, if that
+/// is more ([`snapshot_due`]). The build moves sealed generations' records to disk, so the
+/// records a node holds in memory stay under the larger of the two plus those of running
+/// generations and of generations finished less than [`SEAL_AFTER_MS`] before the last
+/// snapshot (~100 bytes each in memory: ~100 MiB at this count).
 pub const SNAPSHOT_AFTER_TOKENS: u64 = 1 << 20;
+
+/// Whether a node builds a snapshot now for its token count: `tokens_since` appended since its
+/// last one, whose body held `body_records` records of running generations (each build writes
+/// every one of those again; sealed records are written once, in a cold segment). Waiting for
+/// at least as many new tokens as the body held keeps what the builds write at most about one
+/// record per record appended, however long the running generations grow: with 512 generations
+/// that never ended (`tokenlog bench log`), a build every 2^20 tokens wrote 1.3M, 2.5M, 3.6M,
+/// ... records, a quadratic cost (~10% of the servers' CPU after 20 s). The cost: up to that
+/// many more tokens of log to re-apply at a restart, and sealed records leave memory later.
+pub fn snapshot_due(tokens_since: u64, body_records: u64) -> bool {
+    tokens_since >= SNAPSHOT_AFTER_TOKENS.max(body_records)
+}
 /// A snapshot's copy of the state (under the read lock: appends wait) that takes this long is
 /// reported as a warning, with the generations and records it held.
 pub const SNAPSHOT_COPY_WARN_MS: u64 = 20;

@@ -34,8 +34,8 @@ use crate::error::LogError;
 use crate::faults::Faults;
 use crate::health::{Health, Readiness};
 use crate::limits::{
-    GRPC_MESSAGE_BYTES_MAX, KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT, PROPOSALS_IN_FLIGHT_MAX, PROPOSAL_COMMANDS_MAX,
-    PROPOSAL_TOKENS_MAX, PROPOSER_QUEUE_MAX, RETENTION_MS_DEFAULT, RETENTION_MS_MIN, SNAPSHOT_AFTER_TOKENS,
+    snapshot_due, GRPC_MESSAGE_BYTES_MAX, KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT, PROPOSALS_IN_FLIGHT_MAX,
+    PROPOSAL_COMMANDS_MAX, PROPOSAL_TOKENS_MAX, PROPOSER_QUEUE_MAX, RETENTION_MS_DEFAULT, RETENTION_MS_MIN,
     TICK_INTERVAL,
 };
 use crate::raft_types::{Node as RaftNode, NodeId, Raft};
@@ -765,10 +765,13 @@ fn spawn_ticker(ctx: Arc<NodeCtx>, retention_ms: u64, mut stop: watch::Receiver<
                 _ = tokio::time::sleep(TICK_INTERVAL) => {}
             }
             // Every node: enough tokens since its last snapshot, and records leave memory.
-            if ctx.sm.tokens_since_snapshot() >= SNAPSHOT_AFTER_TOKENS && !ctx.sm.building() {
+            let tokens = ctx.sm.tokens_since_snapshot();
+            let body_records = ctx.sm.body_records();
+            if snapshot_due(tokens, body_records) && !ctx.sm.building() {
                 tracing::info!(
-                    tokens = ctx.sm.tokens_since_snapshot(),
-                    "snapshot: SNAPSHOT_AFTER_TOKENS appended since the last one"
+                    tokens,
+                    body_records,
+                    "snapshot: enough tokens appended since the last one (limits::snapshot_due)"
                 );
                 if let Err(e) = ctx.raft.trigger().snapshot().await {
                     tracing::warn!(error = %e, "triggering a snapshot");

@@ -236,6 +236,19 @@ pub struct SmShared {
     /// Tokens appended since the state the last snapshot build copied (changed under the
     /// state's write lock; read for [`crate::limits::SNAPSHOT_AFTER_TOKENS`]).
     tokens_since_snapshot: AtomicU64,
+    /// Records of running generations in the last snapshot built, installed or loaded (what the
+    /// next build writes again at least; see [`crate::limits::snapshot_due`]).
+    body_records: AtomicU64,
+}
+
+/// The records a snapshot of `m` holds in its body: those of running generations (a finished
+/// generation's records go to a cold segment, once).
+fn body_records(m: &Machine) -> u64 {
+    m.generations
+        .values()
+        .filter(|g| !g.state.is_terminal())
+        .map(|g| g.records.len() as u64)
+        .sum()
 }
 
 #[derive(Clone)]
@@ -704,10 +717,13 @@ fn export(file: &SnapshotFile, meta: &SnapshotMeta, mut m: Machine) -> io::Resul
     let from = std::mem::take(&mut m.cold);
     crate::snapshot::write_transfer(dir, meta, |section| {
         let mut refs = Vec::new();
-        for g in m.log.generations.values() {
+        for g in m.log.generations.values_mut() {
             if let Some(r) = g.cold {
                 let bytes = from.read_frame(g.id, &r).map_err(io::Error::other)?;
                 refs.push((g.id, section.put_frame(&bytes, r.records)?));
+                // A finished generation not sealed yet is also in memory (loaded back for
+                // `apply`): the body holds its records once, in the cold section.
+                g.records.clear();
             }
         }
         Ok(Body {
@@ -753,6 +769,7 @@ impl SmStore {
                 tracing::info!(removed, "removed cold segments no snapshot names");
             }
         }
+        let body_records = body_records(&machine);
         report.generations = machine.generations.len() as u64;
         report.records = machine.generations.values().map(|g| g.frontier() as u64).sum();
         machine.log.faults = faults;
@@ -765,6 +782,7 @@ impl SmStore {
             faults,
             building: Default::default(),
             tokens_since_snapshot: AtomicU64::new(0),
+            body_records: AtomicU64::new(body_records),
         };
         Ok((
             SmStore {
@@ -813,6 +831,12 @@ impl SmShared {
     /// Tokens appended since the state the last snapshot build copied.
     pub fn tokens_since_snapshot(&self) -> u64 {
         self.tokens_since_snapshot.load(Ordering::Relaxed)
+    }
+
+    /// Records of running generations in the last snapshot this node built, installed or
+    /// loaded.
+    pub fn body_records(&self) -> u64 {
+        self.body_records.load(Ordering::Relaxed)
     }
 
     /// Whether a snapshot build is under way.
@@ -926,6 +950,7 @@ impl RaftSnapshotBuilder<TypeConfig> for SmStore {
             let records: usize = copy.log.generations.values().map(|g| g.records.len()).sum();
             (copy.log.generations.len(), records)
         });
+        self.shared.body_records.store(body_records(&copy), Ordering::Relaxed);
         let meta = copy.meta();
         let from = copy.cold.clone();
         let shared = self.shared.clone();
@@ -1052,6 +1077,7 @@ impl RaftStateMachine<TypeConfig> for SmStore {
         let s = &self.shared;
         let index = machine.applied.map_or(0, |l| l.index);
         {
+            s.body_records.store(body_records(&machine), Ordering::Relaxed);
             let mut m = s.state.write().expect("state lock poisoned");
             *m = machine;
             m.log.faults = s.faults;

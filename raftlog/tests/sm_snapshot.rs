@@ -794,3 +794,118 @@ async fn a_finished_generation_is_written_once_and_leaves_memory_when_sealed() {
         b.snapshot.len()
     );
 }
+
+/// Entries `first..`: decoder `d{g}` acquires generation `g` and appends `tokens` records to it,
+/// which keeps running.
+fn running_entries(first: u64, g: u64, tokens: u32, t: u64) -> Vec<Entry> {
+    use tokenlog_raftlog::types::AppendItem;
+    let decoder = format!("d{g}");
+    let cmds = vec![
+        Command::Acquire {
+            generation: g,
+            decoder: decoder.clone(),
+            lease_ms: 1_000,
+            model: model(),
+            rng_version: 0,
+        },
+        Command::Append {
+            decoder,
+            lease_ms: 1_000,
+            items: vec![AppendItem {
+                generation: g,
+                epoch: 1,
+                start_seq: 0,
+                token_ids: (0..tokens).collect(),
+                finish: None,
+            }],
+        },
+    ];
+    cmds.into_iter()
+        .enumerate()
+        .map(|(i, cmd)| Entry {
+            log_id: log_id::<TypeConfig>(1, 1, first + i as u64),
+            payload: openraft::EntryPayload::Normal(Request::new(t, cmd)),
+        })
+        .collect()
+}
+
+/// Each snapshot body holds every record of the running generations again, so a node waits for
+/// at least as many new tokens before the next one (`limits::snapshot_due`): the count of the
+/// last body is known after a build, a restart and an install. Before, a node built one every
+/// 2^20 tokens whatever the body held: with long running generations each build wrote all of
+/// them again (1.3M, 2.5M, 3.6M, ... records in `tokenlog bench log`).
+#[tokio::test]
+async fn the_next_snapshot_waits_for_as_many_tokens_as_the_last_body_held() {
+    use tokenlog_raftlog::limits::{snapshot_due, SNAPSHOT_AFTER_TOKENS};
+    assert!(snapshot_due(SNAPSHOT_AFTER_TOKENS, 0));
+    assert!(!snapshot_due(SNAPSHOT_AFTER_TOKENS - 1, 0));
+    assert!(snapshot_due(SNAPSHOT_AFTER_TOKENS, SNAPSHOT_AFTER_TOKENS));
+    assert!(
+        !snapshot_due(SNAPSHOT_AFTER_TOKENS, 3 * SNAPSHOT_AFTER_TOKENS),
+        "a body of 3 x 2^20 running records is not written again after 2^20 tokens"
+    );
+    assert!(snapshot_due(3 * SNAPSHOT_AFTER_TOKENS, 3 * SNAPSHOT_AFTER_TOKENS));
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut sm = open_sm(&dir);
+    assert_eq!(sm.shared().body_records(), 0);
+    for g in 1..=3 {
+        apply_one(&mut sm, submit_entry(g)).await;
+    }
+    // 1 runs with 4 records (its max_tokens), 2 finishes with 3, 3 runs with 2.
+    let mut index = 4;
+    for e in running_entries(index, 1, 4, 10) {
+        apply_one(&mut sm, e).await;
+    }
+    index += 2;
+    for e in finish_entries(index, 2, 10) {
+        apply_one(&mut sm, e).await;
+    }
+    index += 2;
+    for e in running_entries(index, 3, 2, 10) {
+        apply_one(&mut sm, e).await;
+    }
+    assert_eq!(sm.shared().tokens_since_snapshot(), 9);
+    let snap = build(&mut sm).await;
+    assert_eq!(sm.shared().tokens_since_snapshot(), 0);
+    assert_eq!(sm.shared().body_records(), 6, "the running generations' 4 + 2");
+    drop(sm);
+
+    let sm = open_sm(&dir);
+    assert_eq!(sm.shared().body_records(), 6, "after a restart");
+    drop(sm);
+
+    let fdir = tempfile::tempdir().unwrap();
+    let mut f = open_sm(&fdir);
+    f.install_snapshot(&snap.meta, snap.snapshot.clone())
+        .await
+        .expect("install");
+    assert_eq!(f.shared().body_records(), 6, "after an install");
+}
+
+/// A snapshot that names segments, installed in process (not streamed), is made self-contained
+/// first. A generation finished less than `SEAL_AFTER_MS` before it has its records in a segment
+/// and, loaded back for `apply`, in memory too: the export wrote them twice (in its body and in
+/// its cold section), and the install refused its own export ("records on disk for generation
+/// 2, which has none to put there"). Its records are now once in the export.
+#[tokio::test]
+async fn a_snapshot_with_a_finished_generation_not_sealed_yet_installs_in_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut sm = open_sm(&dir);
+    apply_one(&mut sm, submit_entry(1)).await;
+    for e in finish_entries(2, 1, 10) {
+        apply_one(&mut sm, e).await;
+    }
+    let digest = sm.shared().digest().unwrap();
+    let snap = build(&mut sm).await;
+    assert!(!on_disk(&sm, 1), "finished, not sealed: in memory too");
+    assert!(!segments_of(&sm).is_empty(), "the snapshot names a segment");
+
+    let fdir = tempfile::tempdir().unwrap();
+    let mut f = open_sm(&fdir);
+    f.install_snapshot(&snap.meta, snap.snapshot.clone())
+        .await
+        .expect("install");
+    assert_eq!(records_of(&f, 1), vec![(1, 1), (8, 1), (9, 1)]);
+    assert_eq!(f.shared().digest().unwrap(), digest);
+}
