@@ -133,6 +133,16 @@ async fn build(sm: &mut SmStore) -> tokenlog_raftlog::raft_types::Snapshot {
         .expect("build snapshot")
 }
 
+/// A fresh follower's store (and its data dir) that installed `snap` in process.
+async fn installed(snap: &tokenlog_raftlog::raft_types::Snapshot) -> (TempDir, SmStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut f = open_sm(&dir);
+    f.install_snapshot(&snap.meta, snap.snapshot.clone())
+        .await
+        .expect("install");
+    (dir, f)
+}
+
 /// A follower that crashes at any step of installing a snapshot restarts with the old snapshot
 /// or the new one, whole: never an empty state under the old index, never a mix.
 #[tokio::test]
@@ -332,7 +342,26 @@ async fn a_log_row_that_fails_its_checksum_is_refused_at_open() {
 /// The entries that put generation `g` (submitted by [`submit_entry`]`(g)`) through an owner, 3
 /// records and a finish, from log index `first` on, at log time `t`.
 fn finish_entries(first: u64, g: u64, t: u64) -> Vec<Entry> {
-    use tokenlog_raftlog::types::{AppendItem, FinishReason};
+    use tokenlog_raftlog::types::FinishReason;
+    owner_entries(
+        first,
+        g,
+        vec![g as u32, 8, 9],
+        Some((FinishReason::Stop, String::new())),
+        t,
+    )
+}
+
+/// Entries `first..`: decoder `d{g}` acquires generation `g` and appends `token_ids` to it, with
+/// `finish` if given.
+fn owner_entries(
+    first: u64,
+    g: u64,
+    token_ids: Vec<u32>,
+    finish: Option<(tokenlog_raftlog::types::FinishReason, String)>,
+    t: u64,
+) -> Vec<Entry> {
+    use tokenlog_raftlog::types::AppendItem;
     let decoder = format!("d{g}");
     let cmds = vec![
         Command::Acquire {
@@ -343,14 +372,14 @@ fn finish_entries(first: u64, g: u64, t: u64) -> Vec<Entry> {
             rng_version: 0,
         },
         Command::Append {
-            decoder: decoder.clone(),
+            decoder,
             lease_ms: 1_000,
             items: vec![AppendItem {
                 generation: g,
                 epoch: 1,
                 start_seq: 0,
-                token_ids: vec![g as u32, 8, 9],
-                finish: Some((FinishReason::Stop, String::new())),
+                token_ids,
+                finish,
             }],
         },
     ];
@@ -439,14 +468,20 @@ async fn sealed_generations_leave_memory_at_a_snapshot_and_read_back_the_same() 
     drop(sm);
 
     // A follower installing that snapshot reads them from its own copy of the file.
-    let fdir = tempfile::tempdir().unwrap();
-    let mut f = open_sm(&fdir);
-    f.install_snapshot(&snap.meta, snap.snapshot.clone())
-        .await
-        .expect("install");
+    let (_fdir, f) = installed(&snap).await;
     assert!(on_disk(&f, 1));
     assert_eq!(records_of(&f, 2), vec![(2, 1), (8, 1), (9, 1)]);
     assert_eq!(f.shared().digest().unwrap(), digest);
+}
+
+/// A store in `dir` whose generation 1 finished at log time 10 (entries 1 to 3).
+async fn one_finished(dir: &TempDir) -> SmStore {
+    let mut sm = open_sm(dir);
+    apply_one(&mut sm, submit_entry(1)).await;
+    for e in finish_entries(2, 1, 10) {
+        apply_one(&mut sm, e).await;
+    }
+    sm
 }
 
 /// A byte flipped inside the records kept on disk (a cold segment) of a stopped node is refused
@@ -456,11 +491,7 @@ async fn sealed_generations_leave_memory_at_a_snapshot_and_read_back_the_same() 
 async fn damaged_records_on_disk_are_refused() {
     use tokenlog_raftlog::limits::SEAL_AFTER_MS;
     let dir = tempfile::tempdir().unwrap();
-    let mut sm = open_sm(&dir);
-    apply_one(&mut sm, submit_entry(1)).await;
-    for e in finish_entries(2, 1, 10) {
-        apply_one(&mut sm, e).await;
-    }
+    let mut sm = one_finished(&dir).await;
     let tick = Entry {
         log_id: log_id::<TypeConfig>(1, 1, 4),
         payload: openraft::EntryPayload::Normal(Request::new(
@@ -732,11 +763,7 @@ async fn a_finished_generation_is_written_once_and_leaves_memory_when_sealed() {
     use tokenlog_raftlog::limits::{RETENTION_MS_DEFAULT, SEAL_AFTER_MS};
     use tokenlog_raftlog::types::{AppendItem, FinishReason, Response};
     let dir = tempfile::tempdir().unwrap();
-    let mut sm = open_sm(&dir);
-    apply_one(&mut sm, submit_entry(1)).await;
-    for e in finish_entries(2, 1, 10) {
-        apply_one(&mut sm, e).await;
-    }
+    let mut sm = one_finished(&dir).await;
     let empty = build(&mut sm).await.snapshot.len();
     let segs = segments_of(&sm);
     assert_eq!(segs.len(), 1, "written at the first build after the finish");
@@ -798,35 +825,7 @@ async fn a_finished_generation_is_written_once_and_leaves_memory_when_sealed() {
 /// Entries `first..`: decoder `d{g}` acquires generation `g` and appends `tokens` records to it,
 /// which keeps running.
 fn running_entries(first: u64, g: u64, tokens: u32, t: u64) -> Vec<Entry> {
-    use tokenlog_raftlog::types::AppendItem;
-    let decoder = format!("d{g}");
-    let cmds = vec![
-        Command::Acquire {
-            generation: g,
-            decoder: decoder.clone(),
-            lease_ms: 1_000,
-            model: model(),
-            rng_version: 0,
-        },
-        Command::Append {
-            decoder,
-            lease_ms: 1_000,
-            items: vec![AppendItem {
-                generation: g,
-                epoch: 1,
-                start_seq: 0,
-                token_ids: (0..tokens).collect(),
-                finish: None,
-            }],
-        },
-    ];
-    cmds.into_iter()
-        .enumerate()
-        .map(|(i, cmd)| Entry {
-            log_id: log_id::<TypeConfig>(1, 1, first + i as u64),
-            payload: openraft::EntryPayload::Normal(Request::new(t, cmd)),
-        })
-        .collect()
+    owner_entries(first, g, (0..tokens).collect(), None, t)
 }
 
 /// Each snapshot body holds every record of the running generations again, so a node waits for
@@ -875,11 +874,7 @@ async fn the_next_snapshot_waits_for_as_many_tokens_as_the_last_body_held() {
     assert_eq!(sm.shared().body_records(), 6, "after a restart");
     drop(sm);
 
-    let fdir = tempfile::tempdir().unwrap();
-    let mut f = open_sm(&fdir);
-    f.install_snapshot(&snap.meta, snap.snapshot.clone())
-        .await
-        .expect("install");
+    let (_fdir, f) = installed(&snap).await;
     assert_eq!(f.shared().body_records(), 6, "after an install");
 }
 
@@ -891,21 +886,13 @@ async fn the_next_snapshot_waits_for_as_many_tokens_as_the_last_body_held() {
 #[tokio::test]
 async fn a_snapshot_with_a_finished_generation_not_sealed_yet_installs_in_process() {
     let dir = tempfile::tempdir().unwrap();
-    let mut sm = open_sm(&dir);
-    apply_one(&mut sm, submit_entry(1)).await;
-    for e in finish_entries(2, 1, 10) {
-        apply_one(&mut sm, e).await;
-    }
+    let mut sm = one_finished(&dir).await;
     let digest = sm.shared().digest().unwrap();
     let snap = build(&mut sm).await;
     assert!(!on_disk(&sm, 1), "finished, not sealed: in memory too");
     assert!(!segments_of(&sm).is_empty(), "the snapshot names a segment");
 
-    let fdir = tempfile::tempdir().unwrap();
-    let mut f = open_sm(&fdir);
-    f.install_snapshot(&snap.meta, snap.snapshot.clone())
-        .await
-        .expect("install");
+    let (_fdir, f) = installed(&snap).await;
     assert_eq!(records_of(&f, 1), vec![(1, 1), (8, 1), (9, 1)]);
     assert_eq!(f.shared().digest().unwrap(), digest);
 }
