@@ -937,15 +937,18 @@ impl RaftSnapshotBuilder<TypeConfig> for SmStore {
     async fn build_snapshot(&mut self) -> Result<Snapshot, io::Error> {
         let _one_at_a_time = self.shared.building.lock().await;
         // A copy under the read lock: its meta and content are one applied state.
-        let copying = std::time::Instant::now();
-        let copy = {
+        let waiting = std::time::Instant::now();
+        let (copy, wait_ms, copy_ms) = {
             let m = self.shared.read();
+            // Until here the build waited for an apply batch to end (which held nobody back);
+            // from here the next apply waits for the copy (which shares the records' full chunks).
+            let copying = std::time::Instant::now();
             // Apply adds under the write lock: what it added so far is in this copy.
             self.shared.tokens_since_snapshot.store(0, Ordering::Relaxed);
-            m.clone()
+            let copy = m.clone();
+            let wait_ms = (copying - waiting).as_millis() as u64;
+            (copy, wait_ms, copying.elapsed().as_millis() as u64)
         };
-        // Apply waits for the write lock meanwhile (the copy shares the records' full chunks).
-        let copy_ms = copying.elapsed().as_millis() as u64;
         let slow_copy = (copy_ms >= crate::limits::SNAPSHOT_COPY_WARN_MS).then(|| {
             let records: usize = copy.log.generations.values().map(|g| g.records.len()).sum();
             (copy.log.generations.len(), records)
@@ -970,6 +973,7 @@ impl RaftSnapshotBuilder<TypeConfig> for SmStore {
             segments = named.len(),
             segment_bytes,
             segments_removed = removed,
+            wait_ms,
             copy_ms,
             "snapshot written"
         );
@@ -978,8 +982,10 @@ impl RaftSnapshotBuilder<TypeConfig> for SmStore {
                 copy_ms,
                 generations,
                 records_in_memory,
-                "the snapshot's copy of the state held appends back this long (waiting for the \
-                 state's lock, then copying every generation)"
+                wait_ms,
+                "the snapshot's copy of the state held appends back this long (copying every \
+                 generation under the state's lock; before it, it waited wait_ms for an apply \
+                 batch to end)"
             );
         }
         Ok(Snapshot { meta, snapshot: file })

@@ -3,6 +3,8 @@
 
 use std::collections::{BTreeSet, HashMap};
 
+use rustc_hash::FxHashMap;
+
 use super::LogState;
 use crate::chain;
 use crate::types::*;
@@ -73,7 +75,8 @@ impl IndexKey {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Indexes {
     /// The key each generation is filed under now.
-    keys: HashMap<GenerationId, IndexKey>,
+    /// (Fx: keyed by generation ids the log assigns, looked up for every appended item.)
+    keys: FxHashMap<GenerationId, IndexKey>,
     /// Non-terminal generations without a record, by deadline: what `Tick` may fail.
     pub(super) deadlines: BTreeSet<(u64, GenerationId)>,
     /// Non-terminal generations with records, by the time they fail if nobody owns them.
@@ -93,7 +96,7 @@ pub struct Indexes {
     /// Non-terminal generations by lease owner (what a lost session ends), and each one's
     /// owner as filed.
     owned: BTreeSet<(String, GenerationId)>,
-    owner_of: HashMap<GenerationId, String>,
+    owner_of: FxHashMap<GenerationId, String>,
 }
 
 impl Indexes {
