@@ -73,6 +73,7 @@ pub const SNAPSHOT_AFTER_TOKENS: u64 = 1 << 20;
 pub fn snapshot_due(tokens_since: u64, body_records: u64) -> bool {
     tokens_since >= SNAPSHOT_AFTER_TOKENS.max(body_records)
 }
+
 /// A snapshot's copy of the state (under the read lock: appends wait) that takes this long is
 /// reported as a warning, with the generations and records it held.
 pub const SNAPSHOT_COPY_WARN_MS: u64 = 20;

@@ -234,7 +234,7 @@ pub struct SmShared {
     /// One snapshot build at a time (the cold records of one go into the next).
     building: tokio::sync::Mutex<()>,
     /// Tokens appended since the state the last snapshot build copied (changed under the
-    /// state's write lock; read for [`crate::limits::SNAPSHOT_AFTER_TOKENS`]).
+    /// state's write lock; read for [`crate::limits::snapshot_due`]).
     tokens_since_snapshot: AtomicU64,
     /// Records of running generations in the last snapshot built, installed or loaded (what the
     /// next build writes again at least; see [`crate::limits::snapshot_due`]).
