@@ -638,6 +638,8 @@ async fn handoffs_run_over_mutual_tls_and_only_decoders_may_call_a_listener() {
             .map(|_| ())
             .unwrap_err();
         assert_eq!(got.code(), want, "{holder:?}: {got}");
+        let got = c.rows(futures::stream::iter(Vec::new())).await.map(|_| ()).unwrap_err();
+        assert_eq!(got.code(), want, "rows, {holder:?}: {got}");
     }
     drop(b);
 }
@@ -746,6 +748,17 @@ async fn the_real_model_hands_over_between_processes_and_stays_exact() {
         "{b_log}"
     );
     assert!(!b_log.contains("generation taken"), "b re-prefilled nothing: {b_log}");
+    // The positions b followed past each copy: taken as the rows a streamed beside it (its
+    // `Rows` call), not computed, for at least one of the two (a decodes on at ~50 ms a step,
+    // so each handoff follows a few records).
+    let rows: Vec<u64> = b_log
+        .lines()
+        .filter(|l| l.contains("generation received with its cache"))
+        .filter_map(|l| l.split_once(" rows=")?.1.split(' ').next()?.parse().ok())
+        .collect();
+    eprintln!("positions b took as rows, per generation received: {rows:?}");
+    assert_eq!(rows.len(), 2, "{b_log}");
+    assert!(rows.iter().sum::<u64>() > 0, "{b_log}");
 }
 
 /// `tokenlog bench drain --fake` runs a whole round: the source takes every generation before the

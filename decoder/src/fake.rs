@@ -130,6 +130,7 @@ impl Model for FakeModel {
             hash: initial_hash(self.config.variant),
             kv_len: 0,
             prefix_hashes: Vec::new(),
+            tokens: Vec::new(),
         }))
     }
 }
@@ -142,6 +143,8 @@ struct FakeSequence {
     /// The hash after each position (`None` before an imported cache's last position): what
     /// a copy of a prefix of the cache holds.
     prefix_hashes: Vec<Option<u64>>,
+    /// The token fed at each position, when known (`None`: imported).
+    tokens: Vec<Option<u32>>,
 }
 
 fn mix(x: u64) -> u64 {
@@ -206,6 +209,7 @@ impl Sequence for FakeSequence {
         for &t in tokens {
             self.hash = mix(self.hash ^ u64::from(t));
             self.prefix_hashes.push(Some(self.hash));
+            self.tokens.push(Some(t));
         }
         self.kv_len += tokens.len();
         Ok(self.logits())
@@ -219,6 +223,7 @@ impl Sequence for FakeSequence {
         self.hash = initial_hash(self.config.variant);
         self.kv_len = 0;
         self.prefix_hashes.clear();
+        self.tokens.clear();
     }
 
     /// The hash of a prefix does not depend on how it was fed, like the real model's CPU pass.
@@ -272,6 +277,35 @@ impl Sequence for FakeSequence {
         if let Some(last) = self.prefix_hashes.last_mut() {
             *last = Some(self.hash);
         }
+        self.tokens = vec![None; positions];
+        Ok(())
+    }
+
+    /// A fake row: the prefix hash after the position.
+    fn export_row(&self, p: usize) -> Option<(u32, Vec<u8>)> {
+        let token = (*self.tokens.get(p)?)?;
+        let hash = (*self.prefix_hashes.get(p)?)?;
+        Some((token, hash.to_le_bytes().to_vec()))
+    }
+
+    /// Checks each row against the hash chain (a row that is not the hash of the prefix and its
+    /// token is refused), and costs no delay: no forward pass.
+    fn append_rows(&mut self, rows: &[(u32, &[u8])]) -> Result<()> {
+        let tokens: Vec<u32> = rows.iter().map(|&(t, _)| t).collect();
+        check_feed(&tokens, self.kv_len, self.config.max_context, FAKE_VOCAB_SIZE)?;
+        let mut hash = self.hash;
+        let mut hashes = Vec::with_capacity(rows.len());
+        for (i, &(t, data)) in rows.iter().enumerate() {
+            hash = mix(hash ^ u64::from(t));
+            if data != hash.to_le_bytes() {
+                return Err(Error::Invalid(format!("row {i} is not the fake cache after token {t}")));
+            }
+            hashes.push(Some(hash));
+        }
+        self.hash = hash;
+        self.prefix_hashes.extend(hashes);
+        self.tokens.extend(tokens.into_iter().map(Some));
+        self.kv_len += rows.len();
         Ok(())
     }
 }

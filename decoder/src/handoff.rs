@@ -13,6 +13,7 @@
 //! | `Copying`                                | `copying`            |                                  |
 //! | streams header + blocks (`Transfer`)     |                      | checks model, format, checksum   |
 //! | (appends records F.. at its epoch)       |                      | reads the committed prefix       |
+//! | streams the rows it feeds (`Rows`)       |                      | keeps them by position           |
 //! |                                          |                      | builds the state from the cache  |
 //! |                                          |                      | follows records F.. from the log |
 //! |                                          | `receiver_ready`     | `ReceiverReady` (process memory) |
@@ -24,7 +25,14 @@
 //! The generation's client waits only while the cache is copied (a few ms) and from the commit
 //! to the destination's first draw: the commit fences the source at whatever frontier G it
 //! reached, and the destination's state is exact at G (`DecodeState::follow` feeds each record
-//! as the source fed it).
+//! as the source fed it). On a grouping-invariant engine (the CPU engine, the fake model) the
+//! source copies while it decodes on (no pause at all), and streams, after the cache, the keys
+//! and values of each position it feeds (`KvRow`s with their tokens and the logits it drew
+//! from, on a `Rows` call beside the attempt's `Transfer`):
+//! the destination appends those whose tokens are the log's committed records instead of
+//! computing them (the same bits) and draws from the last one's logits, so that following the
+//! records costs it no forward pass (before its commit it follows only as far as the rows go;
+//! after it, it waits a little for the last ones, then computes what is missing).
 //!
 //! Whatever fails, nobody guesses: a source whose transfer broke or timed out asks the log
 //! (`Get` shows the attempt's phase): committed means moved (the acknowledgment was lost), else
@@ -33,8 +41,9 @@
 //! the destination an owner, and only at the handoff epoch, so a late message of an earlier
 //! attempt (or an earlier incarnation of the destination) changes nothing.
 
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 use tokio::time::Instant;
 
 use tokenlog_proto::decoder as dpb;
@@ -46,8 +55,11 @@ use tonic::{Request, Response, Status};
 
 use crate::cache::{f32s_from_bytes, f32s_to_bytes, BlockKind, CacheBlock, CacheCopy, CacheExport};
 use crate::history::{Answer, Call, DecoderEvent, History};
-use crate::limits::{HANDOFF_CACHE_BYTES_MAX, HANDOFF_CHUNK_BYTES, HANDOFF_TRANSFER_TIMEOUT};
-use crate::resume::DecodeState;
+use crate::limits::{
+    HANDOFF_CACHE_BYTES_MAX, HANDOFF_CHUNK_BYTES, HANDOFF_ROWS_BYTES_MAX, HANDOFF_ROWS_FIND, HANDOFF_ROWS_LAG_MAX,
+    HANDOFF_ROWS_QUEUE, HANDOFF_ROWS_WAIT, HANDOFF_TRANSFER_TIMEOUT,
+};
+use crate::resume::{DecodeState, Row};
 use crate::worker::{model_work, HandoffPoint, StepHooks, WorkerError};
 use crate::worker_lease::{read_prefix, read_records, Held};
 use crate::Model;
@@ -115,6 +127,8 @@ pub(crate) struct PortShared {
     pub plant_early_write: bool,
     /// Wakes the worker's idle loop when a generation arrives.
     pub wake: Arc<tokio::sync::Notify>,
+    /// The rows of each attempt being received, by (generation, attempt), for its `Rows` call.
+    pub rows_in: Mutex<HashMap<(u64, u64), RowsFound>>,
 }
 
 /// The `decoder.v1.Handoff` service of a decoder: receives caches (`tokenlog decoder
@@ -177,7 +191,7 @@ impl HandoffPort {
             s.reserved.fetch_sub(1, Ordering::AcqRel);
             return Err(abort(format!("this decoder is full ({} generations)", s.capacity)).await);
         }
-        let r = self.receive_into_slot(&header, &manifest, &mut inbound).await;
+        let r = self.receive_into_slot(&header, &manifest, inbound).await;
         if r.is_err() {
             s.reserved.fetch_sub(1, Ordering::AcqRel);
         }
@@ -191,7 +205,7 @@ impl HandoffPort {
         &self,
         header: &dpb::TransferHeader,
         manifest: &pb::CacheManifest,
-        inbound: &mut tonic::Streaming<dpb::TransferChunk>,
+        mut inbound: tonic::Streaming<dpb::TransferChunk>,
     ) -> Result<dpb::TransferResult, Refusal> {
         let s = &self.shared;
         let id = header.generation_id;
@@ -214,7 +228,11 @@ impl HandoffPort {
             let committed = read_prefix(&client, id, frontier).await?;
             Ok::<_, WorkerError>((info, committed))
         });
-        let cache = collect_cache(manifest, inbound).await?;
+        // The rows the source streams beside the cache (its `Rows` call), kept by position for
+        // the follow passes while this attempt lasts.
+        let rows: SharedRows = Arc::default();
+        let _rows_in = RowsRegistered::new(s, (id, header.attempt), &rows);
+        let cache = collect_cache(manifest, &mut inbound).await?;
         let got = cache.sha256();
         if got != manifest.cache_sha256 {
             return Err(format!(
@@ -261,7 +279,7 @@ impl HandoffPort {
         laps.lap("import");
         // The source decodes on until the commit: follow what it committed since the copy, so
         // that only the last few records are left to follow once the commit fences it.
-        let (mut state, mut followed) = follow_log(&s.client, id, state, manifest.frontier, None).await?;
+        let (mut state, mut followed) = follow_log(&s.client, id, state, manifest.frontier, None, &rows).await?;
         laps.lap("follow");
         halt_at(&s.hooks, &s.history, HandoffPoint::DestinationBeforeReady, id);
         let ready = step(
@@ -287,7 +305,7 @@ impl HandoffPort {
         let mut last_round = u32::MAX;
         for _ in 0..crate::limits::HANDOFF_FOLLOW_ROUNDS_MAX {
             let before = followed;
-            (state, followed) = follow_log(&s.client, id, state, followed, None).await?;
+            (state, followed) = follow_log(&s.client, id, state, followed, None, &rows).await?;
             let new = followed - before;
             if new <= 1 || new >= last_round {
                 break;
@@ -393,7 +411,14 @@ impl HandoffPort {
             }
             Err("failpoint catch-up-read-fails: the read failed".to_string())
         } else {
-            follow_log(&s.client, id, state, followed, granted).await
+            if let Some(g) = granted.filter(|&g| g > followed) {
+                // The source feeds the last records it wrote in its next step and sends their
+                // rows with the logits it draws from: waited for a little, they spare a forward
+                // pass that the client would wait for as long.
+                let (start, prompt) = (state.kv_positions(), state.frontiers().prompt_len);
+                wait_for_rows(&rows, start, prompt + g as usize - 1).await;
+            }
+            follow_log(&s.client, id, state, followed, granted, &rows).await
         };
         let (state, frontier) = match caught_up {
             Ok(x) => x,
@@ -434,6 +459,7 @@ impl HandoffPort {
             cache_frontier = manifest.frontier,
             frontier,
             bytes = manifest.bytes,
+            rows = state.stats().appended_rows,
             ms = t0.elapsed().as_millis() as u64,
             parts = %laps,
             "generation received with its cache"
@@ -478,6 +504,11 @@ impl dpb::handoff_server::Handoff for HandoffPort {
             }
         };
         Ok(Response::new(result))
+    }
+
+    async fn rows(&self, req: Request<tonic::Streaming<dpb::RowsChunk>>) -> Result<Response<dpb::RowsResult>, Status> {
+        let kept = self.receive_rows(req.into_inner()).await?;
+        Ok(Response::new(dpb::RowsResult { kept }))
     }
 }
 
@@ -639,7 +670,8 @@ async fn resolve_lost_commit(client: &LogClient, id: u64, attempt: u64, me: &str
 }
 
 /// Follows generation `id`'s committed records `from..upto` (`None`: up to the log's frontier
-/// now) on `state`, a copy of the cache at `from` records: the state and the frontier it
+/// now, or where the source's rows with logits end when that is at most
+/// `HANDOFF_ROWS_LAG_MAX` records short of it) on `state`, a copy of the cache at `from` records: the state and the frontier it
 /// reached. Exact as the source's own feeding (`DecodeState::follow`). The positions a loaded
 /// cache left out (a deferred prefill) go into the same forward pass, ahead of the records.
 async fn follow_log(
@@ -648,10 +680,34 @@ async fn follow_log(
     mut state: DecodeState,
     from: u32,
     upto: Option<u32>,
+    rows: &SharedRows,
 ) -> Result<(DecodeState, u32), String> {
     let upto = match upto {
         Some(f) => f,
-        None => client.generation(id).await.map_err(|e| e.to_string())?.frontier,
+        None => {
+            let frontier = client.generation(id).await.map_err(|e| e.to_string())?.frontier;
+            // Before the commit, as far as the source's rows and logits go (no forward pass)
+            // when they are not far behind the log; the catch-up after it follows the rest.
+            // A source that sends no rows (an engine without them, an older release): up to
+            // the frontier, computed.
+            let (start, prompt) = (state.kv_positions(), state.frontiers().prompt_len);
+            let (streams, by_rows) = {
+                let r = rows.lock().expect("lock");
+                (
+                    r.received > 0,
+                    r.last_with_logits(start).map(|q| (q + 1 - prompt) as u32),
+                )
+            };
+            // No rows past what is followed yet: nothing now, not even a deferred position
+            // (they come with the source's next step), unless the log is further ahead.
+            if streams && by_rows.is_none() && frontier.saturating_sub(from) <= HANDOFF_ROWS_LAG_MAX {
+                return Ok((state, from));
+            }
+            match by_rows {
+                Some(r) if frontier.saturating_sub(r) <= HANDOFF_ROWS_LAG_MAX => r.min(frontier).max(from),
+                _ => frontier,
+            }
+        }
     };
     if upto <= from && !state.prefilling() {
         return Ok((state, from));
@@ -667,10 +723,186 @@ async fn follow_log(
     let upto = upto.max(from);
     // The last record fed too: the worker's first draw after the commit is then at once,
     // without a forward pass of its own.
-    let state = model_work(move || state.follow_all_fed(&records).map(|()| state))
+    let rows = rows.clone();
+    let take = move |first: usize, n: usize| rows.lock().expect("lock").take(first, n);
+    let state = model_work(move || state.follow_all_fed_with(&records, take).map(|()| state))
         .await?
         .map_err(|e| format!("records {from}..{upto} do not follow: {e}"))?;
     Ok((state, upto))
+}
+
+/// Waits up to `HANDOFF_ROWS_WAIT` for the rows from `start` to reach position `last` with its
+/// logits, if the source sends rows at all.
+async fn wait_for_rows(rows: &SharedRows, start: usize, last: usize) {
+    if rows.lock().expect("lock").received == 0 {
+        // A source that sends none: nothing to wait for.
+        return;
+    }
+    let deadline = Instant::now() + HANDOFF_ROWS_WAIT;
+    while rows
+        .lock()
+        .expect("lock")
+        .last_with_logits(start)
+        .is_none_or(|q| q < last)
+        && Instant::now() < deadline
+    {
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+}
+
+/// Rows a source streamed after the cache ([`dpb::KvRow`]), by position, until a follow pass
+/// takes them.
+#[derive(Default)]
+pub(crate) struct RowsIn {
+    rows: BTreeMap<usize, Row>,
+    /// Bytes of the rows held (at most `HANDOFF_ROWS_BYTES_MAX`).
+    bytes: usize,
+    /// Rows received in all (whether the source sends rows at all).
+    received: u64,
+}
+
+type SharedRows = Arc<Mutex<RowsIn>>;
+/// An attempt's rows as its `Rows` call finds them: gone once the attempt ends.
+pub(crate) type RowsFound = Weak<Mutex<RowsIn>>;
+
+impl RowsIn {
+    /// Takes out the rows of positions `first..first + n` that come one after the other from
+    /// `first` (none when `first` is missing), and drops those before `first` (never asked
+    /// for again: the state is past them).
+    fn take(&mut self, first: usize, n: usize) -> Vec<Row> {
+        let later = self.rows.split_off(&first);
+        let before = std::mem::replace(&mut self.rows, later);
+        self.bytes -= before.values().map(row_bytes).sum::<usize>();
+        let mut out = Vec::new();
+        while out.len() < n {
+            let Some(row) = self.rows.remove(&(first + out.len())) else {
+                break;
+            };
+            self.bytes -= row_bytes(&row);
+            out.push(row);
+        }
+        out
+    }
+
+    /// Keeps `row` unless that would pass `HANDOFF_ROWS_BYTES_MAX` (then it is computed);
+    /// logits of any length but `vocab` are left out.
+    /// The last position of the run of rows from `start` whose row carries logits.
+    fn last_with_logits(&self, start: usize) -> Option<usize> {
+        self.rows
+            .range(start..)
+            .enumerate()
+            .take_while(|(i, (&q, _))| q == start + i)
+            .filter(|(_, (_, r))| r.logits.is_some())
+            .map(|(_, (&q, _))| q)
+            .last()
+    }
+
+    fn keep(&mut self, row: dpb::KvRow, vocab: usize) -> bool {
+        self.received += 1;
+        let row_in = Row {
+            token: row.token,
+            data: row.data,
+            logits: (row.logits.len() == vocab).then_some(row.logits),
+        };
+        let bytes = row_bytes(&row_in);
+        if self.bytes + bytes > HANDOFF_ROWS_BYTES_MAX {
+            return false;
+        }
+        self.bytes += bytes;
+        if let Some(old) = self.rows.insert(row.position as usize, row_in) {
+            self.bytes -= row_bytes(&old);
+        }
+        true
+    }
+}
+
+fn row_bytes(r: &Row) -> usize {
+    r.data.len() + r.logits.as_ref().map_or(0, |l| l.len() * 4)
+}
+
+/// Aborts a task when dropped (a source's `Rows` call ends with its transfer).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// An attempt's rows, findable by its `Rows` call while the attempt is being received.
+struct RowsRegistered<'a> {
+    shared: &'a PortShared,
+    key: (u64, u64),
+}
+
+impl<'a> RowsRegistered<'a> {
+    fn new(shared: &'a PortShared, key: (u64, u64), rows: &SharedRows) -> Self {
+        shared.rows_in.lock().expect("lock").insert(key, Arc::downgrade(rows));
+        RowsRegistered { shared, key }
+    }
+}
+
+impl Drop for RowsRegistered<'_> {
+    fn drop(&mut self) {
+        self.shared.rows_in.lock().expect("lock").remove(&self.key);
+    }
+}
+
+impl HandoffPort {
+    /// Reads a `Rows` call into its attempt's rows until the call or the attempt ends; the rows
+    /// kept. Its transfer may not have begun yet: it is waited for up to `HANDOFF_ROWS_FIND`.
+    async fn receive_rows(&self, mut inbound: tonic::Streaming<dpb::RowsChunk>) -> Result<u64, Status> {
+        let s = &self.shared;
+        let header = match inbound.message().await {
+            Ok(Some(dpb::RowsChunk {
+                part: Some(dpb::rows_chunk::Part::Header(h)),
+            })) => h,
+            Ok(_) => return Err(Status::invalid_argument("rows start with their header")),
+            Err(e) => return Err(Status::cancelled(format!("the rows broke before their header: {e}"))),
+        };
+        if header.destination != s.decoder_id {
+            return Err(Status::failed_precondition(format!(
+                "this is decoder {}, not {}",
+                s.decoder_id, header.destination
+            )));
+        }
+        let key = (header.generation_id, header.attempt);
+        let deadline = Instant::now() + HANDOFF_ROWS_FIND;
+        let rows = loop {
+            if let Some(r) = s.rows_in.lock().expect("lock").get(&key) {
+                break r.clone();
+            }
+            if Instant::now() >= deadline {
+                // Refused, or over already.
+                return Ok(0);
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        };
+        let vocab = s.model.vocab_size();
+        let (mut kept, mut dropped) = (0u64, 0u64);
+        loop {
+            let row = match inbound.message().await {
+                Ok(Some(dpb::RowsChunk {
+                    part: Some(dpb::rows_chunk::Part::Row(r)),
+                })) => r,
+                Ok(Some(_)) => return Err(Status::invalid_argument("a second header in one call")),
+                Ok(None) | Err(_) => break,
+            };
+            // The attempt is over: nothing more to keep.
+            let Some(rows) = rows.upgrade() else {
+                break;
+            };
+            if rows.lock().expect("lock").keep(row, vocab) {
+                kept += 1;
+            } else {
+                if dropped == 0 {
+                    tracing::debug!(generation = key.0, "rows over the limit held: computing the rest");
+                }
+                dropped += 1;
+            }
+        }
+        Ok(kept)
+    }
 }
 
 /// Whether the log holds attempt `attempt` of `id` as committed (or released) now; false when
@@ -758,7 +990,17 @@ impl Source {
     /// (all of their positions, or all but the last when it was copied while the generation
     /// decoded on). The generation decodes on at the source meanwhile; the destination
     /// prefills what the copy leaves out and follows the records past `committed` from the log.
-    pub async fn hand_out(&self, id: u64, epoch: u64, committed: u32, cache: CacheCopy, to: Option<String>) -> Outcome {
+    /// `rows`: the rows the source feeds past the copy ([`RowsOut`]), sent after the cache to
+    /// each destination tried.
+    pub async fn hand_out(
+        &self,
+        id: u64,
+        epoch: u64,
+        committed: u32,
+        cache: CacheCopy,
+        to: Option<String>,
+        rows: RowsFeed,
+    ) -> Outcome {
         let mut laps = Laps::start();
         // The copy's blocks are built here, off the generation's steps, then hashed.
         let manifest = model_work(move || {
@@ -799,7 +1041,7 @@ impl Source {
         let mut why = String::new();
         for (dest, addr) in candidates {
             match self
-                .try_one(id, epoch, &manifest, &cache, &dest, &addr, &mut laps)
+                .try_one(id, epoch, &manifest, &cache, &dest, &addr, &mut laps, rows.attempt())
                 .await
             {
                 Ok(new_epoch) => {
@@ -828,6 +1070,7 @@ impl Source {
         dest: &str,
         addr: &str,
         laps: &mut Laps,
+        rows: mpsc::Receiver<dpb::KvRow>,
     ) -> Result<u64, Stop> {
         let t0 = Instant::now();
         let prepared = step(
@@ -892,7 +1135,7 @@ impl Source {
             destination: dest.to_string(),
             manifest: Some(manifest.clone()),
         };
-        let sent = self.transfer(addr, header, cache).await;
+        let sent = self.transfer(addr, header, cache, rows).await;
         laps.lap("transfer");
         let moved = match &sent {
             Ok(r) if r.committed => true,
@@ -951,24 +1194,125 @@ impl Source {
         Ok(handoff_epoch)
     }
 
-    /// Streams the cache to `addr`; the destination's answer.
+    /// Streams the cache to `addr`, then `rows` until the destination answers; the answer.
     async fn transfer(
         &self,
         addr: &str,
         header: dpb::TransferHeader,
         cache: &CacheExport,
+        rows: mpsc::Receiver<dpb::KvRow>,
     ) -> Result<dpb::TransferResult, String> {
         let channel = self.client.peer_channel(addr).map_err(|e: ClientError| e.to_string())?;
         let mut c = dpb::handoff_client::HandoffClient::new(channel)
             .max_decoding_message_size(HANDOFF_CHUNK_BYTES * 2)
             .max_encoding_message_size(HANDOFF_CHUNK_BYTES * 2);
-        let msgs = transfer_messages(header, cache);
-        let call = c.transfer(futures::stream::iter(msgs));
-        match tokio::time::timeout(HANDOFF_TRANSFER_TIMEOUT, call).await {
+        use futures::StreamExt;
+        // The rows on a call of their own beside the transfer, until the destination answers
+        // the transfer (one without `Rows` answers UNIMPLEMENTED and computes them).
+        let rows_header = dpb::RowsChunk {
+            part: Some(dpb::rows_chunk::Part::Header(dpb::RowsHeader {
+                generation_id: header.generation_id,
+                attempt: header.attempt,
+                destination: header.destination.clone(),
+            })),
+        };
+        let rows =
+            futures::stream::iter([rows_header]).chain(tokio_stream::wrappers::ReceiverStream::new(rows).map(|r| {
+                dpb::RowsChunk {
+                    part: Some(dpb::rows_chunk::Part::Row(r)),
+                }
+            }));
+        let mut rows_client = c.clone();
+        let rows_call = AbortOnDrop(tokio::spawn(async move {
+            if let Err(e) = rows_client.rows(rows).await {
+                tracing::debug!(error = %e, "the destination took no rows");
+            }
+        }));
+        let call = c.transfer(futures::stream::iter(transfer_messages(header, cache)));
+        let answer = match tokio::time::timeout(HANDOFF_TRANSFER_TIMEOUT, call).await {
             Ok(Ok(r)) => Ok(r.into_inner()),
             Ok(Err(s)) => Err(s.to_string()),
             Err(_) => Err(format!("no answer within {HANDOFF_TRANSFER_TIMEOUT:?}")),
+        };
+        drop(rows_call);
+        answer
+    }
+}
+
+/// What a handoff's source streams of the positions it feeds past its copy: each one's row
+/// ([`DecodeState::export_row`], with the logits it drew from) as a `KvRow` on the transfer of
+/// the attempt under way, from the copy's end on, committed or not (the destination takes only
+/// those whose tokens are the log's records). Each attempt ([`RowsFeed::attempt`]) gets them
+/// from the copy's end again; one whose transfer is over or whose queue is full gets no more.
+/// The worker's side; ends when a row cannot be had (the destination computes what it lacks).
+pub(crate) struct RowsOut {
+    slot: Arc<Mutex<RowsSlot>>,
+    first: usize,
+    next: usize,
+}
+
+/// The queue of the attempt under way, if any; `fresh`: a new attempt, from `first` again.
+#[derive(Default)]
+struct RowsSlot {
+    tx: Option<mpsc::Sender<dpb::KvRow>>,
+    fresh: bool,
+}
+
+/// [`RowsOut`]'s other side, with the source's attempts: a queue for each.
+pub(crate) struct RowsFeed(Arc<Mutex<RowsSlot>>);
+
+impl RowsFeed {
+    /// The rows for a new attempt: from the copy's end, as the worker's next steps send them.
+    fn attempt(&self) -> mpsc::Receiver<dpb::KvRow> {
+        let (tx, rx) = mpsc::channel(HANDOFF_ROWS_QUEUE);
+        *self.0.lock().expect("lock") = RowsSlot {
+            tx: Some(tx),
+            fresh: true,
+        };
+        rx
+    }
+}
+
+impl RowsOut {
+    /// Rows past a copy of `positions` positions, and the side that takes them to attempts.
+    pub(crate) fn new(positions: usize) -> (Self, RowsFeed) {
+        let slot = Arc::new(Mutex::new(RowsSlot::default()));
+        let out = RowsOut {
+            slot: slot.clone(),
+            first: positions,
+            next: positions,
+        };
+        (out, RowsFeed(slot))
+    }
+
+    /// Queues the rows of the positions `state` fed since the last call (since the copy's end,
+    /// for a new attempt). False: the rows end here.
+    pub(crate) fn send(&mut self, state: &DecodeState) -> bool {
+        let mut slot = self.slot.lock().expect("lock");
+        if std::mem::take(&mut slot.fresh) {
+            self.next = self.first;
         }
+        let Some(tx) = &slot.tx else {
+            return true;
+        };
+        while self.next < state.kv_positions() {
+            let Some(r) = state.export_row(self.next) else {
+                return false;
+            };
+            let row = dpb::KvRow {
+                position: self.next as u32,
+                token: r.token,
+                data: r.data,
+                logits: r.logits.unwrap_or_default(),
+            };
+            if tx.try_send(row).is_err() {
+                // Over, or not keeping up: this attempt's destination computes the rest.
+                slot.tx = None;
+                return true;
+            }
+            self.next += 1;
+        }
+        true
     }
 }
 
@@ -976,4 +1320,55 @@ impl Source {
 enum Stop {
     Next(String),
     Done(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{dpb, RowsIn, HANDOFF_ROWS_BYTES_MAX};
+
+    fn row(position: u32, bytes: usize) -> dpb::KvRow {
+        dpb::KvRow {
+            position,
+            token: position + 100,
+            data: vec![position as u8; bytes],
+            logits: Vec::new(),
+        }
+    }
+
+    /// A destination's rows: taken in runs of consecutive positions from the one asked for,
+    /// those before it dropped, its byte count kept, and rows past its limit refused.
+    #[test]
+    fn rows_are_taken_in_runs_from_the_position_asked_for() {
+        let mut r = RowsIn::default();
+        for p in [3, 4, 5, 7, 8] {
+            assert!(r.keep(row(p, 10), 4));
+        }
+        assert_eq!((r.bytes, r.received), (50, 5));
+        assert!(r.take(2, 4).is_empty(), "position 2 is missing: nothing");
+        let got = r.take(4, 9);
+        assert_eq!(
+            got.iter().map(|r| r.token).collect::<Vec<_>>(),
+            [104, 105],
+            "a run ends at a gap"
+        );
+        assert_eq!((r.rows.len(), r.bytes), (2, 20), "3 dropped, 4 and 5 taken");
+        assert_eq!(r.take(7, 1).len(), 1, "at most n");
+        assert_eq!(r.take(8, 1).len(), 1);
+        assert_eq!((r.rows.len(), r.bytes), (0, 0));
+        // The same position again replaces the row; past the limit, refused; logits count,
+        // and are left out unless they are the vocabulary's length.
+        assert!(r.keep(row(1, 10), 4) && r.keep(row(1, 20), 4));
+        assert_eq!(r.bytes, 20);
+        assert!(!r.keep(row(2, HANDOFF_ROWS_BYTES_MAX), 4));
+        assert_eq!(r.bytes, 20);
+        let with_logits = |n: usize| dpb::KvRow {
+            logits: vec![0.5; n],
+            ..row(2, 10)
+        };
+        assert!(r.keep(with_logits(4), 4));
+        assert_eq!(r.bytes, 20 + 10 + 16);
+        assert!(r.keep(with_logits(3), 4));
+        assert_eq!(r.bytes, 20 + 10, "3 logits for a vocabulary of 4: left out");
+        assert_eq!(r.take(2, 1)[0].logits, None);
+    }
 }

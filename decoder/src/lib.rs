@@ -115,7 +115,7 @@ pub use identity::ModelIdentity;
 #[cfg(feature = "model")]
 pub use model::load_model;
 pub use model::{DeviceSpec, Logits, Model, Sequence};
-pub use resume::{DecodeState, Frontiers, ResumeMode, ResumeStats, Step};
+pub use resume::{DecodeState, Frontiers, ResumeMode, ResumeStats, Row, Step};
 #[cfg(feature = "model")]
 pub use safetensors_model::SafetensorsModel;
 pub use sampler::{Sampler, SamplingConfig, StopCause, StopConfig, StopMatcher, RNG_VERSION};

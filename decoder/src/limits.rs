@@ -58,6 +58,24 @@ pub const HANDOFF_TRANSFER_TIMEOUT: Duration = Duration::from_secs(10);
 pub const HANDOFF_CACHE_BYTES_MAX: u64 = 4 << 30;
 /// Bytes of one cache block per transfer message (a block is split along its bytes).
 pub const HANDOFF_CHUNK_BYTES: usize = 4 << 20;
+/// Rows (`decoder.v1.KvRow`, one position each) a handoff source queues for its transfer while
+/// it decodes on; a full queue ends its rows (the destination computes the rest). SmolLM2-135M:
+/// 46 KB of keys and values and 197 KB of logits a row, so at most ~16 MB queued.
+pub const HANDOFF_ROWS_QUEUE: usize = 64;
+/// A destination's follow passes before its commit go only as far as the source's rows and
+/// logits (no forward pass) when those end at most this many records short of the log's
+/// frontier; further behind, it computes up to the frontier.
+pub const HANDOFF_ROWS_LAG_MAX: u32 = 4;
+/// How long a destination that committed waits for the rows of the records the source wrote
+/// last (its next step sends them) before it computes those positions itself: about one step
+/// of a CPU decoder, which is what computing them costs the client too.
+pub const HANDOFF_ROWS_WAIT: Duration = Duration::from_millis(25);
+/// How long a destination's `Rows` call waits for its attempt's transfer to begin (the two
+/// calls start together; one that never begins was refused).
+pub const HANDOFF_ROWS_FIND: Duration = Duration::from_secs(1);
+/// The most bytes of rows a destination holds before its follow passes take them; more are
+/// dropped (and computed).
+pub const HANDOFF_ROWS_BYTES_MAX: usize = 64 << 20;
 /// The most a handoff source copies between two steps to take a cache without pausing its
 /// generation (a memory copy on the step loop's thread, a few ms; the CPU engine copies at
 /// most the chunk each layer's keys and values are filling, at the next step, as it shares

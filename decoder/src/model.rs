@@ -96,6 +96,20 @@ pub trait Sequence: Send {
     fn import_cache(&mut self, _blocks: &[crate::cache::CacheBlock], _positions: usize) -> Result<()> {
         Err(Error::Unsupported("this model cannot import a cache".into()))
     }
+    /// The keys and values of position `p` (below `kv_len()`) as one row of its cache format,
+    /// with the token fed there: what a planned handoff's source streams of the positions it
+    /// feeds after its copy ([`Sequence::append_rows`]). `None`: it cannot give rows (the
+    /// default), or does not know that position's token (an imported one).
+    fn export_row(&self, _p: usize) -> Option<(u32, Vec<u8>)> {
+        None
+    }
+    /// Appends positions `kv_len()..` from rows a sequence of the same cache format exported
+    /// ([`Sequence::export_row`]), each with its token, without a forward pass: on a
+    /// [`Sequence::grouping_invariant`] sequence what feeding those tokens would hold, bit for
+    /// bit. Everything is checked before anything changes: on error the sequence is as it was.
+    fn append_rows(&mut self, _rows: &[(u32, &[u8])]) -> Result<()> {
+        Err(Error::Unsupported("this model cannot append exported rows".into()))
+    }
     /// Whether its logits are the same bits however its positions were grouped into calls (one
     /// prefill of `k` tokens = `k` single steps) and whatever other sequences shared a
     /// [`Model::prefill_batch`] with it. Exact resume then rebuilds a committed prefix in one

@@ -90,6 +90,20 @@ pub struct ResumeStats {
     pub replay: Duration,
     /// Committed tokens fed one by one (exact mode).
     pub replayed_tokens: usize,
+    /// Positions taken as rows another holder computed instead of computed here
+    /// ([`DecodeState::follow_all_fed_with`]).
+    pub appended_rows: usize,
+}
+
+/// One position's keys and values as another holder of the generation computed them
+/// ([`DecodeState::export_row`]), with the token fed there and, when it has them, the logits of
+/// its output.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Row {
+    pub token: u32,
+    /// In the sequence's cache format ([`Sequence::export_row`]).
+    pub data: Vec<u8>,
+    pub logits: Option<Logits>,
 }
 
 /// What [`DecodeState::from_cache`] takes: a whole cache (with logits), or a partial one whose
@@ -110,6 +124,10 @@ pub struct DecodeState {
     max_context: usize,
     /// Logits for position `frontiers.sampled`, when the last sampled token has been fed.
     logits: Option<Logits>,
+    /// While [`DecodeState::keep_logits`] is on: the logits of the last draw and the position
+    /// whose output they are (a handoff source streams them with that position's row).
+    kept_logits: Option<(usize, Logits)>,
+    keep_logits: bool,
     /// The last sampled token while it awaits feeding (fed lazily, at the next draw).
     unfed: Option<u32>,
     /// A deferred prefill's positions not fed yet ([`DecodeState::resume_deferred`]); the
@@ -206,6 +224,8 @@ impl DecodeState {
             max_context,
             logits: None,
             unfed: None,
+            kept_logits: None,
+            keep_logits: false,
             to_prefill: Vec::new(),
             finished,
             stats: ResumeStats {
@@ -383,6 +403,8 @@ impl DecodeState {
             max_context: model.max_context(),
             logits,
             unfed: None,
+            kept_logits: None,
+            keep_logits: false,
             to_prefill,
             finished: None,
             stats: ResumeStats {
@@ -541,6 +563,9 @@ impl DecodeState {
         let seq = self.sampler.seq();
         assert_eq!(seq as usize, self.frontiers.sampled);
         let token = self.sampler.sample(&logits);
+        if self.keep_logits {
+            self.kept_logits = Some((self.frontiers.kv - 1, logits));
+        }
         self.frontiers.sampled += 1;
         let mut finish = self.stop.push(token);
         // Another draw needs this token fed: one more position.
@@ -690,7 +715,19 @@ impl DecodeState {
     ///
     /// A deferred prefill not done yet goes into the same call, ahead of the records.
     pub fn follow_all_fed(&mut self, tokens: &[u32]) -> Result<()> {
-        if tokens.is_empty() || !self.sequence.grouping_invariant() {
+        self.follow_all_fed_with(tokens, |_, _| Vec::new())
+    }
+
+    /// [`DecodeState::follow_all_fed`] that first takes rows another holder of the generation
+    /// computed ([`DecodeState::export_row`]; a handoff destination gets them from the source):
+    /// `rows(first, n)` gives rows of consecutive positions from `first` (at most `n`, maybe
+    /// none), and those whose tokens are the ones fed at their positions are appended
+    /// ([`Sequence::append_rows`]) instead of computed. The last position is computed unless
+    /// its row carries its logits (the next draw's), so that with every row at hand following
+    /// costs no forward pass. The same bits as without rows on a grouping-invariant sequence;
+    /// rows that do not fit are left and computed.
+    pub fn follow_all_fed_with(&mut self, tokens: &[u32], rows: impl FnOnce(usize, usize) -> Vec<Row>) -> Result<()> {
+        if !self.sequence.grouping_invariant() || (tokens.is_empty() && !self.prefilling()) {
             self.follow_all(tokens)?;
             return match self.finished {
                 None => self.feed_pending(),
@@ -720,7 +757,29 @@ impl DecodeState {
         input.extend_from_slice(&tokens[..fed]);
         if !input.is_empty() {
             let t0 = Instant::now();
-            let logits = self.sequence.prefill(&input)?;
+            let mut given = rows(self.sequence.kv_len(), input.len());
+            let fit = given.iter().zip(&input).take_while(|(r, i)| r.token == **i).count();
+            // Every position as a row: the last one's logits from its row (none needed when
+            // a record ended the generation); else the last position is computed.
+            let whole = fit == input.len() && (self.finished.is_some() || given[fit - 1].logits.is_some());
+            let take = if whole { fit } else { fit.min(input.len() - 1) };
+            let mut row_logits = None;
+            if take > 0 {
+                let fit_rows: Vec<(u32, &[u8])> = given[..take].iter().map(|r| (r.token, &r.data[..])).collect();
+                match self.sequence.append_rows(&fit_rows) {
+                    Ok(()) => {
+                        input.drain(..take);
+                        self.stats.appended_rows += take;
+                        row_logits = given[take - 1].logits.take();
+                    }
+                    Err(e) => tracing::warn!(error = %e, rows = take, "rows not appended: computing them"),
+                }
+            }
+            let logits = if input.is_empty() {
+                row_logits.unwrap_or_default()
+            } else {
+                self.sequence.prefill(&input)?
+            };
             self.stats.replay += t0.elapsed();
             self.frontiers.fed = base + fed;
             self.frontiers.kv = self.sequence.kv_len();
@@ -809,6 +868,30 @@ impl DecodeState {
     /// what the state expects it to hold).
     pub fn kv_positions(&self) -> usize {
         self.sequence.kv_len()
+    }
+
+    /// Position `p`'s row and the token fed there ([`Sequence::export_row`]), when this state's
+    /// model gives rows and knows that token; with the logits of its output when they were the
+    /// last draw's and [`DecodeState::keep_logits`] kept them.
+    pub fn export_row(&self, p: usize) -> Option<Row> {
+        let (token, data) = (p < self.sequence.kv_len())
+            .then(|| self.sequence.export_row(p))
+            .flatten()?;
+        let logits = self
+            .kept_logits
+            .as_ref()
+            .filter(|(q, _)| *q == p)
+            .map(|(_, l)| l.clone());
+        Some(Row { token, data, logits })
+    }
+
+    /// Keeps (or stops keeping) the logits of the last draw for [`DecodeState::export_row`]:
+    /// a handoff source's rows carry them, so that its destination needs no forward pass.
+    pub fn keep_logits(&mut self, on: bool) {
+        self.keep_logits = on;
+        if !on {
+            self.kept_logits = None;
+        }
     }
 
     /// Positions this state's cache covers, its record not yet fed (a followed one, or the

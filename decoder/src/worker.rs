@@ -224,6 +224,9 @@ struct Active {
     /// A copy of its cache is on its way to another decoder (a handoff attempt is in flight):
     /// it decodes on, and leaves when the log commits it to the destination.
     out: bool,
+    /// While `out`: the rows of the positions it feeds past the copy, streamed to the
+    /// destination.
+    rows_out: Option<crate::handoff::RowsOut>,
     /// Prompt and committed prefix to store in the prefix cache once prefilled.
     store_prefix: Option<Vec<u32>>,
 }
@@ -242,6 +245,7 @@ impl Active {
             finish,
             moving: false,
             out: false,
+            rows_out: None,
             store_prefix: None,
         }
     }
@@ -468,6 +472,7 @@ impl Worker {
             hooks: None,
             plant_early_write: cfg.early_handoff_write(),
             wake: Default::default(),
+            rows_in: Default::default(),
         });
         Worker {
             cfg,
@@ -937,6 +942,11 @@ impl Worker {
         };
         g.out = true;
         let committed = g.committed;
+        // Rows past the copy, where its positions end before what this state holds or will.
+        let (rows_out, rows) = crate::handoff::RowsOut::new(cache.positions as usize);
+        g.rows_out = Some(rows_out);
+        g.state.keep_logits(true);
+        stream_rows(&mut g);
         self.active.insert(id, g);
         let source = crate::handoff::Source {
             decoder_id: self.cfg.decoder_id.clone(),
@@ -948,7 +958,7 @@ impl Worker {
         let to = self.move_to.remove(&id);
         let (tx, wake) = (self.outcomes_tx.clone(), self.wake.clone());
         tokio::spawn(async move {
-            let outcome = source.hand_out(id, epoch, committed, cache, to).await;
+            let outcome = source.hand_out(id, epoch, committed, cache, to, rows).await;
             let _ = tx.send((id, epoch, outcome));
             wake.notify_one();
         });
@@ -968,6 +978,8 @@ impl Worker {
             return;
         };
         g.out = false;
+        g.rows_out = None;
+        g.state.keep_logits(false);
         if let Some(h) = &self.history {
             h.event(crate::history::DecoderEvent::HandoffKept {
                 gen: id,
@@ -1363,6 +1375,9 @@ impl Worker {
         .await
         .map_err(WorkerError::Other)??;
         self.active = gens.into_iter().map(|g| (g.id, g)).collect();
+        for g in self.active.values_mut() {
+            stream_rows(g);
+        }
         Ok(())
     }
 
@@ -1694,6 +1709,18 @@ fn thread_schedstat() -> Option<(u64, u64)> {
 /// A generation back from the copy of its cache: (id, epoch, the state and the copy, or why the
 /// model failed).
 type Copied = (u64, u64, Result<(Active, crate::Result<CacheCopy>), String>);
+
+/// Sends the rows a generation under handoff fed since the last call to its destination
+/// ([`crate::handoff::RowsOut`]); once they end, none more.
+fn stream_rows(g: &mut Active) {
+    if let Some(rows) = &mut g.rows_out {
+        if !rows.send(&g.state) {
+            tracing::debug!(generation = g.id, "rows to the handoff's destination end here");
+            g.rows_out = None;
+            g.state.keep_logits(false);
+        }
+    }
+}
 
 /// Planted bug `source-frees-early`: the source frees the generation's cache once it copied it
 /// for a handoff, before the log released it (its own decoding then runs on an empty cache).

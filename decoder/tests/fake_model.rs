@@ -545,6 +545,12 @@ impl tokenlog_decoder::Sequence for CountingSequence {
     fn grouping_invariant(&self) -> bool {
         self.inner.grouping_invariant()
     }
+    fn export_row(&self, p: usize) -> Option<(u32, Vec<u8>)> {
+        self.inner.export_row(p)
+    }
+    fn append_rows(&mut self, rows: &[(u32, &[u8])]) -> tokenlog_decoder::Result<()> {
+        self.inner.append_rows(rows)
+    }
 }
 
 /// A handoff destination (issue 15): the copy taken while the source decodes on leaves out
@@ -630,4 +636,76 @@ fn a_handed_over_cache_is_fed_with_the_first_records_in_one_forward_pass() {
     assert!(dst.finished().is_some());
     let f = dst.frontiers();
     assert_eq!((f.sampled, f.fed, f.kv), (n, n - 1, p.len() + n - 1));
+}
+
+/// A handoff destination given the rows its source fed past the copy (issue 15): they are
+/// appended instead of computed, the last position too when its row carries the logits the
+/// source drew from (no forward pass at all), else all but the last; the continuation is the
+/// uninterrupted run's; a row that is not the cache after its token is refused whole (the fake
+/// model checks its hash chain) and computed instead.
+#[test]
+fn rows_the_source_fed_past_its_copy_are_appended_and_checked() {
+    let m = Counting {
+        inner: model(),
+        passes: Default::default(),
+    };
+    let p = prompt(&m.inner, "hand me my rows");
+    let (all, _) = DecodeState::start(&m, &p, sampled(), stop(40))
+        .unwrap()
+        .run_to_end()
+        .unwrap();
+    let (k, since) = (5usize, 6usize);
+    assert!(all.len() > k + since + 1, "{}", all.len());
+    for keep in [false, true] {
+        let mut src = DecodeState::start(&m, &p, sampled(), stop(40)).unwrap();
+        for _ in 0..k + 1 {
+            src.next_token().unwrap().unwrap();
+        }
+        src.mark_committed(k);
+        let cache = src.copy_committed_cache().unwrap();
+        assert_eq!(cache.positions as usize, p.len() + k - 1);
+        // The source decodes on: `since` more records committed, all but its last draw fed.
+        src.keep_logits(keep);
+        for _ in 0..since {
+            src.next_token().unwrap().unwrap();
+        }
+        src.mark_committed(k + since);
+        assert_eq!(src.kv_positions(), p.len() + k + since);
+        let last = p.len() + k + since - 1;
+        assert_eq!(src.export_row(last).unwrap().logits.is_some(), keep);
+        assert_eq!(src.export_row(last - 1).unwrap().logits, None, "only the last draw's");
+        let rows = |first: usize, n: usize| (first..first + n).map_while(|q| src.export_row(q)).collect::<Vec<_>>();
+        let load = || {
+            DecodeState::resume_from_cache_deferred(&m, &p, &all[..k], sampled(), stop(40), ResumeMode::Exact, &cache)
+                .unwrap()
+        };
+        let mut dst = load();
+        let before = m.passes();
+        dst.follow_all_fed_with(&all[k..k + since], rows).unwrap();
+        let (appended, passes) = if keep { (since + 1, 0) } else { (since, 1) };
+        assert_eq!(
+            (dst.stats().appended_rows, m.passes() - before),
+            (appended, passes),
+            "logits kept: {keep}"
+        );
+        assert!(dst.logits_ready());
+        assert_eq!(dst.frontiers().kv, p.len() + k + since);
+        assert_eq!(dst.run_to_end().unwrap().0, all[k + since..]);
+        // A corrupted row: none are appended, all are computed, the same continuation.
+        let mut dst = load();
+        dst.follow_all_fed_with(&all[k..k + since], |first, n| {
+            let mut r = rows(first, n);
+            r[2].data[0] ^= 1;
+            r
+        })
+        .unwrap();
+        assert_eq!(dst.stats().appended_rows, 0);
+        assert_eq!(dst.run_to_end().unwrap().0, all[k + since..]);
+        // Rows that run out early: those there are appended, the rest computed.
+        let mut dst = load();
+        dst.follow_all_fed_with(&all[k..k + since], |first, _| rows(first, 2))
+            .unwrap();
+        assert_eq!(dst.stats().appended_rows, 2);
+        assert_eq!(dst.run_to_end().unwrap().0, all[k + since..]);
+    }
 }

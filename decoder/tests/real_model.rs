@@ -411,6 +411,8 @@ fn a_kv_cache_copied_while_decoding_continues_the_sampled_run_exactly() {
     let whole = generate(&*m, &p, &sampled(11), &stop(&*m, n)).unwrap().tokens;
     let (k, ahead) = (9usize, 2usize);
     let mut src = DecodeState::start(&*m, &p, sampled(11), stop(&*m, n)).unwrap();
+    // As a handoff source does: the logits of its last draw kept for its rows.
+    src.keep_logits(true);
     for _ in 0..k + ahead {
         src.next_token().unwrap();
     }
@@ -455,6 +457,79 @@ fn a_kv_cache_copied_while_decoding_continues_the_sampled_run_exactly() {
     assert!(deferred.logits_ready());
     let (rest, _) = deferred.run_to_end().unwrap();
     assert_eq!(rest, whole[k + ahead..], "fed with {ahead} records after {k}");
+    // The same with the rows the source fed past its copy (a handoff source streams them):
+    // appended instead of computed, all but the last position, the same bits.
+    let from_source = |first: usize, n: usize| (first..first + n).map_while(|q| src.export_row(q)).collect::<Vec<_>>();
+    let mut with_rows = DecodeState::resume_from_cache_deferred(
+        &*m,
+        &p,
+        &whole[..k],
+        sampled(11),
+        stop(&*m, n),
+        ResumeMode::Exact,
+        &cache,
+    )
+    .unwrap();
+    with_rows
+        .follow_all_fed_with(&whole[k..k + ahead], from_source)
+        .unwrap();
+    assert_eq!(
+        with_rows.stats().appended_rows,
+        ahead,
+        "the left-out position and the first record as rows, the last record computed"
+    );
+    for q in cache.positions as usize..p.len() + k + ahead - 1 {
+        let bits = |r: Option<tokenlog_decoder::Row>| r.map(|r| (r.token, r.data));
+        assert!(
+            bits(with_rows.export_row(q)) == bits(src.export_row(q)),
+            "position {q}: the source's bits"
+        );
+    }
+    let (rest, _) = with_rows.run_to_end().unwrap();
+    assert_eq!(
+        rest,
+        whole[k + ahead..],
+        "fed with {ahead} records after {k}, rows appended"
+    );
+    // Up to the source's last fed position, whose row carries the logits it drew from: no
+    // forward pass at all, and the draws go on as the source's did.
+    let mut no_pass = DecodeState::resume_from_cache_deferred(
+        &*m,
+        &p,
+        &whole[..k],
+        sampled(11),
+        stop(&*m, n),
+        ResumeMode::Exact,
+        &cache,
+    )
+    .unwrap();
+    no_pass
+        .follow_all_fed_with(&whole[k..k + ahead - 1], from_source)
+        .unwrap();
+    assert_eq!(no_pass.stats().appended_rows, ahead, "every position as a row");
+    let (rest, _) = no_pass.run_to_end().unwrap();
+    assert_eq!(rest, whole[k + ahead - 1..], "drawn from the source's logits");
+    // Rows whose tokens are not the records' are left, and computed.
+    let mut wrong = DecodeState::resume_from_cache_deferred(
+        &*m,
+        &p,
+        &whole[..k],
+        sampled(11),
+        stop(&*m, n),
+        ResumeMode::Exact,
+        &cache,
+    )
+    .unwrap();
+    wrong
+        .follow_all_fed_with(&whole[k..k + ahead], |first, n| {
+            let mut rows = from_source(first, n);
+            rows[0].token ^= 1;
+            rows
+        })
+        .unwrap();
+    assert_eq!(wrong.stats().appended_rows, 0);
+    let (rest, _) = wrong.run_to_end().unwrap();
+    assert_eq!(rest, whole[k + ahead..], "rows of other tokens left out");
     let (src_rest, _) = src.run_to_end().unwrap();
     assert_eq!(src_rest, whole[k + ahead..], "the source decoded on");
 }

@@ -38,7 +38,7 @@ pub fn allowed(path: &str) -> Option<&'static [Role]> {
         ("raftlog.v1.Log", "RegisterStage") => &[Decoder],
         ("raftlog.v1.Log", "ListStages") => &[Decoder, Admin],
         // A planned handoff's cache, decoder to decoder.
-        ("decoder.v1.Handoff", "Transfer") => &[Decoder],
+        ("decoder.v1.Handoff", "Transfer" | "Rows") => &[Decoder],
         // A pipeline head drives its stages (both run with decoder certificates).
         ("decoder.v1.Stage", "Describe" | "Load" | "Forward") => &[Decoder],
         // What a gateway does for its clients.

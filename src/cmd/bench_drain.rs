@@ -365,6 +365,25 @@ async fn rounds(
             cores_busy(drain_from, drain_to),
             share(others_from, others_to, exit)
         );
+        // Per generation received: the positions the destination took as rows the source
+        // streamed, instead of computing them (its log's `rows=`).
+        let log = std::fs::read_to_string(dir.join(format!("{}.log", dst.id))).unwrap_or_default();
+        let rows: Vec<String> = log
+            .lines()
+            .filter(|l| l.contains("generation received with its cache"))
+            .filter_map(|l| {
+                l.split_once(" rows=")
+                    .map(|(_, r)| r.chars().take_while(char::is_ascii_digit).collect())
+            })
+            .collect();
+        println!(
+            "  positions the destination appended from the source's rows: {}",
+            if rows.is_empty() {
+                "none".into()
+            } else {
+                rows.join(", ")
+            }
+        );
         for g in 0..gids.len() {
             let _ = client
                 .cancel(pb::CancelRequest {

@@ -369,7 +369,6 @@ impl KvRows {
     }
 
     /// Position `p`'s row.
-    #[cfg(test)]
     fn row(&self, p: usize, width: usize) -> &[f32] {
         &self.chunks[p / KV_CHUNK][p % KV_CHUNK * width..][..width]
     }
@@ -393,6 +392,9 @@ pub(crate) struct CpuSequence {
     values: Vec<KvRows>,
     len: usize,
     max_context: usize,
+    /// The token fed at each position, when known (`None`: imported with a cache, or fed as
+    /// rows from the stage before): what [`Sequence::export_row`] gives beside the row.
+    tokens: Vec<Option<u32>>,
 }
 
 impl CpuSequence {
@@ -404,6 +406,7 @@ impl CpuSequence {
             keys: (0..n).map(|_| KvRows::default()).collect(),
             values: (0..n).map(|_| KvRows::default()).collect(),
             len: 0,
+            tokens: Vec::new(),
         }
     }
 
@@ -420,11 +423,17 @@ impl CpuSequence {
                 t.truncate(n, kvw);
             }
             self.len = n;
+            self.tokens.truncate(n);
         }
     }
 
     fn check(&self, tokens: &[u32]) -> Result<()> {
         check_feed(tokens, self.len, self.max_context, self.w.vocab_size())
+    }
+
+    /// The bytes of one row ([`Sequence::export_row`]): every layer's keys, then its values.
+    fn row_bytes(&self) -> usize {
+        2 * self.keys.len() * self.w.kv_width() * std::mem::size_of::<f32>()
     }
 
     /// Whether `other` runs on the same weights (one batch must).
@@ -499,6 +508,12 @@ pub(crate) fn forward_stage(w: &CpuWeights, items: &mut [(&mut CpuSequence, Feed
                     r += h.len() / hidden;
                 }
             }
+        }
+    }
+    for (s, feed) in items.iter_mut() {
+        match feed {
+            Feed::Tokens(tokens) => s.tokens.extend(tokens.iter().map(|&t| Some(t))),
+            Feed::Hidden(h) => s.tokens.extend(std::iter::repeat_n(None, h.len() / hidden)),
         }
     }
     let mut seqs: Vec<(&mut CpuSequence, usize)> = items
@@ -725,6 +740,7 @@ impl Sequence for CpuSequence {
             .chain(self.values.iter_mut())
             .for_each(|t| t.chunks.clear());
         self.len = 0;
+        self.tokens.clear();
     }
 
     fn grouping_invariant(&self) -> bool {
@@ -857,6 +873,45 @@ impl Sequence for CpuSequence {
         self.keys = keys;
         self.values = values;
         self.len = positions;
+        self.tokens = vec![None; positions];
+        Ok(())
+    }
+
+    fn export_row(&self, p: usize) -> Option<(u32, Vec<u8>)> {
+        let token = (*self.tokens.get(p)?)?;
+        let kvw = self.w.kv_width();
+        let mut data = Vec::with_capacity(self.row_bytes());
+        for (k, v) in self.keys.iter().zip(&self.values) {
+            for &x in k.row(p, kvw).iter().chain(v.row(p, kvw)) {
+                data.extend_from_slice(&x.to_le_bytes());
+            }
+        }
+        Some((token, data))
+    }
+
+    fn append_rows(&mut self, rows: &[(u32, &[u8])]) -> Result<()> {
+        let tokens: Vec<u32> = rows.iter().map(|&(t, _)| t).collect();
+        check_feed(&tokens, self.len, self.max_context, self.w.vocab_size())?;
+        let want = self.row_bytes();
+        if let Some((i, (_, d))) = rows.iter().enumerate().find(|(_, (_, d))| d.len() != want) {
+            return Err(Error::Invalid(format!(
+                "row {i} of {} bytes; this model's rows are {want}",
+                d.len()
+            )));
+        }
+        let kvw = self.w.kv_width();
+        let mut row = vec![0f32; 2 * kvw];
+        for (i, &(token, data)) in rows.iter().enumerate() {
+            for (l, bytes) in data.chunks_exact(2 * kvw * 4).enumerate() {
+                for (x, b) in row.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *x = f32::from_le_bytes(b.try_into().expect("4 bytes"));
+                }
+                self.keys[l].extend(self.len + i, kvw, &row[..kvw]);
+                self.values[l].extend(self.len + i, kvw, &row[kvw..]);
+            }
+            self.tokens.push(Some(token));
+        }
+        self.len += rows.len();
         Ok(())
     }
 }
