@@ -127,8 +127,9 @@ pub(crate) struct PortShared {
     pub plant_early_write: bool,
     /// Wakes the worker's idle loop when a generation arrives.
     pub wake: Arc<tokio::sync::Notify>,
-    /// The rows of each attempt being received, by (generation, attempt), for its `Rows` call.
-    pub rows_in: Mutex<HashMap<(u64, u64), RowsFound>>,
+    /// The rows of each attempt being received, by (generation, attempt, the source's key), for
+    /// its `Rows` call.
+    pub rows_in: Mutex<HashMap<(u64, u64, u64), RowsFound>>,
 }
 
 /// The `decoder.v1.Handoff` service of a decoder: receives caches (`tokenlog decoder
@@ -230,8 +231,9 @@ impl HandoffPort {
         });
         // The rows the source streams beside the cache (its `Rows` call), kept by position for
         // the follow passes while this attempt lasts.
-        let rows: SharedRows = Arc::default();
-        let _rows_in = RowsRegistered::new(s, (id, header.attempt), &rows);
+        let positions = manifest.kv_positions as usize..s.model.max_context();
+        let rows: SharedRows = Arc::new(Mutex::new(RowsIn::new(positions, header.rows_key != 0)));
+        let _rows_in = RowsRegistered::new(s, (id, header.attempt, header.rows_key), &rows);
         let cache = collect_cache(manifest, &mut inbound).await?;
         let got = cache.sha256();
         if got != manifest.cache_sha256 {
@@ -411,14 +413,7 @@ impl HandoffPort {
             }
             Err("failpoint catch-up-read-fails: the read failed".to_string())
         } else {
-            if let Some(g) = granted.filter(|&g| g > followed) {
-                // The source feeds the last records it wrote in its next step and sends their
-                // rows with the logits it draws from: waited for a little, they spare a forward
-                // pass that the client would wait for as long.
-                let (start, prompt) = (state.kv_positions(), state.frontiers().prompt_len);
-                wait_for_rows(&rows, start, prompt + g as usize - 1).await;
-            }
-            follow_log(&s.client, id, state, followed, granted, &rows).await
+            catch_up(&s.client, id, state, followed, granted, &rows).await
         };
         let (state, frontier) = match caught_up {
             Ok(x) => x,
@@ -669,9 +664,10 @@ async fn resolve_lost_commit(client: &LogClient, id: u64, attempt: u64, me: &str
     }
 }
 
-/// Follows generation `id`'s committed records `from..upto` (`None`: up to the log's frontier
-/// now, or where the source's rows with logits end when that is at most
-/// `HANDOFF_ROWS_LAG_MAX` records short of it) on `state`, a copy of the cache at `from` records: the state and the frontier it
+/// Follows generation `id`'s committed records `from..upto` on `state`. `None` (before the
+/// commit): up to the log's frontier now, or, while the source streams rows, only as far as its
+/// rows with logits go when that is at most `HANDOFF_ROWS_LAG_MAX` records short of the
+/// frontier (nothing at all, not even a deferred position, when none has come yet); a copy of the cache at `from` records: the state and the frontier it
 /// reached. Exact as the source's own feeding (`DecodeState::follow`). The positions a loaded
 /// cache left out (a deferred prefill) go into the same forward pass, ahead of the records.
 async fn follow_log(
@@ -693,10 +689,8 @@ async fn follow_log(
             let (start, prompt) = (state.kv_positions(), state.frontiers().prompt_len);
             let (streams, by_rows) = {
                 let r = rows.lock().expect("lock");
-                (
-                    r.received > 0,
-                    r.last_with_logits(start).map(|q| (q + 1 - prompt) as u32),
-                )
+                let by_rows = r.last_with_logits(start).and_then(|q| (q + 1).checked_sub(prompt));
+                (r.streams(), by_rows.map(|n| n as u32))
             };
             // No rows past what is followed yet: nothing now, not even a deferred position
             // (they come with the source's next step), unless the log is further ahead.
@@ -731,21 +725,40 @@ async fn follow_log(
     Ok((state, upto))
 }
 
-/// Waits up to `HANDOFF_ROWS_WAIT` for the rows from `start` to reach position `last` with its
-/// logits, if the source sends rows at all.
-async fn wait_for_rows(rows: &SharedRows, start: usize, last: usize) {
-    if rows.lock().expect("lock").received == 0 {
-        // A source that sends none: nothing to wait for.
-        return;
+/// After the commit: follows the records up to the frontier granted (`None`: the answer was
+/// lost, the log's frontier now, which is the same: the source is fenced and this decoder has
+/// not written). The source feeds the last records it wrote in its next step and sends their
+/// rows with the logits it draws from: waited for a little (`HANDOFF_ROWS_WAIT`), they spare
+/// a forward pass that the client would wait for as long.
+async fn catch_up(
+    client: &LogClient,
+    id: u64,
+    state: DecodeState,
+    followed: u32,
+    granted: Option<u32>,
+    rows: &SharedRows,
+) -> Result<(DecodeState, u32), String> {
+    let granted = match granted {
+        Some(g) => g,
+        None => client.generation(id).await.map_err(|e| e.to_string())?.frontier,
+    };
+    if granted > followed {
+        let (start, prompt) = (state.kv_positions(), state.frontiers().prompt_len);
+        wait_for_rows(rows, start, prompt + granted as usize - 1).await;
     }
+    follow_log(client, id, state, followed, Some(granted), rows).await
+}
+
+/// Waits up to `HANDOFF_ROWS_WAIT` for the rows from `start` to reach position `last` with its
+/// logits, while the source sends rows.
+async fn wait_for_rows(rows: &SharedRows, start: usize, last: usize) {
     let deadline = Instant::now() + HANDOFF_ROWS_WAIT;
-    while rows
-        .lock()
-        .expect("lock")
-        .last_with_logits(start)
-        .is_none_or(|q| q < last)
-        && Instant::now() < deadline
-    {
+    let missing = || {
+        let r = rows.lock().expect("lock");
+        // A source that sends none, or sends no more: nothing to wait for.
+        r.streams() && r.last_with_logits(start).is_none_or(|q| q < last)
+    };
+    while missing() && Instant::now() < deadline {
         tokio::time::sleep(std::time::Duration::from_millis(1)).await;
     }
 }
@@ -759,6 +772,12 @@ pub(crate) struct RowsIn {
     bytes: usize,
     /// Rows received in all (whether the source sends rows at all).
     received: u64,
+    /// The source's `Rows` call ended: no more will come.
+    ended: bool,
+    /// The source said it sends rows.
+    expected: bool,
+    /// The positions a row may be for: from the cache's end to the model's context.
+    positions: std::ops::Range<usize>,
 }
 
 type SharedRows = Arc<Mutex<RowsIn>>;
@@ -784,8 +803,20 @@ impl RowsIn {
         out
     }
 
-    /// Keeps `row` unless that would pass `HANDOFF_ROWS_BYTES_MAX` (then it is computed);
-    /// logits of any length but `vocab` are left out.
+    /// `expected`: the source said it sends rows (a `rows_key` in its header).
+    fn new(positions: std::ops::Range<usize>, expected: bool) -> Self {
+        RowsIn {
+            positions,
+            expected,
+            ..Default::default()
+        }
+    }
+
+    /// Whether the source sends rows (it said so, and its call has not ended).
+    fn streams(&self) -> bool {
+        self.expected && !self.ended
+    }
+
     /// The last position of the run of rows from `start` whose row carries logits.
     fn last_with_logits(&self, start: usize) -> Option<usize> {
         self.rows
@@ -797,27 +828,49 @@ impl RowsIn {
             .last()
     }
 
+    /// Keeps `row` unless it is for a position outside `positions` or would pass
+    /// `HANDOFF_ROWS_BYTES_MAX` (then that position is computed); logits of any length but
+    /// `vocab` are left out.
     fn keep(&mut self, row: dpb::KvRow, vocab: usize) -> bool {
         self.received += 1;
+        let position = row.position as usize;
+        if !self.positions.contains(&position) {
+            return false;
+        }
         let row_in = Row {
             token: row.token,
             data: row.data,
             logits: (row.logits.len() == vocab).then_some(row.logits),
         };
+        let replaced = self.rows.get(&position).map_or(0, row_bytes);
         let bytes = row_bytes(&row_in);
-        if self.bytes + bytes > HANDOFF_ROWS_BYTES_MAX {
+        if self.bytes - replaced + bytes > HANDOFF_ROWS_BYTES_MAX {
             return false;
         }
-        self.bytes += bytes;
-        if let Some(old) = self.rows.insert(row.position as usize, row_in) {
-            self.bytes -= row_bytes(&old);
-        }
+        self.bytes = self.bytes - replaced + bytes;
+        self.rows.insert(position, row_in);
         true
     }
 }
 
+/// What a row held costs against `HANDOFF_ROWS_BYTES_MAX`: its bytes and logits, and a fixed
+/// part for its entry (so that empty rows are not free).
 fn row_bytes(r: &Row) -> usize {
-    r.data.len() + r.logits.as_ref().map_or(0, |l| l.len() * 4)
+    64 + r.data.len() + r.logits.as_ref().map_or(0, |l| l.len() * 4)
+}
+
+/// A fresh secret for an attempt's rows ([`dpb::TransferHeader::rows_key`]): from the
+/// process's random hasher keys, never 0.
+fn rows_key() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos(),
+    );
+    h.finish().max(1)
 }
 
 /// Aborts a task when dropped (a source's `Rows` call ends with its transfer).
@@ -832,11 +885,11 @@ impl Drop for AbortOnDrop {
 /// An attempt's rows, findable by its `Rows` call while the attempt is being received.
 struct RowsRegistered<'a> {
     shared: &'a PortShared,
-    key: (u64, u64),
+    key: (u64, u64, u64),
 }
 
 impl<'a> RowsRegistered<'a> {
-    fn new(shared: &'a PortShared, key: (u64, u64), rows: &SharedRows) -> Self {
+    fn new(shared: &'a PortShared, key: (u64, u64, u64), rows: &SharedRows) -> Self {
         shared.rows_in.lock().expect("lock").insert(key, Arc::downgrade(rows));
         RowsRegistered { shared, key }
     }
@@ -866,7 +919,11 @@ impl HandoffPort {
                 s.decoder_id, header.destination
             )));
         }
-        let key = (header.generation_id, header.attempt);
+        // Only the attempt's source knows its key (a source that sends rows draws it at random).
+        let key = (header.generation_id, header.attempt, header.rows_key);
+        if header.rows_key == 0 {
+            return Err(Status::invalid_argument("rows name their attempt's key"));
+        }
         let deadline = Instant::now() + HANDOFF_ROWS_FIND;
         let rows = loop {
             if let Some(r) = s.rows_in.lock().expect("lock").get(&key) {
@@ -886,7 +943,12 @@ impl HandoffPort {
                     part: Some(dpb::rows_chunk::Part::Row(r)),
                 })) => r,
                 Ok(Some(_)) => return Err(Status::invalid_argument("a second header in one call")),
-                Ok(None) | Err(_) => break,
+                Ok(None) | Err(_) => {
+                    if let Some(rows) = rows.upgrade() {
+                        rows.lock().expect("lock").ended = true;
+                    }
+                    break;
+                }
             };
             // The attempt is over: nothing more to keep.
             let Some(rows) = rows.upgrade() else {
@@ -999,7 +1061,7 @@ impl Source {
         committed: u32,
         cache: CacheCopy,
         to: Option<String>,
-        rows: RowsFeed,
+        rows: Option<RowsFeed>,
     ) -> Outcome {
         let mut laps = Laps::start();
         // The copy's blocks are built here, off the generation's steps, then hashed.
@@ -1041,7 +1103,16 @@ impl Source {
         let mut why = String::new();
         for (dest, addr) in candidates {
             match self
-                .try_one(id, epoch, &manifest, &cache, &dest, &addr, &mut laps, rows.attempt())
+                .try_one(
+                    id,
+                    epoch,
+                    &manifest,
+                    &cache,
+                    &dest,
+                    &addr,
+                    &mut laps,
+                    rows.as_ref().map(RowsFeed::attempt),
+                )
                 .await
             {
                 Ok(new_epoch) => {
@@ -1070,7 +1141,7 @@ impl Source {
         dest: &str,
         addr: &str,
         laps: &mut Laps,
-        rows: mpsc::Receiver<dpb::KvRow>,
+        rows: Option<mpsc::Receiver<dpb::KvRow>>,
     ) -> Result<u64, Stop> {
         let t0 = Instant::now();
         let prepared = step(
@@ -1134,6 +1205,7 @@ impl Source {
             source: self.decoder_id.clone(),
             destination: dest.to_string(),
             manifest: Some(manifest.clone()),
+            rows_key: if rows.is_some() { rows_key() } else { 0 },
         };
         let sent = self.transfer(addr, header, cache, rows).await;
         laps.lap("transfer");
@@ -1200,7 +1272,7 @@ impl Source {
         addr: &str,
         header: dpb::TransferHeader,
         cache: &CacheExport,
-        rows: mpsc::Receiver<dpb::KvRow>,
+        rows: Option<mpsc::Receiver<dpb::KvRow>>,
     ) -> Result<dpb::TransferResult, String> {
         let channel = self.client.peer_channel(addr).map_err(|e: ClientError| e.to_string())?;
         let mut c = dpb::handoff_client::HandoffClient::new(channel)
@@ -1214,20 +1286,22 @@ impl Source {
                 generation_id: header.generation_id,
                 attempt: header.attempt,
                 destination: header.destination.clone(),
+                rows_key: header.rows_key,
             })),
         };
-        let rows =
-            futures::stream::iter([rows_header]).chain(tokio_stream::wrappers::ReceiverStream::new(rows).map(|r| {
-                dpb::RowsChunk {
+        let rows_call = rows.map(|rows| {
+            let rows = futures::stream::iter([rows_header]).chain(
+                tokio_stream::wrappers::ReceiverStream::new(rows).map(|r| dpb::RowsChunk {
                     part: Some(dpb::rows_chunk::Part::Row(r)),
+                }),
+            );
+            let mut rows_client = c.clone();
+            AbortOnDrop(tokio::spawn(async move {
+                if let Err(e) = rows_client.rows(rows).await {
+                    tracing::debug!(error = %e, "the destination took no rows");
                 }
-            }));
-        let mut rows_client = c.clone();
-        let rows_call = AbortOnDrop(tokio::spawn(async move {
-            if let Err(e) = rows_client.rows(rows).await {
-                tracing::debug!(error = %e, "the destination took no rows");
-            }
-        }));
+            }))
+        });
         let call = c.transfer(futures::stream::iter(transfer_messages(header, cache)));
         let answer = match tokio::time::timeout(HANDOFF_TRANSFER_TIMEOUT, call).await {
             Ok(Ok(r)) => Ok(r.into_inner()),
@@ -1270,6 +1344,14 @@ impl RowsFeed {
             fresh: true,
         };
         rx
+    }
+}
+
+impl Drop for RowsOut {
+    /// The generation left (moved, kept, finished) or its rows ended: the attempt's `Rows` call
+    /// ends, so its destination does not wait for more.
+    fn drop(&mut self) {
+        self.slot.lock().expect("lock").tx = None;
     }
 }
 
@@ -1339,11 +1421,12 @@ mod tests {
     /// those before it dropped, its byte count kept, and rows past its limit refused.
     #[test]
     fn rows_are_taken_in_runs_from_the_position_asked_for() {
-        let mut r = RowsIn::default();
+        let cost = |bytes: usize| bytes + 64;
+        let mut r = RowsIn::new(1..100, true);
         for p in [3, 4, 5, 7, 8] {
             assert!(r.keep(row(p, 10), 4));
         }
-        assert_eq!((r.bytes, r.received), (50, 5));
+        assert_eq!((r.bytes, r.received), (5 * cost(10), 5));
         assert!(r.take(2, 4).is_empty(), "position 2 is missing: nothing");
         let got = r.take(4, 9);
         assert_eq!(
@@ -1351,24 +1434,31 @@ mod tests {
             [104, 105],
             "a run ends at a gap"
         );
-        assert_eq!((r.rows.len(), r.bytes), (2, 20), "3 dropped, 4 and 5 taken");
+        assert_eq!((r.rows.len(), r.bytes), (2, 2 * cost(10)), "3 dropped, 4 and 5 taken");
         assert_eq!(r.take(7, 1).len(), 1, "at most n");
         assert_eq!(r.take(8, 1).len(), 1);
         assert_eq!((r.rows.len(), r.bytes), (0, 0));
-        // The same position again replaces the row; past the limit, refused; logits count,
-        // and are left out unless they are the vocabulary's length.
+        // The same position again replaces the row; past the limit, or outside the positions
+        // a row may be for, refused; logits count, and are left out unless they are the
+        // vocabulary's length.
         assert!(r.keep(row(1, 10), 4) && r.keep(row(1, 20), 4));
-        assert_eq!(r.bytes, 20);
+        assert_eq!(r.bytes, cost(20));
         assert!(!r.keep(row(2, HANDOFF_ROWS_BYTES_MAX), 4));
-        assert_eq!(r.bytes, 20);
+        assert!(!r.keep(row(0, 10), 4) && !r.keep(row(100, 10), 4));
+        assert_eq!((r.bytes, r.rows.len()), (cost(20), 1));
         let with_logits = |n: usize| dpb::KvRow {
             logits: vec![0.5; n],
             ..row(2, 10)
         };
         assert!(r.keep(with_logits(4), 4));
-        assert_eq!(r.bytes, 20 + 10 + 16);
+        assert_eq!(r.bytes, cost(20) + cost(10) + 16);
+        assert_eq!(r.last_with_logits(1), Some(2));
         assert!(r.keep(with_logits(3), 4));
-        assert_eq!(r.bytes, 20 + 10, "3 logits for a vocabulary of 4: left out");
+        assert_eq!(r.bytes, cost(20) + cost(10), "3 logits for a vocabulary of 4: left out");
+        assert_eq!(r.last_with_logits(1), None);
+        assert!(r.streams() && !RowsIn::new(1..100, false).streams());
+        r.ended = true;
+        assert!(!r.streams());
         assert_eq!(r.take(2, 1)[0].logits, None);
     }
 }

@@ -885,6 +885,17 @@ impl DecodeState {
         Some(Row { token, data, logits })
     }
 
+    /// Whether this state's rows can be streamed to a handoff's destination: a grouping-invariant
+    /// sequence whose last position's row it gives (its token known: fed here).
+    pub fn gives_rows(&self) -> bool {
+        self.sequence.grouping_invariant()
+            && self
+                .sequence
+                .kv_len()
+                .checked_sub(1)
+                .is_some_and(|p| self.sequence.export_row(p).is_some())
+    }
+
     /// Keeps (or stops keeping) the logits of the last draw for [`DecodeState::export_row`]:
     /// a handoff source's rows carry them, so that its destination needs no forward pass.
     pub fn keep_logits(&mut self, on: bool) {

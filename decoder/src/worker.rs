@@ -942,11 +942,14 @@ impl Worker {
         };
         g.out = true;
         let committed = g.committed;
-        // Rows past the copy, where its positions end before what this state holds or will.
-        let (rows_out, rows) = crate::handoff::RowsOut::new(cache.positions as usize);
-        g.rows_out = Some(rows_out);
-        g.state.keep_logits(true);
-        stream_rows(&mut g);
+        // The rows it feeds past the copy go to the destination, where its model gives them.
+        let rows = g.state.gives_rows().then(|| {
+            let (rows_out, feed) = crate::handoff::RowsOut::new(cache.positions as usize);
+            g.rows_out = Some(rows_out);
+            g.state.keep_logits(true);
+            stream_rows(&mut g);
+            feed
+        });
         self.active.insert(id, g);
         let source = crate::handoff::Source {
             decoder_id: self.cfg.decoder_id.clone(),

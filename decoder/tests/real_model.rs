@@ -442,16 +442,19 @@ fn a_kv_cache_copied_while_decoding_continues_the_sampled_run_exactly() {
     assert_eq!(rest, whole[k..], "continued after {k} tokens");
     // A handoff destination: the left-out position fed with the records committed since the
     // copy, in one forward pass.
-    let mut deferred = DecodeState::resume_from_cache_deferred(
-        &*m,
-        &p,
-        &whole[..k],
-        sampled(11),
-        stop(&*m, n),
-        ResumeMode::Exact,
-        &cache,
-    )
-    .unwrap();
+    let deferred_load = || {
+        DecodeState::resume_from_cache_deferred(
+            &*m,
+            &p,
+            &whole[..k],
+            sampled(11),
+            stop(&*m, n),
+            ResumeMode::Exact,
+            &cache,
+        )
+        .unwrap()
+    };
+    let mut deferred = deferred_load();
     assert!(deferred.prefilling());
     deferred.follow_all_fed(&whole[k..k + ahead]).unwrap();
     assert!(deferred.logits_ready());
@@ -460,16 +463,7 @@ fn a_kv_cache_copied_while_decoding_continues_the_sampled_run_exactly() {
     // The same with the rows the source fed past its copy (a handoff source streams them):
     // appended instead of computed, all but the last position, the same bits.
     let from_source = |first: usize, n: usize| (first..first + n).map_while(|q| src.export_row(q)).collect::<Vec<_>>();
-    let mut with_rows = DecodeState::resume_from_cache_deferred(
-        &*m,
-        &p,
-        &whole[..k],
-        sampled(11),
-        stop(&*m, n),
-        ResumeMode::Exact,
-        &cache,
-    )
-    .unwrap();
+    let mut with_rows = deferred_load();
     with_rows
         .follow_all_fed_with(&whole[k..k + ahead], from_source)
         .unwrap();
@@ -493,16 +487,7 @@ fn a_kv_cache_copied_while_decoding_continues_the_sampled_run_exactly() {
     );
     // Up to the source's last fed position, whose row carries the logits it drew from: no
     // forward pass at all, and the draws go on as the source's did.
-    let mut no_pass = DecodeState::resume_from_cache_deferred(
-        &*m,
-        &p,
-        &whole[..k],
-        sampled(11),
-        stop(&*m, n),
-        ResumeMode::Exact,
-        &cache,
-    )
-    .unwrap();
+    let mut no_pass = deferred_load();
     no_pass
         .follow_all_fed_with(&whole[k..k + ahead - 1], from_source)
         .unwrap();
@@ -510,16 +495,7 @@ fn a_kv_cache_copied_while_decoding_continues_the_sampled_run_exactly() {
     let (rest, _) = no_pass.run_to_end().unwrap();
     assert_eq!(rest, whole[k + ahead - 1..], "drawn from the source's logits");
     // Rows whose tokens are not the records' are left, and computed.
-    let mut wrong = DecodeState::resume_from_cache_deferred(
-        &*m,
-        &p,
-        &whole[..k],
-        sampled(11),
-        stop(&*m, n),
-        ResumeMode::Exact,
-        &cache,
-    )
-    .unwrap();
+    let mut wrong = deferred_load();
     wrong
         .follow_all_fed_with(&whole[k..k + ahead], |first, n| {
             let mut rows = from_source(first, n);
