@@ -859,18 +859,9 @@ fn row_bytes(r: &Row) -> usize {
     64 + r.data.len() + r.logits.as_ref().map_or(0, |l| l.len() * 4)
 }
 
-/// A fresh secret for an attempt's rows ([`dpb::TransferHeader::rows_key`]): from the
-/// process's random hasher keys, never 0.
+/// A fresh secret for an attempt's rows ([`dpb::TransferHeader::rows_key`]), never 0.
 fn rows_key() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_nanos(),
-    );
-    h.finish().max(1)
+    crate::worker_lease::random_nonzero()
 }
 
 /// Aborts a task when dropped (a source's `Rows` call ends with its transfer).

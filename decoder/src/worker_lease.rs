@@ -75,10 +75,16 @@ pub(crate) async fn session_loop(
 /// A random non-zero id (std's per-process random hash keys; no id twice in a row); counted
 /// under the simulation.
 fn fresh_session_id() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
     if let Some(id) = crate::simulation::session_id() {
         return id;
     }
+    random_nonzero()
+}
+
+/// A random non-zero number from std's per-process random hash keys (a session id, a
+/// handoff's rows key).
+pub(crate) fn random_nonzero() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u128(
         std::time::SystemTime::now()
