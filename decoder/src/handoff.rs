@@ -664,11 +664,11 @@ async fn resolve_lost_commit(client: &LogClient, id: u64, attempt: u64, me: &str
     }
 }
 
-/// Follows generation `id`'s committed records `from..upto` on `state`. `None` (before the
-/// commit): up to the log's frontier now, or, while the source streams rows, only as far as its
-/// rows with logits go when that is at most `HANDOFF_ROWS_LAG_MAX` records short of the
-/// frontier (nothing at all, not even a deferred position, when none has come yet); a copy of the cache at `from` records: the state and the frontier it
-/// reached. Exact as the source's own feeding (`DecodeState::follow`). The positions a loaded
+/// Follows generation `id`'s committed records `from..upto` on `state`, a copy of the cache at
+/// `from` records: the state and the frontier it reached. `upto` `None` (before the commit): up
+/// to the log's frontier now, or, while the source streams rows, only as far as its rows with
+/// logits go when that is at most `HANDOFF_ROWS_LAG_MAX` records short of the frontier
+/// (nothing at all, not even a deferred position, when none has come yet). Exact as the source's own feeding (`DecodeState::follow`). The positions a loaded
 /// cache left out (a deferred prefill) go into the same forward pass, ahead of the records.
 async fn follow_log(
     client: &LogClient,
@@ -770,7 +770,7 @@ pub(crate) struct RowsIn {
     rows: BTreeMap<usize, Row>,
     /// Bytes of the rows held (at most `HANDOFF_ROWS_BYTES_MAX`).
     bytes: usize,
-    /// Rows received in all (whether the source sends rows at all).
+    /// Rows received in all, kept or not.
     received: u64,
     /// The source's `Rows` call ended: no more will come.
     ended: bool,
