@@ -27,9 +27,12 @@ pub(crate) mod quant;
 /// identity whose `dtype_class` is the file's followed by `+` and this ([`identity_of`]), so a
 /// decoder whose engine computes other bits (an older release's CPU engine, candle's kernels)
 /// never continues it. Bumped with every change of the engine's logits, which the test
-/// `the_cpu_engines_numbers_do_not_change_between_releases` pins. `cpu2`: whole blocks' integer
-/// sums per lane (2026-12-04); before it, the identity carried no tag.
-pub const NUMERICS: &str = "cpu2";
+/// `the_cpu_engines_numbers_do_not_change_between_releases` pins. `cpu3`: `exp` (attention's
+/// softmax, SiLU) by the engine's own algorithm, vectorized ([`quant::exp_f32`]), instead of
+/// the C library's (2026-12-06: the pinned digest is unchanged, but a rare input rounds
+/// otherwise); `cpu2`: whole blocks' integer sums per lane (2026-12-04); before them, the
+/// identity carried no tag.
+pub const NUMERICS: &str = "cpu3";
 
 /// Which kernels the CPU engine's matrix products use on this CPU (the same numbers on every
 /// one), for reports such as `tokenlog bench decode`'s.
@@ -281,10 +284,6 @@ impl CpuWeights {
             self.head_dim
         )
     }
-}
-
-fn exp(x: f32) -> f32 {
-    (x as f64).exp() as f32
 }
 
 fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
@@ -633,9 +632,9 @@ fn run_layers(w: &CpuWeights, items: &mut [(&mut CpuSequence, usize)], x: &mut [
                     quant::scores(qh, keys, kvw, kvh * d, scale, out);
                 }
                 let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+                quant::exp_shifted(&mut scores, max);
                 let mut sum = 0f32;
-                for s in scores.iter_mut() {
-                    *s = exp(*s - max);
+                for s in scores.iter() {
                     sum += *s;
                 }
                 for s in scores.iter_mut() {
@@ -669,9 +668,7 @@ fn run_layers(w: &CpuWeights, items: &mut [(&mut CpuSequence, usize)], x: &mut [
         let xq = quant::quantize(&xn, hidden);
         layer.gate.matmul_quantized(&xn, &xq, n, &mut g);
         layer.up.matmul_quantized(&xn, &xq, n, &mut u);
-        for (g, &u) in g.iter_mut().zip(&u) {
-            *g = *g / (1.0 + exp(-*g)) * u;
-        }
+        quant::silu_times(&mut g, &u);
         layer.down.matmul(&g, n, &mut o);
         for (x, o) in x.iter_mut().zip(&o) {
             *x += o;
