@@ -13,10 +13,13 @@ pub use tokenlog_raftlog::types::{FinishReason, SamplingConfig, StopConfig};
 use crate::stop::StopText;
 use crate::tokenizer::{IncrementalDetokenizer, Tokenizer};
 
-/// Version of the sampling scheme: the RNG ([`uniform`]) and the order and meaning of the
-/// penalties and filters in [`Sampler::choose`]. A change to any of them bumps this, and a
-/// decoder refuses generations bound to another version.
-pub const RNG_VERSION: u32 = 1;
+/// Version of the sampling scheme: the RNG ([`uniform`]), the arithmetic of the weights and
+/// the order and meaning of the penalties and filters in [`Sampler::choose`]. A change to any
+/// of them bumps this, and a decoder refuses generations bound to another version. 2
+/// (2026-12-06): the weights' `exp` is the decoder's own (`cpu::quant::exp_f64`, the same bits
+/// on every machine, vectorized) instead of the C library's; 1: the RNG and everything else as
+/// now.
+pub const RNG_VERSION: u32 = 2;
 
 /// Candidates first examined for top-p without top-k; grown ×8 until the nucleus fits.
 const TOP_P_CANDIDATES_START: usize = 64;
@@ -30,7 +33,7 @@ fn splitmix64(x: u64) -> u64 {
 }
 
 /// The uniform draw in `[0, 1)` for generated position `seq` of a generation seeded `seed`
-/// ([`RNG_VERSION`] 1): `splitmix64(splitmix64(seed) ^ seq)`, top 53 bits.
+/// (since [`RNG_VERSION`] 1): `splitmix64(splitmix64(seed) ^ seq)`, top 53 bits.
 pub fn uniform(seed: u64, seq: u32) -> f64 {
     let bits = splitmix64(splitmix64(seed) ^ u64::from(seq));
     (bits >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
@@ -133,10 +136,7 @@ impl Sampler {
             return 0; // every logit -inf or NaN: nothing to prefer
         }
         let inv_t = 1.0 / f64::from(p.temperature);
-        let w: Vec<f64> = scores
-            .iter()
-            .map(|&x| ((f64::from(x) - f64::from(max)) * inv_t).exp())
-            .collect();
+        let w = crate::cpu::quant::exp_weights(scores, max, inv_t);
         let vocab = w.len();
         let top_k = if p.top_k == 0 {
             vocab

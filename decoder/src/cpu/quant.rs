@@ -569,6 +569,51 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     (y * f64::from_bits(((n as i64 + 1023) as u64) << 52)) as f32
 }
 
+/// `e^x` in f64 by [`exp_f32`]'s reduction and polynomial: `x` clamped to [-746, 710]
+/// (beyond them `e^x` rounds to 0 or to infinity; NaN stays NaN), and `2^n` applied as `2^a`
+/// then `2^b` (`a = ⌊n / 2⌋`, `b = n - a`: both normal powers of two, so only the last product
+/// rounds, into a subnormal or infinity where it must). Within a few f64 units of `e^x`, and
+/// the same bits vectorized or not ([`exp_weights`]).
+pub(crate) fn exp_f64(x: f64) -> f64 {
+    if x.is_nan() {
+        return x;
+    }
+    let x = x.clamp(EXP64_MIN, EXP64_MAX);
+    let n = (x * std::f64::consts::LOG2_E).round_ties_even();
+    let r = (-n).mul_add(LN2_HI, x);
+    let r = (-n).mul_add(LN2_LO, r);
+    let mut p = EXP_TAYLOR[0];
+    for c in &EXP_TAYLOR[1..] {
+        p = p.mul_add(r, *c);
+    }
+    let y = p.mul_add(r, 1.0);
+    let n = n as i64;
+    let a = n >> 1;
+    (y * pow2_64(a)) * pow2_64(n - a)
+}
+
+/// `2^k` for `k` in [-1022, 1023].
+fn pow2_64(k: i64) -> f64 {
+    f64::from_bits(((k + 1023) as u64) << 52)
+}
+
+/// A sampler's weights: `exp_f64((f64(s[i]) - f64(max)) × inv_t)` for every `i`, in order.
+pub(crate) fn exp_weights(s: &[f32], max: f32, inv_t: f64) -> Vec<f64> {
+    let mut out = vec![0f64; s.len()];
+    #[cfg(target_arch = "x86_64")]
+    if simd() {
+        // SAFETY: AVX2 and FMA are present; `out` is as long as `s`.
+        unsafe { avx2_kernels::exp_weights(s, max, inv_t, &mut out) };
+        return out;
+    }
+    for (o, &x) in out.iter_mut().zip(s) {
+        *o = exp_f64((f64::from(x) - f64::from(max)) * inv_t);
+    }
+    out
+}
+
+const EXP64_MIN: f64 = -746.0;
+const EXP64_MAX: f64 = 710.0;
 const EXP_MIN: f32 = -104.0;
 const EXP_MAX: f32 = 89.0;
 /// ln 2 = `LN2_HI + LN2_LO`, the first with its low 21 bits zero (fdlibm's `ln2HI`, `ln2LO`).
@@ -937,6 +982,65 @@ mod avx2_kernels {
         let k = _mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(n));
         let pow2 = _mm256_slli_epi64::<52>(_mm256_add_epi64(k, _mm256_set1_epi64x(1023)));
         _mm256_mul_pd(y, _mm256_castsi256_pd(pow2))
+    }
+
+    /// [`super::exp_f64`] of 4 lanes: the same operations in the same order.
+    #[inline(always)]
+    unsafe fn exp4_f64(x: __m256d) -> __m256d {
+        let nan = _mm256_cmp_pd::<_CMP_UNORD_Q>(x, x);
+        // `max` gives its second operand for a NaN lane: restored at the end.
+        let x0 = x;
+        let x = _mm256_min_pd(_mm256_max_pd(x, _mm256_set1_pd(EXP64_MIN)), _mm256_set1_pd(EXP64_MAX));
+        let n = _mm256_round_pd::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_pd(
+            x,
+            _mm256_set1_pd(std::f64::consts::LOG2_E),
+        ));
+        let r = _mm256_fnmadd_pd(n, _mm256_set1_pd(LN2_HI), x);
+        let r = _mm256_fnmadd_pd(n, _mm256_set1_pd(LN2_LO), r);
+        let mut p = _mm256_set1_pd(EXP_TAYLOR[0]);
+        for c in &EXP_TAYLOR[1..] {
+            p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(*c));
+        }
+        let y = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0));
+        // `a = ⌊n / 2⌋` and `b = n - a`, whole and within [-539, 513]: exact in f64, as i32
+        // and as i64 (AVX2 has no 64-bit arithmetic shift).
+        let a = _mm256_floor_pd(_mm256_mul_pd(n, _mm256_set1_pd(0.5)));
+        let b = _mm256_sub_pd(n, a);
+        let pa = pow2x4(a);
+        let pb = pow2x4(b);
+        let e = _mm256_mul_pd(_mm256_mul_pd(y, pa), pb);
+        _mm256_blendv_pd(e, x0, nan)
+    }
+
+    /// `2^k` of 4 whole f64 lanes `k` in [-1022, 1023].
+    #[inline(always)]
+    unsafe fn pow2x4(k: __m256d) -> __m256d {
+        let k = _mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(k));
+        _mm256_castsi256_pd(_mm256_slli_epi64::<52>(_mm256_add_epi64(k, _mm256_set1_epi64x(1023))))
+    }
+
+    /// One lane of [`super::exp_weights`] for 4 values.
+    #[inline(always)]
+    unsafe fn weight4(x: __m128, max: __m256d, inv_t: __m256d) -> __m256d {
+        exp4_f64(_mm256_mul_pd(_mm256_sub_pd(_mm256_cvtps_pd(x), max), inv_t))
+    }
+
+    /// [`super::exp_weights`] into `out`, as long as `s`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn exp_weights(s: &[f32], max: f32, inv_t: f64, out: &mut [f64]) {
+        let (m, t) = (_mm256_set1_pd(f64::from(max)), _mm256_set1_pd(inv_t));
+        let whole = s.len() / 4 * 4;
+        for i in (0..whole).step_by(4) {
+            let w = weight4(_mm_loadu_ps(s.as_ptr().add(i)), m, t);
+            _mm256_storeu_pd(out.as_mut_ptr().add(i), w);
+        }
+        let rest = s.len() - whole;
+        if rest > 0 {
+            let (mut x, mut w) = ([0f32; 4], [0f64; 4]);
+            x[..rest].copy_from_slice(&s[whole..]);
+            _mm256_storeu_pd(w.as_mut_ptr(), weight4(_mm_loadu_ps(x.as_ptr()), m, t));
+            out[whole..].copy_from_slice(&w[..rest]);
+        }
     }
 
     /// [`super::exp_shifted`].
@@ -1698,6 +1802,65 @@ mod tests {
         );
     }
 
+    /// The f64 `exp` is within 4 units in the last place of the C library's (subnormal results
+    /// within 4 of the smallest subnormal), and gives the IEEE answers at the edges.
+    #[test]
+    fn exp_f64_is_close_to_the_c_librarys() {
+        let mut worst = 0u64;
+        let mut x = -746.5f64;
+        while x < 710.5 {
+            let (got, want) = (exp_f64(x), x.exp());
+            let ulps = got.to_bits().abs_diff(want.to_bits());
+            assert!(ulps <= 4, "{x}: {got:e} against {want:e}, {ulps} units apart");
+            worst = worst.max(ulps);
+            x += 0.000_937_5 + x.abs() * 1e-9;
+        }
+        eprintln!("exp_f64: at most {worst} units from the C library's");
+        assert_eq!(exp_f64(0.0), 1.0);
+        assert_eq!(exp_f64(f64::NEG_INFINITY), 0.0);
+        assert_eq!(exp_f64(f64::INFINITY), f64::INFINITY);
+        assert!(exp_f64(f64::NAN).is_nan());
+        assert!(exp_f64(-740.0) > 0.0, "subnormal results are kept");
+    }
+
+    /// A sampler's vectorized weights give [`exp_f64`]'s bits, for every length and at the
+    /// edges (infinite and NaN scores, a temperature that scales into overflow).
+    #[test]
+    fn the_vectorized_weights_agree_with_the_scalar_ones() {
+        let specials = [
+            0.0,
+            -0.0,
+            f32::NEG_INFINITY,
+            f32::INFINITY,
+            f32::NAN,
+            f32::MIN,
+            -1e30,
+            3.0,
+        ];
+        for len in [0usize, 1, 3, 4, 7, 64, 49_153] {
+            let mut v: Vec<f32> = values(len, 51).iter().map(|x| x * 30.0).collect();
+            for (slot, s) in v.iter_mut().step_by(5).zip(specials) {
+                *slot = s;
+            }
+            for (max, inv_t) in [
+                (3.0f32, 1.0f64),
+                (30.0, 1.0 / 0.7),
+                (0.5, 1.0 / 1e-3),
+                (f32::INFINITY, 1.0),
+            ] {
+                let fast = exp_weights(&v, max, inv_t);
+                assert_eq!(fast.len(), len);
+                for (i, (&f, &x)) in fast.iter().zip(&v).enumerate() {
+                    let s = exp_f64((f64::from(x) - f64::from(max)) * inv_t);
+                    assert!(
+                        f.to_bits() == s.to_bits() || (f.is_nan() && s.is_nan()),
+                        "weight of {x} (max {max}, 1/t {inv_t}; element {i} of {len}): {f} against {s}"
+                    );
+                }
+            }
+        }
+    }
+
     /// The vectorized softmax numerators and SiLU give the scalar definitions' bits, for every
     /// length (whole vectors and the rest) and at the edges.
     #[test]
@@ -1948,6 +2111,22 @@ mod speed {
         let per = |s: f64| s * 1e9 / (reps * x.len()) as f64;
         eprintln!(
             "exp: {:.2} ns per element (the engine's), {:.2} ns (the C library's through f64)",
+            per(ours),
+            per(libm)
+        );
+        let t = std::time::Instant::now();
+        for _ in 0..reps {
+            std::hint::black_box(exp_weights(&x, 0.5, 1.25));
+        }
+        let ours = t.elapsed().as_secs_f64();
+        let t = std::time::Instant::now();
+        for _ in 0..reps {
+            let w: Vec<f64> = x.iter().map(|&v| ((f64::from(v) - 0.5) * 1.25).exp()).collect();
+            std::hint::black_box(w);
+        }
+        let libm = t.elapsed().as_secs_f64();
+        eprintln!(
+            "a sampler's weights: {:.2} ns per element (exp_weights), {:.2} ns (the C library's exp)",
             per(ours),
             per(libm)
         );
