@@ -556,6 +556,55 @@ pub(crate) fn forward_stage(w: &CpuWeights, items: &mut [(&mut CpuSequence, Feed
     logits.chunks_exact(vocab).map(|l| Fed::Logits(l.to_vec())).collect()
 }
 
+/// One row's attention over its sequence's cache, for query heads that share one key/value
+/// head.
+struct Attend<'a> {
+    keys: &'a KvRows,
+    values: &'a KvRows,
+    /// Positions attended to: the row's own and all before it.
+    len: usize,
+    /// Floats per cached position (all key/value heads).
+    kvw: usize,
+    /// Where the key/value head starts within a position.
+    offset: usize,
+    scale: f32,
+}
+
+impl Attend<'_> {
+    /// The attention outputs of `G` query heads (`q`: their `G × d` values) into `out` (`G ×
+    /// d`); `scores` is scratch. Per head the bits of one head alone: scores chunk by chunk,
+    /// softmax (max, `exp`, the sum in order, division), the weighted sum chunk by chunk.
+    fn heads<const G: usize>(&self, q: &[f32], scores: &mut Vec<f32>, out: &mut [f32]) {
+        let len = self.len;
+        scores.clear();
+        scores.resize(G * len, 0.0);
+        for (first, keys) in self.keys.spans(len, self.kvw) {
+            let m = keys.len() / self.kvw;
+            let mut parts = scores.chunks_exact_mut(len);
+            let mut o: [&mut [f32]; G] =
+                std::array::from_fn(|_| &mut parts.next().expect("a score row per head")[first..first + m]);
+            quant::scores_heads::<G>(q, keys, self.kvw, self.offset, self.scale, &mut o);
+        }
+        for s in scores.chunks_exact_mut(len) {
+            let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            quant::exp_shifted(s, max);
+            let mut sum = 0f32;
+            for x in s.iter() {
+                sum += *x;
+            }
+            for x in s.iter_mut() {
+                *x /= sum;
+            }
+        }
+        out.fill(0.0);
+        for (first, values) in self.values.spans(len, self.kvw) {
+            let m = values.len() / self.kvw;
+            let p: [&[f32]; G] = std::array::from_fn(|g| &scores[g * len + first..g * len + first + m]);
+            quant::weighted_sums_on::<G>(&p, values, self.kvw, self.offset, out);
+        }
+    }
+}
+
 /// The layers of `w` over the rows `x` (`rows × hidden`, item after item, `count` rows each):
 /// each item's sequence gets the keys and values of its rows, and its length grows by them.
 fn run_layers(w: &CpuWeights, items: &mut [(&mut CpuSequence, usize)], x: &mut [f32]) {
@@ -616,46 +665,43 @@ fn run_layers(w: &CpuWeights, items: &mut [(&mut CpuSequence, usize)], x: &mut [
         let caches: Vec<(&KvRows, &KvRows)> = items.iter().map(|(s, _)| (&s.keys[l], &s.values[l])).collect();
         let out = SyncPtr(att.as_mut_ptr());
         let (q, rows, caches) = (&q, &rows, &caches);
+        // The query heads of one key/value head in groups (all `rep` of them where 4 or fewer),
+        // the cache read once per group: one work item per row and group.
+        let group = [4, 3, 2, 1].into_iter().find(|g| rep % g == 0).expect("1 divides");
+        let per_row = hq / group;
         let work = |range: std::ops::Range<usize>| {
             let mut scores: Vec<f32> = Vec::new();
-            let mut acc = vec![0f32; d];
+            let mut acc = vec![0f32; group * d];
             for item in range {
-                let (r, h) = (item / hq, item % hq);
+                let (r, h) = (item / per_row, item % per_row * group);
                 let (seq, pos) = rows[r];
                 let (keys, values) = caches[seq];
-                let kvh = h / rep;
-                let qh = &q[r * hidden + h * d..r * hidden + (h + 1) * d];
-                scores.clear();
-                scores.resize(pos + 1, 0.0);
-                for (first, keys) in keys.spans(pos + 1, kvw) {
-                    let out = &mut scores[first..first + keys.len() / kvw];
-                    quant::scores(qh, keys, kvw, kvh * d, scale, out);
+                let heads = &q[r * hidden + h * d..r * hidden + (h + group) * d];
+                let at = Attend {
+                    keys,
+                    values,
+                    len: pos + 1,
+                    kvw,
+                    offset: h / rep * d,
+                    scale,
+                };
+                match group {
+                    4 => at.heads::<4>(heads, &mut scores, &mut acc),
+                    3 => at.heads::<3>(heads, &mut scores, &mut acc),
+                    2 => at.heads::<2>(heads, &mut scores, &mut acc),
+                    _ => at.heads::<1>(heads, &mut scores, &mut acc),
                 }
-                let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-                quant::exp_shifted(&mut scores, max);
-                let mut sum = 0f32;
-                for s in scores.iter() {
-                    sum += *s;
-                }
-                for s in scores.iter_mut() {
-                    *s /= sum;
-                }
-                acc.iter_mut().for_each(|a| *a = 0.0);
-                for (first, values) in values.spans(pos + 1, kvw) {
-                    let probs = &scores[first..first + values.len() / kvw];
-                    quant::weighted_sum_on(probs, values, kvw, kvh * d, &mut acc);
-                }
-                // SAFETY: each (row, head) slice of `att` belongs to one work item.
+                // SAFETY: each (row, group of heads) slice of `att` belongs to one work item.
                 #[allow(unsafe_code)]
                 unsafe {
-                    std::ptr::copy_nonoverlapping(acc.as_ptr(), out.get().add(r * hidden + h * d), d);
+                    std::ptr::copy_nonoverlapping(acc.as_ptr(), out.get().add(r * hidden + h * d), group * d);
                 }
             }
         };
         if n * hq <= 4 {
-            work(0..n * hq);
+            work(0..n * per_row);
         } else {
-            candle_core::utils::barrier_pool().execute_chunked(n * hq, work);
+            candle_core::utils::barrier_pool().execute_chunked(n * per_row, work);
         }
         layer.wo.matmul(&att, n, &mut o);
         for (x, o) in x.iter_mut().zip(&o) {

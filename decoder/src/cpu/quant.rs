@@ -538,6 +538,62 @@ pub(crate) fn weighted_sum_on(probs: &[f32], values: &[f32], stride: usize, offs
     }
 }
 
+/// [`scores`] of the `G` query heads that share one key head (`q`: their `G × d` values, head
+/// after head), the keys read once for all of them: `out[g][t]` = [`scores`] of head `g`, the
+/// same bits. Every `out[g]` is as long as the first.
+pub(crate) fn scores_heads<const G: usize>(
+    q: &[f32],
+    keys: &[f32],
+    stride: usize,
+    offset: usize,
+    scale: f32,
+    out: &mut [&mut [f32]; G],
+) {
+    let d = q.len() / G;
+    assert_eq!(q.len(), G * d);
+    let n = out[0].len();
+    assert!(out.iter().all(|o| o.len() == n), "one score per key and head");
+    if let Some(last) = n.checked_sub(1) {
+        assert!(last * stride + offset + d <= keys.len(), "keys within the cache");
+    }
+    #[cfg(target_arch = "x86_64")]
+    if simd() {
+        // SAFETY: AVX2 is present; every key lies within `keys`, every output within its
+        // slice (checked above).
+        return unsafe { avx2_kernels::scores_heads::<G>(q, d, keys, stride, offset, scale, out) };
+    }
+    for (g, out) in out.iter_mut().enumerate() {
+        scores(&q[g * d..(g + 1) * d], keys, stride, offset, scale, out);
+    }
+}
+
+/// [`weighted_sum_on`] of the `G` query heads that share one value head, the values read
+/// once for all of them: `out` (their `G × d` sums, head after head) gets `Σ probs[g][t] ×
+/// value t` for head `g`, the same bits. Every `probs[g]` is as long as the first.
+pub(crate) fn weighted_sums_on<const G: usize>(
+    probs: &[&[f32]; G],
+    values: &[f32],
+    stride: usize,
+    offset: usize,
+    out: &mut [f32],
+) {
+    let d = out.len() / G;
+    assert_eq!(out.len(), G * d);
+    let n = probs[0].len();
+    assert!(probs.iter().all(|p| p.len() == n), "one weight per value and head");
+    if let Some(last) = n.checked_sub(1) {
+        assert!(last * stride + offset + d <= values.len(), "values within the cache");
+    }
+    #[cfg(target_arch = "x86_64")]
+    if simd() {
+        // SAFETY: AVX2 is present; every value row lies within `values` (checked above).
+        return unsafe { avx2_kernels::weighted_sums_on::<G>(probs, values, stride, offset, out) };
+    }
+    for (g, p) in probs.iter().enumerate() {
+        weighted_sum_on(p, values, stride, offset, &mut out[g * d..(g + 1) * d]);
+    }
+}
+
 /// `e^x` rounded to f32, by one fixed algorithm in f64: the same bits vectorized or not, on
 /// every CPU (so a sequence's numbers do not depend on the machine, the C library or its
 /// neighbours in a batch):
@@ -1188,6 +1244,129 @@ mod avx2_kernels {
         }
     }
 
+    /// [`super::scores_heads`]: 4 keys at a time, each key's vectors loaded once for the `G`
+    /// heads, one partial-sum vector per key and head, their lanes added in
+    /// [`dot_f32_finish`]'s tree. A head width with a tail, and the keys after the last 4, go
+    /// through [`dot_f32`] one by one.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn scores_heads<const G: usize>(
+        q: &[f32],
+        d: usize,
+        keys: &[f32],
+        stride: usize,
+        offset: usize,
+        scale: f32,
+        out: &mut [&mut [f32]; G],
+    ) {
+        const KEYS: usize = 4;
+        let key = |t: usize| keys.as_ptr().add(t * stride + offset);
+        let n = out[0].len();
+        let mut t = 0;
+        while d.is_multiple_of(8) && t + KEYS <= n {
+            let mut acc = [[_mm256_setzero_ps(); KEYS]; G];
+            for i in 0..d / 8 {
+                for k in 0..KEYS {
+                    let y = _mm256_loadu_ps(key(t + k).add(8 * i));
+                    for (g, acc) in acc.iter_mut().enumerate() {
+                        let x = _mm256_loadu_ps(q.as_ptr().add(g * d + 8 * i));
+                        acc[k] = _mm256_add_ps(acc[k], _mm256_mul_ps(x, y));
+                    }
+                }
+            }
+            for (acc, out) in acc.iter().zip(out.iter_mut()) {
+                // Per key (01+23) in the low half and (45+67) in the high one (see `scores`),
+                // then added.
+                let a = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+                let sums = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
+                _mm_storeu_ps(out.as_mut_ptr().add(t), _mm_mul_ps(sums, _mm_set1_ps(scale)));
+            }
+            t += KEYS;
+        }
+        for t in t..n {
+            let k = std::slice::from_raw_parts(key(t), d);
+            for (g, out) in out.iter_mut().enumerate() {
+                *out.get_unchecked_mut(t) = dot_f32(q.get_unchecked(g * d..(g + 1) * d), k) * scale;
+            }
+        }
+    }
+
+    /// [`super::weighted_sums_on`]: 32 columns at a time (then 8) for the `G` heads, held in
+    /// registers across all `t`, each value vector loaded once for all heads; the columns after
+    /// the last 8 one by one, as [`weighted_sum_on`] does.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn weighted_sums_on<const G: usize>(
+        probs: &[&[f32]; G],
+        values: &[f32],
+        stride: usize,
+        offset: usize,
+        out: &mut [f32],
+    ) {
+        let d = out.len() / G;
+        let whole = d / 8 * 8;
+        let mut c = 0;
+        while c + 32 <= whole {
+            columns_heads::<G, 4>(
+                probs,
+                values.as_ptr().add(offset + c),
+                stride,
+                out.as_mut_ptr().add(c),
+                d,
+            );
+            c += 32;
+        }
+        while c < whole {
+            columns_heads::<G, 1>(
+                probs,
+                values.as_ptr().add(offset + c),
+                stride,
+                out.as_mut_ptr().add(c),
+                d,
+            );
+            c += 8;
+        }
+        for (g, probs) in probs.iter().enumerate() {
+            for (t, &p) in probs.iter().enumerate() {
+                let v = values.as_ptr().add(t * stride + offset);
+                for j in whole..d {
+                    *out.get_unchecked_mut(g * d + j) += p * *v.add(j);
+                }
+            }
+        }
+    }
+
+    /// `W` vectors of columns of [`weighted_sums_on`] for the `G` heads, from `v` (value 0's
+    /// first column) onto `out` (head 0's first column; head `g`'s `g × d` further).
+    #[inline(always)]
+    unsafe fn columns_heads<const G: usize, const W: usize>(
+        probs: &[&[f32]; G],
+        v: *const f32,
+        stride: usize,
+        out: *mut f32,
+        d: usize,
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); W]; G];
+        for (g, acc) in acc.iter_mut().enumerate() {
+            for (j, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm256_loadu_ps(out.add(g * d + 8 * j));
+            }
+        }
+        for t in 0..probs[0].len() {
+            let row = v.add(t * stride);
+            for j in 0..W {
+                let x = _mm256_loadu_ps(row.add(8 * j));
+                for (g, acc) in acc.iter_mut().enumerate() {
+                    let p = _mm256_set1_ps(*probs.get_unchecked(g).get_unchecked(t));
+                    acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(p, x));
+                }
+            }
+        }
+        for (g, acc) in acc.iter().enumerate() {
+            for (j, acc) in acc.iter().enumerate() {
+                _mm256_storeu_ps(out.add(g * d + 8 * j), *acc);
+            }
+        }
+    }
+
     /// [`super::weighted_sum_on`]: up to 64 columns at a time held in registers across all
     /// `t`, starting from what `out` holds. Every value row lies within `values`.
     #[target_feature(enable = "avx2")]
@@ -1766,6 +1945,55 @@ mod tests {
         }
     }
 
+    /// The attention's scores and weighted sums of several heads sharing one key/value head
+    /// give the bits of the one-head helpers, for 1 to 4 heads, any number of keys (groups of 4
+    /// and the rest), head widths with and without a tail, sums continued onto what `out` holds.
+    #[test]
+    fn the_grouped_attention_helpers_agree_with_the_one_head_ones() {
+        fn check<const G: usize>() {
+            for d in [3usize, 8, 60, 64, 72, 136] {
+                let stride = 3 * d + 5;
+                let offset = d + 2;
+                for n in [0usize, 1, 3, 4, 5, 9, 17, 40] {
+                    let keys = values(n * stride + offset + d, 61);
+                    let q = values(G * d, 62);
+                    let mut buf = vec![0f32; G * n.max(1)];
+                    let mut parts = buf.chunks_exact_mut(n.max(1));
+                    let mut out: [&mut [f32]; G] = std::array::from_fn(|_| &mut parts.next().unwrap()[..n]);
+                    scores_heads::<G>(&q, &keys, stride, offset, 0.125, &mut out);
+                    for (g, out) in out.iter().enumerate() {
+                        let mut one = vec![0f32; n];
+                        scores(&q[g * d..(g + 1) * d], &keys, stride, offset, 0.125, &mut one);
+                        assert!(
+                            out.iter().zip(&one).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "scores of head {g} of {G}, {n} keys, width {d}"
+                        );
+                    }
+                    let probs: Vec<Vec<f32>> = (0..G).map(|g| values(n, 63 + g as u64)).collect();
+                    let probs: [&[f32]; G] = std::array::from_fn(|g| probs[g].as_slice());
+                    let start = values(G * d, 70);
+                    let mut fast = start.clone();
+                    weighted_sums_on::<G>(&probs, &keys, stride, offset, &mut fast);
+                    for g in 0..G {
+                        let mut one = start[g * d..(g + 1) * d].to_vec();
+                        weighted_sum_on(probs[g], &keys, stride, offset, &mut one);
+                        assert!(
+                            fast[g * d..(g + 1) * d]
+                                .iter()
+                                .zip(&one)
+                                .all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "weighted sum of head {g} of {G}, {n} values, width {d}"
+                        );
+                    }
+                }
+            }
+        }
+        check::<1>();
+        check::<2>();
+        check::<3>();
+        check::<4>();
+    }
+
     /// The fixed `exp` is f64's `exp` rounded to f32, but for at most one unit in the last
     /// place at a few points (subnormal results included), and gives the IEEE answers at the
     /// edges.
@@ -2129,6 +2357,59 @@ mod speed {
             "a sampler's weights: {:.2} ns per element (exp_weights), {:.2} ns (the C library's exp)",
             per(ours),
             per(libm)
+        );
+    }
+
+    /// Not a check: the attention helpers per head and grouped, 3 heads of width 64 over 400
+    /// positions of 3 key/value heads (SmolLM2's shape).
+    /// `cargo test --workspace --features tokenlog/faults --lib attention_speed -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn attention_speed() {
+        let (d, kvw, n, reps) = (64usize, 192usize, 400usize, 2_000);
+        let keys: Vec<f32> = (0..n * kvw)
+            .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 500.0)
+            .collect();
+        let q: Vec<f32> = (0..3 * d).map(|i| ((i % 13) as f32 - 6.0) / 6.0).collect();
+        let probs: Vec<f32> = (0..3 * n).map(|i| (i % 7) as f32 / 7.0 / n as f32).collect();
+        let mut out = vec![0f32; 3 * n];
+        let t = std::time::Instant::now();
+        for _ in 0..reps {
+            for (g, o) in out.chunks_exact_mut(n).enumerate() {
+                scores(&q[g * d..(g + 1) * d], &keys, kvw, d, 0.125, o);
+            }
+        }
+        let one = t.elapsed().as_secs_f64();
+        let t = std::time::Instant::now();
+        for _ in 0..reps {
+            let mut parts = out.chunks_exact_mut(n);
+            let mut o: [&mut [f32]; 3] = std::array::from_fn(|_| parts.next().unwrap());
+            scores_heads::<3>(&q, &keys, kvw, d, 0.125, &mut o);
+        }
+        let grouped = t.elapsed().as_secs_f64();
+        eprintln!(
+            "scores of 3 heads: {:.1} us one head at a time, {:.1} us grouped",
+            one * 1e6 / reps as f64,
+            grouped * 1e6 / reps as f64
+        );
+        let mut acc = vec![0f32; 3 * d];
+        let t = std::time::Instant::now();
+        for _ in 0..reps {
+            for (g, a) in acc.chunks_exact_mut(d).enumerate() {
+                weighted_sum_on(&probs[g * n..(g + 1) * n], &keys, kvw, d, a);
+            }
+        }
+        let one = t.elapsed().as_secs_f64();
+        let t = std::time::Instant::now();
+        for _ in 0..reps {
+            let p: [&[f32]; 3] = std::array::from_fn(|g| &probs[g * n..(g + 1) * n]);
+            weighted_sums_on::<3>(&p, &keys, kvw, d, &mut acc);
+        }
+        let grouped = t.elapsed().as_secs_f64();
+        eprintln!(
+            "weighted sums of 3 heads: {:.1} us one head at a time, {:.1} us grouped",
+            one * 1e6 / reps as f64,
+            grouped * 1e6 / reps as f64
         );
     }
 }
