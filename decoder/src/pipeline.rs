@@ -1223,7 +1223,7 @@ mod tests {
         });
         assert!(e.contains("vocabulary of 99"), "{e}");
         // A release before the numerics field sends "": it computes other bits (cpu1).
-        for numerics in ["", "cpu1", "cpu2", "cpu4"] {
+        for numerics in ["", "cpu1", "cpu2", "cpu3", "cpu5"] {
             let e = refused(dpb::DescribeResponse {
                 numerics: numerics.into(),
                 ..described()

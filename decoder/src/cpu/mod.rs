@@ -27,12 +27,14 @@ pub(crate) mod quant;
 /// identity whose `dtype_class` is the file's followed by `+` and this ([`identity_of`]), so a
 /// decoder whose engine computes other bits (an older release's CPU engine, candle's kernels)
 /// never continues it. Bumped with every change of the engine's logits, which the test
-/// `the_cpu_engines_numbers_do_not_change_between_releases` pins. `cpu3`: `exp` (attention's
+/// `the_cpu_engines_numbers_do_not_change_between_releases` pins. `cpu4`: attention's dot
+/// products and weighted sums, and the norms' sums of squares, in fused multiply-adds
+/// (2026-12-06); `cpu3`: `exp` (attention's
 /// softmax, SiLU) by the engine's own algorithm, vectorized ([`quant::exp_f32`]), instead of
 /// the C library's (2026-12-06: the pinned digest is unchanged, but a rare input rounds
 /// otherwise); `cpu2`: whole blocks' integer sums per lane (2026-12-04); before them, the
 /// identity carried no tag.
-pub const NUMERICS: &str = "cpu3";
+pub const NUMERICS: &str = "cpu4";
 
 /// Which kernels the CPU engine's matrix products use on this CPU (the same numbers on every
 /// one), for reports such as `tokenlog bench decode`'s.

@@ -446,8 +446,8 @@ impl SyncPtr {
 }
 
 /// The dot product of two f32 slices in one fixed order: 8 lanes of partial sums (each a
-/// sequential sum of products, multiplied then added, never fused), added in a fixed tree, then
-/// the tail. Vectorized or not, the same numbers.
+/// sequential chain of fused multiply-adds), added in a fixed tree, then the tail (fused
+/// multiply-adds onto the sum). Vectorized or not, the same numbers.
 pub(crate) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     #[cfg(target_arch = "x86_64")]
@@ -459,7 +459,7 @@ pub(crate) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
     for (x, y) in ac.zip(bc) {
         for i in 0..8 {
-            acc[i] += x[i] * y[i];
+            acc[i] = x[i].mul_add(y[i], acc[i]);
         }
     }
     dot_f32_finish(acc, a, b)
@@ -471,12 +471,12 @@ fn dot_f32_finish(acc: [f32; 8], a: &[f32], b: &[f32]) -> f32 {
     let mut s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     let whole = a.len() / 8 * 8;
     for (x, y) in a[whole..].iter().zip(&b[whole..]) {
-        s += x * y;
+        s = x.mul_add(*y, s);
     }
     s
 }
 
-/// `acc[i] += p × v[i]` (multiplied, then added: never fused), vectorized or not the same.
+/// `acc[i] += p × v[i]` (one fused multiply-add), vectorized or not the same.
 pub(crate) fn add_scaled(acc: &mut [f32], p: f32, v: &[f32]) {
     assert_eq!(acc.len(), v.len());
     #[cfg(target_arch = "x86_64")]
@@ -485,7 +485,7 @@ pub(crate) fn add_scaled(acc: &mut [f32], p: f32, v: &[f32]) {
         return unsafe { avx2_kernels::add_scaled(acc, p, v) };
     }
     for (a, &x) in acc.iter_mut().zip(v) {
-        *a += p * x;
+        *a = p.mul_add(x, *a);
     }
 }
 
@@ -517,7 +517,7 @@ pub(crate) fn weighted_sum(probs: &[f32], values: &[f32], stride: usize, offset:
 
 /// The attention's weighted sum, continued: adds `Σ probs[t] × value t` to `out`, with value
 /// `t` = `values[t × stride + offset..][..out.len()]`, each element summed onto what `out`
-/// holds in `t` order (multiplied, then added): the bits of [`add_scaled`] called for
+/// holds in `t` order (fused multiply-adds): the bits of [`add_scaled`] called for
 /// `t = 0, 1, …`, with the running sums kept in registers. So a cache kept in chunks, summed
 /// chunk after chunk onto a zeroed `out`, gives the bits of one call over all its values.
 pub(crate) fn weighted_sum_on(probs: &[f32], values: &[f32], stride: usize, offset: usize, out: &mut [f32]) {
@@ -978,13 +978,13 @@ mod avx2_kernels {
     use std::arch::x86_64::*;
 
     /// [`super::dot_f32`]; `a` and `b` of equal lengths.
-    #[target_feature(enable = "avx2")]
+    #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
         let mut acc = _mm256_setzero_ps();
         for i in 0..a.len() / 8 {
             let x = _mm256_loadu_ps(a.as_ptr().add(8 * i));
             let y = _mm256_loadu_ps(b.as_ptr().add(8 * i));
-            acc = _mm256_add_ps(acc, _mm256_mul_ps(x, y));
+            acc = _mm256_fmadd_ps(x, y, acc);
         }
         let mut lanes = [0f32; 8];
         _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
@@ -992,17 +992,17 @@ mod avx2_kernels {
     }
 
     /// [`super::add_scaled`]; `acc` and `v` of equal lengths.
-    #[target_feature(enable = "avx2")]
+    #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn add_scaled(acc: &mut [f32], p: f32, v: &[f32]) {
         let pv = _mm256_set1_ps(p);
         let whole = acc.len() / 8 * 8;
         for i in (0..whole).step_by(8) {
             let a = _mm256_loadu_ps(acc.as_ptr().add(i));
-            let x = _mm256_mul_ps(pv, _mm256_loadu_ps(v.as_ptr().add(i)));
-            _mm256_storeu_ps(acc.as_mut_ptr().add(i), _mm256_add_ps(a, x));
+            let x = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v.as_ptr().add(i)), a);
+            _mm256_storeu_ps(acc.as_mut_ptr().add(i), x);
         }
         for (a, &x) in acc[whole..].iter_mut().zip(&v[whole..]) {
-            *a += p * x;
+            *a = p.mul_add(x, *a);
         }
     }
 
@@ -1210,7 +1210,7 @@ mod avx2_kernels {
     /// chains instead of one), their lanes added in [`dot_f32_finish`]'s tree. A head width
     /// with a tail (not a multiple of 8), and the keys after the last 8, go through
     /// [`dot_f32`] one by one. Every key lies within `keys`.
-    #[target_feature(enable = "avx2")]
+    #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn scores(q: &[f32], keys: &[f32], stride: usize, offset: usize, scale: f32, out: &mut [f32]) {
         const KEYS: usize = 8;
         let d = q.len();
@@ -1223,7 +1223,7 @@ mod avx2_kernels {
                 let x = _mm256_loadu_ps(q.as_ptr().add(8 * i));
                 for (k, acc) in acc.iter_mut().enumerate() {
                     let y = _mm256_loadu_ps(key(t + k).add(8 * i));
-                    *acc = _mm256_add_ps(*acc, _mm256_mul_ps(x, y));
+                    *acc = _mm256_fmadd_ps(x, y, *acc);
                 }
             }
             // The lanes of each key added in `dot_f32_finish`'s tree, 8 keys at once:
@@ -1248,7 +1248,7 @@ mod avx2_kernels {
     /// heads, one partial-sum vector per key and head, their lanes added in
     /// [`dot_f32_finish`]'s tree. A head width with a tail, and the keys after the last 4, go
     /// through [`dot_f32`] one by one.
-    #[target_feature(enable = "avx2")]
+    #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn scores_heads<const G: usize>(
         q: &[f32],
         d: usize,
@@ -1269,7 +1269,7 @@ mod avx2_kernels {
                     let y = _mm256_loadu_ps(key(t + k).add(8 * i));
                     for (g, acc) in acc.iter_mut().enumerate() {
                         let x = _mm256_loadu_ps(q.as_ptr().add(g * d + 8 * i));
-                        acc[k] = _mm256_add_ps(acc[k], _mm256_mul_ps(x, y));
+                        acc[k] = _mm256_fmadd_ps(x, y, acc[k]);
                     }
                 }
             }
@@ -1293,7 +1293,7 @@ mod avx2_kernels {
     /// [`super::weighted_sums_on`]: 32 columns at a time (then 8) for the `G` heads, held in
     /// registers across all `t`, each value vector loaded once for all heads; the columns after
     /// the last 8 one by one, as [`weighted_sum_on`] does.
-    #[target_feature(enable = "avx2")]
+    #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn weighted_sums_on<const G: usize>(
         probs: &[&[f32]; G],
         values: &[f32],
@@ -1328,7 +1328,8 @@ mod avx2_kernels {
             for (t, &p) in probs.iter().enumerate() {
                 let v = values.as_ptr().add(t * stride + offset);
                 for j in whole..d {
-                    *out.get_unchecked_mut(g * d + j) += p * *v.add(j);
+                    let o = out.get_unchecked_mut(g * d + j);
+                    *o = p.mul_add(*v.add(j), *o);
                 }
             }
         }
@@ -1356,7 +1357,7 @@ mod avx2_kernels {
                 let x = _mm256_loadu_ps(row.add(8 * j));
                 for (g, acc) in acc.iter_mut().enumerate() {
                     let p = _mm256_set1_ps(*probs.get_unchecked(g).get_unchecked(t));
-                    acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(p, x));
+                    acc[j] = _mm256_fmadd_ps(p, x, acc[j]);
                 }
             }
         }
@@ -1369,7 +1370,7 @@ mod avx2_kernels {
 
     /// [`super::weighted_sum_on`]: up to 64 columns at a time held in registers across all
     /// `t`, starting from what `out` holds. Every value row lies within `values`.
-    #[target_feature(enable = "avx2")]
+    #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn weighted_sum_on(probs: &[f32], values: &[f32], stride: usize, offset: usize, out: &mut [f32]) {
         let d = out.len();
         let whole = d / 8 * 8;
@@ -1385,7 +1386,8 @@ mod avx2_kernels {
         for (t, &p) in probs.iter().enumerate() {
             let v = values.as_ptr().add(t * stride + offset);
             for j in whole..d {
-                *out.get_unchecked_mut(j) += p * *v.add(j);
+                let o = out.get_unchecked_mut(j);
+                *o = p.mul_add(*v.add(j), *o);
             }
         }
     }
@@ -1400,7 +1402,7 @@ mod avx2_kernels {
         for (t, &p) in probs.iter().enumerate() {
             let (p, row) = (_mm256_set1_ps(p), v.add(t * stride));
             for (j, acc) in acc.iter_mut().enumerate() {
-                *acc = _mm256_add_ps(*acc, _mm256_mul_ps(p, _mm256_loadu_ps(row.add(8 * j))));
+                *acc = _mm256_fmadd_ps(p, _mm256_loadu_ps(row.add(8 * j)), *acc);
             }
         }
         for (j, acc) in acc.iter().enumerate() {
@@ -1927,7 +1929,7 @@ mod tests {
             let mut acc = [0f32; 8];
             for (x, y) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
                 for i in 0..8 {
-                    acc[i] += x[i] * y[i];
+                    acc[i] = x[i].mul_add(y[i], acc[i]);
                 }
             }
             let scalar = dot_f32_finish(acc, &a, &b);
@@ -1936,7 +1938,7 @@ mod tests {
             let mut slow = fast.clone();
             add_scaled(&mut fast, 0.37, &a);
             for (s, &x) in slow.iter_mut().zip(&a) {
-                *s += 0.37 * x;
+                *s = 0.37f32.mul_add(x, *s);
             }
             assert!(
                 fast.iter().zip(&slow).all(|(f, s)| f.to_bits() == s.to_bits()),
@@ -2163,7 +2165,7 @@ mod tests {
                 let mut slow = vec![0f32; d];
                 for (t, &p) in probs.iter().enumerate() {
                     for (s, &v) in slow.iter_mut().zip(&keys[t * stride + offset..t * stride + offset + d]) {
-                        *s += p * v;
+                        *s = p.mul_add(v, *s);
                     }
                 }
                 assert!(
