@@ -2413,5 +2413,24 @@ mod speed {
             one * 1e6 / reps as f64,
             grouped * 1e6 / reps as f64
         );
+        // The same over 240 caches of that size (8 sequences x 30 layers, ~74 MB: beyond
+        // every cache level, as a step of 8 generations reads them).
+        let caches = 240;
+        let big: Vec<f32> = (0..caches * n * kvw)
+            .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 500.0)
+            .collect();
+        let reps = 10;
+        let t = std::time::Instant::now();
+        for _ in 0..reps {
+            for c in big.chunks_exact(n * kvw) {
+                let mut parts = out.chunks_exact_mut(n);
+                let mut o: [&mut [f32]; 3] = std::array::from_fn(|_| parts.next().unwrap());
+                scores_heads::<3>(&q, c, kvw, d, 0.125, &mut o);
+                let p: [&[f32]; 3] = std::array::from_fn(|g| &probs[g * n..(g + 1) * n]);
+                weighted_sums_on::<3>(&p, c, kvw, d, &mut acc);
+            }
+        }
+        let cold = t.elapsed().as_secs_f64() * 1e6 / (reps * caches) as f64;
+        eprintln!("scores and weighted sums of 3 heads, caches beyond every cache level: {cold:.1} us");
     }
 }
