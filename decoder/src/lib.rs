@@ -66,6 +66,7 @@ pub use cpu::kernels as cpu_engine_kernels;
 pub use cpu::NUMERICS as CPU_ENGINE_NUMERICS;
 pub mod detokenizer;
 pub mod error;
+mod exp;
 #[cfg(feature = "model")]
 pub mod export;
 #[cfg(feature = "faults")]

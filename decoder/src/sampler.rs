@@ -16,7 +16,7 @@ use crate::tokenizer::{IncrementalDetokenizer, Tokenizer};
 /// Version of the sampling scheme: the RNG ([`uniform`]), the arithmetic of the weights and
 /// the order and meaning of the penalties and filters in [`Sampler::choose`]. A change to any
 /// of them bumps this, and a decoder refuses generations bound to another version. 2
-/// (2026-12-06): the weights' `exp` is the decoder's own (`cpu::quant::exp_f64`, the same bits
+/// (2026-12-06): the weights' `exp` is the decoder's own (`exp::exp_f64`, the same bits
 /// on every machine, vectorized) instead of the C library's; 1: the RNG and everything else as
 /// now.
 pub const RNG_VERSION: u32 = 2;
@@ -136,7 +136,7 @@ impl Sampler {
             return 0; // every logit -inf or NaN: nothing to prefer
         }
         let inv_t = 1.0 / f64::from(p.temperature);
-        let w = crate::cpu::quant::exp_weights(scores, max, inv_t);
+        let w = crate::exp::exp_weights(scores, max, inv_t);
         let vocab = w.len();
         let top_k = if p.top_k == 0 {
             vocab

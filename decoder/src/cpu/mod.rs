@@ -30,7 +30,7 @@ pub(crate) mod quant;
 /// `the_cpu_engines_numbers_do_not_change_between_releases` pins. `cpu4`: attention's dot
 /// products and weighted sums, and the norms' sums of squares, in fused multiply-adds
 /// (2026-12-06); `cpu3`: `exp` (attention's
-/// softmax, SiLU) by the engine's own algorithm, vectorized ([`quant::exp_f32`]), instead of
+/// softmax, SiLU) by the engine's own algorithm, vectorized ([`crate::exp::exp_f32`]), instead of
 /// the C library's (2026-12-06: the pinned digest is unchanged, but a rare input rounds
 /// otherwise); `cpu2`: whole blocks' integer sums per lane (2026-12-04); before them, the
 /// identity carried no tag.
@@ -589,7 +589,7 @@ impl Attend<'_> {
         }
         for s in scores.chunks_exact_mut(len) {
             let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-            quant::exp_shifted(s, max);
+            crate::exp::exp_shifted(s, max);
             let mut sum = 0f32;
             for x in s.iter() {
                 sum += *x;
@@ -716,7 +716,7 @@ fn run_layers(w: &CpuWeights, items: &mut [(&mut CpuSequence, usize)], x: &mut [
         let xq = quant::quantize(&xn, hidden);
         layer.gate.matmul_quantized(&xn, &xq, n, &mut g);
         layer.up.matmul_quantized(&xn, &xq, n, &mut u);
-        quant::silu_times(&mut g, &u);
+        crate::exp::silu_times(&mut g, &u);
         layer.down.matmul(&g, n, &mut o);
         for (x, o) in x.iter_mut().zip(&o) {
             *x += o;
