@@ -29,7 +29,13 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     if x.is_nan() {
         return x;
     }
-    let x = f64::from(x.clamp(EXP_MIN, EXP_MAX));
+    let (n, y) = reduced(f64::from(x.clamp(EXP_MIN, EXP_MAX)));
+    (y * f64::from_bits(((n as i64 + 1023) as u64) << 52)) as f32
+}
+
+/// `(n, e^r)` for `x = n × ln 2 + r`: the reduction and polynomial of [`exp_f32`] and
+/// [`exp_f64`].
+fn reduced(x: f64) -> (f64, f64) {
     let n = (x * std::f64::consts::LOG2_E).round_ties_even();
     let r = (-n).mul_add(LN2_HI, x);
     let r = (-n).mul_add(LN2_LO, r);
@@ -37,8 +43,7 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     for c in &EXP_TAYLOR[1..] {
         p = p.mul_add(r, *c);
     }
-    let y = p.mul_add(r, 1.0);
-    (y * f64::from_bits(((n as i64 + 1023) as u64) << 52)) as f32
+    (n, p.mul_add(r, 1.0))
 }
 
 /// `e^x` in f64 by [`exp_f32`]'s reduction and polynomial: `x` clamped to [-746, 710]
@@ -50,15 +55,7 @@ pub(crate) fn exp_f64(x: f64) -> f64 {
     if x.is_nan() {
         return x;
     }
-    let x = x.clamp(EXP64_MIN, EXP64_MAX);
-    let n = (x * std::f64::consts::LOG2_E).round_ties_even();
-    let r = (-n).mul_add(LN2_HI, x);
-    let r = (-n).mul_add(LN2_LO, r);
-    let mut p = EXP_TAYLOR[0];
-    for c in &EXP_TAYLOR[1..] {
-        p = p.mul_add(r, *c);
-    }
-    let y = p.mul_add(r, 1.0);
+    let (n, y) = reduced(x.clamp(EXP64_MIN, EXP64_MAX));
     let n = n as i64;
     let a = n >> 1;
     (y * pow2_64(a)) * pow2_64(n - a)
@@ -167,6 +164,16 @@ mod avx2_kernels {
     /// of 4 lanes.
     #[inline(always)]
     unsafe fn exp4(x: __m256d) -> __m256d {
+        let (n, y) = reduced4(x);
+        // `n` is whole and within ±150: exact as i32, then as i64.
+        let k = _mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(n));
+        let pow2 = _mm256_slli_epi64::<52>(_mm256_add_epi64(k, _mm256_set1_epi64x(1023)));
+        _mm256_mul_pd(y, _mm256_castsi256_pd(pow2))
+    }
+
+    /// [`super::reduced`] of 4 lanes: the same operations in the same order.
+    #[inline(always)]
+    unsafe fn reduced4(x: __m256d) -> (__m256d, __m256d) {
         let n = _mm256_round_pd::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_pd(
             x,
             _mm256_set1_pd(std::f64::consts::LOG2_E),
@@ -177,11 +184,7 @@ mod avx2_kernels {
         for c in &EXP_TAYLOR[1..] {
             p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(*c));
         }
-        let y = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0));
-        // `n` is whole and within ±150: exact as i32, then as i64.
-        let k = _mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(n));
-        let pow2 = _mm256_slli_epi64::<52>(_mm256_add_epi64(k, _mm256_set1_epi64x(1023)));
-        _mm256_mul_pd(y, _mm256_castsi256_pd(pow2))
+        (n, _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0)))
     }
 
     /// [`super::exp_f64`] of 4 lanes: the same operations in the same order.
@@ -191,17 +194,7 @@ mod avx2_kernels {
         // `max` gives its second operand for a NaN lane: restored at the end.
         let x0 = x;
         let x = _mm256_min_pd(_mm256_max_pd(x, _mm256_set1_pd(EXP64_MIN)), _mm256_set1_pd(EXP64_MAX));
-        let n = _mm256_round_pd::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_pd(
-            x,
-            _mm256_set1_pd(std::f64::consts::LOG2_E),
-        ));
-        let r = _mm256_fnmadd_pd(n, _mm256_set1_pd(LN2_HI), x);
-        let r = _mm256_fnmadd_pd(n, _mm256_set1_pd(LN2_LO), r);
-        let mut p = _mm256_set1_pd(EXP_TAYLOR[0]);
-        for c in &EXP_TAYLOR[1..] {
-            p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(*c));
-        }
-        let y = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0));
+        let (n, y) = reduced4(x);
         // `a = ⌊n / 2⌋` and `b = n - a`, whole and within [-539, 513]: exact in f64, as i32
         // and as i64 (AVX2 has no 64-bit arithmetic shift).
         let a = _mm256_floor_pd(_mm256_mul_pd(n, _mm256_set1_pd(0.5)));
@@ -290,11 +283,11 @@ mod avx2_kernels {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    /// A deterministic stream of values in [-1, 1).
-    fn values(n: usize, seed: u64) -> Vec<f32> {
+    /// A deterministic stream of values in [-1, 1) (the CPU engine's tests use it too).
+    pub(crate) fn values(n: usize, seed: u64) -> Vec<f32> {
         let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         (0..n)
             .map(|_| {

@@ -493,9 +493,7 @@ pub(crate) fn add_scaled(acc: &mut [f32], p: f32, v: &[f32]) {
 /// out.len()`, where key `t` is `keys[t × stride + offset..][..q.len()]` (a cache of rows of
 /// `stride` values). Several keys at once, each in [`dot_f32`]'s order: the same bits.
 pub(crate) fn scores(q: &[f32], keys: &[f32], stride: usize, offset: usize, scale: f32, out: &mut [f32]) {
-    if let Some(last) = out.len().checked_sub(1) {
-        assert!(last * stride + offset + q.len() <= keys.len(), "keys within the cache");
-    }
+    assert_rows_within(out.len(), stride, offset + q.len(), keys.len(), "keys");
     #[cfg(target_arch = "x86_64")]
     if simd() {
         // SAFETY: AVX2 is present; every key lies within `keys` (checked above).
@@ -521,12 +519,7 @@ pub(crate) fn weighted_sum(probs: &[f32], values: &[f32], stride: usize, offset:
 /// `t = 0, 1, …`, with the running sums kept in registers. So a cache kept in chunks, summed
 /// chunk after chunk onto a zeroed `out`, gives the bits of one call over all its values.
 pub(crate) fn weighted_sum_on(probs: &[f32], values: &[f32], stride: usize, offset: usize, out: &mut [f32]) {
-    if let Some(last) = probs.len().checked_sub(1) {
-        assert!(
-            last * stride + offset + out.len() <= values.len(),
-            "values within the cache"
-        );
-    }
+    assert_rows_within(probs.len(), stride, offset + out.len(), values.len(), "values");
     #[cfg(target_arch = "x86_64")]
     if simd() {
         // SAFETY: AVX2 is present; every value row lies within `values` (checked above).
@@ -549,13 +542,7 @@ pub(crate) fn scores_heads<const G: usize>(
     scale: f32,
     out: &mut [&mut [f32]; G],
 ) {
-    let d = q.len() / G;
-    assert_eq!(q.len(), G * d);
-    let n = out[0].len();
-    assert!(out.iter().all(|o| o.len() == n), "one score per key and head");
-    if let Some(last) = n.checked_sub(1) {
-        assert!(last * stride + offset + d <= keys.len(), "keys within the cache");
-    }
+    let d = group_width::<G>(q.len(), out.iter().map(|o| o.len()), stride, offset, keys.len(), "keys");
     #[cfg(target_arch = "x86_64")]
     if simd() {
         // SAFETY: AVX2 is present; every key lies within `keys`, every output within its
@@ -577,13 +564,14 @@ pub(crate) fn weighted_sums_on<const G: usize>(
     offset: usize,
     out: &mut [f32],
 ) {
-    let d = out.len() / G;
-    assert_eq!(out.len(), G * d);
-    let n = probs[0].len();
-    assert!(probs.iter().all(|p| p.len() == n), "one weight per value and head");
-    if let Some(last) = n.checked_sub(1) {
-        assert!(last * stride + offset + d <= values.len(), "values within the cache");
-    }
+    let d = group_width::<G>(
+        out.len(),
+        probs.iter().map(|p| p.len()),
+        stride,
+        offset,
+        values.len(),
+        "values",
+    );
     #[cfg(target_arch = "x86_64")]
     if simd() {
         // SAFETY: AVX2 is present; every value row lies within `values` (checked above).
@@ -591,6 +579,33 @@ pub(crate) fn weighted_sums_on<const G: usize>(
     }
     for (g, p) in probs.iter().enumerate() {
         weighted_sum_on(p, values, stride, offset, &mut out[g * d..(g + 1) * d]);
+    }
+}
+
+/// The head width `d` of a group of `G` heads (`heads`: their `G × d` values), checking that
+/// every head has as many scores or weights as the first (`per_head`) and that that many rows
+/// of the cache, read from `offset` for `d` values each, lie within it.
+fn group_width<const G: usize>(
+    heads: usize,
+    mut per_head: impl Iterator<Item = usize>,
+    stride: usize,
+    offset: usize,
+    cache: usize,
+    what: &str,
+) -> usize {
+    let d = heads / G;
+    assert_eq!(heads, G * d, "whole heads");
+    let n = per_head.next().expect("a group of at least one head");
+    assert!(per_head.all(|m| m == n), "as many {what} for every head");
+    assert_rows_within(n, stride, offset + d, cache, what);
+    d
+}
+
+/// That `n` rows of `stride` values, each read up to `end` values into its row, lie within a
+/// cache of `len` values (what the attention's unsafe kernels rely on).
+fn assert_rows_within(n: usize, stride: usize, end: usize, len: usize, what: &str) {
+    if let Some(last) = n.checked_sub(1) {
+        assert!(last * stride + end <= len, "{what} within the cache");
     }
 }
 
@@ -1044,25 +1059,15 @@ mod avx2_kernels {
         let d = out.len() / G;
         let whole = d / 8 * 8;
         let mut c = 0;
-        while c + 32 <= whole {
-            columns_heads::<G, 4>(
-                probs,
-                values.as_ptr().add(offset + c),
-                stride,
-                out.as_mut_ptr().add(c),
-                d,
-            );
-            c += 32;
-        }
         while c < whole {
-            columns_heads::<G, 1>(
-                probs,
-                values.as_ptr().add(offset + c),
-                stride,
-                out.as_mut_ptr().add(c),
-                d,
-            );
-            c += 8;
+            let (v, o) = (values.as_ptr().add(offset + c), out.as_mut_ptr().add(c));
+            if c + 32 <= whole {
+                columns_heads::<G, 4>(probs, v, stride, o, d);
+                c += 32;
+            } else {
+                columns_heads::<G, 1>(probs, v, stride, o, d);
+                c += 8;
+            }
         }
         for (g, probs) in probs.iter().enumerate() {
             for (t, &p) in probs.iter().enumerate() {
@@ -1410,16 +1415,7 @@ mod avx2_kernels {
 mod tests {
     use super::*;
 
-    /// A deterministic stream of values in [-1, 1).
-    fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (0..n)
-            .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::exp::tests::values;
 
     fn q4_1_bytes(rows: usize, cols: usize, seed: u64) -> Vec<u8> {
         let v = values(rows * cols, seed);
