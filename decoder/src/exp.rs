@@ -30,7 +30,7 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
         return x;
     }
     let (n, y) = reduced(f64::from(x.clamp(EXP_MIN, EXP_MAX)));
-    (y * f64::from_bits(((n as i64 + 1023) as u64) << 52)) as f32
+    (y * pow2_64(n as i64)) as f32
 }
 
 /// `(n, e^r)` for `x = n × ln 2 + r`: the reduction and polynomial of [`exp_f32`] and

@@ -476,14 +476,9 @@ fn dot_f32_finish(acc: [f32; 8], a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-/// `acc[i] += p × v[i]` (one fused multiply-add), vectorized or not the same.
+/// `acc[i] += p × v[i]` (one fused multiply-add): [`weighted_sum_on`]'s step.
 pub(crate) fn add_scaled(acc: &mut [f32], p: f32, v: &[f32]) {
     assert_eq!(acc.len(), v.len());
-    #[cfg(target_arch = "x86_64")]
-    if simd() {
-        // SAFETY: AVX2 is present; the lengths are equal.
-        return unsafe { avx2_kernels::add_scaled(acc, p, v) };
-    }
     for (a, &x) in acc.iter_mut().zip(v) {
         *a = p.mul_add(x, *a);
     }
@@ -491,14 +486,10 @@ pub(crate) fn add_scaled(acc: &mut [f32], p: f32, v: &[f32]) {
 
 /// Attention scores of one query head: `out[t] = dot_f32(q, key t) × scale` for `t <
 /// out.len()`, where key `t` is `keys[t × stride + offset..][..q.len()]` (a cache of rows of
-/// `stride` values). Several keys at once, each in [`dot_f32`]'s order: the same bits.
+/// `stride` values), each in [`dot_f32`]'s order. The definition of one head's scores: the
+/// engine runs [`scores_heads`], which gives these bits (and runs this where AVX2 is absent).
 pub(crate) fn scores(q: &[f32], keys: &[f32], stride: usize, offset: usize, scale: f32, out: &mut [f32]) {
     assert_rows_within(out.len(), stride, offset + q.len(), keys.len(), "keys");
-    #[cfg(target_arch = "x86_64")]
-    if simd() {
-        // SAFETY: AVX2 is present; every key lies within `keys` (checked above).
-        return unsafe { avx2_kernels::scores(q, keys, stride, offset, scale, out) };
-    }
     let d = q.len();
     for (t, o) in out.iter_mut().enumerate() {
         *o = dot_f32(q, &keys[t * stride + offset..t * stride + offset + d]) * scale;
@@ -516,15 +507,11 @@ pub(crate) fn weighted_sum(probs: &[f32], values: &[f32], stride: usize, offset:
 /// The attention's weighted sum, continued: adds `Σ probs[t] × value t` to `out`, with value
 /// `t` = `values[t × stride + offset..][..out.len()]`, each element summed onto what `out`
 /// holds in `t` order (fused multiply-adds): the bits of [`add_scaled`] called for
-/// `t = 0, 1, …`, with the running sums kept in registers. So a cache kept in chunks, summed
-/// chunk after chunk onto a zeroed `out`, gives the bits of one call over all its values.
+/// `t = 0, 1, …`. So a cache kept in chunks, summed chunk after chunk onto a zeroed `out`,
+/// gives the bits of one call over all its values. The definition for one head: the engine
+/// runs [`weighted_sums_on`], which gives these bits (and runs this where AVX2 is absent).
 pub(crate) fn weighted_sum_on(probs: &[f32], values: &[f32], stride: usize, offset: usize, out: &mut [f32]) {
     assert_rows_within(probs.len(), stride, offset + out.len(), values.len(), "values");
-    #[cfg(target_arch = "x86_64")]
-    if simd() {
-        // SAFETY: AVX2 is present; every value row lies within `values` (checked above).
-        return unsafe { avx2_kernels::weighted_sum_on(probs, values, stride, offset, out) };
-    }
     let d = out.len();
     for (t, &p) in probs.iter().enumerate() {
         add_scaled(out, p, &values[t * stride + offset..t * stride + offset + d]);
@@ -884,21 +871,6 @@ mod avx2_kernels {
         dot_f32_finish(lanes, a, b)
     }
 
-    /// [`super::add_scaled`]; `acc` and `v` of equal lengths.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn add_scaled(acc: &mut [f32], p: f32, v: &[f32]) {
-        let pv = _mm256_set1_ps(p);
-        let whole = acc.len() / 8 * 8;
-        for i in (0..whole).step_by(8) {
-            let a = _mm256_loadu_ps(acc.as_ptr().add(i));
-            let x = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v.as_ptr().add(i)), a);
-            _mm256_storeu_ps(acc.as_mut_ptr().add(i), x);
-        }
-        for (a, &x) in acc[whole..].iter_mut().zip(&v[whole..]) {
-            *a = p.mul_add(x, *a);
-        }
-    }
-
     /// [`super::quantize_block`] vectorized, for a block of finite values with a finite
     /// `1 / d` (`None` otherwise: the caller takes the scalar path). Round half away from zero
     /// as `f32::round`: truncate, then step away when the dropped fraction (exact) is at least
@@ -961,44 +933,6 @@ mod avx2_kernels {
         Some((d, _mm_cvtsi128_si32(s)))
     }
 
-    /// [`super::scores`]: 8 keys at a time, one partial-sum vector each (8 independent
-    /// chains instead of one), their lanes added in [`dot_f32_finish`]'s tree. A head width
-    /// with a tail (not a multiple of 8), and the keys after the last 8, go through
-    /// [`dot_f32`] one by one. Every key lies within `keys`.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn scores(q: &[f32], keys: &[f32], stride: usize, offset: usize, scale: f32, out: &mut [f32]) {
-        const KEYS: usize = 8;
-        let d = q.len();
-        let key = |t: usize| keys.as_ptr().add(t * stride + offset);
-        let n = out.len();
-        let mut t = 0;
-        while d.is_multiple_of(8) && t + KEYS <= n {
-            let mut acc = [_mm256_setzero_ps(); KEYS];
-            for i in 0..d / 8 {
-                let x = _mm256_loadu_ps(q.as_ptr().add(8 * i));
-                for (k, acc) in acc.iter_mut().enumerate() {
-                    let y = _mm256_loadu_ps(key(t + k).add(8 * i));
-                    *acc = _mm256_fmadd_ps(x, y, *acc);
-                }
-            }
-            // The lanes of each key added in `dot_f32_finish`'s tree, 8 keys at once:
-            // `hadd` gives (0+1), (2+3) and (4+5), (6+7) of two vectors, then of those pairs
-            // (01+23) and (45+67) per key, added last.
-            let h01 = _mm256_hadd_ps(acc[0], acc[1]);
-            let h23 = _mm256_hadd_ps(acc[2], acc[3]);
-            let h45 = _mm256_hadd_ps(acc[4], acc[5]);
-            let h67 = _mm256_hadd_ps(acc[6], acc[7]);
-            // Keys 0-3 then 4-7: their (01+23) in the low half, (45+67) in the high one.
-            let (a, b) = (_mm256_hadd_ps(h01, h23), _mm256_hadd_ps(h45, h67));
-            let sums = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-            _mm256_storeu_ps(out.as_mut_ptr().add(t), _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
-            t += KEYS;
-        }
-        for t in t..n {
-            *out.get_unchecked_mut(t) = dot_f32(q, std::slice::from_raw_parts(key(t), d)) * scale;
-        }
-    }
-
     /// [`super::scores_heads`]: 4 keys at a time, each key's vectors loaded once for the `G`
     /// heads, one partial-sum vector per key and head, their lanes added in
     /// [`dot_f32_finish`]'s tree. A head width with a tail, and the keys after the last 4, go
@@ -1029,8 +963,9 @@ mod avx2_kernels {
                 }
             }
             for (acc, out) in acc.iter().zip(out.iter_mut()) {
-                // Per key (01+23) in the low half and (45+67) in the high one (see `scores`),
-                // then added.
+                // `hadd` of two keys' vectors gives each key's lane pairs (0+1), (2+3) in the
+                // low half and (4+5), (6+7) in the high one; a second `hadd` gives per key
+                // (01+23) low and (45+67) high, then added: `dot_f32_finish`'s tree.
                 let a = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
                 let sums = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
                 _mm_storeu_ps(out.as_mut_ptr().add(t), _mm_mul_ps(sums, _mm_set1_ps(scale)));
@@ -1110,48 +1045,6 @@ mod avx2_kernels {
             for (j, acc) in acc.iter().enumerate() {
                 _mm256_storeu_ps(out.add(g * d + 8 * j), *acc);
             }
-        }
-    }
-
-    /// [`super::weighted_sum_on`]: up to 64 columns at a time held in registers across all
-    /// `t`, starting from what `out` holds. Every value row lies within `values`.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn weighted_sum_on(probs: &[f32], values: &[f32], stride: usize, offset: usize, out: &mut [f32]) {
-        let d = out.len();
-        let whole = d / 8 * 8;
-        let mut c = 0;
-        while c + 64 <= whole {
-            columns::<8>(probs, values.as_ptr().add(offset + c), stride, out.as_mut_ptr().add(c));
-            c += 64;
-        }
-        while c < whole {
-            columns::<1>(probs, values.as_ptr().add(offset + c), stride, out.as_mut_ptr().add(c));
-            c += 8;
-        }
-        for (t, &p) in probs.iter().enumerate() {
-            let v = values.as_ptr().add(t * stride + offset);
-            for j in whole..d {
-                let o = out.get_unchecked_mut(j);
-                *o = p.mul_add(*v.add(j), *o);
-            }
-        }
-    }
-
-    /// `W` vectors of columns of [`weighted_sum_on`], from `v` (value 0's first column) onto `out`.
-    #[inline(always)]
-    unsafe fn columns<const W: usize>(probs: &[f32], v: *const f32, stride: usize, out: *mut f32) {
-        let mut acc = [_mm256_setzero_ps(); W];
-        for (j, acc) in acc.iter_mut().enumerate() {
-            *acc = _mm256_loadu_ps(out.add(8 * j));
-        }
-        for (t, &p) in probs.iter().enumerate() {
-            let (p, row) = (_mm256_set1_ps(p), v.add(t * stride));
-            for (j, acc) in acc.iter_mut().enumerate() {
-                *acc = _mm256_fmadd_ps(p, _mm256_loadu_ps(row.add(8 * j)), *acc);
-            }
-        }
-        for (j, acc) in acc.iter().enumerate() {
-            _mm256_storeu_ps(out.add(8 * j), *acc);
         }
     }
 
@@ -1932,7 +1825,7 @@ mod speed {
         }
         let grouped = t.elapsed().as_secs_f64();
         eprintln!(
-            "scores of 3 heads: {:.1} us one head at a time, {:.1} us grouped",
+            "scores of 3 heads: {:.1} us one head at a time (the scalar definition), {:.1} us grouped",
             one * 1e6 / reps as f64,
             grouped * 1e6 / reps as f64
         );
@@ -1951,7 +1844,7 @@ mod speed {
         }
         let grouped = t.elapsed().as_secs_f64();
         eprintln!(
-            "weighted sums of 3 heads: {:.1} us one head at a time, {:.1} us grouped",
+            "weighted sums of 3 heads: {:.1} us one head at a time (the scalar definition), {:.1} us grouped",
             one * 1e6 / reps as f64,
             grouped * 1e6 / reps as f64
         );
