@@ -229,6 +229,11 @@ struct Active {
     rows_out: Option<crate::handoff::RowsOut>,
     /// Prompt and committed prefix to store in the prefix cache once prefilled.
     store_prefix: Option<Vec<u32>>,
+    /// Planted bug `source-frees-early` struck: its cache was freed once copied. It samples
+    /// nothing while its handoff is out (the freed cache would end the process at its next
+    /// step, before the attempt reached the log, on a slow machine), so the attempt always
+    /// reaches the log and an abort finds the source without its cache.
+    cache_freed: bool,
 }
 
 impl Active {
@@ -247,6 +252,7 @@ impl Active {
             out: false,
             rows_out: None,
             store_prefix: None,
+            cache_freed: false,
         }
     }
 
@@ -299,6 +305,7 @@ impl Active {
     /// Whether it can sample another token now.
     fn can_sample(&self) -> bool {
         (!self.moving || self.state.copies_while_decoding())
+            && !(self.cache_freed && self.out)
             && self.finish.is_none()
             && self.uncommitted.len() < UNACKED_TOKENS_MAX
     }
@@ -876,7 +883,7 @@ impl Worker {
                     "cache copied for a handoff while it decodes"
                 );
                 if forget && cache.is_ok() {
-                    plant_forget_cache(id, &mut g.state);
+                    plant_forget_cache(g);
                 }
                 let epoch = g.epoch;
                 let g = self.active.remove(&id).expect("listed above");
@@ -903,7 +910,7 @@ impl Worker {
                         "cache copied for a handoff"
                     );
                     if forget && cache.is_ok() {
-                        plant_forget_cache(g.id, &mut g.state);
+                        plant_forget_cache(&mut g);
                     }
                     (g, cache)
                 })
@@ -1726,16 +1733,16 @@ fn stream_rows(g: &mut Active) {
 }
 
 /// Planted bug `source-frees-early`: the source frees the generation's cache once it copied it
-/// for a handoff, before the log released it (its own decoding then runs on an empty cache).
-fn plant_forget_cache(id: u64, state: &mut DecodeState) {
+/// for a handoff, before the log released it (it samples nothing while the attempt is out, then
+/// decodes on an empty cache).
+fn plant_forget_cache(g: &mut Active) {
     tracing::error!(
-        generation = id,
+        generation = g.id,
         "PLANTED BUG: the source frees its cache once copied, before the log released it"
     );
     #[cfg(feature = "faults")]
-    state.forget_cache();
-    #[cfg(not(feature = "faults"))]
-    let _ = state;
+    g.state.forget_cache();
+    g.cache_freed = true;
 }
 
 /// Gives generation `id` (held at `epoch`) back to the log, recorded in the history.
