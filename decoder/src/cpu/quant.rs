@@ -1048,6 +1048,30 @@ mod avx2_kernels {
         }
     }
 
+    /// [`reduce`] of each of `R` vectors, two at a time (one per 128-bit half): the same
+    /// additions of the same operands in the same order, in half the instructions.
+    #[inline(always)]
+    unsafe fn reduce_each<const R: usize>(v: &[__m256; R]) -> [f32; R] {
+        let mut out = [0f32; R];
+        let mut r = 0;
+        while r + 2 <= R {
+            let (a, b) = (v[r], v[r + 1]);
+            // Lane j of each half: its vector's low lane j plus its high lane j.
+            let s = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+            // Lanes 0 and 1 of each half: s0 + s2 and s1 + s3 (`reduce`'s `movehl`).
+            let s = _mm256_add_ps(s, _mm256_permute_ps(s, 0b11_10_11_10));
+            // Lane 0 of each half: (s0 + s2) + (s1 + s3).
+            let s = _mm256_add_ps(s, _mm256_permute_ps(s, 0b01));
+            out[r] = _mm256_cvtss_f32(s);
+            out[r + 1] = _mm_cvtss_f32(_mm256_extractf128_ps(s, 1));
+            r += 2;
+        }
+        if r < R {
+            out[r] = reduce(v[r]);
+        }
+        out
+    }
+
     /// [`reduce_lanes`] of a vector.
     #[inline(always)]
     unsafe fn reduce(v: __m256) -> f32 {
@@ -1149,8 +1173,9 @@ mod avx2_kernels {
                 offsets[r] = m.mul_add(*x.s.get_unchecked(b), offsets[r]);
             }
         }
+        let (acc, tail) = (reduce_each(&acc), reduce_each(&tail));
         for r in 0..R {
-            *out.get_unchecked_mut(r) = reduce(acc[r]) + (reduce(tail[r]) + offsets[r]);
+            *out.get_unchecked_mut(r) = acc[r] + (tail[r] + offsets[r]);
         }
     }
 
@@ -1207,8 +1232,9 @@ mod avx2_kernels {
                 *tail = _mm256_fmadd_ps(l, d, *tail);
             }
         }
+        let (acc, tail) = (reduce_each(&acc), reduce_each(&tail));
         for r in 0..R {
-            *out.get_unchecked_mut(r) = reduce(acc[r]) + reduce(tail[r]);
+            *out.get_unchecked_mut(r) = acc[r] + tail[r];
         }
     }
 
@@ -1445,7 +1471,7 @@ mod tests {
                 Matrix::q4_1(rows, cols, &q4_1_bytes(rows, cols, 5)).unwrap(),
                 Matrix::q8_0(rows, cols, &q8_0_bytes(rows, cols, 6)).unwrap(),
             ];
-            for n in [1, 3, ROWS] {
+            for n in [1, 3, ROWS / 2, ROWS / 2 + 1, ROWS] {
                 let xs = &quantized[..n];
                 for w in &ms {
                     for c in 0..w.rows {
