@@ -129,8 +129,9 @@ pub(crate) fn silu_times(g: &mut [f32], u: &[f32]) {
     }
 }
 
-/// Whether the vectorized forms run (AVX2 and FMA; checked once).
-fn simd() -> bool {
+/// Whether the vectorized forms run (AVX2 and FMA; checked once). The CPU engine's kernels
+/// need this and F16C.
+pub(crate) fn simd() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         static SIMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();

@@ -596,16 +596,12 @@ fn assert_rows_within(n: usize, stride: usize, end: usize, len: usize, what: &st
     }
 }
 
-/// Whether the AVX2 kernels run (AVX2, F16C and FMA; checked once).
+/// Whether the AVX2 kernels run: what `exp`'s vectorized forms need (AVX2 and FMA), and F16C.
 fn simd() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         static SIMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *SIMD.get_or_init(|| {
-            std::is_x86_feature_detected!("avx2")
-                && std::is_x86_feature_detected!("f16c")
-                && std::is_x86_feature_detected!("fma")
-        })
+        *SIMD.get_or_init(|| crate::exp::simd() && std::is_x86_feature_detected!("f16c"))
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
