@@ -371,8 +371,8 @@ pub fn processes(
             || (decoder1_failpoint && e.name == "decoder1" && e.incarnation == 1 && e.code == Some(FAILPOINT_EXIT));
         if !meant {
             v.fail(format!(
-                "{} (incarnation {}) ended on its own: {}",
-                e.name, e.incarnation, e.status
+                "{} (incarnation {}) ended on its own: {}; its last error lines: {:?}",
+                e.name, e.incarnation, e.status, e.last_words
             ));
         }
     }
@@ -826,6 +826,7 @@ mod tests {
             code,
             status: format!("{code:?}"),
             meant: false,
+            last_words: vec![],
         }
     }
 

@@ -45,6 +45,26 @@ pub struct SelfExit {
     pub status: String,
     /// A nemesis made this incarnation fail on purpose and expected exactly this exit.
     pub meant: bool,
+    /// The last error lines the process logged before it ended (why, for a report that has
+    /// only the checker's words, like CI's output).
+    pub last_words: Vec<String>,
+}
+
+/// The last `LAST_WORDS` error lines of a process log (tracing's `ERROR` lines, and the
+/// `Error: ...` a binary's `main` prints), each cut to `LAST_WORD_CHARS`.
+const LAST_WORDS: usize = 3;
+const LAST_WORD_CHARS: usize = 400;
+
+pub fn last_words(log: &str) -> Vec<String> {
+    let mut words: Vec<String> = log
+        .lines()
+        .rev()
+        .filter(|l| l.contains(" ERROR ") || l.starts_with("Error: "))
+        .take(LAST_WORDS)
+        .map(|l| l.chars().take(LAST_WORD_CHARS).collect())
+        .collect();
+    words.reverse();
+    words
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -195,6 +215,7 @@ impl Proc {
                 code: st.code(),
                 status: st.to_string(),
                 meant,
+                last_words: last_words(&self.log_text()),
             });
         }
         self.child = None;
@@ -277,5 +298,27 @@ impl Drop for Proc {
     fn drop(&mut self) {
         self.resume();
         self.kill9();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_last_words_are_the_last_error_lines_in_order() {
+        let log = "2026-12-06T12:00:00Z  INFO x: started\n\
+                   2026-12-06T12:00:01Z ERROR tokenlog_decoder::pipeline: no spare answers\n\
+                   2026-12-06T12:00:02Z  WARN x: slow\n\
+                   2026-12-06T12:00:03Z ERROR tokenlog_decoder::worker: the step failed\n\
+                   Error: the decoder's worker failed\n\
+                   \n";
+        assert_eq!(
+            super::last_words(log),
+            vec![
+                "2026-12-06T12:00:01Z ERROR tokenlog_decoder::pipeline: no spare answers",
+                "2026-12-06T12:00:03Z ERROR tokenlog_decoder::worker: the step failed",
+                "Error: the decoder's worker failed",
+            ]
+        );
+        assert!(super::last_words("all fine\n").is_empty());
     }
 }
