@@ -29,6 +29,33 @@ fn failures(r: &scenario::ScenarioReport) -> Vec<String> {
         .collect()
 }
 
+/// The last warnings and errors of every process log of a failed scenario: CI keeps only the
+/// test's output, not the scenario's directory.
+fn print_warnings(out: &std::path::Path) {
+    let Ok(dir) = std::fs::read_dir(out) else {
+        return;
+    };
+    let mut logs: Vec<PathBuf> = dir
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "log"))
+        .collect();
+    logs.sort();
+    for log in logs {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let lines: Vec<&str> = text
+            .lines()
+            .filter(|l| l.contains(" WARN ") || l.contains(" ERROR ") || l.starts_with("Error: "))
+            .collect();
+        if lines.is_empty() {
+            continue;
+        }
+        eprintln!("--- {}: its last warnings and errors", log.display());
+        for l in &lines[lines.len().saturating_sub(12)..] {
+            eprintln!("  {}", l.chars().take(400).collect::<String>());
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_failure_point_scenario_holds() {
     assert!(
@@ -46,6 +73,7 @@ async fn every_failure_point_scenario_holds() {
         points.insert(r.point);
         if !r.ok {
             failed.push(format!("{} ({}): {:?}", sc.name(), out.display(), failures(&r)));
+            print_warnings(&out);
         }
     }
     assert_eq!(
