@@ -95,3 +95,36 @@ fn main() -> anyhow::Result<()> {
         }
     })
 }
+
+#[cfg(test)]
+mod cli_tests {
+    use clap::Parser;
+
+    /// Why `args` are refused, or `None` when clap takes them.
+    fn refused(args: &[&str]) -> Option<String> {
+        let argv = std::iter::once("tokenlog").chain(args.iter().copied());
+        super::Cli::try_parse_from(argv).err().map(|e| e.to_string())
+    }
+
+    #[test]
+    fn counts_that_zero_would_make_meaningless_are_refused_by_name() {
+        for (args, flag) in [
+            (&["decoder", "--cluster", "x", "--threads", "0"][..], "--threads"),
+            (&["decoder", "--cluster", "x", "--capacity", "0"][..], "--capacity"),
+            (&["stage", "--layers", "0..10", "--threads", "0"][..], "--threads"),
+            (&["dev", "--threads", "0"][..], "--threads"),
+            (&["bench", "decode", "--concurrency", "1,0,4"][..], "--concurrency"),
+            (&["bench", "decode", "--tokens", "0"][..], "--tokens"),
+            (&["bench", "drain", "--rounds", "0"][..], "--rounds"),
+            (&["bench", "drain", "--after", "1"][..], "--after"),
+            (&["bench", "log", "--seconds", "0"][..], "--seconds"),
+        ] {
+            let why = refused(args).unwrap_or_else(|| panic!("{args:?} was taken"));
+            assert!(why.contains(flag), "{args:?}: {why}");
+        }
+        assert_eq!(refused(&["bench", "decode", "--concurrency", "1,2,4,8"]), None);
+        assert_eq!(refused(&["bench", "drain", "--rounds", "3"]), None);
+        let why = refused(&["bench", "drain", "--rounds", "0"]).unwrap();
+        assert!(why.contains("must be at least 1"), "{why}");
+    }
+}

@@ -63,7 +63,7 @@ pub struct LogArgs {
     #[arg(long, default_value_t = 1)]
     pub tokens_per_step: usize,
     /// Measured seconds per system.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     pub seconds: u64,
     /// First loopback port to use (tokenlog uses 3, etcd 6).
     #[arg(long, default_value_t = 27_100)]
@@ -87,7 +87,7 @@ pub struct LogArgs {
     /// etcd client modes to try: how many gRPC connections the writers share (1 = one client,
     /// as etcd's clientv3 does by default; more spread writers over connections). The best
     /// mode's result is the baseline.
-    #[arg(long, value_delimiter = ',', default_value = "1,16")]
+    #[arg(long, value_delimiter = ',', default_value = "1,16", value_parser = crate::cmd::at_least_one)]
     pub etcd_connections: Vec<usize>,
 }
 

@@ -20,10 +20,10 @@ use crate::cmd::decoder::{load_model, DecoderArgs};
 #[derive(clap::Args, Clone)]
 pub struct DecodeArgs {
     /// Tokens generated per measurement.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..))]
     pub tokens: u32,
     /// Prefix lengths for the re-prefill timings (comma-separated).
-    #[arg(long, value_delimiter = ',', default_value = "16,64,128,256")]
+    #[arg(long, value_delimiter = ',', default_value = "16,64,128,256", value_parser = crate::cmd::at_least_one)]
     pub prefixes: Vec<usize>,
     /// Use the fake model (instant; checks the plumbing, not the ratio).
     #[arg(long)]
@@ -32,7 +32,7 @@ pub struct DecodeArgs {
     #[arg(long)]
     pub model: Option<std::path::PathBuf>,
     /// Model threads.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = crate::cmd::at_least_one)]
     pub threads: usize,
     /// Rounds of a raw run and a run through the log (raw first in even rounds, the log first
     /// in odd ones); the ratio is over all rounds.
@@ -44,7 +44,7 @@ pub struct DecodeArgs {
     /// Concurrent generations for the batching table (comma-separated): the model alone
     /// decoding that many at once (one batched forward pass per step) and the same number of
     /// generations through one decoder and the log; aggregate tok/s against concurrency 1.
-    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8", value_parser = crate::cmd::at_least_one)]
     pub concurrency: Vec<usize>,
     /// A Python with the `llama_cpp` package (llama-cpp-python): the same GGUF, prompt and
     /// thread count decoded greedily by llama.cpp in the same run, for the single-sequence
@@ -56,7 +56,7 @@ pub struct DecodeArgs {
 #[derive(clap::Args, Clone)]
 pub struct FailoverArgs {
     /// How many times to kill the owning decoder.
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 20, value_parser = crate::cmd::at_least_one)]
     pub kills: usize,
     /// Lease (ms) of the decoders. A kill is detected when the victim's session with the leader
     /// breaks (at once); the lease bounds detection only if that fails.

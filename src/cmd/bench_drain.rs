@@ -21,17 +21,17 @@ const DESTINATION_WARM_UP: Duration = Duration::from_secs(1);
 #[derive(clap::Args, Clone)]
 pub struct DrainArgs {
     /// Drains to run, each with fresh decoders.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = crate::cmd::at_least_one)]
     pub rounds: usize,
     /// Generations running on the drained decoder (its capacity; the other has the same).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = crate::cmd::at_least_one)]
     pub generations: usize,
     /// Records every generation commits before the drain; the normal gap is measured over the
     /// last half of them.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(2..))]
     pub after: u32,
     /// Records every generation commits at the destination before the round ends.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
     pub then: u32,
     /// Use the fake model (with --fake-step-ms per step) instead of SmolLM2.
     #[arg(long)]

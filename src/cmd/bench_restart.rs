@@ -42,7 +42,7 @@ pub struct RestartArgs {
     pub finish: bool,
     /// Rounds of `--records` each, every round on fresh generations; RSS and disk are printed
     /// after each.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     pub rounds: u32,
 }
 

@@ -18,7 +18,7 @@ use crate::cmd::decoder::load_model;
 #[derive(clap::Args, Clone)]
 pub struct StagesArgs {
     /// Tokens generated per run.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..))]
     pub tokens: u32,
     /// GGUF model (default: the bundled SmolLM2, 30 layers).
     #[arg(long)]
@@ -28,7 +28,7 @@ pub struct StagesArgs {
     pub split: Vec<std::ops::Range<usize>>,
     /// Generations decoded at once (comma-separated): one batched pass per step, in the whole
     /// model and in every stage.
-    #[arg(long, value_delimiter = ',', default_value = "1,4")]
+    #[arg(long, value_delimiter = ',', default_value = "1,4", value_parser = crate::cmd::at_least_one)]
     pub concurrency: Vec<usize>,
     /// Rounds per concurrency (the whole model first in even rounds, the pipeline in odd ones).
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..))]

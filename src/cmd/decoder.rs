@@ -64,14 +64,14 @@ pub struct DecoderArgs {
     #[arg(long, default_value = "cpu")]
     pub device: String,
     /// Generations decoded at once.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = crate::cmd::at_least_one)]
     pub capacity: usize,
     /// Lease length (ms); renewed by every append and by a timer when a step is slow.
     #[arg(long, default_value_t = tokenlog_raftlog::limits::LEASE_MS_DEFAULT)]
     pub lease_ms: u64,
     /// Model threads. One per decoder when several share a host (candle's pool collapses
     /// under shared cores).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = crate::cmd::at_least_one)]
     pub threads: usize,
     /// Unique id of this process (default: host-pid-random).
     #[arg(long)]

@@ -38,10 +38,10 @@ pub struct DevArgs {
     #[arg(long, conflicts_with = "model")]
     pub fake: bool,
     /// Model threads (default: all cores).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::cmd::at_least_one)]
     pub threads: Option<usize>,
     /// Generations decoded at once.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = crate::cmd::at_least_one)]
     pub capacity: usize,
     /// API keys file (`sha256:<hex> <tenant>` per line, from `tokenlog keys new`); default: open,
     /// tenant `default`.

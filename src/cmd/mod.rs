@@ -17,3 +17,24 @@ pub mod keys;
 pub mod node;
 pub mod stage;
 pub mod status;
+
+/// A count that 0 would make meaningless (threads, rounds, generations, tokens): refused by
+/// clap with this message instead of silently read as 1 or as nothing to do.
+pub fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("{s:?} is not a count: {e}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_count_of_zero_or_garbage_is_refused_with_a_reason() {
+        assert_eq!(super::at_least_one("3"), Ok(3));
+        assert_eq!(super::at_least_one("0"), Err("must be at least 1".to_string()));
+        assert!(super::at_least_one("-1").unwrap_err().contains("is not a count"));
+        assert!(super::at_least_one("").unwrap_err().contains("is not a count"));
+    }
+}

@@ -47,7 +47,7 @@ pub struct StageArgs {
     #[arg(long)]
     pub advertise: Option<String>,
     /// Model threads.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = crate::cmd::at_least_one)]
     pub threads: usize,
     /// Over mutual TLS when given: the stage serves with its decoder certificate and only
     /// decoders (pipeline heads) may call it.
