@@ -193,6 +193,33 @@ async fn paused_owner_is_fenced_after_takeover_and_output_stays_continuous() {
     drop(d2);
 }
 
+/// A model step longer than the decoder's registration lives (5 s here) does not unregister
+/// the decoder: its registration is kept fresh while the step runs, as its leases are. (A
+/// registration that lapsed took the decoder's session with it, and for a pipeline head its
+/// composition in the log: every stage then refused the head, and its next splice failed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_longer_than_the_registration_keeps_the_decoder_registered() {
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    cluster.leader().await;
+    let client = cluster.client();
+    let slow = ["--fake-step-ms", "7000", "--lease-ms", "800", "--capacity", "1"];
+    let _d = cluster.start_decoder("dec-slow", &slow);
+    let id = submit(&client, "slow-step", &[10, 20, 30]).await;
+    wait_for(&client, id, "dec-slow owning the generation", |o| o.0 == "dec-slow").await;
+    // A 7 s step begins with its first decoded token; watch through one whole step and more.
+    let until = Instant::now() + Duration::from_secs(9);
+    while Instant::now() < until {
+        let models = client.list_models().await.unwrap().models;
+        assert!(
+            models.iter().any(|m| m.decoders.iter().any(|d| d == "dec-slow")),
+            "dec-slow's registration lapsed during its step: {models:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(owner(&client, id).await.0, "dec-slow", "it still owns the generation");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_owner_is_replaced_and_uncommitted_tokens_are_resampled() {
     let _serial = serial();

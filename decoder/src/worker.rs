@@ -616,12 +616,7 @@ impl Worker {
             // A drain that just began registers at once, without its handoff listener: other
             // decoders stop choosing it as a destination.
             let drain_began = self.stopping && !self.drain_registered;
-            if drain_began
-                || due(
-                    last_register,
-                    Duration::from_millis(self.cfg.lease_ms).max(REGISTER_PERIOD_MIN),
-                )
-            {
+            if drain_began || due(last_register, self.register_period()) {
                 self.drain_registered = self.stopping;
                 self.register().await;
                 last_register = Some(Instant::now());
@@ -1220,6 +1215,32 @@ impl Worker {
         }
     }
 
+    /// How often the step loop refreshes this decoder's registration.
+    fn register_period(&self) -> Duration {
+        Duration::from_millis(self.cfg.lease_ms).max(REGISTER_PERIOD_MIN)
+    }
+
+    /// Awaits `work` (a model step), refreshing this decoder's registration every
+    /// [`Worker::register_period`] meanwhile. A step longer than the registration lives (a slow
+    /// model, a pipeline pass that waits for a spare and splices it in) must not unregister the
+    /// decoder: a lapsed registration takes its session with it and, for a pipeline head, its
+    /// composition in the log, which every stage then refuses. Its leases are renewed meanwhile
+    /// by the renewer; the stall watchdog still ends a step loop that is stuck for good.
+    async fn registered_while<R>(&mut self, work: impl std::future::Future<Output = R>) -> R {
+        let period = self.register_period();
+        tokio::pin!(work);
+        loop {
+            tokio::select! {
+                biased;
+                r = &mut work => return r,
+                () = tokio::time::sleep(period) => {
+                    tracing::debug!("a long model step: registration refreshed meanwhile");
+                    self.register().await;
+                }
+            }
+        }
+    }
+
     async fn take_work(&mut self) {
         use futures::StreamExt;
         let want = self.cfg.capacity.saturating_sub(self.load()) as u32;
@@ -1381,9 +1402,8 @@ impl Worker {
                 );
             }
             Ok::<_, crate::Error>(gens)
-        })
-        .await
-        .map_err(WorkerError::Other)??;
+        });
+        let gens = self.registered_while(gens).await.map_err(WorkerError::Other)??;
         self.active = gens.into_iter().map(|g| (g.id, g)).collect();
         for g in self.active.values_mut() {
             stream_rows(g);
