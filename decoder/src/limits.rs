@@ -136,6 +136,9 @@ pub const STAGE_LEASE_POLL: Duration = Duration::from_millis(100);
 /// before its step fails: a supervisor that restarts the dead stage, or a spare that starts,
 /// is found meanwhile.
 pub const STAGE_SPARE_WAIT: Duration = Duration::from_secs(3);
+/// The longest that wait grows while the log cannot say which spares are registered (its
+/// rounds without an answer do not count toward `STAGE_SPARE_WAIT`).
+pub const STAGE_SPARE_WAIT_MAX: Duration = Duration::from_secs(15);
 /// The longest a head waits for a cold spare to load the layers it asked for.
 pub const STAGE_LOAD_TIMEOUT: Duration = Duration::from_secs(120);
 /// What a pipeline head keeps of its sequences' passes (each stage's input rows, the tokens),

@@ -48,7 +48,7 @@ use crate::gguf_model::LlamaFile;
 use crate::identity::ModelIdentity;
 use crate::limits::{
     PIPELINE_KEPT_BYTES_MAX, STAGE_ANSWER_TIMEOUT, STAGE_ITEMS_MAX, STAGE_LEASE_POLL, STAGE_LOAD_TIMEOUT,
-    STAGE_MESSAGE_BYTES_MAX, STAGE_SPARE_WAIT,
+    STAGE_MESSAGE_BYTES_MAX, STAGE_SPARE_WAIT, STAGE_SPARE_WAIT_MAX,
 };
 use crate::model::{check_feed, Logits, Model, Sequence};
 use crate::tokenizer::Tokenizer;
@@ -531,12 +531,19 @@ impl Pipe {
                 })
                 .collect(),
         };
-        let p = log
-            .set_pipeline(req)
-            .await
-            .map_err(|e| format!("recording the pipeline's composition in the log: {e}"))?
-            .pipeline
-            .ok_or("the log answered SetPipeline without the record")?;
+        let p = match log.set_pipeline(req.clone()).await {
+            Ok(r) => r.pipeline.ok_or("the log answered SetPipeline without the record")?,
+            // A retried write whose first try committed (its answer lost) is refused, its epoch
+            // moved on: the record is read again, and if it is this very composition at the
+            // next epoch it is ours (the proto's PIPELINE_CONFLICT rule).
+            Err(e) => match log.get_pipeline(&self.head, true).await {
+                Ok(p) if p.epoch == self.epoch + 1 && p.stages == req.stages => {
+                    tracing::info!(head = %self.head, epoch = p.epoch, error = %e, "the composition was recorded by an earlier try of the same write");
+                    p
+                }
+                _ => return Err(format!("recording the pipeline's composition in the log: {e}")),
+            },
+        };
         tracing::info!(
             head = %self.head,
             from = self.epoch,
@@ -629,14 +636,22 @@ impl Pipe {
         } else {
             Duration::ZERO
         };
-        let until = Instant::now() + wait;
+        let began = Instant::now();
+        let mut until = began + wait;
         let mut rounds = 0;
         loop {
             rounds += 1;
-            for spare in self.spares_for(layers).await {
+            let round = Instant::now();
+            let (spares, answered) = self.spares_for(layers).await;
+            for spare in spares {
                 if let Some((conn, load_us)) = self.ready_spare(&spare, layers, rounds == 1).await {
                     return (Some((spare, conn, load_us)), rounds);
                 }
+            }
+            // A log that could not say which spares are registered is not an answer that none
+            // are: that round's time does not count, up to `STAGE_SPARE_WAIT_MAX` in all.
+            if !answered {
+                until = (until + round.elapsed() + STAGE_LEASE_POLL).min(began + STAGE_SPARE_WAIT_MAX.max(wait));
             }
             if Instant::now() >= until {
                 return (None, rounds);
@@ -685,7 +700,8 @@ impl Pipe {
     /// when it is opened), then the stages registered in the log for the same weights that no
     /// composition names: hot ones of exactly these layers first, then cold ones (which load
     /// them first).
-    async fn spares_for(&self, layers: &std::ops::Range<usize>) -> Vec<Spare> {
+    /// Also whether the log answered (without one, only those given to the head).
+    async fn spares_for(&self, layers: &std::ops::Range<usize>) -> (Vec<Spare>, bool) {
         let mut out: Vec<Spare> = self
             .spares
             .iter()
@@ -696,14 +712,14 @@ impl Pipe {
             })
             .collect();
         let Some(log) = &self.log else {
-            return out;
+            return (out, true);
         };
         // Through the leader: a spare that lapsed a moment ago is not tried.
         let r = match log.list_stages(true).await {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(error = %e, "the log cannot list the registered spares now");
-                return out;
+                return (out, false);
             }
         };
         let mine: HashSet<&str> = self.conns.iter().map(|c| c.info.stage_id.as_str()).collect();
@@ -749,7 +765,7 @@ impl Pipe {
         // Then by name: every head tries them in the same order.
         found.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
         out.extend(found.into_iter().map(|(_, _, spare)| spare));
-        out
+        (out, true)
     }
 
     /// Feeds the new stage `k` what its predecessor fed the old one, for every kept sequence
