@@ -124,6 +124,11 @@ struct Conn {
     broken: Option<String>,
     /// The stages' registrations in the log, as the head's watcher reads them (`None`: no log).
     registry: Option<Registry>,
+    /// The log time of a leader's view that listed this stage registered when the head chose
+    /// it (0: none): only a later view can say that its registration lapsed. (A stage restarted
+    /// under its old id and spliced back in was not dead to the watcher's read of a moment
+    /// before, which still had the old incarnation's lapsed registration.)
+    live_at_log_ms: u64,
 }
 
 /// What the head's watcher last read of the stages' registrations in the log.
@@ -134,14 +139,17 @@ struct Registered {
     /// Every stage id seen registered since the head started: a stage that never registered
     /// (one without `--cluster`) is not watched.
     ever: HashSet<String>,
+    /// The log time of the view read.
+    log_ms: u64,
 }
 
 type Registry = tokio::sync::watch::Receiver<Arc<Registered>>;
 
 impl Registered {
-    /// Why stage `id` is dead to the log: it was registered and its registration lapsed.
-    fn lapsed(&self, id: &str) -> bool {
-        self.ever.contains(id) && !self.live.contains(id)
+    /// Why stage `id` is dead to the log: it was registered and its registration lapsed, in a
+    /// view later than `live_at_log_ms` (when a leader's view listed it registered).
+    fn lapsed(&self, id: &str, live_at_log_ms: u64) -> bool {
+        self.log_ms > live_at_log_ms && self.ever.contains(id) && !self.live.contains(id)
     }
 }
 
@@ -162,6 +170,7 @@ async fn watch_registrations(log: LogClient, tx: tokio::sync::watch::Sender<Arc<
             tx.send_replace(Arc::new(Registered {
                 live,
                 ever: ever.clone(),
+                log_ms: r.log_ms,
             }));
         }
         tokio::time::sleep(STAGE_LEASE_POLL).await;
@@ -358,6 +367,7 @@ async fn open_stage(
         rx,
         broken: None,
         registry,
+        live_at_log_ms: 0,
     };
     Ok((conn, d))
 }
@@ -508,6 +518,8 @@ struct Spare {
     cold: bool,
     /// Where it was found: given to the head, or registered in the log.
     from_log: bool,
+    /// The log time of the leader's view that listed it registered (0: given to the head).
+    live_at_log_ms: u64,
 }
 
 impl Pipe {
@@ -685,7 +697,10 @@ impl Pipe {
         )
         .await
         {
-            Ok((conn, _)) if conn.info.layers == *layers => Some((conn, load_us)),
+            Ok((mut conn, _)) if conn.info.layers == *layers => {
+                conn.live_at_log_ms = spare.live_at_log_ms;
+                Some((conn, load_us))
+            }
             Ok(_) => None,
             Err(e) => {
                 if say {
@@ -709,6 +724,7 @@ impl Pipe {
                 addr: a.clone(),
                 cold: false,
                 from_log: false,
+                live_at_log_ms: 0,
             })
             .collect();
         let Some(log) = &self.log else {
@@ -758,6 +774,7 @@ impl Pipe {
                         addr: s.addr.clone(),
                         cold,
                         from_log: true,
+                        live_at_log_ms: r.log_ms,
                     },
                 ))
             })
@@ -944,6 +961,7 @@ async fn ask(conn: &mut Conn, req: dpb::ForwardRequest) -> std::result::Result<d
     let addr = conn.info.addr.clone();
     let stage_id = conn.info.stage_id.clone();
     let mut registry = conn.registry.clone();
+    let live_at = conn.live_at_log_ms;
     // A stage whose registration in the log lapsed is dead to the head: the pass fails at once
     // (the splice follows) instead of waiting out the stream's timeouts.
     let lapsed = async {
@@ -951,7 +969,7 @@ async fn ask(conn: &mut Conn, req: dpb::ForwardRequest) -> std::result::Result<d
             return std::future::pending().await;
         };
         loop {
-            if r.borrow_and_update().lapsed(&stage_id) {
+            if r.borrow_and_update().lapsed(&stage_id, live_at) {
                 return;
             }
             if r.changed().await.is_err() {
@@ -1222,6 +1240,24 @@ mod tests {
             numerics: crate::cpu::NUMERICS.into(),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn a_stage_is_dead_only_to_a_view_later_than_the_one_that_chose_it() {
+        let view = |live: &[&str], log_ms| Registered {
+            live: live.iter().map(|s| s.to_string()).collect(),
+            ever: ["s1", "s2"].iter().map(|s| s.to_string()).collect(),
+            log_ms,
+        };
+        // s2 died (its registration lapsed at log time 1,000) and came back under its old id;
+        // a leader's view at 1,500 listed it registered, and the head spliced it back in.
+        let before_it_came_back = view(&["s1"], 1_200);
+        assert!(!before_it_came_back.lapsed("s2", 1_500), "an older view says nothing");
+        assert!(before_it_came_back.lapsed("s2", 0), "a stage chosen without a view");
+        assert!(view(&["s1"], 2_600).lapsed("s2", 1_500), "it lapsed again later");
+        assert!(!view(&["s1", "s2"], 2_600).lapsed("s2", 1_500));
+        // A stage never registered (no --cluster) is not watched.
+        assert!(!view(&["s1"], 2_600).lapsed("s3", 0));
     }
 
     #[test]
