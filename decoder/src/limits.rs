@@ -131,6 +131,9 @@ pub const STAGE_FENCE_REFRESH: Duration = Duration::from_millis(150);
 /// stage whose registration lapsed (a paused, cut-off or dead stage) without waiting for its
 /// stream to time out; heads read the registrations every `STAGE_LEASE_POLL`.
 pub const STAGE_REGISTRATION_TTL: Duration = Duration::from_millis(1_000);
+/// A stage's registration renewals unanswered at once (each starts on time, not after the one
+/// before is answered).
+pub const STAGE_RENEWALS_IN_FLIGHT: usize = 3;
 pub const STAGE_LEASE_POLL: Duration = Duration::from_millis(100);
 /// How long a head whose stage failed looks for a spare in the log (every `STAGE_LEASE_POLL`)
 /// before its step fails: a supervisor that restarts the dead stage, or a spare that starts,

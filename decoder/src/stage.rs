@@ -29,7 +29,9 @@ use crate::cache::{f32s_from_bytes, f32s_to_bytes};
 use crate::cpu::{forward_stage, CpuSequence, CpuWeights, Fed, Feed};
 use crate::error::{Error, Result};
 use crate::gguf_model::LlamaFile;
-use crate::limits::{STAGE_ITEMS_MAX, STAGE_MESSAGE_BYTES_MAX, STAGE_REGISTRATION_TTL, STAGE_SEQUENCES_MAX};
+use crate::limits::{
+    STAGE_ITEMS_MAX, STAGE_MESSAGE_BYTES_MAX, STAGE_REGISTRATION_TTL, STAGE_RENEWALS_IN_FLIGHT, STAGE_SEQUENCES_MAX,
+};
 use crate::model::check_feed;
 use crate::stage_fence::Fence;
 use tokenlog_raftlog::client::LogClient;
@@ -365,36 +367,48 @@ impl StageService {
 
     /// Registers the stage in the log at `addr` until the process ends: now, every quarter of
     /// `STAGE_REGISTRATION_TTL`, and at once when its layers change (a cold stage that loaded).
-    /// A registration the log cannot take now is retried; the stage serves on meanwhile.
+    /// A renewal does not wait for the one before to be answered (at most
+    /// `STAGE_RENEWALS_IN_FLIGHT` at once): a log slow to answer (a long fsync) delays each
+    /// renewal by its latency once, not the next one's start as well, so the registration does
+    /// not lapse under a write latency of ~3/4 of its life. A registration the log cannot take
+    /// now is retried; the stage serves on meanwhile.
     pub async fn keep_registered(self, log: LogClient, addr: String) {
         let ttl = STAGE_REGISTRATION_TTL;
         let mut failing = false;
+        let mut in_flight = tokio::task::JoinSet::new();
         loop {
-            let held = self.held();
-            let reg = tokenlog_proto::raftlog::StageRegistration {
-                stage_id: self.shared.stage_id.clone(),
-                addr: addr.clone(),
-                weights_sha256: self.shared.cold.weights_sha256.clone(),
-                first_layer: held.start as u32,
-                end_layer: held.end as u32,
-                expiry_log_ms: 0,
-            };
-            match log.register_stage(reg, ttl.as_millis() as u64).await {
-                Ok(_) if failing => {
-                    failing = false;
-                    tracing::info!(stage = %self.shared.stage_id, "the stage is registered in the log again");
-                }
-                Ok(_) => {}
-                Err(e) => {
-                    if !failing {
-                        tracing::warn!(stage = %self.shared.stage_id, error = %e, "the log did not take the stage's registration (retrying)");
-                    }
-                    failing = true;
-                }
+            if in_flight.len() < STAGE_RENEWALS_IN_FLIGHT {
+                let held = self.held();
+                let reg = tokenlog_proto::raftlog::StageRegistration {
+                    stage_id: self.shared.stage_id.clone(),
+                    addr: addr.clone(),
+                    weights_sha256: self.shared.cold.weights_sha256.clone(),
+                    first_layer: held.start as u32,
+                    end_layer: held.end as u32,
+                    expiry_log_ms: 0,
+                };
+                let log = log.clone();
+                in_flight.spawn(async move { log.register_stage(reg, ttl.as_millis() as u64).await });
             }
             tokio::select! {
                 _ = tokio::time::sleep(ttl / 4) => {}
                 _ = self.shared.installed.notified() => {}
+            }
+            while let Some(done) = in_flight.try_join_next() {
+                match done {
+                    Ok(Ok(_)) if failing => {
+                        failing = false;
+                        tracing::info!(stage = %self.shared.stage_id, "the stage is registered in the log again");
+                    }
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) => {
+                        if !failing {
+                            tracing::warn!(stage = %self.shared.stage_id, error = %e, "the log did not take the stage's registration (retrying)");
+                        }
+                        failing = true;
+                    }
+                    Err(e) => tracing::error!(stage = %self.shared.stage_id, error = %e, "a registration task failed"),
+                }
             }
         }
     }
