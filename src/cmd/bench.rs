@@ -281,6 +281,13 @@ pub fn node_command(exe: &Path, dir: &Path, base: u16, i: u16) -> Command {
 
 pub fn start_tokenlog(dir: &Path, base: u16) -> anyhow::Result<Procs> {
     let exe = std::env::current_exe()?;
+    // A port taken (an earlier bench's nodes still running, say) would leave the bench talking
+    // to whatever holds it: refused here instead.
+    for port in base..base + 3 {
+        if let Err(e) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+            bail!("127.0.0.1:{port}, a port of the bench's log nodes, is taken ({e}): another bench's nodes may still run (`pgrep -af 'tokenlog node'`), or pick --base-port");
+        }
+    }
     let mut procs = Procs(Vec::new());
     for i in 0..3u16 {
         let child = node_command(&exe, dir, base, i)
