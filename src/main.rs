@@ -91,7 +91,12 @@ fn main() -> anyhow::Result<()> {
             Cmd::ExportSafetensors(a) => decoder::export(a),
             Cmd::Keys(k) => keys::run(k),
             Cmd::Certs(a) => certs::run(a),
-            Cmd::Bench(b) => bench::run(b).await,
+            // SIGTERM or Ctrl-C drops the bench, and with it the clusters it started (their
+            // processes are killed when dropped) instead of leaving them running.
+            Cmd::Bench(b) => tokio::select! {
+                r = bench::run(b) => r,
+                () = process::shutdown_signal() => Err(anyhow::anyhow!("bench interrupted: the processes it started are stopped")),
+            },
         }
     })
 }
