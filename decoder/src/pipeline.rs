@@ -663,7 +663,7 @@ impl Pipe {
             // A log that could not say which spares are registered is not an answer that none
             // are: that round's time does not count, up to `STAGE_SPARE_WAIT_MAX` in all.
             if !answered {
-                until = (until + round.elapsed() + STAGE_LEASE_POLL).min(began + STAGE_SPARE_WAIT_MAX.max(wait));
+                until = (until + round.elapsed() + STAGE_LEASE_POLL).min(began + STAGE_SPARE_WAIT_MAX);
             }
             if Instant::now() >= until {
                 return (None, rounds);

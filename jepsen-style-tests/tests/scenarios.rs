@@ -42,16 +42,13 @@ fn print_warnings(out: &std::path::Path) {
     logs.sort();
     for log in logs {
         let text = std::fs::read_to_string(&log).unwrap_or_default();
-        let lines: Vec<&str> = text
-            .lines()
-            .filter(|l| l.contains(" WARN ") || l.contains(" ERROR ") || l.starts_with("Error: "))
-            .collect();
+        let lines = harness::procs::last_log_lines(&text, true, 12);
         if lines.is_empty() {
             continue;
         }
         eprintln!("--- {}: its last warnings and errors", log.display());
-        for l in &lines[lines.len().saturating_sub(12)..] {
-            eprintln!("  {}", l.chars().take(400).collect::<String>());
+        for l in &lines {
+            eprintln!("  {l}");
         }
     }
 }

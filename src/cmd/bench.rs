@@ -279,15 +279,20 @@ pub fn node_command(exe: &Path, dir: &Path, base: u16, i: u16) -> Command {
     c
 }
 
-pub fn start_tokenlog(dir: &Path, base: u16) -> anyhow::Result<Procs> {
-    let exe = std::env::current_exe()?;
-    // A port taken (an earlier bench's nodes still running, say) would leave the bench talking
-    // to whatever holds it: refused here instead.
+/// Refuses a taken port of the 3 log nodes at `base`: an earlier bench's nodes still running,
+/// say, would leave the bench talking to whatever holds it.
+pub fn check_node_ports_free(base: u16) -> anyhow::Result<()> {
     for port in base..base + 3 {
         if let Err(e) = std::net::TcpListener::bind(("127.0.0.1", port)) {
             bail!("127.0.0.1:{port}, a port of the bench's log nodes, is taken ({e}): another bench's nodes may still run (`pgrep -af 'tokenlog node'`), or pick --base-port");
         }
     }
+    Ok(())
+}
+
+pub fn start_tokenlog(dir: &Path, base: u16) -> anyhow::Result<Procs> {
+    let exe = std::env::current_exe()?;
+    check_node_ports_free(base)?;
     let mut procs = Procs(Vec::new());
     for i in 0..3u16 {
         let child = node_command(&exe, dir, base, i)

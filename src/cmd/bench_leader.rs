@@ -16,7 +16,7 @@ use anyhow::{bail, Context};
 use tokenlog_proto::raftlog as pb;
 use tokenlog_raftlog::client::LogClient;
 
-use crate::cmd::bench::{node_command, wait_for_leader, Procs};
+use crate::cmd::bench::{check_node_ports_free, node_command, wait_for_leader, Procs};
 use crate::cmd::bench_decoder::{binding, dargs, prompt_ids};
 use crate::cmd::decoder::load_model;
 
@@ -73,6 +73,7 @@ pub async fn leader_kill(a: LeaderKillArgs) -> anyhow::Result<()> {
     prompt.truncate(16);
     let dir = tempfile::tempdir()?;
     let exe = std::env::current_exe()?;
+    check_node_ports_free(a.base_port)?;
     let mut nodes = Procs(Vec::new());
     for i in 0..3 {
         nodes.0.push(spawn_node(&exe, dir.path(), a.base_port, i)?);

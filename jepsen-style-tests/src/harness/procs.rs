@@ -50,21 +50,28 @@ pub struct SelfExit {
     pub last_words: Vec<String>,
 }
 
-/// The last `LAST_WORDS` error lines of a process log (tracing's `ERROR` lines, and the
-/// `Error: ...` a binary's `main` prints), each cut to `LAST_WORD_CHARS`.
+/// The error lines a [`SelfExit`] keeps.
 const LAST_WORDS: usize = 3;
-const LAST_WORD_CHARS: usize = 400;
+/// How much of a log line a report keeps.
+const LOG_LINE_CHARS: usize = 400;
 
-pub fn last_words(log: &str) -> Vec<String> {
-    let mut words: Vec<String> = log
+/// The last `n` error lines of a process log (tracing's `ERROR` lines, and the `Error: ...` a
+/// binary's `main` prints), and its `WARN` lines too with `warnings`, in order, each cut to
+/// `LOG_LINE_CHARS`.
+pub fn last_log_lines(log: &str, warnings: bool, n: usize) -> Vec<String> {
+    let mut lines: Vec<String> = log
         .lines()
         .rev()
-        .filter(|l| l.contains(" ERROR ") || l.starts_with("Error: "))
-        .take(LAST_WORDS)
-        .map(|l| l.chars().take(LAST_WORD_CHARS).collect())
+        .filter(|l| l.contains(" ERROR ") || l.starts_with("Error: ") || (warnings && l.contains(" WARN ")))
+        .take(n)
+        .map(|l| l.chars().take(LOG_LINE_CHARS).collect())
         .collect();
-    words.reverse();
-    words
+    lines.reverse();
+    lines
+}
+
+pub fn last_words(log: &str) -> Vec<String> {
+    last_log_lines(log, false, LAST_WORDS)
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
