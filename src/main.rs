@@ -91,11 +91,15 @@ fn main() -> anyhow::Result<()> {
             Cmd::ExportSafetensors(a) => decoder::export(a),
             Cmd::Keys(k) => keys::run(k),
             Cmd::Certs(a) => certs::run(a),
-            // SIGTERM or Ctrl-C drops the bench, and with it the clusters it started (their
+            // SIGTERM, Ctrl-C or a closed stdout drops the bench, and with it the clusters it started (their
             // processes are killed when dropped) instead of leaving them running.
             Cmd::Bench(b) => tokio::select! {
-                r = bench::run(b) => r,
+                r = bench::run(b) => match r {
+                    Ok(()) if process::stdout_was_closed() => Err(anyhow::anyhow!("bench ended, but its output was closed: lines were lost")),
+                    r => r,
+                },
                 () = process::shutdown_signal() => Err(anyhow::anyhow!("bench interrupted: the processes it started are stopped")),
+                () = process::stdout_closed() => Err(anyhow::anyhow!("bench stopped: its output was closed (the processes it started are stopped)")),
             },
         }
     })

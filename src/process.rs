@@ -46,6 +46,36 @@ pub fn init_tracing() {
         .init();
 }
 
+/// Set once stdout could not be written (closed pipe): nothing more is written there.
+static STDOUT_CLOSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static STDOUT_CLOSED_NOTIFY: tokio::sync::Notify = tokio::sync::Notify::const_new();
+
+/// Writes one line to stdout (the `say!` macro); a failed write marks stdout closed and wakes
+/// [`stdout_closed`].
+pub fn say(args: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    use std::sync::atomic::Ordering;
+    if STDOUT_CLOSED.load(Ordering::Relaxed) {
+        return;
+    }
+    let mut out = std::io::stdout().lock();
+    if writeln!(out, "{args}").and_then(|()| out.flush()).is_err() && !STDOUT_CLOSED.swap(true, Ordering::Relaxed) {
+        STDOUT_CLOSED_NOTIFY.notify_one();
+    }
+}
+
+/// Whether a [`say`] found stdout closed.
+pub fn stdout_was_closed() -> bool {
+    STDOUT_CLOSED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Resolves once a [`say`] found stdout closed.
+pub async fn stdout_closed() {
+    if !STDOUT_CLOSED.load(std::sync::atomic::Ordering::Relaxed) {
+        STDOUT_CLOSED_NOTIFY.notified().await;
+    }
+}
+
 /// Resolves on SIGINT (Ctrl-C) or SIGTERM: the signal to shut down cleanly.
 pub async fn shutdown_signal() {
     let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {

@@ -558,3 +558,26 @@ async fn a_gateway_without_model_files_serves_the_bundled_models_text() {
             .join("\n")
     );
 }
+
+/// `tokenlog generate` against gateways that do not answer says so while it keeps trying
+/// (it used to be silent until its 60 s budget ran out), and names them.
+#[test]
+fn generate_says_it_is_retrying_while_no_gateway_answers() {
+    let (a, b) = (common::free_port(), common::free_port());
+    let gateways = format!("127.0.0.1:{a},127.0.0.1:{b}");
+    let mut child = std::process::Command::new(common::bin())
+        .args(["generate", "--gateway", &gateways, "--max-tokens", "4", "hi"])
+        .env("RUST_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(4_500));
+    assert!(child.try_wait().unwrap().is_none(), "it gave up within 4.5 s");
+    child.kill().unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("nothing received for 3s"), "{err}");
+    assert!(err.contains(&gateways), "it names the gateways it tries: {err}");
+    assert!(err.contains("for up to 5"), "it says how long it keeps trying: {err}");
+}

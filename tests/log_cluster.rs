@@ -493,6 +493,64 @@ fn a_node_snapshots_after_enough_tokens_whatever_its_entry_count() {
     assert!(index > 0, "no snapshot after 1.1M tokens: {text}");
 }
 
+/// A bench whose output is closed (piped into `head`) stops, and the processes it started go
+/// with it. Before, the failed write panicked, the panic aborted the process, and its log
+/// nodes and decoder kept running (the next bench found their ports taken).
+#[test]
+fn a_bench_whose_output_is_closed_stops_the_processes_it_started() {
+    use std::io::BufRead;
+    let _one = serial();
+    let base = common::free_port();
+    let mut child = std::process::Command::new(common::bin())
+        .args(["bench", "leader-kill", "--kills", "2", "--every-s", "2"])
+        .args(["--base-port", &base.to_string()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run tokenlog bench leader-kill");
+    // Its first line comes once its nodes and decoder run; then its reader goes away, before
+    // the line of its first kill.
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut first = String::new();
+    out.read_line(&mut first).unwrap();
+    assert!(first.starts_with("bench leader-kill:"), "{first}");
+    drop(out);
+    let ended = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            ended.elapsed() < Duration::from_secs(60),
+            "the bench runs on with its output closed"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // Its nodes are gone (a second to let the killed ones close their sockets). Its stderr is
+    // not read before: the processes it started hold it open while they run.
+    std::thread::sleep(Duration::from_secs(1));
+    let listening: Vec<u16> = (base..base + 3)
+        .filter(|&p| std::net::TcpListener::bind(("127.0.0.1", p)).is_err())
+        .collect();
+    if !listening.is_empty() {
+        // What the old code left: its nodes (their --peers) and its decoder (its --cluster).
+        let _ = std::process::Command::new("pkill")
+            .args(["-9", "-f", &format!("127.0.0.1:{base}")])
+            .status();
+    }
+    assert!(
+        listening.is_empty(),
+        "nodes of the bench still listen on {listening:?} after it ended ({status:?})"
+    );
+    let mut err = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+    assert!(
+        !status.success() && err.contains("its output was closed"),
+        "{status:?}: {err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}
+
 /// `tokenlog bench log` drives a 3-node cluster through unary `Append` calls, and with
 /// `--stream` through one `AppendStream` per writer (the decoders' path). The bench fails on
 /// any refused item, so a row with writes measured means every write was accepted.

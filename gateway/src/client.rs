@@ -13,7 +13,9 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 use tonic::{Code, Status};
 
 pub use crate::limits::CLIENT_RECONNECT_BUDGET as RECONNECT_BUDGET;
-use crate::limits::{CLIENT_BUFFER_EVENTS, CLIENT_CONNECT_TIMEOUT as CONNECT_TIMEOUT, CLIENT_RETRY_PAUSE as PAUSE};
+use crate::limits::{
+    CLIENT_BUFFER_EVENTS, CLIENT_CONNECT_TIMEOUT as CONNECT_TIMEOUT, CLIENT_QUIET_NOTICE, CLIENT_RETRY_PAUSE as PAUSE,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -80,6 +82,11 @@ impl GatewayClient {
         })
     }
 
+    /// The gateways' addresses, comma-separated.
+    fn addresses(&self) -> String {
+        self.channels.iter().map(|c| c.0.as_str()).collect::<Vec<_>>().join(",")
+    }
+
     pub fn reconnects(&self) -> u64 {
         self.reconnects.load(std::sync::atomic::Ordering::Relaxed)
     }
@@ -133,6 +140,8 @@ impl GatewayClient {
             let mut at = 0usize;
             let mut progress = Instant::now();
             let mut first_try = true;
+            // When the caller was last told that no gateway answers.
+            let mut noticed: Option<Instant> = None;
             loop {
                 if !first_try {
                     this.reconnects.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -158,6 +167,7 @@ impl GatewayClient {
                             match s.message().await {
                                 Ok(Some(ev)) => {
                                     progress = Instant::now();
+                                    noticed = None;
                                     if i64::from(ev.seq) <= last {
                                         continue;
                                     }
@@ -188,6 +198,18 @@ impl GatewayClient {
                     "gateway {} failed ({err}); resuming after seq {last} on the next",
                     this.channels[at % this.channels.len()].0
                 );
+                let quiet = progress.elapsed();
+                if quiet >= CLIENT_QUIET_NOTICE && noticed.is_none_or(|t| t.elapsed() >= CLIENT_QUIET_NOTICE) {
+                    noticed = Some(Instant::now());
+                    tracing::warn!(
+                        "request {request_id}: nothing received for {}s, the last try failed ({}: {}); trying gateways {} for up to {}s more",
+                        quiet.as_secs(),
+                        this.channels[at % this.channels.len()].0,
+                        err.message(),
+                        this.addresses(),
+                        RECONNECT_BUDGET.saturating_sub(quiet).as_secs()
+                    );
+                }
                 at += 1;
                 tokio::time::sleep(PAUSE).await;
             }

@@ -38,6 +38,9 @@ pub const CLIENT_RECONNECT_BUDGET: Duration = Duration::from_secs(60);
 pub const CLIENT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 pub const CLIENT_RETRY_PAUSE: Duration = Duration::from_millis(100);
 pub const CLIENT_BUFFER_EVENTS: usize = 256;
+/// A client that has received nothing for `CLIENT_QUIET_NOTICE` says so (a warning naming the
+/// gateways it tries and the time left), then again every `CLIENT_QUIET_NOTICE` while it tries.
+pub const CLIENT_QUIET_NOTICE: Duration = Duration::from_secs(3);
 /// Events buffered per stream between the log and a slow client.
 pub const STREAM_BUFFER_EVENTS: usize = 256;
 /// Temperature, top_p and penalty ranges accepted (OpenAI's).

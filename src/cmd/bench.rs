@@ -166,7 +166,7 @@ impl Outcome {
     }
     fn print(&self, name: &str) {
         let h = self.latency_us.as_ref().expect("measured");
-        println!(
+        say!(
             "{name:<15} {:>10.0} writes/s {:>10.0} tokens/s   commit latency p50 {:>7.2} ms  p99 {:>7.2} ms   \
              server CPU {:>6.0} us/write ({:.2} cores)",
             self.steps_per_s(),
@@ -177,7 +177,7 @@ impl Outcome {
             self.server_cpu_ticks as f64 / TICKS_PER_S / self.elapsed.as_secs_f64()
         );
         if let Some(entries) = self.entries {
-            println!(
+            say!(
                 "{:<15} {:>10.0} entries/s {:>8.1} writes per entry   server CPU {:>6.0} us/entry",
                 "",
                 entries as f64 / self.elapsed.as_secs_f64(),
@@ -206,10 +206,13 @@ async fn bench_log(a: LogArgs) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     for &writers in &a.writers {
         let dir = tempfile::tempdir()?;
-        println!(
+        say!(
             "bench log: {writers} writers, {} generations, {} token(s) per generation per step, {} write(s) \
              outstanding per writer, {} s per system",
-            a.generations, a.tokens_per_step, a.depth, a.seconds
+            a.generations,
+            a.tokens_per_step,
+            a.depth,
+            a.seconds
         );
         let ours = {
             let procs = start_tokenlog(dir.path(), a.base_port)?;
@@ -243,7 +246,7 @@ async fn bench_log(a: LogArgs) -> anyhow::Result<()> {
             q(&ours, 0.99) / q(&theirs, 0.99),
         );
         let cpu = ours.cpu_us_per_write() / theirs.cpu_us_per_write();
-        println!(
+        say!(
             "ratio     tokenlog / etcd: {:.2}x writes/s, {:.2}x tokens/s, p50 latency {:.2}x, p99 latency {:.2}x, \
              server CPU per write {cpu:.2}x",
             ratio.0,
@@ -254,9 +257,9 @@ async fn bench_log(a: LogArgs) -> anyhow::Result<()> {
         rows.push((writers, ratio, cpu));
     }
     if rows.len() > 1 {
-        println!("summary   writers  writes/s vs etcd  p50 vs etcd  p99 vs etcd  CPU/write vs etcd");
+        say!("summary   writers  writes/s vs etcd  p50 vs etcd  p99 vs etcd  CPU/write vs etcd");
         for (w, (t, p50, p99), cpu) in rows {
-            println!("          {w:>7}  {t:>15.2}x  {p50:>10.2}x  {p99:>10.2}x  {cpu:>16.2}x");
+            say!("          {w:>7}  {t:>15.2}x  {p50:>10.2}x  {p99:>10.2}x  {cpu:>16.2}x");
         }
     }
     Ok(())

@@ -204,7 +204,7 @@ async fn llama_cpp_comparison(
         None => tokenlog_decoder::fetch::ensure_default_model(&tokenlog_decoder::fetch::repo_models_dir())?,
     };
     let Some(python) = &a.llama_cpp else {
-        println!(
+        say!(
             "llama.cpp comparison: python3 -m venv V && V/bin/pip install llama-cpp-python==0.3.36 && \
              tokenlog bench decode --llama-cpp V/bin/python"
         );
@@ -249,11 +249,11 @@ async fn llama_cpp_comparison(
     let (version, rate, prefill_ms) = (f[1], f[2].parse::<f64>()?, f[3].parse::<f64>()?);
     let theirs: Vec<u32> = f[4].split(',').filter_map(|t| t.parse().ok()).collect();
     let same = ours.iter().zip(&theirs).take_while(|(x, y)| x == y).count();
-    println!(
+    say!(
         "llama.cpp {version} raw decode {rate:>8.1} tok/s; tokenlog raw / llama.cpp {:.3}x (goal >= 1)",
         raw_rate / rate
     );
-    println!(
+    say!(
         "prefill of the {} prompt tokens: tokenlog {:.1} ms, llama.cpp {prefill_ms:.1} ms (tokenlog / llama.cpp {:.3}x time); \
          greedy tokens the same for the first {same} of {}",
         prompt.len(),
@@ -376,7 +376,7 @@ async fn watch_to_end(client: &LogClient, gid: u64) -> anyhow::Result<(Vec<u32>,
 pub async fn decode(a: DecodeArgs) -> anyhow::Result<()> {
     let (model, name) = load_model(&dargs(a.fake, a.model.clone(), a.threads))?;
     let prompt = prompt_ids(model.as_ref())?;
-    println!(
+    say!(
         "bench decode: model {name}, {} thread(s), prompt {} tokens, {} tokens per run, {} rounds; CPU kernels: {}",
         a.threads,
         prompt.len(),
@@ -414,7 +414,7 @@ pub async fn decode(a: DecodeArgs) -> anyhow::Result<()> {
         };
         // The first visible batch's time includes prefill; the rate is over the records after it.
         let visible = logged.len().saturating_sub(first_batch);
-        println!(
+        say!(
             "round {round}: raw {:>6.1} tok/s   through the log {:>6.1} tok/s   ratio {:.3}{}",
             raw.len() as f64 / secs,
             visible as f64 / lsecs.max(1e-9),
@@ -422,15 +422,15 @@ pub async fn decode(a: DecodeArgs) -> anyhow::Result<()> {
             if raw_first { "" } else { "   (log first)" }
         );
         if logged != raw {
-            println!("WARNING: the logged tokens differ from the raw run (same greedy prompt)");
+            say!("WARNING: the logged tokens differ from the raw run (same greedy prompt)");
         }
         (raw_n, raw_s, log_n, log_s) = (raw_n + raw.len(), raw_s + secs, log_n + visible, log_s + lsecs);
         raw_tokens = raw;
     }
     let (raw_rate, log_rate) = (raw_n as f64 / raw_s, log_n as f64 / log_s.max(1e-9));
-    println!("raw model decode          {raw_rate:>8.1} tok/s  ({raw_n} tokens in {raw_s:.2} s, prefill excluded)");
-    println!("decoder -> 3-node log     {log_rate:>8.1} tok/s  ({log_n} tokens committed after the first visible batch, visible at the client)");
-    println!(
+    say!("raw model decode          {raw_rate:>8.1} tok/s  ({raw_n} tokens in {raw_s:.2} s, prefill excluded)");
+    say!("decoder -> 3-node log     {log_rate:>8.1} tok/s  ({log_n} tokens committed after the first visible batch, visible at the client)");
+    say!(
         "ratio log / raw           {:>8.3}x  (goal >= 0.95)",
         log_rate / raw_rate
     );
@@ -440,11 +440,11 @@ pub async fn decode(a: DecodeArgs) -> anyhow::Result<()> {
 
     // Batching: aggregate tok/s with c generations at once, against c = 1 in the same run.
     if !a.concurrency.is_empty() {
-        println!(
+        say!(
             "batching ({} tokens each, same greedy prompt; aggregate tok/s):",
             a.tokens
         );
-        println!("  concurrency   model alone (x c=1)    through the log (x c=1)   log/alone");
+        say!("  concurrency   model alone (x c=1)    through the log (x c=1)   log/alone");
         let (mut raw1, mut log1) = (None, None);
         for &c in a.concurrency.iter().filter(|&&c| c > 0) {
             let (raw_out, secs) = raw_batched(&model, &prompt, a.tokens, c).await?;
@@ -452,24 +452,24 @@ pub async fn decode(a: DecodeArgs) -> anyhow::Result<()> {
             let (log_out, log_agg) =
                 logged_batched(&client, model.as_ref(), &prompt, a.tokens, c, &format!("batch-{c}")).await?;
             let (r1, l1) = (*raw1.get_or_insert(raw_agg), *log1.get_or_insert(log_agg));
-            println!(
+            say!(
                 "  {c:>11}   {raw_agg:>8.1} ({:>5.2}x)       {log_agg:>8.1} ({:>5.2}x)          {:.3}",
                 raw_agg / r1,
                 log_agg / l1,
                 log_agg / raw_agg
             );
             if raw_out.iter().chain(&log_out).any(|t| *t != raw_tokens) {
-                println!("  WARNING: a batched generation differs from the generation alone (same greedy prompt)");
+                say!("  WARNING: a batched generation differs from the generation alone (same greedy prompt)");
             }
         }
-        println!("  goal: 8 concurrent generations through the log >= 4x one alone");
+        say!("  goal: 8 concurrent generations through the log >= 4x one alone");
     }
     let _ = stop_tx.send(true);
     let _ = worker.await;
 
     // Re-prefill time vs prefix length, exact and fast.
-    println!("re-prefill (prompt {} tokens + committed prefix):", prompt.len());
-    println!("  prefix   exact: prefill + replay     fast: one batch");
+    say!("re-prefill (prompt {} tokens + committed prefix):", prompt.len());
+    say!("  prefix   exact: prefill + replay     fast: one batch");
     for &len in a.prefixes.iter().filter(|&&l| l <= raw_tokens.len()) {
         let (m, p, pre) = (model.clone(), prompt.clone(), raw_tokens[..len].to_vec());
         let (exact, fast) = tokio::task::spawn_blocking(move || -> anyhow::Result<(Duration, Duration)> {
@@ -481,7 +481,7 @@ pub async fn decode(a: DecodeArgs) -> anyhow::Result<()> {
             Ok((time(ResumeMode::Exact)?, time(ResumeMode::Fast)?))
         })
         .await??;
-        println!(
+        say!(
             "  {len:>6}   {:>10.1} ms                {:>8.1} ms   (exact/fast {:.1}x)",
             ms(exact),
             ms(fast),
@@ -565,7 +565,7 @@ pub async fn failover(a: FailoverArgs) -> anyhow::Result<()> {
     let cluster = addrs.join(",");
     let client = LogClient::new(addrs)?;
     wait_for_leader(&client).await?;
-    println!(
+    say!(
         "bench failover: model {name}, 2 decoders ({}), lease {} ms, {} kills after {} records each",
         if a.standby {
             "the other one a hot standby of the generation: --standby"
@@ -599,7 +599,7 @@ pub async fn failover(a: FailoverArgs) -> anyhow::Result<()> {
         hist[0].record(t.total.as_micros() as u64)?;
         hist[1].record(t.detect.as_micros() as u64)?;
         hist[2].record(t.rest.as_micros() as u64)?;
-        println!(
+        say!(
             "kill {:>2}: next token visible after {:>7.1} ms = detection {:>7.1} ms + {} and first step {:>7.1} ms",
             k + 1,
             ms(t.total),
@@ -615,25 +615,25 @@ pub async fn failover(a: FailoverArgs) -> anyhow::Result<()> {
         decs[victim] = spawn_decoder(&a, &cluster, &id, &dir.path().join(format!("{id}.log")))?;
     }
     let q = |h: &Histogram<u64>, p: f64| h.value_at_quantile(p) as f64 / 1e3;
-    println!("over {} kills (ms):            p50      p99", a.kills);
-    println!(
+    say!("over {} kills (ms):            p50      p99", a.kills);
+    say!(
         "  kill -> next token     {:>8.1} {:>8.1}",
         q(&hist[0], 0.5),
         q(&hist[0], 0.99)
     );
-    println!(
+    say!(
         "  detection (session)    {:>8.1} {:>8.1}",
         q(&hist[1], 0.5),
         q(&hist[1], 0.99)
     );
-    println!(
+    say!(
         "  {} + 1st step  {:>8.1} {:>8.1}",
         if a.standby { "standby    " } else { "re-prefill " },
         q(&hist[2], 0.5),
         q(&hist[2], 0.99)
     );
-    println!("takeovers beyond the kills (of slow-but-renewing owners): {extra_takeovers}");
-    println!(
+    say!("takeovers beyond the kills (of slow-but-renewing owners): {extra_takeovers}");
+    say!(
         "CPU of the {} from submit to kill: {:.0}% of the owner's ({other_cpu} / {owner_cpu} ticks)",
         if a.standby { "standby" } else { "idle decoder" },
         100.0 * other_cpu as f64 / owner_cpu.max(1) as f64
@@ -646,11 +646,11 @@ pub async fn failover(a: FailoverArgs) -> anyhow::Result<()> {
             from_standby += text.matches("taken over from the hot standby's state").count();
             // A takeover that could not use the standby's state says why.
             for line in text.lines().filter(|l| l.contains("re-prefilling")) {
-                println!("  {line}");
+                say!("  {line}");
             }
         }
     }
-    println!(
+    say!(
         "takeovers from a standby's followed state (decoder logs): {from_standby} of {}",
         a.kills
     );

@@ -72,7 +72,7 @@ pub async fn decoders(a: DecodersArgs) -> anyhow::Result<()> {
     let client = LogClient::new(addrs.clone())?;
     wait_for_leader(&client).await?;
     let capacity = a.generations.div_ceil(a.decoders);
-    println!(
+    say!(
         "bench decoders: {} generations x {} tokens, {} fake-model decoder processes of capacity {capacity}, 3 log nodes",
         a.generations, a.tokens, a.decoders
     );
@@ -97,7 +97,7 @@ pub async fn decoders(a: DecodersArgs) -> anyhow::Result<()> {
     let total = a.generations * u64::from(a.tokens);
     let start = Instant::now();
     let ids = submit_all(&client, &binding, a.generations).await?;
-    println!(
+    say!(
         "submitted {} generations of {name} in {:.2} s",
         ids.len(),
         start.elapsed().as_secs_f64()
@@ -116,7 +116,7 @@ pub async fn decoders(a: DecodersArgs) -> anyhow::Result<()> {
             t90 = Some((at, done));
         }
         if last_print.elapsed() >= Duration::from_secs(2) {
-            println!("  {:>6.1} s: {done:>10} of {total} tokens committed", at.as_secs_f64());
+            say!("  {:>6.1} s: {done:>10} of {total} tokens committed", at.as_secs_f64());
             last_print = Instant::now();
         }
         if done >= total {
@@ -136,7 +136,7 @@ pub async fn decoders(a: DecodersArgs) -> anyhow::Result<()> {
     }
     let elapsed = start.elapsed();
     check_all(&client, &ids, a.tokens).await?;
-    println!(
+    say!(
         "committed {total} tokens in {:.2} s: {:.0} tokens/s over the whole run",
         elapsed.as_secs_f64(),
         total as f64 / elapsed.as_secs_f64()
@@ -144,13 +144,13 @@ pub async fn decoders(a: DecodersArgs) -> anyhow::Result<()> {
     if let (Some((a10, d10)), Some((a90, d90))) = (t10, t90) {
         let secs = (a90 - a10).as_secs_f64();
         if secs > 0.0 {
-            println!(
+            say!(
                 "middle of the run (10% -> 90% of the tokens): {:.0} tokens/s",
                 (d90 - d10) as f64 / secs
             );
         }
     }
-    println!(
+    say!(
         "checked in the log: {} generations FINISHED with {} records each",
         ids.len(),
         a.tokens

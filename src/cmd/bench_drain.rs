@@ -159,15 +159,15 @@ pub async fn drain(a: DrainArgs) -> anyhow::Result<()> {
         prompt.truncate(16);
     }
     let dir = tempfile::tempdir()?;
-    println!("process logs in {} (removed at the end)", dir.path().display());
+    say!("process logs in {} (removed at the end)", dir.path().display());
     let done = rounds(&a, dir.path(), model.as_ref(), &name, &prompt).await;
     // TOKENLOG_BENCH_KEEP: the process logs stay, whether the rounds ended well or not.
     if std::env::var_os("TOKENLOG_BENCH_KEEP").is_some() {
-        println!("kept {}", dir.keep().display());
+        say!("kept {}", dir.keep().display());
     }
     let mut ratios = done?;
     ratios.sort_by(f64::total_cmp);
-    println!(
+    say!(
         "longest gap / normal gap over {} drains: best {:.2}x, worst {:.2}x (goal: at most 2x)",
         ratios.len(),
         ratios.first().copied().unwrap_or_default(),
@@ -190,7 +190,7 @@ async fn rounds(
     let cluster = addrs.join(",");
     let client = LogClient::new(addrs)?;
     wait_for_leader(&client).await?;
-    println!(
+    say!(
         "bench drain: model {name}, {} generations on one decoder, SIGTERM after {} records each, handed to a second decoder",
         a.generations, a.after
     );
@@ -325,7 +325,7 @@ async fn rounds(
         drop(src);
         let ratio = longest.as_secs_f64() / median.as_secs_f64().max(1e-6);
         ratios.push(ratio);
-        println!(
+        say!(
             "round {}: normal gap (median) {:>6.1} ms, longest gap during the drain {:>6.1} ms = {:.2}x; source exited {:>6.1} ms after SIGTERM",
             round + 1,
             ms(median),
@@ -333,7 +333,7 @@ async fn rounds(
             ratio,
             ms(exit)
         );
-        println!(
+        say!(
             "  longest gap of each generation: {}; before the drain the longest was {:.0} ms",
             worst_gaps.join(", "),
             ms(calm)
@@ -360,7 +360,7 @@ async fn rounds(
         } else {
             "not measured (the source reached --after during the destination's warm-up)".into()
         };
-        println!(
+        say!(
             "  CPUs busy: before the drain {before}; during it {} ({})",
             cores_busy(drain_from, drain_to),
             share(others_from, others_to, exit)
@@ -376,7 +376,7 @@ async fn rounds(
                     .map(|(_, r)| r.chars().take_while(char::is_ascii_digit).collect())
             })
             .collect();
-        println!(
+        say!(
             "  positions the destination appended from the source's rows: {}",
             if rows.is_empty() {
                 "none".into()

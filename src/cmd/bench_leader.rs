@@ -104,7 +104,7 @@ pub async fn leader_kill(a: LeaderKillArgs) -> anyhow::Result<()> {
         .generation
         .context("no generation")?
         .generation_id;
-    println!(
+    say!(
         "bench leader-kill: 3 log nodes, 1 fake-model decoder ({} ms/token, lease {} ms), one generation of up to {tokens} tokens; the leader kill -9'd {} times, {} s apart",
         a.step_ms, a.lease_ms, a.kills, a.every_s
     );
@@ -138,7 +138,7 @@ pub async fn leader_kill(a: LeaderKillArgs) -> anyhow::Result<()> {
         nodes.0[i] = spawn_node(&exe, dir.path(), a.base_port, i as u16)?;
         tokio::time::sleep(stretch.saturating_sub(Duration::from_secs(1))).await;
         let gap = longest_gap(&arrivals.lock().expect("lock"), killed_at, Instant::now());
-        println!(
+        say!(
             "  kill {}: node {leader} (the leader); longest gap between two tokens: {} ms",
             k + 1,
             gap.as_millis()
@@ -155,7 +155,7 @@ pub async fn leader_kill(a: LeaderKillArgs) -> anyhow::Result<()> {
         .await;
     gaps.sort();
     let (p50, p99) = (percentile(&gaps, 0.5), percentile(&gaps, 0.99));
-    println!(
+    say!(
         "longest gap after a leader kill: p50 {} ms, p99 {} ms; without a kill (baseline, {} s): {} ms; ratio p99/baseline {:.1}x",
         p50.as_millis(),
         p99.as_millis(),
@@ -163,12 +163,13 @@ pub async fn leader_kill(a: LeaderKillArgs) -> anyhow::Result<()> {
         baseline.as_millis(),
         p99.as_secs_f64() / baseline.as_secs_f64().max(1e-3)
     );
-    println!(
+    say!(
         "takeovers of the generation: {} ({} records committed)",
-        g.takeovers, g.frontier
+        g.takeovers,
+        g.frontier
     );
     let met = p99 <= GOAL_GAP && g.takeovers == 0;
-    println!(
+    say!(
         "goal (issue 11 bug 9: p99 <= {} ms, 0 takeovers caused by an election): {}",
         GOAL_GAP.as_millis(),
         if met { "met" } else { "NOT met" }

@@ -154,7 +154,7 @@ pub async fn restart(a: RestartArgs) -> anyhow::Result<()> {
         }
         if a.rounds > 1 {
             let (rss, disk, io) = (rss_bytes(pid)?, dir_bytes(&data), written_bytes(pid)?);
-            println!(
+            say!(
                 "round {:>3}: {written:>10} records, {:6.1} s, RSS {:7.1} MiB, disk {:7.1} MiB, written {:8.1} MiB",
                 round + 1,
                 started.elapsed().as_secs_f64(),
@@ -189,26 +189,26 @@ pub async fn restart(a: RestartArgs) -> anyhow::Result<()> {
         if got != per_gen {
             bail!("a late watch of generation {id} gave {got} records, {per_gen} were committed");
         }
-        println!(
+        say!(
             "late watch of the oldest generation ({id}): {got} records{} in {:.1} ms",
             if terminal { " and its finish" } else { "" },
             t.elapsed().as_secs_f64() * 1e3
         );
     }
-    println!(
+    say!(
         "bench restart: {written} records in {} generations, {:.1} s ({:.0} tokens/s, {} writers)",
         a.generations * a.rounds.max(1) as usize,
         took.as_secs_f64(),
         written as f64 / took.as_secs_f64(),
         a.writers
     );
-    println!(
+    say!(
         "memory    RSS {:.1} MiB -> {:.1} MiB: {:.1} MiB per million records",
         mib(rss0),
         mib(rss1),
         per_m(rss1.saturating_sub(rss0))
     );
-    println!(
+    say!(
         "disk      {:.1} MiB -> {:.1} MiB: {:.1} MiB per million records (snapshot at entry {}, log to {})",
         mib(disk0),
         mib(disk1),
@@ -216,7 +216,7 @@ pub async fn restart(a: RestartArgs) -> anyhow::Result<()> {
         status.snapshot_index,
         status.last_log_index
     );
-    println!(
+    say!(
         "written   {:.1} MiB in all (log, snapshots, cold segments; /proc wchar): {:.1} MiB per million records",
         mib(io1 - io0),
         per_m(io1 - io0)
@@ -238,7 +238,7 @@ pub async fn restart(a: RestartArgs) -> anyhow::Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    println!(
+    say!(
         "restart   kill -9 (pid {pid}) -> serving linearizable reads with all {applied} entries applied: {:.2} s",
         restarted.elapsed().as_secs_f64()
     );

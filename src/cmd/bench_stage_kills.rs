@@ -141,7 +141,7 @@ pub async fn kills(
         }
     }
     let ranges: Vec<String> = split.iter().map(|r| format!("{}..{}", r.start, r.end)).collect();
-    println!(
+    say!(
         "bench stages --kills {}: model {name}, stages {} (processes on loopback, 1 thread each, fenced by a 3-node log), \
          the middle stage ({}) fails after {} records, a new spare each time; greedy, prompt {} tokens",
         a.kills,
@@ -178,7 +178,7 @@ pub async fn kills(
     ];
     for (m, mode) in modes.iter().enumerate() {
         let keep_mib = mode.keep_mib;
-        println!("\n{} (--pipeline-keep-mib {keep_mib})", mode.label);
+        say!("\n{} (--pipeline-keep-mib {keep_mib})", mode.label);
         let spare_addr = |i: usize| format!("127.0.0.1:{}", a.base_port as usize + 100 + m * a.kills + i);
         // chain.0[0]: the middle stage; chain.0[i + 1]: spare i (started before kill i).
         let mut chain = Stages(Vec::new());
@@ -270,7 +270,7 @@ pub async fn kills(
                 mode.pause,
             )
             .await?;
-            println!(
+            say!(
                 "kill {:>2}: next token visible after {:>7.1} ms = detection {:>6.1} + splice {:>6.1} (load {:>6.1}) + rebuild {:>6.1} + first step {:>6.1} (fed again in full: {})",
                 k + 1,
                 t.total as f64 / 1e3,
@@ -289,7 +289,7 @@ pub async fn kills(
             }
         }
         let q = |h: &Histogram<u64>, p: f64| h.value_at_quantile(p) as f64 / 1e3;
-        println!("over {} kills (ms):        p50      p99", a.kills);
+        say!("over {} kills (ms):        p50      p99", a.kills);
         for (h, what) in hist.iter().zip([
             "kill -> next token",
             "detection",
@@ -298,9 +298,9 @@ pub async fn kills(
             "rebuild",
             "first step",
         ]) {
-            println!("  {what:<20} {:>8.1} {:>8.1}", q(h, 0.5), q(h, 0.99));
+            say!("  {what:<20} {:>8.1} {:>8.1}", q(h, 0.5), q(h, 0.99));
         }
-        println!("generations that left their head (a new epoch): {left_head}");
+        say!("generations that left their head (a new epoch): {left_head}");
     }
     Ok(())
 }

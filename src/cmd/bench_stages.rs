@@ -160,14 +160,14 @@ pub async fn stages(a: StagesArgs) -> anyhow::Result<()> {
     };
     let prompt = prompt_ids(whole.as_ref())?;
     let ranges: Vec<String> = split.iter().map(|r| format!("{}..{}", r.start, r.end)).collect();
-    println!(
+    say!(
         "bench stages: model {name}, stages {} (processes on loopback, 1 thread each), whole model in this process (1 thread); prompt {} tokens, {} tokens per run, {} rounds",
         ranges.join(" "),
         prompt.len(),
         a.tokens,
         a.rounds
     );
-    println!("concurrency  whole tok/s  pipeline tok/s  pipeline/whole  same tokens");
+    say!("concurrency  whole tok/s  pipeline tok/s  pipeline/whole  same tokens");
     for &c in &a.concurrency {
         let (mut whole_n, mut whole_s, mut pipe_n, mut pipe_s) = (0usize, 0f64, 0usize, 0f64);
         let mut same = true;
@@ -191,7 +191,7 @@ pub async fn stages(a: StagesArgs) -> anyhow::Result<()> {
             pipe_s += ps;
         }
         let (w, p) = (whole_n as f64 / whole_s, pipe_n as f64 / pipe_s);
-        println!(
+        say!(
             "{c:>11}  {w:>11.1}  {p:>14.1}  {:>14.3}  {}",
             p / w,
             if same { "yes" } else { "NO" }

@@ -1,5 +1,18 @@
 //! One module per subcommand of `tokenlog` (see `main.rs` for the dispatch).
 
+/// A bench's line of output on stdout. Unlike `println!` it does not panic when stdout is
+/// closed (the bench piped into `head`): the panic aborted the process and left the clusters
+/// the bench started running. It tells `main` instead (`process::stdout_closed`), which stops
+/// the bench and, with it, what it started.
+macro_rules! say {
+    () => {
+        $crate::process::say(format_args!(""))
+    };
+    ($($t:tt)*) => {
+        $crate::process::say(format_args!($($t)*))
+    };
+}
+
 pub mod bench;
 pub mod bench_decoder;
 pub mod bench_decoders;

@@ -96,6 +96,13 @@ pub enum Scenario {
     /// 15: the pipeline head itself is killed (SIGKILL): the whole decoder takes the
     /// generation over and continues it exactly.
     HeadDies,
+    /// 15 with 12: the log's Raft leader is killed (SIGKILL) under a pipeline head and its
+    /// stages (whose fences and registrations need the log), then restarted: the stages wait
+    /// for the new leader; no stage is spliced out and the generation stays with its head.
+    PipelineLeaderCrash,
+    /// 15 with 12: the log's Raft leader is paused (SIGSTOP) for 2 s under a pipeline (calls
+    /// to it hang instead of being refused): as `PipelineLeaderCrash`.
+    PipelineLeaderPause,
     /// 1: decoder 1, drained into decoder 2, exits while copying (failpoint): the attempt is
     /// aborted, another decoder takes the generation over.
     SourceDiesCopying,
@@ -117,7 +124,7 @@ pub enum Scenario {
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 19] = [
+    pub const ALL: [Scenario; 21] = [
         Scenario::SourceDiesCopying,
         Scenario::DestinationDiesBeforeReady,
         Scenario::DestinationDiesAfterReady,
@@ -137,6 +144,8 @@ impl Scenario {
         Scenario::StageDies,
         Scenario::StagePaused,
         Scenario::HeadDies,
+        Scenario::PipelineLeaderCrash,
+        Scenario::PipelineLeaderPause,
     ];
 
     pub fn name(self) -> &'static str {
@@ -154,6 +163,8 @@ impl Scenario {
             Scenario::StageDies => "stage-dies",
             Scenario::StagePaused => "stage-paused",
             Scenario::HeadDies => "head-dies",
+            Scenario::PipelineLeaderCrash => "pipeline-leader-crash",
+            Scenario::PipelineLeaderPause => "pipeline-leader-pause",
             Scenario::SourceDiesCopying => "source-dies-copying",
             Scenario::DestinationDiesBeforeReady => "destination-dies-before-ready",
             Scenario::DestinationDiesAfterReady => "destination-dies-after-ready",
@@ -170,7 +181,11 @@ impl Scenario {
             Scenario::GatewayDiesAfterSend => 8,
             Scenario::PausedOwnerWritesAfterTakeover => 9,
             Scenario::DelayedAppendFromOldOwner => 10,
-            Scenario::StageDies | Scenario::StagePaused | Scenario::HeadDies => 15,
+            Scenario::StageDies
+            | Scenario::StagePaused
+            | Scenario::HeadDies
+            | Scenario::PipelineLeaderCrash
+            | Scenario::PipelineLeaderPause => 15,
             Scenario::SourceDiesCopying => 1,
             Scenario::DestinationDiesBeforeReady => 2,
             Scenario::DestinationDiesAfterReady => 3,
@@ -651,13 +666,13 @@ async fn strike(
             wait_continued_write(&cfg.out.join("decoder1.jsonl"), continued).await;
             "decoder1 (the owner)".into()
         }
-        Scenario::LeaderCrash => {
+        Scenario::LeaderCrash | Scenario::PipelineLeaderCrash => {
             procs.lock().expect("lock").nodes[leader].kill9();
             tokio::time::sleep(FAULT_HOLD).await;
             procs.lock().expect("lock").nodes[leader].start()?;
             format!("node{} (leader)", leader + 1)
         }
-        Scenario::LeaderPause => {
+        Scenario::LeaderPause | Scenario::PipelineLeaderPause => {
             procs.lock().expect("lock").nodes[leader].pause();
             tokio::time::sleep(FAULT_HOLD).await;
             procs.lock().expect("lock").nodes[leader].resume();

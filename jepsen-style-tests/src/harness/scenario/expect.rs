@@ -325,6 +325,21 @@ fn per_scenario(
                 format!("{spliced} splices; epochs seen {epochs:?}"),
             );
         }
+        Scenario::PipelineLeaderCrash | Scenario::PipelineLeaderPause => {
+            expect(
+                out,
+                "the cluster elected a leader at a new term",
+                matches!(terms, (Some(a), Some(b)) if b > a),
+                format!("term before the fault {:?}, after {:?}", terms.0, terms.1),
+            );
+            let epochs: BTreeSet<u64> = tokens.iter().map(|t| t.2).collect();
+            expect(
+                out,
+                "no stage was spliced out while the log elected a leader, and the generation stayed with its head (every record at epoch 1)",
+                spliced == 0 && epochs.iter().all(|&e| e == 1),
+                format!("{spliced} splices; epochs seen {epochs:?}"),
+            );
+        }
         Scenario::HeadDies => {
             let (ok, detail) = continued_after_head(tokens);
             expect(
