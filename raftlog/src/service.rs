@@ -67,7 +67,9 @@ pub fn models(s: &LogState) -> pb::ListModelsResponse {
             ..Default::default()
         });
         m.decoders.push(id.clone());
-        m.capacity += d.capacity;
+        // Capacities are the decoders' own numbers: their sum must not overflow (a panic in a debug
+        // build, nonsense in a release one).
+        m.capacity = m.capacity.saturating_add(d.capacity);
         m.held.insert(id.clone(), s.index.owned_count(id) as u32);
         if !d.handoff_addr.is_empty() {
             m.handoff_addrs.insert(id.clone(), d.handoff_addr.clone());

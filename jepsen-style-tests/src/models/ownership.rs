@@ -280,7 +280,8 @@ fn accepted(s: &S, epoch: u64, start: u64, n: u64, finish: bool) -> Option<S> {
     if end <= s.frontier && (!finish || s.terminal) {
         return Some(s.clone());
     }
-    let fenced = s.owner.is_some() && epoch == s.epoch && !s.terminal && start <= s.frontier;
+    // A finish must end at or past the frontier (one behind it is refused: SeqMismatch).
+    let fenced = s.owner.is_some() && epoch == s.epoch && !s.terminal && start <= s.frontier && s.frontier <= end;
     fenced.then(|| S {
         frontier: s.frontier.max(end),
         terminal: finish,

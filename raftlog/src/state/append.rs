@@ -112,6 +112,15 @@ impl LogState {
                 g,
             ));
         }
+        if end < committed && overlap_ok {
+            // Only a finish gets here (a plain re-send was acknowledged above): it would end the
+            // generation behind records already committed.
+            return Err(reject_gen(
+                RejectReason::SeqMismatch,
+                format!("a finish at seq {end} is behind the frontier {committed}"),
+                g,
+            ));
+        }
         if !overlap_ok {
             return Err(reject_gen(
                 RejectReason::RecordConflict,
@@ -133,6 +142,7 @@ impl LogState {
                 g,
             ));
         }
+        debug_assert!(start <= committed && committed <= end, "checked above");
         for &token_id in &item.token_ids[committed - start..] {
             let seq = g.frontier();
             let record = Record {

@@ -286,6 +286,57 @@ fn append_with_finish_and_retry_of_it() {
     }
 }
 
+/// A finish that ends the generation behind its committed frontier (a re-send of fewer
+/// records than were committed, with a finish) is refused. It used to slice past the item's
+/// tokens in `apply`: a panic on every replica and, since the entry stays in the log, again
+/// at every restart (a crash loop of the whole cluster from one request of an owner).
+#[test]
+fn a_finish_behind_the_frontier_is_refused_not_a_panic() {
+    let mut t = T::new();
+    let g = t.submit(0, "r");
+    t.acquire(0, g, "d1").unwrap();
+    t.append(1, g, "d1", 1, 0, &[4, 5, 6, 7, 8]).unwrap();
+    for (start_seq, token_ids) in [(0, vec![]), (0, vec![4, 5]), (2, vec![6]), (4, vec![])] {
+        let cmd = Command::Append {
+            decoder: "d1".into(),
+            lease_ms: LEASE,
+            items: vec![AppendItem {
+                generation: g,
+                epoch: 1,
+                start_seq,
+                token_ids: token_ids.clone(),
+                finish: Some((FinishReason::Stop, String::new())),
+            }],
+        };
+        match t.at(2, cmd) {
+            Response::Appended(v) => {
+                let e = v[0].result.clone().unwrap_err();
+                assert_eq!(
+                    (e.reason, v[0].frontier),
+                    (RejectReason::SeqMismatch, 5),
+                    "{start_seq} {token_ids:?}: {e:?}"
+                );
+            }
+            r => panic!("{r:?}"),
+        }
+        assert_eq!((t.gen(g).state, t.gen(g).frontier()), (GenState::Running, 5));
+    }
+    // At the frontier it finishes (with or without the last records re-sent).
+    let cmd = Command::Append {
+        decoder: "d1".into(),
+        lease_ms: LEASE,
+        items: vec![AppendItem {
+            generation: g,
+            epoch: 1,
+            start_seq: 3,
+            token_ids: vec![7, 8],
+            finish: Some((FinishReason::Stop, String::new())),
+        }],
+    };
+    assert!(matches!(t.at(3, cmd), Response::Appended(ref v) if v[0].result.is_ok() && v[0].frontier == 5));
+    assert_eq!(t.gen(g).state, GenState::Finished);
+}
+
 #[test]
 fn max_tokens_is_enforced() {
     let mut t = T::new();

@@ -431,3 +431,31 @@ fn a_register_entry_of_the_previous_release_still_decodes_and_applies() {
     let back: Command = bincode::deserialize(&bincode::serialize(&new).unwrap()).unwrap();
     assert_eq!(back, new);
 }
+
+/// `ListModels` sums the capacities the decoders of one model registered: two that add up past
+/// `u32::MAX` read as `u32::MAX`. The sum overflowed before (a panic of the node serving
+/// `ListModels` in a debug build, a wrapped number in a release one).
+#[test]
+fn the_listed_capacity_of_a_model_saturates() {
+    let mut t = T::new();
+    for (id, capacity) in [("d1", u32::MAX), ("d2", 1)] {
+        let info = DecoderInfo {
+            model_name: "m".into(),
+            model: model(),
+            capacity,
+            ..Default::default()
+        };
+        let reg = Command::RegisterDecoder {
+            decoder: id.into(),
+            info,
+            ttl_ms: 1_000,
+        };
+        assert!(matches!(t.at(0, reg), Response::Registered(Ok(_))));
+    }
+    let listed = crate::service::models(&t.s);
+    assert_eq!(listed.models.len(), 1, "{listed:?}");
+    assert_eq!(
+        (listed.models[0].capacity, listed.models[0].decoders.len()),
+        (u32::MAX, 2)
+    );
+}
