@@ -335,6 +335,18 @@ async fn bad_requests_get_clear_errors() {
     let mut r = request("both", 5);
     r.prompt = "also text".into();
     assert_eq!(first_err(r).await.0, Code::InvalidArgument);
+    // A request past the HTTP body's bound is refused before it is decoded (it was decoded up
+    // to tonic's 4 MiB: ~2M empty messages made ~100 MB), and a long quoted input is cut.
+    let mut r = request("huge", 5);
+    r.messages = vec![Default::default(); 400_000];
+    let (c, m) = first_err(r).await;
+    assert_eq!(c, Code::OutOfRange, "{m}");
+    assert!(m.contains("too large"), "{m}");
+    let mut r = request("long-stop", 5);
+    r.stop = vec!["A".repeat(20_000)];
+    let (c, m) = first_err(r).await;
+    assert_eq!(c, Code::InvalidArgument, "{m}");
+    assert!(m.contains("stop string") && m.len() < 1_100, "{}", m.len());
     let mut r = request("hot", 5);
     r.temperature = 9.0;
     assert_eq!(first_err(r).await.0, Code::InvalidArgument);
@@ -481,6 +493,62 @@ async fn tenant_stream_limits_hold_and_a_client_leaving_a_stalled_stream_frees_i
             }
         }
     }
+    // The same over SSE: a client that leaves a stalled stream gives its slot back. Alice holds
+    // s2; an SSE stream takes her second slot, and its client goes before any event came (the
+    // slot stayed taken for the whole generation: the SSE task waited for an event to notice).
+    let wait_slot = |first: usize| {
+        let open = &open;
+        async move {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+            let mut n = first;
+            loop {
+                match open("key-alice", format!("a{n}")).await {
+                    Ok(s) => return s,
+                    Err(e) => {
+                        assert_eq!(e.code(), Code::ResourceExhausted);
+                        assert!(std::time::Instant::now() < deadline, "no slot came back (wait {first})");
+                        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                        n += 1;
+                    }
+                }
+            }
+        }
+    };
+    drop(wait_slot(100).await);
+    // (The slot of the stream just dropped may take a moment to come back: 429 until then.)
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let sse = loop {
+        use std::io::{Read, Write};
+        let mut c = std::net::TcpStream::connect(&g.http).unwrap();
+        let body = r#"{"stream": true, "max_tokens": 5, "messages": [{"role": "user", "content": "sse"}]}"#;
+        write!(
+            c,
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer key-alice\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut head = Vec::new();
+        let mut b = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            assert_eq!(c.read(&mut b).unwrap(), 1, "the SSE response's head");
+            head.push(b[0]);
+        }
+        let head = String::from_utf8_lossy(&head).to_string();
+        if head.starts_with("HTTP/1.1 200") {
+            break c;
+        }
+        assert!(
+            head.starts_with("HTTP/1.1 429") && std::time::Instant::now() < deadline,
+            "{head}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    let refused = open("key-alice", "full".into())
+        .await
+        .expect_err("s2 and the SSE stream hold both slots");
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    drop(sse);
+    drop(wait_slot(200).await);
 }
 
 /// Issue 14 item 4: a gateway started without any model file serves the bundled model's text.

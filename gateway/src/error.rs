@@ -61,11 +61,23 @@ impl From<GatewayError> for Status {
             GatewayError::Unavailable(_) => Code::Unavailable,
             GatewayError::Internal(_) => Code::Internal,
         };
-        Status::new(code, e.to_string())
+        Status::new(code, e.message())
     }
 }
 
 impl GatewayError {
+    /// The message a client gets: at most `ERROR_MESSAGE_BYTES_MAX` bytes (cut on a character
+    /// boundary, saying so).
+    pub fn message(&self) -> String {
+        let m = self.to_string();
+        let max = crate::limits::ERROR_MESSAGE_BYTES_MAX;
+        if m.len() <= max {
+            return m;
+        }
+        let cut = (0..=max).rev().find(|&i| m.is_char_boundary(i)).unwrap_or(0);
+        format!("{}... (cut at {cut} of {} bytes)", &m[..cut], m.len())
+    }
+
     /// HTTP status and OpenAI-style error `type` / `code`.
     pub fn http(&self) -> (StatusCode, &'static str, &'static str) {
         match self {
@@ -83,7 +95,7 @@ impl GatewayError {
     /// The OpenAI error body: `{"error": {"message", "type", "code", "param"}}`.
     pub fn openai_body(&self) -> serde_json::Value {
         let (_, ty, code) = self.http();
-        serde_json::json!({"error": {"message": self.to_string(), "type": ty, "code": code, "param": null}})
+        serde_json::json!({"error": {"message": self.message(), "type": ty, "code": code, "param": null}})
     }
 }
 
@@ -91,5 +103,30 @@ impl axum::response::IntoResponse for GatewayError {
     fn into_response(self) -> axum::response::Response {
         let (status, _, _) = self.http();
         (status, axum::Json(self.openai_body())).into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GatewayError;
+
+    /// A message quoting a long client input (a 20 KB stop string) reaches the client cut, over
+    /// gRPC and HTTP: whole, it overflowed the client's header limit in `grpc-message`.
+    #[test]
+    fn long_messages_are_cut_on_a_character_boundary() {
+        let e = GatewayError::Invalid(format!("stop string {:?}: too long", "é".repeat(10_000)));
+        let status = tonic::Status::from(e);
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
+        let m = status.message();
+        assert!(m.len() <= crate::limits::ERROR_MESSAGE_BYTES_MAX + 40, "{}", m.len());
+        assert!(
+            m.starts_with("stop string \"éé") && m.ends_with("(cut at 1023 of 20024 bytes)"),
+            "{m}"
+        );
+        let e = GatewayError::Invalid("x".repeat(5_000));
+        let body = e.openai_body();
+        assert!(body["error"]["message"].as_str().unwrap().len() < 1_100);
+        let short = GatewayError::NotFound("unknown model \"m\"".into());
+        assert_eq!(tonic::Status::from(short).message(), "unknown model \"m\"");
     }
 }

@@ -19,8 +19,10 @@ pub struct GenerationService {
     gw: Arc<Gateway>,
 }
 
+/// Requests are bounded like HTTP bodies (`HTTP_BODY_BYTES_MAX`), not by tonic's default of
+/// 4 MiB: a request of ~2M empty messages decoded to ~100 MB before its own limits were checked.
 pub fn server(gw: Arc<Gateway>) -> GenerationServer<GenerationService> {
-    GenerationServer::new(GenerationService { gw })
+    GenerationServer::new(GenerationService { gw }).max_decoding_message_size(crate::limits::HTTP_BODY_BYTES_MAX)
 }
 
 fn tenant<T>(gw: &Gateway, req: &Request<T>) -> Result<String, Status> {

@@ -30,6 +30,10 @@ pub const WATCH_RETRY_BUDGET: Duration = Duration::from_secs(30);
 pub const WATCH_REOPEN_BACKOFF: Duration = Duration::from_millis(50);
 /// Wait before trying again to open a Watch that could not be opened.
 pub const WATCH_OPEN_RETRY: Duration = Duration::from_millis(200);
+/// An error's message to a client is cut to this many bytes: messages can quote what the
+/// client sent (a stop string, a model name), and a long one in gRPC's `grpc-message` trailer
+/// overflows the client's header limit, which then sees a reset instead of the error.
+pub const ERROR_MESSAGE_BYTES_MAX: usize = 1_024;
 /// SSE events buffered per HTTP stream.
 pub const SSE_BUFFER_EVENTS: usize = 64;
 /// `GatewayClient`: how long it keeps trying gateways without receiving anything, the connect

@@ -185,6 +185,7 @@ pub fn reject_reason_to_pb(r: RejectReason) -> pb::RejectReason {
         RejectReason::ModelMismatch => pb::RejectReason::ModelMismatch,
         RejectReason::HandoffConflict => pb::RejectReason::HandoffConflict,
         RejectReason::PipelineConflict => pb::RejectReason::PipelineConflict,
+        RejectReason::Full => pb::RejectReason::Full,
     }
 }
 

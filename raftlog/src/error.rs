@@ -78,6 +78,7 @@ fn rejection_code(r: RejectReason) -> Code {
         RejectReason::NotFound => Code::NotFound,
         RejectReason::BindingConflict => Code::AlreadyExists,
         RejectReason::Limit => Code::OutOfRange,
+        RejectReason::Full => Code::ResourceExhausted,
         RejectReason::Invalid | RejectReason::ModelMismatch => Code::InvalidArgument,
         RejectReason::StaleEpoch
         | RejectReason::LeaseExpired

@@ -822,6 +822,10 @@ pub enum RejectReason {
     HandoffConflict,
     /// A pipeline composition written against an epoch that is not the head's current one.
     PipelineConflict,
+    /// The log holds as many of something (generations, tenants, registrations) as it may:
+    /// the request is fine, the log is full; try again later. (`Limit` is a request's own
+    /// field past a bound.)
+    Full,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

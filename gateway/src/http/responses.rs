@@ -245,7 +245,14 @@ pub(super) fn response_stream(
                                                      "part": {"type": "output_text", "text": "", "annotations": []}})
         );
         let mut text = String::new();
-        while let Some(ev) = rx.recv().await {
+        // Until the client leaves: then this task ends and drops `rx`, and the pump behind it
+        // gives the stream's slot and its Watch back at once (waiting for the next event to
+        // notice held them for as long as the generation stalled, or for ever after a resume
+        // past its end).
+        while let Some(ev) = tokio::select! {
+            ev = rx.recv() => ev,
+            () = tx.closed() => None,
+        } {
             let ev = match ev {
                 Ok(e) => e,
                 Err(e) => {

@@ -408,13 +408,13 @@ impl LogState {
         }
         if self.generations.len() >= GENERATIONS_MAX {
             return fail(reject(
-                RejectReason::Limit,
+                RejectReason::Full,
                 format!("the log holds {GENERATIONS_MAX} generations"),
             ));
         }
         if !self.tenants.contains_key(tenant) && self.tenants.len() >= TENANTS_MAX {
             return fail(reject(
-                RejectReason::Limit,
+                RejectReason::Full,
                 format!("the log holds {TENANTS_MAX} tenants"),
             ));
         }

@@ -76,7 +76,7 @@ impl LogState {
             }
             if self.pipelines.len() >= PIPELINES_MAX {
                 return Err(reject(
-                    RejectReason::Limit,
+                    RejectReason::Full,
                     format!("the log holds {PIPELINES_MAX} pipeline compositions"),
                 ));
             }
@@ -120,7 +120,7 @@ impl LogState {
         let old = self.stages.get(stage_id).map(|r| r.expiry_log_ms);
         if old.is_none() && self.stages.len() >= STAGES_MAX {
             return Err(reject(
-                RejectReason::Limit,
+                RejectReason::Full,
                 format!("the log holds {STAGES_MAX} stage registrations"),
             ));
         }

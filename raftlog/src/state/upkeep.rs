@@ -26,7 +26,7 @@ impl LogState {
         }
         if !self.decoders.contains_key(decoder) && self.decoders.len() >= DECODERS_MAX {
             return Err(reject(
-                RejectReason::Limit,
+                RejectReason::Full,
                 format!("the log holds {DECODERS_MAX} decoder registrations"),
             ));
         }
@@ -61,7 +61,7 @@ impl LogState {
         }
         if self.tokenizers.len() >= TOKENIZERS_MAX {
             return Err(reject(
-                RejectReason::Limit,
+                RejectReason::Full,
                 format!("the log holds {TOKENIZERS_MAX} tokenizers (its limit)"),
             ));
         }
@@ -79,7 +79,7 @@ impl LogState {
         }
         if !self.sessions.contains_key(decoder) && self.sessions.len() >= DECODERS_MAX {
             return Err(reject(
-                RejectReason::Limit,
+                RejectReason::Full,
                 format!("the log holds {DECODERS_MAX} decoder sessions"),
             ));
         }

@@ -377,7 +377,7 @@ fn a_tokenizer_is_published_once_per_digest_and_kept_through_ticks() {
     }
     assert_eq!(
         publish(&mut t, &"ef".repeat(32), b"p").unwrap_err().reason,
-        RejectReason::Limit
+        RejectReason::Full
     );
     // Ticks prune generations, never tokenizers (an old generation's text still needs one).
     t.at(1_000_000, Command::Tick { retention_ms: 1 });
