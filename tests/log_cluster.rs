@@ -347,6 +347,45 @@ async fn a_stopped_followers_data_dir_is_a_backup_every_node_can_be_restored_fro
     );
 }
 
+/// A command too large to replicate is refused before it enters the log, and the log goes on.
+/// Before, a `Submit` of 60M prompt tokens (60 MB as gRPC, under the 64 MiB bound; 240 MB as an
+/// entry) was proposed: the leader could never send that entry to a follower (the peers'
+/// message bound), so it never committed, and neither did any write after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_too_large_for_an_entry_is_refused_and_the_log_goes_on() {
+    let _one = serial();
+    let cluster = Cluster::start(0);
+    let client = cluster.client();
+    common::submit(&client, "before").await;
+    let huge = pb::Binding {
+        model: Some(common::model()),
+        prompt_token_ids: vec![1; 60_000_000],
+        stop: Some(pb::StopConfig {
+            max_tokens: 10,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let refused = tokio::time::timeout(
+        Duration::from_secs(30),
+        client.submit(pb::SubmitRequest {
+            tenant: "t".into(),
+            request_id: "huge".into(),
+            binding: Some(huge),
+        }),
+    )
+    .await
+    .expect("the huge submit is answered")
+    .expect_err("a 240 MB command is refused");
+    let text = refused.to_string();
+    assert!(text.contains("a command of") && text.contains("at most"), "{text}");
+    // The log still takes writes.
+    let after = tokio::time::timeout(Duration::from_secs(20), common::submit(&client, "after"))
+        .await
+        .expect("a write after the refused one commits");
+    assert!(after > 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn paused_follower_catches_up_through_records_and_pruning_without_crashing() {
     let _serial = serial();

@@ -90,7 +90,7 @@ pub const RETENTION_MS_MIN: u64 = 500;
 /// A model's tokenizer as the log keeps it for gateways (`Command::PublishTokenizer`): the
 /// largest package accepted (SmolLM2's is 1.86 MB), and the distinct tokenizers the log holds.
 /// Packages are kept for good (a finished generation's text needs its tokenizer as long as
-/// the generation is retained); a publish past the count is refused with `Limit`.
+/// the generation is retained); a publish past the count is refused with `Full`.
 pub const TOKENIZER_PACKAGE_BYTES_MAX: usize = 16 << 20;
 pub const TOKENIZERS_MAX: usize = 64;
 /// Pipeline compositions (`Command::SetPipeline`, one per pipeline head): stages per pipeline,
@@ -140,6 +140,18 @@ pub const SNAPSHOT_BYTES_MAX: u64 = 256 << 30;
 pub const PROPOSALS_IN_FLIGHT_MAX: usize = 8;
 pub const PROPOSAL_COMMANDS_MAX: usize = 1_024;
 pub const PROPOSAL_TOKENS_MAX: u64 = 65_536;
+/// The largest command the log takes into an entry (its bincode size, checked before it is
+/// proposed, `state::precheck`): a tokenizer package at its bound and then some. Bounds in
+/// `apply` come too late for size: an entry is replicated whole before it is applied, and one
+/// past the peers' message bound (`GRPC_MESSAGE_BYTES_MAX`) could never reach a follower, so
+/// every later write would wait behind it. The proposer merges commands into an entry up to
+/// this many bytes too (a larger command alone).
+pub const COMMAND_BYTES_MAX: u64 = TOKENIZER_PACKAGE_BYTES_MAX as u64 + (1 << 20);
+/// A model identity's fields (hex digests, architecture, number format) and a decoder's chat
+/// template, in bytes: stored with every registration and generation, on every replica and in
+/// every snapshot.
+pub const MODEL_IDENTITY_FIELD_BYTES_MAX: usize = 256;
+pub const CHAT_TEMPLATE_BYTES_MAX: usize = 64 * 1024;
 /// Commands waiting for the proposer before `write` pushes back (waits for room).
 pub const PROPOSER_QUEUE_MAX: usize = 16_384;
 /// Appends of one `AppendStream` proposed and not yet answered; the stream reads no further

@@ -34,9 +34,9 @@ use crate::error::LogError;
 use crate::faults::Faults;
 use crate::health::{Health, Readiness};
 use crate::limits::{
-    snapshot_due, GRPC_MESSAGE_BYTES_MAX, KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT, PROPOSALS_IN_FLIGHT_MAX,
-    PROPOSAL_COMMANDS_MAX, PROPOSAL_TOKENS_MAX, PROPOSER_QUEUE_MAX, RETENTION_MS_DEFAULT, RETENTION_MS_MIN,
-    TICK_INTERVAL,
+    snapshot_due, COMMAND_BYTES_MAX, GRPC_MESSAGE_BYTES_MAX, KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT,
+    PROPOSALS_IN_FLIGHT_MAX, PROPOSAL_COMMANDS_MAX, PROPOSAL_TOKENS_MAX, PROPOSER_QUEUE_MAX, RETENTION_MS_DEFAULT,
+    RETENTION_MS_MIN, TICK_INTERVAL,
 };
 use crate::raft_types::{Node as RaftNode, NodeId, Raft};
 use crate::service::LogService;
@@ -109,6 +109,8 @@ struct Pending {
     cmd: Command,
     /// Tokens the command carries (`NodeMetrics::tokens_of`), counted once.
     tokens: u64,
+    /// Its encoded size (checked against `COMMAND_BYTES_MAX` before it was queued).
+    bytes: u64,
     answer: tokio::sync::oneshot::Sender<WriteResult>,
 }
 
@@ -203,6 +205,10 @@ impl NodeCtx {
     /// queued one after another by one caller enter Raft in that order. The answer comes from
     /// [`Proposed::answer`].
     pub async fn propose(self: &Arc<Self>, cmd: Command) -> Result<Proposed, LogError> {
+        // Refused before it is in the log: an entry too large to replicate would hold up every
+        // write after it (see `COMMAND_BYTES_MAX`).
+        crate::state::precheck(&cmd).map_err(LogError::Rejected)?;
+        let bytes = bincode::serialized_size(&cmd).unwrap_or(COMMAND_BYTES_MAX);
         let tokens = crate::metrics::NodeMetrics::tokens_of(&cmd);
         #[cfg(feature = "faults")]
         if self.faults.early_visibility() {
@@ -217,7 +223,12 @@ impl NodeCtx {
         let started = std::time::Instant::now();
         let (answer, rx) = tokio::sync::oneshot::channel();
         self.proposals
-            .send(Pending { cmd, tokens, answer })
+            .send(Pending {
+                cmd,
+                tokens,
+                bytes,
+                answer,
+            })
             .await
             .map_err(|_| LogError::Raft("the node is shutting down".into()))?;
         Ok(Proposed {
@@ -380,16 +391,31 @@ async fn proposer(
     let in_flight = Arc::new(tokio::sync::Semaphore::new(PROPOSALS_IN_FLIGHT_MAX));
     // The term whose `NewLeader` this node proposed last (see `Command::NewLeader`).
     let mut announced_term = None;
-    while let Some(first) = rx.recv().await {
+    // A command taken from the queue that would have made the entry too large: the next
+    // entry's first.
+    let mut carried: Option<Pending> = None;
+    loop {
+        let first = match carried.take() {
+            Some(p) => p,
+            None => match rx.recv().await {
+                Some(p) => p,
+                None => break,
+            },
+        };
         let Ok(permit) = in_flight.clone().acquire_owned().await else {
             return;
         };
-        let mut tokens = first.tokens;
+        let (mut tokens, mut bytes) = (first.tokens, first.bytes);
         let mut batch = vec![first];
         while batch.len() < PROPOSAL_COMMANDS_MAX && tokens < PROPOSAL_TOKENS_MAX {
             match rx.try_recv() {
+                Ok(p) if bytes + p.bytes > COMMAND_BYTES_MAX => {
+                    carried = Some(p);
+                    break;
+                }
                 Ok(p) => {
                     tokens += p.tokens;
+                    bytes += p.bytes;
                     batch.push(p);
                 }
                 Err(_) => break,

@@ -155,6 +155,45 @@ fn check_lease_ms(lease_ms: u64) -> Result<(), Rejection> {
 }
 
 /// Validates a submitted binding against the named limits.
+/// What is checked of a command before it is proposed, from the command alone (no state):
+/// its size (`COMMAND_BYTES_MAX`) and the length of the strings the log would keep for good
+/// (a model identity's fields, a chat template). What needs the state is `apply`'s.
+pub fn precheck(cmd: &Command) -> Result<(), Rejection> {
+    let size = bincode::serialized_size(cmd)
+        .map_err(|e| reject(RejectReason::Invalid, format!("the command does not encode: {e}")))?;
+    if size > COMMAND_BYTES_MAX {
+        return Err(reject(
+            RejectReason::Limit,
+            format!("a command of {size} bytes; at most {COMMAND_BYTES_MAX}"),
+        ));
+    }
+    let identity = |m: &ModelIdentity| -> Result<(), Rejection> {
+        for (what, f) in [
+            ("weights sha256 bytes", &m.weights_sha256),
+            ("tokenizer sha256 bytes", &m.tokenizer_sha256),
+            ("architecture bytes", &m.architecture),
+            ("dtype class bytes", &m.dtype_class),
+        ] {
+            check_len(what, f.len(), MODEL_IDENTITY_FIELD_BYTES_MAX)?;
+        }
+        Ok(())
+    };
+    match cmd {
+        Command::Submit { binding, .. } => identity(&binding.model),
+        Command::Acquire { model, .. } => identity(model),
+        Command::Register { info, .. } => {
+            check_len("chat template bytes", info.chat_template.len(), CHAT_TEMPLATE_BYTES_MAX)?;
+            identity(&info.model)
+        }
+        Command::RegisterDecoder { info, .. } => {
+            check_len("chat template bytes", info.chat_template.len(), CHAT_TEMPLATE_BYTES_MAX)?;
+            identity(&info.model)
+        }
+        Command::Batch(cmds) => cmds.iter().try_for_each(precheck),
+        _ => Ok(()),
+    }
+}
+
 pub fn validate_binding(b: &Binding) -> Result<(), Rejection> {
     let has_ids = !b.prompt_token_ids.is_empty();
     let has_text = !b.prompt_text.is_empty();

@@ -312,3 +312,60 @@ fn a_batch_applies_like_its_commands_one_by_one() {
     assert!(matches!(&singles[1], Response::Appended(v) if v[0].result.is_err()));
     assert_eq!(batched.gen(g).records.len(), 3);
 }
+
+/// What is refused before a command is proposed: one too large for an entry, and strings the
+/// log would keep for good past their bounds (a model identity's fields, a chat template).
+#[test]
+fn precheck_refuses_oversized_commands_and_unbounded_strings() {
+    let append = |n: usize| Command::Append {
+        decoder: "d".into(),
+        lease_ms: LEASE,
+        items: vec![AppendItem {
+            generation: 1,
+            epoch: 1,
+            start_seq: 0,
+            token_ids: vec![7; n],
+            finish: None,
+        }],
+    };
+    assert_eq!(precheck(&append(4_096)), Ok(()));
+    let e = precheck(&append(5_000_000)).unwrap_err();
+    assert_eq!(e.reason, RejectReason::Limit, "{e:?}");
+    assert!(e.message.contains("a command of 20000"), "{}", e.message);
+    let register = |template: usize, arch: usize| Command::RegisterDecoder {
+        decoder: "d".into(),
+        info: DecoderInfo {
+            model_name: "m".into(),
+            model: ModelIdentity {
+                architecture: "a".repeat(arch),
+                ..model()
+            },
+            chat_template: "t".repeat(template),
+            ..Default::default()
+        },
+        ttl_ms: 1_000,
+    };
+    assert_eq!(precheck(&register(CHAT_TEMPLATE_BYTES_MAX, 5)), Ok(()));
+    assert_eq!(
+        precheck(&register(CHAT_TEMPLATE_BYTES_MAX + 1, 5)).unwrap_err().reason,
+        RejectReason::Limit
+    );
+    assert_eq!(
+        precheck(&register(10, MODEL_IDENTITY_FIELD_BYTES_MAX + 1))
+            .unwrap_err()
+            .reason,
+        RejectReason::Limit
+    );
+    let mut b = binding();
+    b.model.dtype_class = "q".repeat(MODEL_IDENTITY_FIELD_BYTES_MAX + 1);
+    let submit = Command::Submit {
+        tenant: "t".into(),
+        request_id: "r".into(),
+        binding: b,
+    };
+    assert_eq!(precheck(&submit).unwrap_err().reason, RejectReason::Limit);
+    assert_eq!(
+        precheck(&Command::Batch(vec![append(1), submit])).unwrap_err().reason,
+        RejectReason::Limit
+    );
+}
