@@ -398,6 +398,49 @@ async fn bad_requests_get_clear_errors() {
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["usage"]["completion_tokens"], 12);
     assert_eq!(v["choices"][0]["finish_reason"], "length");
+    // No event has a seq past the last one (12): a resume after 13 is refused, over gRPC and
+    // HTTP (before: an empty stream without a last event, which a client takes for a broken one
+    // and retries for 60 s), and an SSE resume right after the last chunk gets only `[DONE]`.
+    let mut c = GenerationClient::connect(format!("http://{}", g.grpc)).await.unwrap();
+    let refused = match c
+        .resume(tpb::ResumeRequest {
+            request_id: "http-1".into(),
+            after_seq: 13,
+        })
+        .await
+    {
+        Ok(s) => s
+            .into_inner()
+            .message()
+            .await
+            .expect_err("a resume after the last event"),
+        Err(e) => e,
+    };
+    assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
+    assert!(
+        refused
+            .message()
+            .contains("the last event of request \"http-1\" is seq 12"),
+        "{}",
+        refused.message()
+    );
+    let (s, body) = common::http(
+        &g.http,
+        "GET",
+        "/v1/completions/http-1/stream",
+        &[("last-event-id", "12")],
+        "",
+    );
+    assert_eq!(s, 200, "{body}");
+    assert!(body.contains("data: [DONE]") && !body.contains("data: {"), "{body}");
+    let (s, body) = common::http(
+        &g.http,
+        "GET",
+        "/v1/completions/http-1/stream",
+        &[("last-event-id", "13")],
+        "",
+    );
+    assert_eq!(s, 400, "{body}");
     let (s, body) = common::http(&g.http, "GET", "/metrics", &[], "");
     assert_eq!(s, 200);
     assert!(body.contains("tokenlog_gateway_tokens_streamed_total"), "{body}");

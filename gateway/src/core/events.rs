@@ -21,6 +21,27 @@ impl Gateway {
         info: pb::GenerationInfo,
         after_seq: i64,
     ) -> Result<mpsc::Receiver<Result<Event>>> {
+        // No event comes past the last one: its seq is the frontier of a finished generation,
+        // at most its max_tokens while it runs. A resume past it (a seq no event can have) used
+        // to get a stream that ended without a last event, which a client takes for a broken
+        // one and retries; a resume right after the last event gets an empty stream.
+        let terminal = super::is_terminal(&info);
+        let last_possible = match terminal {
+            true => i64::from(info.frontier),
+            false => i64::from(
+                info.binding
+                    .as_ref()
+                    .and_then(|b| b.stop.as_ref())
+                    .map_or(u32::MAX, |s| s.max_tokens),
+            ),
+        };
+        if after_seq > last_possible {
+            return Err(GatewayError::Invalid(format!(
+                "no event has seq {after_seq}: the last event of request {:?} is seq {last_possible}{}",
+                info.request_id,
+                if terminal { "" } else { " at most (its max_tokens)" }
+            )));
+        }
         let digest = info
             .binding
             .as_ref()

@@ -121,6 +121,18 @@ pub(super) async fn resume(gw: Arc<Gateway>, h: HeaderMap, rid: String, kind: Ki
     let model = gw.model_name(&info).await;
     let gid = info.generation_id;
     let created = created_s(&info);
+    if is_terminal(&info) && after == i64::from(info.frontier) {
+        // The client saw the last chunk and lost the connection before `[DONE]`: only that is
+        // left to send.
+        let (tx, rx) = mpsc::channel(1);
+        let _ = tx.try_send(SseEvent::default().data("[DONE]"));
+        return Ok(with_headers(
+            sse(rx).into_response(),
+            &rid,
+            gid,
+            Some(kind.stream_url(&rid)),
+        ));
+    }
     let rx = gw.events(info, after).await?;
     let resp = chunk_stream(gw, rx, kind, rid.clone(), model, created, None).into_response();
     Ok(with_headers(resp, &rid, gid, Some(kind.stream_url(&rid))))
