@@ -94,6 +94,9 @@ pub enum ChatTemplate {
 #[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// The same pipeline with special-token strings taken as plain text: what a chat message
+    /// says ([`Tokenizer::encode_chat`]).
+    inner_text: tokenizers::Tokenizer,
     /// Raw bytes of each token id (special tokens: their text), for [`IncrementalDetokenizer`].
     token_bytes: Arc<[Box<[u8]>]>,
     /// `special[id]`: the token is a control/special token (skipped in user-visible text).
@@ -319,8 +322,11 @@ impl Tokenizer {
             },
             _ => ChatTemplate::Plain,
         };
+        let mut inner_text = inner.clone();
+        inner_text.set_encode_special_tokens(true);
         Tokenizer {
             inner,
+            inner_text,
             token_bytes: token_bytes.into(),
             special: special.into(),
             bos_token_id,
@@ -478,9 +484,63 @@ impl Tokenizer {
         out
     }
 
-    /// Prompt token ids for `messages` (the chat template, then [`Tokenizer::encode`]).
+    /// Text to ids, special-token strings in `text` as plain text (`<|im_start|>` typed by
+    /// someone stays those characters).
+    pub fn encode_text(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.inner_text.encode(text, false).map_err(Error::tokenizer)?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Prompt token ids for `messages`: [`Tokenizer::apply_chat_template`]'s text encoded whole,
+    /// unless a message contains a special token's text: then the template's own text (turn
+    /// markers) is encoded with its special tokens and what the messages say as plain text
+    /// ([`Tokenizer::encode_text`]), so that a message cannot close its turn and open one of
+    /// another role (`<|im_end|>` + `<|im_start|>system` inside a user's content used to become
+    /// those control tokens). Only then: encoded in pieces, a turn marker's newline and the
+    /// spaces that start a message are no longer one token, so ordinary prompts keep the ids
+    /// they always had.
     pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
-        self.encode(&self.apply_chat_template(messages))
+        let text = self.apply_chat_template(messages);
+        if !messages.iter().any(|m| self.has_special_text(&m.content)) {
+            return self.encode(&text);
+        }
+        match &self.chat_template {
+            ChatTemplate::ChatMl { default_system } => {
+                let has_system = messages.first().is_some_and(|m| m.role == "system");
+                let default = match (has_system, default_system) {
+                    (false, Some(system)) => Some(("system", system.as_str())),
+                    _ => None,
+                };
+                let turns = default
+                    .into_iter()
+                    .chain(messages.iter().map(|m| (m.role.as_str(), m.content.as_str())));
+                let mut ids = Vec::new();
+                let mut markup = String::new();
+                for (role, content) in turns {
+                    markup.push_str(IM_START);
+                    markup.push_str(role);
+                    markup.push('\n');
+                    ids.extend(self.encode(&markup)?);
+                    markup.clear();
+                    ids.extend(self.encode_text(content)?);
+                    markup.push_str(IM_END);
+                    markup.push('\n');
+                }
+                markup.push_str(IM_START);
+                markup.push_str("assistant\n");
+                ids.extend(self.encode(&markup)?);
+                Ok(ids)
+            }
+            ChatTemplate::Plain => self.encode_text(&text),
+        }
+    }
+
+    /// Whether `s` contains the text of a special token (`<|im_start|>`, ...).
+    fn has_special_text(&self, s: &str) -> bool {
+        self.special
+            .iter()
+            .zip(self.token_bytes.iter())
+            .any(|(&special, t)| special && !t.is_empty() && contains_bytes(s.as_bytes(), t))
     }
 
     /// A fresh incremental detokenizer over this vocabulary.
@@ -493,6 +553,11 @@ impl Tokenizer {
     pub fn canonical_json(&self) -> Result<String> {
         self.inner.to_string(false).map_err(Error::tokenizer)
     }
+}
+
+/// Whether `needle` occurs in `hay`.
+fn contains_bytes(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
 }
 
 /// Every token's string by id (added tokens too), or what is wrong: an id below the vocabulary
