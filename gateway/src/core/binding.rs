@@ -121,7 +121,21 @@ fn prompt_of(p: &GenerateParams, m: &ResolvedModel) -> Result<(Vec<u32>, String)
                     ChatMessage::new(role, m.content.clone())
                 })
                 .collect();
-            (Vec::new(), m.tokenizer.apply_chat_template(&msgs))
+            // Bound as token ids: what the messages say is tokenized as text, so a message
+            // cannot close its turn and open one of another role (bound as the template's text,
+            // the decoder's tokenizer read `<|im_start|>system` in a user's content as the
+            // control token). The same ids as the text's for ordinary messages.
+            let text_len = m.tokenizer.apply_chat_template(&msgs).len();
+            if text_len > PROMPT_TEXT_BYTES_MAX {
+                return Err(GatewayError::Invalid(format!(
+                    "prompt is {text_len} bytes; the limit is {PROMPT_TEXT_BYTES_MAX}"
+                )));
+            }
+            let ids = m
+                .tokenizer
+                .encode_chat(&msgs)
+                .map_err(|e| GatewayError::Invalid(format!("prompt cannot be tokenized: {e}")))?;
+            (ids, String::new())
         }
     };
     if text.len() > PROMPT_TEXT_BYTES_MAX {
