@@ -296,19 +296,19 @@ fn a_finish_behind_the_frontier_is_refused_not_a_panic() {
     let g = t.submit(0, "r");
     t.acquire(0, g, "d1").unwrap();
     t.append(1, g, "d1", 1, 0, &[4, 5, 6, 7, 8]).unwrap();
+    let finish = |start_seq: u32, token_ids: &[u32]| Command::Append {
+        decoder: "d1".into(),
+        lease_ms: LEASE,
+        items: vec![AppendItem {
+            generation: g,
+            epoch: 1,
+            start_seq,
+            token_ids: token_ids.to_vec(),
+            finish: Some((FinishReason::Stop, String::new())),
+        }],
+    };
     for (start_seq, token_ids) in [(0, vec![]), (0, vec![4, 5]), (2, vec![6]), (4, vec![])] {
-        let cmd = Command::Append {
-            decoder: "d1".into(),
-            lease_ms: LEASE,
-            items: vec![AppendItem {
-                generation: g,
-                epoch: 1,
-                start_seq,
-                token_ids: token_ids.clone(),
-                finish: Some((FinishReason::Stop, String::new())),
-            }],
-        };
-        match t.at(2, cmd) {
+        match t.at(2, finish(start_seq, &token_ids)) {
             Response::Appended(v) => {
                 let e = v[0].result.clone().unwrap_err();
                 assert_eq!(
@@ -322,18 +322,9 @@ fn a_finish_behind_the_frontier_is_refused_not_a_panic() {
         assert_eq!((t.gen(g).state, t.gen(g).frontier()), (GenState::Running, 5));
     }
     // At the frontier it finishes (with or without the last records re-sent).
-    let cmd = Command::Append {
-        decoder: "d1".into(),
-        lease_ms: LEASE,
-        items: vec![AppendItem {
-            generation: g,
-            epoch: 1,
-            start_seq: 3,
-            token_ids: vec![7, 8],
-            finish: Some((FinishReason::Stop, String::new())),
-        }],
-    };
-    assert!(matches!(t.at(3, cmd), Response::Appended(ref v) if v[0].result.is_ok() && v[0].frontier == 5));
+    assert!(
+        matches!(t.at(3, finish(3, &[7, 8])), Response::Appended(ref v) if v[0].result.is_ok() && v[0].frontier == 5)
+    );
     assert_eq!(t.gen(g).state, GenState::Finished);
 }
 
