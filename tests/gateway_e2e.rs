@@ -386,6 +386,33 @@ async fn bad_requests_get_clear_errors() {
         "no bad request created a generation: {:?}",
         status.generations_by_state
     );
+    // A chat request that a gateway of an earlier release bound as the template's text (the
+    // owner tokenized it) is the same request to this one, which binds token ids: a retry
+    // across a rolling upgrade attaches to it instead of a 409.
+    let first = client
+        .generate(request("compat-new", 3))
+        .boxed()
+        .next()
+        .await
+        .unwrap()
+        .unwrap();
+    let mut as_text = log.generation(first.generation).await.unwrap().binding.unwrap();
+    let msgs = [tokenlog_decoder::ChatMessage::user("tell me about compat")];
+    as_text.prompt_token_ids.clear();
+    as_text.prompt_text = fake_tokenizer().unwrap().apply_chat_template(&msgs);
+    let old = log
+        .submit(tokenlog_proto::raftlog::SubmitRequest {
+            tenant: "default".into(),
+            request_id: "compat".into(),
+            binding: Some(as_text),
+        })
+        .await
+        .unwrap()
+        .generation
+        .unwrap()
+        .generation_id;
+    let again = client.generate(request("compat", 3)).boxed().next().await.unwrap();
+    assert_eq!(again.map(|e| e.generation).map_err(|e| e.to_string()), Ok(old));
     // A good non-streaming HTTP completion, and /metrics.
     let (s, body) = common::http(
         &g.http,
@@ -424,6 +451,18 @@ async fn bad_requests_get_clear_errors() {
         "{}",
         refused.message()
     );
+    // The Rust client resuming right after the last event is told at once that nothing comes
+    // (it took the empty stream for a broken one and retried for 60 s).
+    let started = std::time::Instant::now();
+    let first = client.resume("http-1".into(), 12).boxed().next().await.unwrap();
+    match first {
+        Err(tokenlog_gateway::client::ClientError::Status(s)) => {
+            assert_eq!(s.code(), Code::OutOfRange, "{s:?}");
+            assert!(s.message().contains("ended at seq 12"), "{}", s.message());
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
     let (s, body) = common::http(
         &g.http,
         "GET",
@@ -721,5 +760,8 @@ fn generate_says_it_is_retrying_while_no_gateway_answers() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("nothing received for 3s"), "{err}");
     assert!(err.contains(&gateways), "it names the gateways it tries: {err}");
-    assert!(err.contains("for up to 5"), "it says how long it keeps trying: {err}");
+    assert!(
+        err.contains("for up to 5") && err.contains("s more"),
+        "it says how long it keeps trying: {err}"
+    );
 }

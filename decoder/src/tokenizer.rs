@@ -95,8 +95,12 @@ pub enum ChatTemplate {
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     /// The same pipeline with special-token strings taken as plain text: what a chat message
-    /// says ([`Tokenizer::encode_chat`]).
-    inner_text: tokenizers::Tokenizer,
+    /// says ([`Tokenizer::encode_chat`]). Made on first use (a copy of `inner`: most prompts
+    /// never need it).
+    inner_text: std::sync::OnceLock<tokenizers::Tokenizer>,
+    /// Finds the strings `inner` turns into special tokens (its added special tokens), `None`
+    /// without any.
+    special_texts: Option<aho_corasick::AhoCorasick>,
     /// Raw bytes of each token id (special tokens: their text), for [`IncrementalDetokenizer`].
     token_bytes: Arc<[Box<[u8]>]>,
     /// `special[id]`: the token is a control/special token (skipped in user-visible text).
@@ -322,11 +326,20 @@ impl Tokenizer {
             },
             _ => ChatTemplate::Plain,
         };
-        let mut inner_text = inner.clone();
-        inner_text.set_encode_special_tokens(true);
+        let texts: Vec<String> = inner
+            .get_added_tokens_decoder()
+            .into_values()
+            .filter(|t| t.special && !t.content.is_empty())
+            .map(|t| t.content)
+            .collect();
+        let special_texts = match texts.is_empty() {
+            true => None,
+            false => aho_corasick::AhoCorasick::new(&texts).ok(),
+        };
         Tokenizer {
             inner,
-            inner_text,
+            inner_text: std::sync::OnceLock::new(),
+            special_texts,
             token_bytes: token_bytes.into(),
             special: special.into(),
             bos_token_id,
@@ -487,7 +500,12 @@ impl Tokenizer {
     /// Text to ids, special-token strings in `text` as plain text (`<|im_start|>` typed by
     /// someone stays those characters).
     pub fn encode_text(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.inner_text.encode(text, false).map_err(Error::tokenizer)?;
+        let inner_text = self.inner_text.get_or_init(|| {
+            let mut t = self.inner.clone();
+            t.set_encode_special_tokens(true);
+            t
+        });
+        let enc = inner_text.encode(text, false).map_err(Error::tokenizer)?;
         Ok(enc.get_ids().to_vec())
     }
 
@@ -535,12 +553,10 @@ impl Tokenizer {
         }
     }
 
-    /// Whether `s` contains the text of a special token (`<|im_start|>`, ...).
+    /// Whether `s` contains a string the pipeline turns into a special token (`<|im_start|>`,
+    /// ...): one pass over `s` whatever the number of special tokens.
     fn has_special_text(&self, s: &str) -> bool {
-        self.special
-            .iter()
-            .zip(self.token_bytes.iter())
-            .any(|(&special, t)| special && !t.is_empty() && contains_bytes(s.as_bytes(), t))
+        self.special_texts.as_ref().is_some_and(|a| a.is_match(s))
     }
 
     /// A fresh incremental detokenizer over this vocabulary.
@@ -553,11 +569,6 @@ impl Tokenizer {
     pub fn canonical_json(&self) -> Result<String> {
         self.inner.to_string(false).map_err(Error::tokenizer)
     }
-}
-
-/// Whether `needle` occurs in `hay`.
-fn contains_bytes(hay: &[u8], needle: &[u8]) -> bool {
-    hay.windows(needle.len()).any(|w| w == needle)
 }
 
 /// Every token's string by id (added tokens too), or what is wrong: an id below the vocabulary

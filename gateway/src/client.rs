@@ -177,7 +177,19 @@ impl GatewayClient {
                                         return;
                                     }
                                 }
-                                Ok(None) => break Status::unavailable("stream ended before the last event"),
+                                Ok(None) => {
+                                    // Cleanly ended: either the gateway went away, or there is
+                                    // nothing after `last` (a resume after the last event).
+                                    if let Some(end) = this.ended_at_or_before(&request_id, last).await {
+                                        let _ = tx
+                                            .send(Err(ClientError::Status(Status::out_of_range(format!(
+                                                "nothing comes after seq {last}: request {request_id} ended at seq {end}"
+                                            )))))
+                                            .await;
+                                        return;
+                                    }
+                                    break Status::unavailable("stream ended before the last event");
+                                }
                                 Err(s) => break s,
                             }
                         }
@@ -215,6 +227,17 @@ impl GatewayClient {
             }
         });
         tokio_stream::wrappers::ReceiverStream::new(rx)
+    }
+
+    /// The seq of the last event of request `request_id` if it has ended at or before `seq`
+    /// (`None`: not ended, not that far, or no gateway could say).
+    async fn ended_at_or_before(&self, request_id: &str, seq: i64) -> Option<u32> {
+        if seq < 0 {
+            return None;
+        }
+        let st = self.status(request_id).await.ok()?;
+        let ended = matches!(st.state.as_str(), "finished" | "failed" | "cancelled");
+        (ended && i64::from(st.frontier) <= seq).then_some(st.frontier)
     }
 
     /// Runs a unary call on the first gateway that answers.

@@ -69,6 +69,41 @@ impl Gateway {
     }
 }
 
+/// A request's messages as the chat template takes them (`developer` is `system`).
+fn chat_messages(msgs: &[ChatMessage]) -> Vec<ChatMessage> {
+    msgs.iter()
+        .map(|m| {
+            let role = if m.role == "developer" {
+                "system"
+            } else {
+                m.role.as_str()
+            };
+            ChatMessage::new(role, m.content.clone())
+        })
+        .collect()
+}
+
+/// Whether `existing` is `ours` as a gateway of an earlier release bound it: a chat prompt
+/// as the template's text (the owner tokenized it) instead of token ids, all else the same.
+/// A request retried across a rolling upgrade is then the same request, not a conflict.
+pub(super) fn same_but_bound_as_text(
+    p: &GenerateParams,
+    m: &ResolvedModel,
+    ours: &pb::Binding,
+    existing: &pb::Binding,
+) -> bool {
+    let Prompt::Chat(msgs) = &p.prompt else {
+        return false;
+    };
+    let mut as_text = ours.clone();
+    as_text.prompt_token_ids.clear();
+    as_text.prompt_text = m.tokenizer.apply_chat_template(&chat_messages(msgs));
+    let mut theirs = existing.clone();
+    // The owner's `BindPrompt` fills in the ids of a text prompt.
+    theirs.prompt_token_ids.clear();
+    as_text == theirs
+}
+
 /// The prompt as the binding holds it, `(token ids, text)` (one of them empty), checked against
 /// the limits and the model's context.
 fn prompt_of(p: &GenerateParams, m: &ResolvedModel) -> Result<(Vec<u32>, String)> {
@@ -110,17 +145,7 @@ fn prompt_of(p: &GenerateParams, m: &ResolvedModel) -> Result<(Vec<u32>, String)
                     )));
                 }
             }
-            let msgs: Vec<ChatMessage> = msgs
-                .iter()
-                .map(|m| {
-                    let role = if m.role == "developer" {
-                        "system"
-                    } else {
-                        m.role.as_str()
-                    };
-                    ChatMessage::new(role, m.content.clone())
-                })
-                .collect();
+            let msgs = chat_messages(msgs);
             // Bound as token ids: what the messages say is tokenized as text, so a message
             // cannot close its turn and open one of another role (bound as the template's text,
             // the decoder's tokenizer read `<|im_start|>system` in a user's content as the

@@ -28,7 +28,8 @@ use crate::tenants::{Held, TenantLimits, TenantUse, Tenants};
 /// What the client wants generated.
 #[derive(Clone, Debug)]
 pub enum Prompt {
-    /// A chat: the model's chat template is applied here, the decoder tokenizes the text.
+    /// A chat: the model's chat template is applied here and bound as token ids
+    /// (`Tokenizer::encode_chat`).
     Chat(Vec<ChatMessage>),
     /// Raw prompt text (tokenized by the first decoder that owns the generation).
     Text(String),
@@ -198,21 +199,37 @@ impl Gateway {
             .check(tenant, Held::Stream, self.tenant_limits.streams)?;
         let m = self.resolve_model(&p.model).await?;
         let binding = self.binding(tenant, p, &m)?;
-        let r = self
+        let submitted = self
             .log
             .submit(pb::SubmitRequest {
                 tenant: tenant.to_string(),
                 request_id: p.request_id.clone(),
-                binding: Some(binding),
+                binding: Some(binding.clone()),
             })
             .await
-            .map_err(|e| match GatewayError::from(e) {
-                GatewayError::Conflict(msg) => GatewayError::Conflict(format!(
-                    "request id {:?} was already used for a different request ({msg})",
-                    p.request_id
-                )),
-                other => other,
-            })?;
+            .map_err(GatewayError::from);
+        let r = match submitted {
+            Ok(r) => r,
+            Err(GatewayError::Conflict(msg)) => {
+                // The same chat request bound by a gateway of an earlier release (as text)?
+                let existing = self.lookup(tenant, &p.request_id).await?;
+                let same = existing
+                    .binding
+                    .as_ref()
+                    .is_some_and(|b| binding::same_but_bound_as_text(p, &m, &binding, b));
+                if !same {
+                    return Err(GatewayError::Conflict(format!(
+                        "request id {:?} was already used for a different request ({msg})",
+                        p.request_id
+                    )));
+                }
+                pb::SubmitResponse {
+                    generation: Some(existing),
+                    created: false,
+                }
+            }
+            Err(e) => return Err(e),
+        };
         let info = r
             .generation
             .ok_or_else(|| GatewayError::Internal("submit answered without a generation".into()))?;

@@ -121,9 +121,10 @@ pub(super) async fn resume(gw: Arc<Gateway>, h: HeaderMap, rid: String, kind: Ki
     let model = gw.model_name(&info).await;
     let gid = info.generation_id;
     let created = created_s(&info);
-    if is_terminal(&info) && after == i64::from(info.frontier) {
+    let failed = info.state == pb::GenerationState::Failed as i32;
+    if is_terminal(&info) && !failed && after == i64::from(info.frontier) {
         // The client saw the last chunk and lost the connection before `[DONE]`: only that is
-        // left to send.
+        // left to send (a failed generation's stream ends with its error, without `[DONE]`).
         let (tx, rx) = mpsc::channel(1);
         let _ = tx.try_send(SseEvent::default().data("[DONE]"));
         return Ok(with_headers(

@@ -257,7 +257,7 @@ pub(super) fn response_stream(
                 Ok(e) => e,
                 Err(e) => {
                     gw.metrics.stream_errors.inc();
-                    let body = json!({"type": "error", "code": e.http().2, "message": e.to_string(), "param": null,
+                    let body = json!({"type": "error", "code": e.http().2, "message": e.message(), "param": null,
                                       "sequence_number": n});
                     let _ = tx.send(SseEvent::default().event("error").data(body.to_string())).await;
                     return;

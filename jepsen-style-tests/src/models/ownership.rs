@@ -710,6 +710,37 @@ mod tests {
         assert_eq!(verdict(&revived), "not-linearizable", "terminal is for ever");
     }
 
+    /// A finish that ends behind the committed frontier is refused (`SeqMismatch`, the log's
+    /// rule since the apply panic it caused): acknowledged, it is not linearizable.
+    #[test]
+    fn a_finish_behind_the_frontier_is_refused() {
+        let ops = [
+            acq(0, "a", 0, Some(O::Acquired { epoch: 1, frontier: 0 }), 1),
+            app(0, (1, 0, 3), 2, Some(O::Appended { frontier: 3 }), 3),
+            app_fin(
+                0,
+                (1, 0, 1),
+                4,
+                Some(O::Rejected {
+                    current_epoch: 1,
+                    frontier: 3,
+                    terminal: false,
+                }),
+                5,
+            ),
+            final_read(6, 1, 3, false),
+        ];
+        assert_eq!(verdict(&ops), "linearizable");
+        let mut accepted = ops.clone();
+        accepted[2] = app_fin(0, (1, 0, 1), 4, Some(O::Appended { frontier: 3 }), 5);
+        accepted[3] = final_read(6, 1, 3, true);
+        assert_eq!(
+            verdict(&accepted),
+            "not-linearizable",
+            "a finish behind the frontier taken"
+        );
+    }
+
     #[test]
     fn a_cancel_outside_the_histories_may_end_a_generation_at_any_point() {
         let ops = [

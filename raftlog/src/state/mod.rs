@@ -154,7 +154,6 @@ fn check_lease_ms(lease_ms: u64) -> Result<(), Rejection> {
     Ok(())
 }
 
-/// Validates a submitted binding against the named limits.
 /// What is checked of a command before it is proposed, from the command alone (no state):
 /// its size (`COMMAND_BYTES_MAX`) and the length of the strings the log would keep for good
 /// (a model identity's fields, a chat template). What needs the state is `apply`'s.
@@ -194,6 +193,7 @@ pub fn precheck(cmd: &Command) -> Result<(), Rejection> {
     }
 }
 
+/// Validates a submitted binding against the named limits.
 pub fn validate_binding(b: &Binding) -> Result<(), Rejection> {
     let has_ids = !b.prompt_token_ids.is_empty();
     let has_text = !b.prompt_text.is_empty();
