@@ -145,7 +145,9 @@ pub const PROPOSAL_TOKENS_MAX: u64 = 65_536;
 /// `apply` come too late for size: an entry is replicated whole before it is applied, and one
 /// past the peers' message bound (`GRPC_MESSAGE_BYTES_MAX`) could never reach a follower, so
 /// every later write would wait behind it. The proposer merges commands into an entry up to
-/// this many bytes too (a larger command alone).
+/// this many bytes too (a larger command alone). Not bounded yet: a replication message of
+/// several large entries (openraft batches entries by count, not bytes), which only commands
+/// near this size, sent on purpose, would reach.
 pub const COMMAND_BYTES_MAX: u64 = TOKENIZER_PACKAGE_BYTES_MAX as u64 + (1 << 20);
 /// A model identity's fields (hex digests, architecture, number format) and a decoder's chat
 /// template, in bytes: stored with every registration and generation, on every replica and in
