@@ -390,14 +390,19 @@ impl LogClient {
     }
 
     /// Registers (or renews) a stage process for `ttl_ms` of log time; its expiry.
+    /// Each try is given a quarter of the registration's life: a node that holds a call
+    /// without answering (a paused leader) would otherwise keep every renewal until its
+    /// connection's keepalive gave up, while a new leader's log time runs the registration out.
     pub async fn register_stage(&self, stage: pb::StageRegistration, ttl_ms: u64) -> Result<u64, ClientError> {
         let req = pb::RegisterStageRequest {
             stage: Some(stage),
             ttl_ms,
         };
+        let per_try = Duration::from_millis(ttl_ms / 4).max(RETRY_PAUSE_MAX);
         let r = self
             .call(|mut c| {
-                let req = req.clone();
+                let mut req = tonic::Request::new(req.clone());
+                req.set_timeout(per_try);
                 async move { c.register_stage(req).await }
             })
             .await?;

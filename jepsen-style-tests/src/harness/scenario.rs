@@ -101,7 +101,8 @@ pub enum Scenario {
     /// for the new leader; no stage is spliced out and the generation stays with its head.
     PipelineLeaderCrash,
     /// 15 with 12: the log's Raft leader is paused (SIGSTOP) for 2 s under a pipeline (calls
-    /// to it hang instead of being refused): as `PipelineLeaderCrash`.
+    /// to it hang instead of being refused, renewals among them): a splice or a takeover may
+    /// follow; the checkers and the uninterrupted run judge the generation.
     PipelineLeaderPause,
     /// 1: decoder 1, drained into decoder 2, exits while copying (failpoint): the attempt is
     /// aborted, another decoder takes the generation over.

@@ -332,10 +332,17 @@ fn per_scenario(
                 matches!(terms, (Some(a), Some(b)) if b > a),
                 format!("term before the fault {:?}, after {:?}", terms.0, terms.1),
             );
+            // A paused leader holds the calls sent to it (renewals of the head's leases and of
+            // the stages' registrations) while the new leader's log time runs: a splice or a
+            // takeover may follow, and the checkers and the uninterrupted run judge it. A
+            // crashed one refuses them at once: neither may happen.
+            if sc == Scenario::PipelineLeaderPause {
+                return;
+            }
             let epochs: BTreeSet<u64> = tokens.iter().map(|t| t.2).collect();
             expect(
                 out,
-                "no stage was spliced out while the log elected a leader, and the generation stayed with its head (every record at epoch 1)",
+                "no stage was spliced out while the log elected a leader after a crash, and the generation stayed with its head (every record at epoch 1)",
                 spliced == 0 && epochs.iter().all(|&e| e == 1),
                 format!("{spliced} splices; epochs seen {epochs:?}"),
             );
