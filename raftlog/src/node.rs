@@ -207,8 +207,7 @@ impl NodeCtx {
     pub async fn propose(self: &Arc<Self>, cmd: Command) -> Result<Proposed, LogError> {
         // Refused before it is in the log: an entry too large to replicate would hold up every
         // write after it (see `COMMAND_BYTES_MAX`).
-        crate::state::precheck(&cmd).map_err(LogError::Rejected)?;
-        let bytes = bincode::serialized_size(&cmd).unwrap_or(COMMAND_BYTES_MAX);
+        let bytes = crate::state::precheck_sized(&cmd).map_err(LogError::Rejected)?;
         let tokens = crate::metrics::NodeMetrics::tokens_of(&cmd);
         #[cfg(feature = "faults")]
         if self.faults.early_visibility() {

@@ -158,6 +158,11 @@ fn check_lease_ms(lease_ms: u64) -> Result<(), Rejection> {
 /// its size (`COMMAND_BYTES_MAX`) and the length of the strings the log would keep for good
 /// (a model identity's fields, a chat template). What needs the state is `apply`'s.
 pub fn precheck(cmd: &Command) -> Result<(), Rejection> {
+    precheck_sized(cmd).map(|_| ())
+}
+
+/// [`precheck`], and the command's encoded size (measured once, for the proposer's entry bound).
+pub fn precheck_sized(cmd: &Command) -> Result<u64, Rejection> {
     let size = bincode::serialized_size(cmd)
         .map_err(|e| reject(RejectReason::Invalid, format!("the command does not encode: {e}")))?;
     if size > COMMAND_BYTES_MAX {
@@ -166,6 +171,13 @@ pub fn precheck(cmd: &Command) -> Result<(), Rejection> {
             format!("a command of {size} bytes; at most {COMMAND_BYTES_MAX}"),
         ));
     }
+    check_kept_strings(cmd)?;
+    Ok(size)
+}
+
+/// The strings of `cmd` the log keeps for good, against their bounds (a `Batch`'s commands too;
+/// its size was measured whole).
+fn check_kept_strings(cmd: &Command) -> Result<(), Rejection> {
     let identity = |m: &ModelIdentity| -> Result<(), Rejection> {
         for (what, f) in [
             ("weights sha256 bytes", &m.weights_sha256),
@@ -188,7 +200,7 @@ pub fn precheck(cmd: &Command) -> Result<(), Rejection> {
             check_len("chat template bytes", info.chat_template.len(), CHAT_TEMPLATE_BYTES_MAX)?;
             identity(&info.model)
         }
-        Command::Batch(cmds) => cmds.iter().try_for_each(precheck),
+        Command::Batch(cmds) => cmds.iter().try_for_each(check_kept_strings),
         _ => Ok(()),
     }
 }
