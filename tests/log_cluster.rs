@@ -386,6 +386,67 @@ async fn a_command_too_large_for_an_entry_is_refused_and_the_log_goes_on() {
     assert!(after > 0);
 }
 
+/// A follower that was down while a few commands near the entry bound were written catches up.
+/// openraft sends a lagging follower up to 300 entries in one request: six entries of ~14 MB
+/// went as one message past the peers' 64 MiB bound, refused on every try, and the follower
+/// never caught up (nor could it have served as a quorum member again). Such a request now goes
+/// as several (`transport::split_append`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_behind_entries_too_large_for_one_message_catches_up() {
+    let _one = serial();
+    // No snapshot in the meantime: the follower must catch up through the entries themselves.
+    let mut cluster = Cluster::start(100_000);
+    let client = cluster.client();
+    common::submit(&client, "before").await;
+    let leader = cluster.leader().await;
+    let follower = (leader + 1) % 3;
+    cluster.kill9(follower);
+    for i in 0..6 {
+        // 3.5M prompt tokens: ~3.5 MB as gRPC, ~14 MB as an entry (under COMMAND_BYTES_MAX).
+        // `apply` refuses the prompt's length, but the entry is in the log all the same.
+        let big = pb::Binding {
+            model: Some(common::model()),
+            prompt_token_ids: vec![1; 3_500_000],
+            stop: Some(pb::StopConfig {
+                max_tokens: 10,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let refused = client
+            .submit(pb::SubmitRequest {
+                tenant: "t".into(),
+                request_id: format!("big{i}"),
+                binding: Some(big),
+            })
+            .await
+            .expect_err("apply refuses a prompt that long");
+        assert!(refused.to_string().contains("prompt tokens"), "{refused}");
+    }
+    common::submit(&client, "after").await;
+    let target = client.cluster_status(true).await.unwrap().last_log_index;
+    cluster.start_node(follower);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut node = client.node(&cluster.addrs[follower]);
+    loop {
+        let applied = match node.cluster_status(pb::ClusterStatusRequest::default()).await {
+            Ok(r) => r.into_inner().applied_index,
+            Err(_) => 0,
+        };
+        if applied >= target {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the follower applied up to {applied} of {target} in 30 s; its log:\n{}\nthe leader's:\n{}",
+            cluster.node_log(follower),
+            cluster.node_log(leader)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    cluster.converged().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn paused_follower_catches_up_through_records_and_pruning_without_crashing() {
     let _serial = serial();

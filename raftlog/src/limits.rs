@@ -145,10 +145,20 @@ pub const PROPOSAL_TOKENS_MAX: u64 = 65_536;
 /// `apply` come too late for size: an entry is replicated whole before it is applied, and one
 /// past the peers' message bound (`GRPC_MESSAGE_BYTES_MAX`) could never reach a follower, so
 /// every later write would wait behind it. The proposer merges commands into an entry up to
-/// this many bytes too (a larger command alone). Not bounded yet: a replication message of
-/// several large entries (openraft batches entries by count, not bytes), which only commands
-/// near this size, sent on purpose, would reach.
+/// this many bytes too (a larger command alone). A replication message of several such
+/// entries is split to `REPLICATION_MESSAGE_BYTES_MAX`.
 pub const COMMAND_BYTES_MAX: u64 = TOKENIZER_PACKAGE_BYTES_MAX as u64 + (1 << 20);
+/// The most entry bytes one replication request carries to a follower (`transport::split_append`).
+/// openraft batches entries by count (up to 300), not bytes: a follower that lagged behind a few
+/// entries near `COMMAND_BYTES_MAX` was sent them in one message past the peers' bound, refused
+/// on every try, and never caught up. A request over this is sent as several, each starting
+/// where the one before ended; an entry larger than this alone goes alone.
+pub const REPLICATION_MESSAGE_BYTES_MAX: usize = 32 << 20;
+const _: () = assert!(
+    COMMAND_BYTES_MAX as usize + (1 << 20) <= REPLICATION_MESSAGE_BYTES_MAX
+        && REPLICATION_MESSAGE_BYTES_MAX + (1 << 20) <= GRPC_MESSAGE_BYTES_MAX,
+    "one entry of the largest command, with its request around it, fits a replication message, and that a peer's message bound"
+);
 /// A model identity's fields (hex digests, architecture, number format) and a decoder's chat
 /// template, in bytes: stored with every registration and generation, on every replica and in
 /// every snapshot.

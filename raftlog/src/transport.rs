@@ -23,8 +23,8 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::error::{LogError, PayloadError};
-use crate::limits::{GRPC_MESSAGE_BYTES_MAX, SNAPSHOT_BYTES_MAX, SNAPSHOT_CHUNK_BYTES};
-use crate::raft_types::{Node, NodeId, Raft, Snapshot, SnapshotData, SnapshotMeta, TypeConfig, Vote};
+use crate::limits::{GRPC_MESSAGE_BYTES_MAX, REPLICATION_MESSAGE_BYTES_MAX, SNAPSHOT_BYTES_MAX, SNAPSHOT_CHUNK_BYTES};
+use crate::raft_types::{Entry, Node, NodeId, Raft, Snapshot, SnapshotData, SnapshotMeta, TypeConfig, Vote};
 use crate::sm_store::SmShared;
 use crate::tls::{scheme, ClientTls};
 
@@ -45,6 +45,63 @@ fn unpack<T: DeserializeOwned>(p: &RaftPayload) -> Result<T, PayloadError> {
         });
     }
     Ok(bincode::deserialize(&p.data)?)
+}
+
+/// Room left in a replication message for the request around its entries (vote, log ids,
+/// lengths): far more than they take.
+const REQUEST_FRAME_BYTES: usize = 64 * 1024;
+
+/// Packs one replication request for the wire: as it is, or, when its encoding is larger than
+/// `REPLICATION_MESSAGE_BYTES_MAX`, as the consecutive requests of [`split_append`]. The
+/// follower answers each in order, and openraft takes each answer's log id as progress.
+fn pack_append(req: AppendEntriesRequest<TypeConfig>) -> Vec<Result<RaftPayload, PayloadError>> {
+    match pack(&req) {
+        Ok(p) if p.data.len() <= REPLICATION_MESSAGE_BYTES_MAX => vec![Ok(p)],
+        Ok(_) => split_append(req, REPLICATION_MESSAGE_BYTES_MAX - REQUEST_FRAME_BYTES)
+            .iter()
+            .map(pack)
+            .collect(),
+        Err(e) => vec![Err(e)],
+    }
+}
+
+/// `req` as consecutive requests whose entries take at most `budget` encoded bytes each (an
+/// entry larger than that alone goes alone): each starts after the last entry of the one before
+/// (its `prev_log_id`), and all carry the leader's vote and commit, as openraft's own batches
+/// of fewer entries than the leader holds do.
+fn split_append(req: AppendEntriesRequest<TypeConfig>, budget: usize) -> Vec<AppendEntriesRequest<TypeConfig>> {
+    let AppendEntriesRequest {
+        vote,
+        mut prev_log_id,
+        entries,
+        leader_commit,
+    } = req;
+    let mut parts = Vec::new();
+    let mut part: Vec<Entry> = Vec::new();
+    let mut bytes = 0usize;
+    for e in entries {
+        let size = bincode::serialized_size(&e).map_or(usize::MAX, |n| n as usize);
+        if let Some(last) = part.last().filter(|_| bytes.saturating_add(size) > budget) {
+            let next_prev = Some(last.log_id);
+            parts.push(AppendEntriesRequest {
+                vote,
+                prev_log_id,
+                entries: std::mem::take(&mut part),
+                leader_commit,
+            });
+            prev_log_id = next_prev;
+            bytes = 0;
+        }
+        bytes = bytes.saturating_add(size);
+        part.push(e);
+    }
+    parts.push(AppendEntriesRequest {
+        vote,
+        prev_log_id,
+        entries: part,
+        leader_commit,
+    });
+    parts
 }
 
 // ------------------------------------------------------------------------------------ client
@@ -188,9 +245,10 @@ impl RaftNetworkV2<TypeConfig> for Connection {
         Box::pin(async move {
             let mut client = self.client()?;
             // A request that cannot be encoded ends the stream (the follower then answers what
-            // it got, and openraft starts a new stream from there).
+            // it got, and openraft starts a new stream from there). One too large for a peer's
+            // message bound goes as several.
             let requests = input
-                .map(|r| pack(&r))
+                .flat_map(|r| futures::stream::iter(pack_append(r)))
                 .take_while(|p| futures::future::ready(p.is_ok()))
                 .filter_map(|p| futures::future::ready(p.ok()));
             let answers = client.append_stream(requests).await.map_err(status_err)?.into_inner();
@@ -401,5 +459,104 @@ impl RaftTransport for RaftService {
             .await
             .map_err(raft_failed)?;
         reply(&resp.vote)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::{Command, Request, TokenizerPackage};
+    use openraft::testing::log_id;
+
+    fn entry(index: u64, bytes: usize) -> Entry {
+        let payload = if bytes == 0 {
+            openraft::EntryPayload::Blank
+        } else {
+            openraft::EntryPayload::Normal(Request::new(
+                index,
+                Command::PublishTokenizer {
+                    tokenizer_sha256: format!("{index}"),
+                    package: TokenizerPackage(vec![7; bytes]),
+                },
+            ))
+        };
+        Entry {
+            log_id: log_id::<TypeConfig>(2, 1, index),
+            payload,
+        }
+    }
+
+    fn request(sizes: &[usize]) -> AppendEntriesRequest<TypeConfig> {
+        AppendEntriesRequest {
+            vote: Vote::new_committed(2, 1),
+            prev_log_id: Some(log_id::<TypeConfig>(1, 1, 9)),
+            entries: sizes
+                .iter()
+                .enumerate()
+                .map(|(i, &b)| entry(10 + i as u64, b))
+                .collect(),
+            leader_commit: Some(log_id::<TypeConfig>(2, 1, 12)),
+        }
+    }
+
+    fn size(e: &Entry) -> usize {
+        bincode::serialized_size(e).unwrap() as usize
+    }
+
+    /// A request over the budget goes as consecutive requests: together the same entries in the
+    /// same order, each part within the budget (an entry larger than it alone), each part's
+    /// `prev_log_id` the last entry of the part before, the vote and commit on every part.
+    #[test]
+    fn a_large_replication_request_goes_as_consecutive_parts_within_the_budget() {
+        let sizes = [1_000, 1_000, 5_000, 0, 1_000, 300, 300, 300, 2_500, 0];
+        let req = request(&sizes);
+        let budget = size(&req.entries[0]) * 2 + 16;
+        let (vote, first_prev, commit, all) = (req.vote, req.prev_log_id, req.leader_commit, req.entries.clone());
+        let parts = split_append(req, budget);
+        assert!(parts.len() > 3, "{} parts", parts.len());
+        let joined: Vec<Entry> = parts.iter().flat_map(|p| p.entries.clone()).collect();
+        assert_eq!(joined, all);
+        let mut prev = first_prev;
+        for p in &parts {
+            assert!(!p.entries.is_empty());
+            assert_eq!(p.prev_log_id, prev);
+            assert_eq!((p.vote, p.leader_commit), (vote, commit));
+            let bytes: usize = p.entries.iter().map(size).sum();
+            assert!(bytes <= budget || p.entries.len() == 1, "{bytes} > {budget}");
+            prev = p.entries.last().map(|e| e.log_id);
+        }
+        // Every part but the last was full: adding the next entry would have passed the budget.
+        for w in parts.windows(2) {
+            let bytes: usize = w[0].entries.iter().map(size).sum();
+            assert!(bytes + size(&w[1].entries[0]) > budget);
+        }
+    }
+
+    /// Within the bound a request is sent as it is, an empty one (a heartbeat) too; past it every
+    /// message is within the bound and decodes to a part of it.
+    #[test]
+    fn only_a_request_past_the_bound_is_split() {
+        for sizes in [&[][..], &[0, 100, 0][..]] {
+            let whole = pack(&request(sizes)).unwrap();
+            let packed = pack_append(request(sizes));
+            assert_eq!(packed.len(), 1);
+            assert_eq!(packed[0].as_ref().unwrap().data, whole.data);
+        }
+        let third = REPLICATION_MESSAGE_BYTES_MAX / 3;
+        let sizes = [third, third, third, third, 10];
+        let packed = pack_append(request(&sizes));
+        assert_eq!(
+            packed.len(),
+            2,
+            "two of the large entries a message (the small one with the last two)"
+        );
+        let mut entries = Vec::new();
+        for p in packed {
+            let p = p.unwrap();
+            assert!(p.data.len() <= REPLICATION_MESSAGE_BYTES_MAX);
+            let part: AppendEntriesRequest<TypeConfig> = unpack(&p).unwrap();
+            entries.extend(part.entries);
+        }
+        assert_eq!(entries, request(&sizes).entries);
     }
 }
