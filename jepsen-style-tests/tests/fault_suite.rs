@@ -143,9 +143,9 @@ async fn a_pipeline_run_under_stage_and_head_nemeses_shows_no_violation() {
         assert!(s.faults.get(f).is_some_and(|&n| n > 0), "{f} ran: {:?}", s.faults);
     }
     assert!(s.requests > 0 && s.tokens_seen > 0);
-    // (lease-time judges takeovers, which this seed's two head kills may not cause: twice in CI
-    // the head held nothing when it was killed, 0 takeovers; here 3-6 in four runs)
-    for (name, v) in s.verdicts.iter().filter(|(k, _)| *k != "lease-time") {
+    // lease-time judges the takeovers that follow the head's kills: each kill aims at an append
+    // in flight (twice CI found the head idle at both kills when they did not aim).
+    for (name, v) in &s.verdicts {
         assert!(v.checked > 0, "{name} checked nothing");
     }
     let head = std::fs::read_to_string(cfg.out.join("decoder1.log")).unwrap();

@@ -323,13 +323,25 @@ async fn stage_fault(fault: Fault, procs: &Mutex<Procs>, rng: &mut StdRng) -> an
     Ok(target)
 }
 
-/// `KillHead`: the pipeline head (decoder 1) killed and restarted after 0.2-1.5 s.
+/// `KillHead`: the pipeline head (decoder 1) killed and restarted after 0.2-1.5 s. It is killed
+/// with an append in flight when one comes within 3 s, so that it holds a generation another
+/// decoder must take over (a head killed idle costs nothing to judge: CI once found it so at
+/// both of a run's kills).
 async fn kill_head(procs: &Mutex<Procs>, rng: &mut StdRng) -> anyhow::Result<String> {
-    let target = procs.lock().expect("lock").decoders[0].name.clone();
+    let mut target = procs.lock().expect("lock").decoders[0].name.clone();
+    let history = procs.lock().expect("lock").dir.join("decoder1.jsonl");
+    let aim = Instant::now();
+    while aim.elapsed() < Duration::from_secs(3) {
+        if append_in_flight(&history) {
+            target.push_str(" (an append in flight)");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
     procs.lock().expect("lock").decoders[0].kill9();
     tokio::time::sleep(ms(rng, 200, 1500)).await;
     procs.lock().expect("lock").decoders[0].start()?;
-    Ok(format!("{target} (the pipeline head)"))
+    Ok(format!("{target}, the pipeline head"))
 }
 
 /// `Clock`: a node's wall clock (the leader half the time) jumps by up to ±5 s, or drifts by up

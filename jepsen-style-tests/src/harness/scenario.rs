@@ -101,8 +101,9 @@ pub enum Scenario {
     /// for the new leader; no stage is spliced out and the generation stays with its head.
     PipelineLeaderCrash,
     /// 15 with 12: the log's Raft leader is paused (SIGSTOP) for 2 s under a pipeline (calls
-    /// to it hang instead of being refused, renewals among them): a splice or a takeover may
-    /// follow; the checkers and the uninterrupted run judge the generation.
+    /// to it hang instead of being refused): every renewal try (the head's leases, the stages'
+    /// registrations) gives up after a quarter of what it renews and goes to another node, so
+    /// again no stage is spliced out and the generation stays with its head.
     PipelineLeaderPause,
     /// 1: decoder 1, drained into decoder 2, exits while copying (failpoint): the attempt is
     /// aborted, another decoder takes the generation over.
