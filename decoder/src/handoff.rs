@@ -44,6 +44,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 use tokio::time::Instant;
 
 use tokenlog_proto::decoder as dpb;
@@ -56,8 +57,8 @@ use tonic::{Request, Response, Status};
 use crate::cache::{f32s_from_bytes, f32s_to_bytes, BlockKind, CacheBlock, CacheCopy, CacheExport};
 use crate::history::{Answer, Call, DecoderEvent, History};
 use crate::limits::{
-    HANDOFF_CACHE_BYTES_MAX, HANDOFF_CHUNK_BYTES, HANDOFF_ROWS_BYTES_MAX, HANDOFF_ROWS_FIND, HANDOFF_ROWS_LAG_MAX,
-    HANDOFF_ROWS_QUEUE, HANDOFF_ROWS_WAIT, HANDOFF_TRANSFER_TIMEOUT,
+    HANDOFF_CACHE_BLOCKS_MAX, HANDOFF_CACHE_BYTES_MAX, HANDOFF_CHUNK_BYTES, HANDOFF_ROWS_BYTES_MAX, HANDOFF_ROWS_FIND,
+    HANDOFF_ROWS_LAG_MAX, HANDOFF_ROWS_QUEUE, HANDOFF_ROWS_WAIT, HANDOFF_TRANSFER_TIMEOUT,
 };
 use crate::resume::{DecodeState, Row};
 use crate::worker::{model_work, HandoffPoint, StepHooks, WorkerError};
@@ -234,7 +235,9 @@ impl HandoffPort {
         let positions = manifest.kv_positions as usize..s.model.max_context();
         let rows: SharedRows = Arc::new(Mutex::new(RowsIn::new(positions, header.rows_key != 0)));
         let _rows_in = RowsRegistered::new(s, (id, header.attempt, header.rows_key), &rows);
-        let cache = collect_cache(manifest, &mut inbound).await?;
+        // The source gives up on its transfer after `HANDOFF_TRANSFER_TIMEOUT`; a source that
+        // stops sending holds this slot no longer than that.
+        let cache = collect_cache(manifest, &mut inbound, HANDOFF_TRANSFER_TIMEOUT).await?;
         let got = cache.sha256();
         if got != manifest.cache_sha256 {
             return Err(format!(
@@ -517,22 +520,32 @@ impl HandoffPort {
 }
 
 /// The blocks and logits of a transfer, reassembled (a block may come in several chunks:
-/// consecutive messages of the same layer and kind append to its bytes).
-async fn collect_cache(
+/// consecutive messages of the same layer and kind append to its bytes), all of them within
+/// `within`, at most `HANDOFF_CACHE_BLOCKS_MAX` blocks and the manifest's bytes.
+async fn collect_cache<S>(
     manifest: &pb::CacheManifest,
-    inbound: &mut tonic::Streaming<dpb::TransferChunk>,
-) -> Result<CacheExport, Refusal> {
+    inbound: &mut S,
+    within: Duration,
+) -> Result<CacheExport, Refusal>
+where
+    S: futures::Stream<Item = Result<dpb::TransferChunk, Status>> + Unpin,
+{
+    use futures::StreamExt;
+    let deadline = Instant::now() + within;
     let mut blocks: Vec<CacheBlock> = Vec::new();
     let mut logits_bytes: Vec<u8> = Vec::new();
     let mut total = 0u64;
     loop {
-        let t = match inbound.message().await {
-            Ok(Some(dpb::TransferChunk {
+        let next = tokio::time::timeout_at(deadline, inbound.next())
+            .await
+            .map_err(|_| format!("the cache did not arrive within {within:?}"))?;
+        let t = match next {
+            Some(Ok(dpb::TransferChunk {
                 part: Some(dpb::transfer_chunk::Part::Tensor(t)),
             })) => t,
-            Ok(Some(_)) => return Err("a second header in one transfer".into()),
-            Ok(None) => break,
-            Err(e) => return Err(format!("the transfer broke: {e}")),
+            Some(Ok(_)) => return Err("a second header in one transfer".into()),
+            None => break,
+            Some(Err(e)) => return Err(format!("the transfer broke: {e}")),
         };
         total += t.data.len() as u64;
         if total > manifest.bytes || total > HANDOFF_CACHE_BYTES_MAX {
@@ -543,8 +556,10 @@ async fn collect_cache(
             continue;
         }
         let kind = BlockKind::parse(&t.kind).ok_or_else(|| format!("unknown tensor kind {:?}", t.kind))?;
+        let full = blocks.len() == HANDOFF_CACHE_BLOCKS_MAX;
         match blocks.last_mut() {
             Some(b) if b.layer == t.layer && b.kind == kind && t.shape.is_empty() => b.data.extend_from_slice(&t.data),
+            _ if full => return Err(format!("more than {HANDOFF_CACHE_BLOCKS_MAX} cache blocks")),
             _ => blocks.push(CacheBlock {
                 layer: t.layer,
                 kind,
@@ -928,16 +943,26 @@ impl HandoffPort {
         };
         let vocab = s.model.vocab_size();
         let (mut kept, mut dropped) = (0u64, 0u64);
+        // However the call ends, its rows have ended: the follow passes then stop waiting.
+        let end = || {
+            if let Some(rows) = rows.upgrade() {
+                rows.lock().expect("lock").ended = true;
+            }
+        };
         loop {
             let row = match inbound.message().await {
                 Ok(Some(dpb::RowsChunk {
                     part: Some(dpb::rows_chunk::Part::Row(r)),
                 })) => r,
-                Ok(Some(_)) => return Err(Status::invalid_argument("a second header in one call")),
+                Ok(Some(other)) => {
+                    end();
+                    return Err(Status::invalid_argument(match other.part {
+                        Some(_) => "a second header in one call",
+                        None => "a rows message without a part",
+                    }));
+                }
                 Ok(None) | Err(_) => {
-                    if let Some(rows) = rows.upgrade() {
-                        rows.lock().expect("lock").ended = true;
-                    }
+                    end();
                     break;
                 }
             };
@@ -1397,7 +1422,55 @@ enum Stop {
 
 #[cfg(test)]
 mod tests {
-    use super::{dpb, RowsIn, HANDOFF_ROWS_BYTES_MAX};
+    use super::{collect_cache, dpb, pb, RowsIn, HANDOFF_CACHE_BLOCKS_MAX, HANDOFF_ROWS_BYTES_MAX};
+    use std::time::Duration;
+
+    fn tensor(layer: u32, kind: &str, shape: Vec<u32>, data: Vec<u8>) -> Result<dpb::TransferChunk, tonic::Status> {
+        Ok(dpb::TransferChunk {
+            part: Some(dpb::transfer_chunk::Part::Tensor(dpb::KvTensor {
+                layer,
+                kind: kind.into(),
+                dtype: "f32".into(),
+                shape,
+                data,
+            })),
+        })
+    }
+
+    /// Messages of no bytes, each opening a block, are refused past the block limit, while the
+    /// stream still runs (before, each was kept, counted against no limit, until the stream
+    /// ended); a source that stops sending is refused at the deadline, not waited for.
+    #[tokio::test]
+    async fn a_transfer_of_endless_empty_blocks_or_of_nothing_is_refused() {
+        use futures::StreamExt;
+        let manifest = pb::CacheManifest {
+            bytes: 1,
+            ..Default::default()
+        };
+        let kinds = ["k", "v"];
+        let empty = (0..HANDOFF_CACHE_BLOCKS_MAX as u32 * 4).map(|i| tensor(0, kinds[i as usize % 2], vec![0], vec![]));
+        let mut endless = futures::stream::iter(empty).chain(futures::stream::pending());
+        let why = tokio::time::timeout(
+            Duration::from_secs(20),
+            collect_cache(&manifest, &mut endless, Duration::from_secs(30)),
+        )
+        .await
+        .expect("refused while the stream runs")
+        .expect_err("refused");
+        assert!(why.contains("cache blocks"), "{why}");
+
+        let t0 = std::time::Instant::now();
+        let mut silent = futures::stream::iter([tensor(0, "k", vec![1], vec![0; 4])]).chain(futures::stream::pending());
+        let more = pb::CacheManifest {
+            bytes: 1_000,
+            ..Default::default()
+        };
+        let why = collect_cache(&more, &mut silent, Duration::from_millis(200))
+            .await
+            .expect_err("refused");
+        assert!(why.contains("did not arrive within"), "{why}");
+        assert!(t0.elapsed() < Duration::from_secs(5));
+    }
 
     fn row(position: u32, bytes: usize) -> dpb::KvRow {
         dpb::KvRow {

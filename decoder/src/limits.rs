@@ -56,6 +56,10 @@ pub const HANDOFFS_AT_ONCE_MAX: usize = 1;
 pub const HANDOFF_TRANSFER_TIMEOUT: Duration = Duration::from_secs(10);
 /// The largest cache a destination accepts (blocks and logits).
 pub const HANDOFF_CACHE_BYTES_MAX: u64 = 4 << 30;
+/// The most blocks a received cache holds (a model's cache has two per layer). Messages of no
+/// bytes that each opened a block grew a destination's memory with nothing counted against
+/// `HANDOFF_CACHE_BYTES_MAX`.
+pub const HANDOFF_CACHE_BLOCKS_MAX: usize = 4_096;
 /// Bytes of one cache block per transfer message (a block is split along its bytes).
 pub const HANDOFF_CHUNK_BYTES: usize = 4 << 20;
 /// Rows (`decoder.v1.KvRow`, one position each) a handoff source queues for its transfer while
@@ -117,6 +121,12 @@ pub const PREFILL_CHUNK_TOKENS: usize = 32;
 pub const STAGE_MESSAGE_BYTES_MAX: usize = 64 << 20;
 pub const STAGE_ITEMS_MAX: usize = 256;
 pub const STAGE_SEQUENCES_MAX: usize = 1024;
+/// Heads a stage's fence remembers (their newest epoch, what the log said of them), and the
+/// longest head name it takes (the log's bound on a decoder id). With a log, heads without an
+/// open stream are forgotten first (the log still knows them); a request of a new head past
+/// this is refused.
+pub const STAGE_FENCE_HEADS_MAX: usize = 10_000;
+pub const STAGE_HEAD_BYTES_MAX: usize = tokenlog_raftlog::limits::DECODER_ID_BYTES_MAX;
 /// The longest a head waits for a stage's answer to one pass (then the pass fails: the head's
 /// step fails, as a whole decoder's failed model step does).
 pub const STAGE_ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
