@@ -414,6 +414,45 @@ async fn ask_stage(addr: &str, head: &str, epoch: u64) -> Result<dpb::ForwardRes
     }
 }
 
+/// A first stage asked for more positions in one request than one message of hidden states
+/// holds refuses at once and lives on: 64 items of 500 tokens (~128 KB on the wire) made the
+/// stage run all 32,000 positions through its layers, with scratch for all of them (256 items
+/// of a whole context: tens of GB), before finding that its answer could not be sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stage_refuses_a_request_of_more_positions_than_its_answer_can_carry() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut stage, addr) = start_stage(dir.path(), &model_path(), "s-big", "0..10");
+    let mut c = dpb::stage_client::StageClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    let req = dpb::ForwardRequest {
+        items: (0..64)
+            .map(|i| dpb::StageItem {
+                sequence: i,
+                start: 0,
+                tokens: vec![1; 500],
+                hidden: vec![],
+            })
+            .collect(),
+        release: vec![],
+        head: "head".into(),
+        pipeline_epoch: 1,
+    };
+    let answered = tokio::time::timeout(Duration::from_secs(30), async {
+        let mut answers = c.forward(futures::stream::iter(vec![req])).await?.into_inner();
+        answers.message().await
+    })
+    .await
+    .expect("answered at once, not after a pass over every position");
+    let e = answered.expect_err("refused");
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e}");
+    assert!(e.message().contains("32000 positions"), "{e}");
+    // The stage still serves.
+    let r = ask_stage(&addr, "head", 1).await.unwrap();
+    assert_eq!(r.results.len(), 1);
+    assert!(stage.wait_exit(Duration::ZERO).is_none(), "{}", stage.log_text());
+}
+
 /// Issue 16's second must-show: a paused old stage resumed after the splice is rejected by
 /// epoch and changes nothing. Stages started with the log's addresses; the middle stage is
 /// paused (SIGSTOP) after 20 of 64 sampled tokens; its registration in the log lapses, the
@@ -596,6 +635,39 @@ fn a_stage_without_tls_refuses_to_listen_beyond_loopback() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
         err.contains("refusing to serve a stage in plain text") && err.contains("--tls-ca"),
+        "{err}"
+    );
+}
+
+/// The same for a decoder's handoff listener (`--handoff-listen`): without TLS, loopback only,
+/// unless `--insecure`. Before, it served plain text on any address given.
+#[test]
+fn a_decoder_without_tls_refuses_to_serve_handoffs_beyond_loopback() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("decoder.log");
+    let mut child = Command::new(bin())
+        .args(["decoder", "--fake", "--cluster", "127.0.0.1:1"])
+        .args(["--handoff-listen", "0.0.0.0:0", "--handoff-advertise", "127.0.0.1:1"])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break Some(st);
+        }
+        if Instant::now() >= deadline {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let err = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(status.and_then(|s| s.code()), Some(1), "it refuses to start: {err}");
+    assert!(
+        err.contains("refusing to serve handoffs in plain text") && err.contains("--tls-ca"),
         "{err}"
     );
 }

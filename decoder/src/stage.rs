@@ -436,6 +436,26 @@ fn serve_request(
             req.items.len()
         )));
     }
+    // Each row a pass computes is a hidden state its answer carries on (a first stage's rows
+    // are its tokens, up to a whole context per item): a request of more rows than one message
+    // holds is refused before the pass, which would allocate its scratch for all of them (256
+    // items of 4,096 tokens: tens of GB) and then could not send its answer. A head batches
+    // rows up to half a message.
+    let row_bytes = model.hidden() * 4;
+    let rows: usize = req
+        .items
+        .iter()
+        .map(|i| match model.is_first() {
+            true => i.tokens.len(),
+            false => i.hidden.len() / row_bytes.max(1),
+        })
+        .sum();
+    if rows.saturating_mul(row_bytes) > STAGE_MESSAGE_BYTES_MAX {
+        return Err(Status::invalid_argument(format!(
+            "{rows} positions in one request; at most {} (their hidden states must fit one message of {STAGE_MESSAGE_BYTES_MAX} bytes)",
+            STAGE_MESSAGE_BYTES_MAX / row_bytes.max(1)
+        )));
+    }
     let mut seen = std::collections::HashSet::new();
     if let Some(dup) = req.items.iter().find(|i| !seen.insert(i.sequence)) {
         return Err(Status::invalid_argument(format!(

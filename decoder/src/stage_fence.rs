@@ -21,7 +21,7 @@ use std::time::Instant;
 use tokenlog_raftlog::client::{ClientError, LogClient};
 use tonic::{Code, Status};
 
-use crate::limits::{STAGE_FENCE_FRESH, STAGE_FENCE_REFRESH};
+use crate::limits::{STAGE_FENCE_FRESH, STAGE_FENCE_HEADS_MAX, STAGE_FENCE_REFRESH, STAGE_HEAD_BYTES_MAX};
 
 /// What the stage last learned of one head's composition (nothing yet: epoch 0, no member).
 #[derive(Clone, Debug, Default)]
@@ -73,8 +73,15 @@ impl Fence {
                 "a stage request names its pipeline head and the head's pipeline epoch",
             ));
         }
+        if head.len() > STAGE_HEAD_BYTES_MAX {
+            return Err(Status::invalid_argument(format!(
+                "a head name of {} bytes; at most {STAGE_HEAD_BYTES_MAX}",
+                head.len()
+            )));
+        }
         {
             let mut known = self.known.lock().expect("lock");
+            self.make_room(&mut known, head)?;
             let k = known.get(head);
             if let Some(k) = k {
                 if epoch < k.epoch {
@@ -138,6 +145,25 @@ impl Fence {
         Ok(())
     }
 
+    /// Room for `head` in what the fence remembers: with a log, heads without an open stream
+    /// are forgotten when it is full (the log still knows them); without one, they are what
+    /// fences stale heads, so a new head is refused instead.
+    fn make_room(&self, known: &mut HashMap<String, Known>, head: &str) -> Result<(), Refusal> {
+        if known.len() < STAGE_FENCE_HEADS_MAX || known.contains_key(head) {
+            return Ok(());
+        }
+        if self.log.is_some() {
+            known.retain(|_, k| k.streams > 0);
+        }
+        if known.len() < STAGE_FENCE_HEADS_MAX {
+            return Ok(());
+        }
+        Err(Status::resource_exhausted(format!(
+            "stage {}: it serves {STAGE_FENCE_HEADS_MAX} pipeline heads, its most",
+            self.stage_id
+        )))
+    }
+
     /// Whether composition `p` names this stage for the layers it holds.
     fn named_by(&self, p: &tokenlog_proto::raftlog::PipelineInfo) -> bool {
         p.stages.iter().any(|s| {
@@ -155,6 +181,10 @@ impl Fence {
     /// What a read of the log at `read_at` said (never moves the epoch backwards).
     fn learn(&self, head: &str, epoch: u64, member: bool, read_at: Instant) {
         let mut known = self.known.lock().expect("lock");
+        if epoch == 0 && !known.contains_key(head) {
+            // No record in the log for a head the stage knew nothing of: nothing to remember.
+            return;
+        }
         let k = known.entry(head.to_string()).or_default();
         if epoch > k.epoch {
             k.epoch = epoch;
@@ -248,5 +278,24 @@ mod tests {
         f.admit("other", 1).await.unwrap();
         assert_eq!(f.admit("", 3).await.unwrap_err().code(), Code::InvalidArgument);
         assert_eq!(f.admit("h", 0).await.unwrap_err().code(), Code::InvalidArgument);
+    }
+
+    /// What the fence remembers is bounded: a head name past the log's bound on decoder ids is
+    /// refused, and so is a new head once it remembers its most (without a log each is what
+    /// fences a stale head: none is forgotten); those it knows are still served. Before, every
+    /// name was kept, of any length (one request could leave ~64 MiB behind).
+    #[tokio::test]
+    async fn a_fence_remembers_a_bounded_number_of_heads_of_bounded_names() {
+        let f = Fence::new(None, "s".into(), 0..10);
+        let long = "h".repeat(STAGE_HEAD_BYTES_MAX + 1);
+        assert_eq!(f.admit(&long, 1).await.unwrap_err().code(), Code::InvalidArgument);
+        for i in 0..STAGE_FENCE_HEADS_MAX {
+            f.admit(&format!("head-{i}"), 1).await.unwrap();
+        }
+        let e = f.admit("one-more", 1).await.unwrap_err();
+        assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+        f.admit("head-7", 2).await.unwrap();
+        assert_eq!(f.admit("head-7", 1).await.unwrap_err().code(), Code::FailedPrecondition);
+        assert_eq!(f.known.lock().unwrap().len(), STAGE_FENCE_HEADS_MAX);
     }
 }

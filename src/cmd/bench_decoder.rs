@@ -101,6 +101,7 @@ pub(crate) fn dargs(fake: bool, model: Option<std::path::PathBuf>, threads: usiz
         stall_ms: tokenlog_decoder::limits::STALL_MS_DEFAULT,
         handoff_listen: None,
         handoff_advertise: None,
+        insecure: false,
         drain_ms: 0,
         rebalance: false,
         standby: 0,

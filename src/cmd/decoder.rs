@@ -101,6 +101,11 @@ pub struct DecoderArgs {
     /// required when it listens on 0.0.0.0 or [::]).
     #[arg(long, requires = "handoff_listen")]
     pub handoff_advertise: Option<String>,
+    /// Serve --handoff-listen in plain text beyond loopback (anyone who reaches the port could
+    /// send this decoder caches and read the rows of its generations). Without TLS it listens on
+    /// loopback only, unless this is given.
+    #[arg(long, requires = "handoff_listen", conflicts_with = "tls_ca")]
+    pub insecure: bool,
     /// On SIGTERM/SIGINT with --handoff-listen: hand every generation to other decoders for at
     /// most this long (ms), then release the rest and exit. 0: release at once.
     #[arg(long, default_value_t = tokenlog_decoder::limits::DRAIN_MS_DEFAULT)]
@@ -371,6 +376,12 @@ pub async fn run(mut a: DecoderArgs) -> anyhow::Result<()> {
     cfg.rebalance = a.rebalance;
     let tls = a.tls.load()?;
     let handoff_listener = match a.handoff_listen {
+        Some(addr) if tls.is_none() && !a.insecure && !addr.ip().is_loopback() => {
+            anyhow::bail!(
+                "refusing to serve handoffs in plain text on {addr}: anyone who reaches it could send this decoder caches and read its generations' rows. \
+                 Give --tls-ca, --tls-cert and --tls-key (a decoder certificate from `tokenlog certs`), or --insecure"
+            )
+        }
         Some(addr) => {
             let l = tokio::net::TcpListener::bind(addr)
                 .await

@@ -72,6 +72,7 @@ pub async fn run(a: DevArgs) -> anyhow::Result<()> {
         stall_ms: tokenlog_decoder::limits::STALL_MS_DEFAULT,
         handoff_listen: None,
         handoff_advertise: None,
+        insecure: false,
         drain_ms: 0,
         rebalance: false,
         standby: 0,
