@@ -119,9 +119,23 @@ pub async fn client_loop(
         let rec = one_request(id, req, &channels, &mut routing, None, cancel_after).await;
         if let (true, Some((log, at_finish))) = (rec.finished && rec.generation != 0, &read_at_finish) {
             // Read now, before retention may prune it (a stress configuration keeps finished
-            // generations for seconds only).
-            if let Ok(f) = super::finish::final_gen(log, rec.generation).await {
-                at_finish.lock().expect("lock").insert(rec.generation, f);
+            // generations for seconds only). A read can fail for a while under the nemeses (a
+            // watch on a node that restarted and has not caught up answers NOT_FOUND; one on a
+            // node that exits breaks): read again, for a second at most. CI once lost this read
+            // while a node whose disk had filled came back, and the generation, pruned before
+            // the end, was then reported missing from the final log.
+            let tried = std::time::Instant::now();
+            loop {
+                match super::finish::final_gen(log, rec.generation).await {
+                    Ok(f) => {
+                        at_finish.lock().expect("lock").insert(rec.generation, f);
+                        break;
+                    }
+                    Err(_) if tried.elapsed() < AT_FINISH_READ_FOR => {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                    Err(_) => break,
+                }
             }
         }
         let refused = !rec.finished && rec.events.is_empty();
@@ -132,6 +146,9 @@ pub async fn client_loop(
         }
     }
 }
+
+/// How long a client tries to read a generation it saw finish (see `client`).
+const AT_FINISH_READ_FOR: Duration = Duration::from_secs(1);
 
 /// The request a workload client sends: sampled (temperature 0.8, top-p 0.95), EOS ignored, so
 /// it runs to `max_tokens`.
