@@ -154,8 +154,7 @@ pub(crate) async fn read_records(
     Ok(out)
 }
 
-/// Renews every held lease that the log has not confirmed for a third of the lease, all at
-/// once: one that hangs (on a paused leader, until its per-try timeout) holds no other back.
+/// Renews every held lease that the log has not confirmed for a third of the lease.
 pub(crate) async fn renew_loop(client: LogClient, cfg: WorkerConfig, held: Held, lost: Lost) {
     let period = Duration::from_millis(cfg.lease_ms / RENEWS_PER_LEASE).max(RENEW_PERIOD_MIN);
     loop {
@@ -167,18 +166,14 @@ pub(crate) async fn renew_loop(client: LogClient, cfg: WorkerConfig, held: Held,
             .filter(|(_, (_, at))| at.elapsed() >= period)
             .map(|(id, (e, _))| (*id, *e))
             .collect();
-        let renewals = due.into_iter().map(|(id, epoch)| {
+        for (id, epoch) in due {
             let req = pb::RenewRequest {
                 generation_id: id,
                 epoch,
                 decoder_id: cfg.decoder_id.clone(),
                 lease_ms: cfg.lease_ms,
             };
-            let client = &client;
-            async move { (id, epoch, client.renew(req).await) }
-        });
-        for (id, epoch, answer) in futures::future::join_all(renewals).await {
-            match answer {
+            match client.renew(req).await {
                 Ok(r) if r.ok => {
                     if let Some(v) = held.lock().expect("lock").get_mut(&id) {
                         v.1 = Instant::now();

@@ -301,14 +301,9 @@ impl LogClient {
         .await
     }
 
-    /// Renews a lease for `req.lease_ms` of log time. Each try is given a quarter of the lease,
-    /// as [`LogClient::register_stage`]'s are: a paused leader holds a call without answering, and
-    /// the renewal must reach the new leader before its log time runs the lease out.
     pub async fn renew(&self, req: pb::RenewRequest) -> Result<pb::OwnershipResponse, ClientError> {
-        let per_try = Duration::from_millis(req.lease_ms / 4).max(RETRY_PAUSE_MAX);
         self.call(|mut c| {
-            let mut r = tonic::Request::new(req.clone());
-            r.set_timeout(per_try);
+            let r = req.clone();
             async move { c.renew(r).await }
         })
         .await

@@ -332,14 +332,17 @@ fn per_scenario(
                 matches!(terms, (Some(a), Some(b)) if b > a),
                 format!("term before the fault {:?}, after {:?}", terms.0, terms.1),
             );
-            // A crashed leader refuses the renewals of the head's leases and of the stages'
-            // registrations at once; a paused one holds them, and each try gives up after a
-            // quarter of what it renews (CI once saw a live stage spliced out, and 5 of 5 runs
-            // under load a takeover, when a try waited for the connection's keepalive).
+            // A paused leader holds the calls sent to it (renewals of the head's leases and of
+            // the stages' registrations) while the new leader's log time runs: a splice or a
+            // takeover may follow, and the checkers and the uninterrupted run judge it. A
+            // crashed one refuses them at once: neither may happen.
+            if sc == Scenario::PipelineLeaderPause {
+                return;
+            }
             let epochs: BTreeSet<u64> = tokens.iter().map(|t| t.2).collect();
             expect(
                 out,
-                "no stage was spliced out while the log elected a new leader, and the generation stayed with its head (every record at epoch 1)",
+                "no stage was spliced out while the log elected a leader after a crash, and the generation stayed with its head (every record at epoch 1)",
                 spliced == 0 && epochs.iter().all(|&e| e == 1),
                 format!("{spliced} splices; epochs seen {epochs:?}"),
             );
