@@ -117,7 +117,8 @@ pub const PREFILL_CHUNK_TOKENS: usize = 32;
 
 /// Pipeline stages (`crate::stage`, `crate::pipeline`): the largest message on a head's stream
 /// to a stage (a prefill's rows: 2048 positions of a 4096-wide model are 32 MiB), the items of
-/// one request, and the sequences a stage keeps for one head.
+/// one request, and the sequences a stage keeps for one stream of a head (a head holds one
+/// stream per stage; one that opens several holds this many on each).
 pub const STAGE_MESSAGE_BYTES_MAX: usize = 64 << 20;
 pub const STAGE_ITEMS_MAX: usize = 256;
 pub const STAGE_SEQUENCES_MAX: usize = 1024;

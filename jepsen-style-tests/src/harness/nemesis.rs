@@ -328,20 +328,37 @@ async fn stage_fault(fault: Fault, procs: &Mutex<Procs>, rng: &mut StdRng) -> an
 /// decoder must take over (a head killed idle costs nothing to judge: CI once found it so at
 /// both of a run's kills).
 async fn kill_head(procs: &Mutex<Procs>, rng: &mut StdRng) -> anyhow::Result<String> {
-    let mut target = procs.lock().expect("lock").decoders[0].name.clone();
-    let history = procs.lock().expect("lock").dir.join("decoder1.jsonl");
+    let target = kill_decoder_aimed(procs, 0, Duration::from_secs(3), rng).await?;
+    Ok(format!("{target}, the pipeline head"))
+}
+
+/// Decoder `i` killed (SIGKILL) with an append in flight when its history shows one within
+/// `within`, and restarted after 0.2-1.5 s; its name, and whether the kill was aimed.
+async fn kill_decoder_aimed(
+    procs: &Mutex<Procs>,
+    i: usize,
+    within: Duration,
+    rng: &mut StdRng,
+) -> anyhow::Result<String> {
+    let (mut target, history) = {
+        let p = procs.lock().expect("lock");
+        (
+            p.decoders[i].name.clone(),
+            p.dir.join(format!("decoder{}.jsonl", i + 1)),
+        )
+    };
     let aim = Instant::now();
-    while aim.elapsed() < Duration::from_secs(3) {
+    while aim.elapsed() < within {
         if append_in_flight(&history) {
             target.push_str(" (an append in flight)");
             break;
         }
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    procs.lock().expect("lock").decoders[0].kill9();
+    procs.lock().expect("lock").decoders[i].kill9();
     tokio::time::sleep(ms(rng, 200, 1500)).await;
-    procs.lock().expect("lock").decoders[0].start()?;
-    Ok(format!("{target}, the pipeline head"))
+    procs.lock().expect("lock").decoders[i].start()?;
+    Ok(target)
 }
 
 /// `Clock`: a node's wall clock (the leader half the time) jumps by up to ±5 s, or drifts by up
@@ -723,27 +740,15 @@ async fn node_fault(
 async fn decoder_fault(fault: Fault, procs: &Mutex<Procs>, rng: &mut StdRng) -> anyhow::Result<String> {
     let n = procs.lock().expect("lock").decoders.len();
     let i = rng.random_range(0..n);
-    let mut target = procs.lock().expect("lock").decoders[i].name.clone();
     if fault == Fault::KillDecoder {
         // Aim at an append in flight, so that its answer is lost (an indeterminate operation
         // for the checkers), when one comes within a second.
-        let history = procs.lock().expect("lock").dir.join(format!("decoder{}.jsonl", i + 1));
-        let aim = Instant::now();
-        while aim.elapsed() < Duration::from_secs(1) {
-            if append_in_flight(&history) {
-                target.push_str(" (an append in flight)");
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        procs.lock().expect("lock").decoders[i].kill9();
-        tokio::time::sleep(ms(rng, 200, 1500)).await;
-        procs.lock().expect("lock").decoders[i].start()?;
-    } else {
-        procs.lock().expect("lock").decoders[i].pause();
-        tokio::time::sleep(ms(rng, 1500, 3500)).await;
-        procs.lock().expect("lock").decoders[i].resume();
+        return kill_decoder_aimed(procs, i, Duration::from_secs(1), rng).await;
     }
+    let target = procs.lock().expect("lock").decoders[i].name.clone();
+    procs.lock().expect("lock").decoders[i].pause();
+    tokio::time::sleep(ms(rng, 1500, 3500)).await;
+    procs.lock().expect("lock").decoders[i].resume();
     Ok(target)
 }
 
