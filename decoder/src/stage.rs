@@ -441,19 +441,19 @@ fn serve_request(
     // holds is refused before the pass, which would allocate its scratch for all of them (256
     // items of 4,096 tokens: tens of GB) and then could not send its answer. A head batches
     // rows up to half a message.
-    let row_bytes = model.hidden() * 4;
+    let row_bytes = (model.hidden() * 4).max(1);
+    let rows_max = STAGE_MESSAGE_BYTES_MAX / row_bytes;
     let rows: usize = req
         .items
         .iter()
         .map(|i| match model.is_first() {
             true => i.tokens.len(),
-            false => i.hidden.len() / row_bytes.max(1),
+            false => i.hidden.len() / row_bytes,
         })
         .sum();
-    if rows.saturating_mul(row_bytes) > STAGE_MESSAGE_BYTES_MAX {
+    if rows > rows_max {
         return Err(Status::invalid_argument(format!(
-            "{rows} positions in one request; at most {} (their hidden states must fit one message of {STAGE_MESSAGE_BYTES_MAX} bytes)",
-            STAGE_MESSAGE_BYTES_MAX / row_bytes.max(1)
+            "{rows} positions in one request; at most {rows_max} (their hidden states must fit one message of {STAGE_MESSAGE_BYTES_MAX} bytes)"
         )));
     }
     let mut seen = std::collections::HashSet::new();
