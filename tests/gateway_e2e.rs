@@ -765,3 +765,73 @@ fn generate_says_it_is_retrying_while_no_gateway_answers() {
         "it says how long it keeps trying: {err}"
     );
 }
+
+/// The OpenAI API's edges:
+/// - a cancelled generation's `finish_reason` is "cancelled" (it was "stop", which tells the
+///   client the model ended its answer);
+/// - a non-streaming POST with `Last-Event-ID` is refused and creates nothing (it answered the
+///   text after that event with the whole generation's usage);
+/// - a request that names no model is served by the one model the log serves; with two, it is
+///   refused and the served names are listed (the default was the first model whose tokenizer
+///   the gateway held, so a retry through another gateway could reach another model).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_edges_a_cancelled_finish_last_event_id_without_a_stream_and_an_unnamed_model() {
+    let _g = serial();
+    // A slow decoder: a generation still runs when it is cancelled.
+    let (cluster, _d, log) = cluster_with_decoder(&["--fake-step-ms", "50", "--model-name", "fake-a"]).await;
+    let g = cluster.start_gateway("g1", &[]);
+    let completion = |key: &str, model: &str| {
+        let body = format!(r#"{{"model": "{model}", "prompt": "hi", "max_tokens": 2, "ignore_eos": true}}"#);
+        common::http(&g.http, "POST", "/v1/completions", &[("idempotency-key", key)], &body)
+    };
+    let (s, body) = completion("one-model", "");
+    assert_eq!(s, 200, "one model served: a request without a name gets it: {body}");
+
+    let (s, body) = common::http(
+        &g.http,
+        "POST",
+        "/v1/chat/completions",
+        &[("idempotency-key", "not-a-stream"), ("last-event-id", "3")],
+        r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}"#,
+    );
+    assert_eq!(s, 400, "{body}");
+    assert!(body.contains("Last-Event-ID resumes a stream"), "{body}");
+    let (s, body) = common::http(&g.http, "GET", "/v1/chat/completions/not-a-stream/stream", &[], "");
+    assert_eq!(s, 404, "the refused POST created nothing: {body}");
+
+    let client = GatewayClient::new(vec![g.grpc.clone()], None).unwrap();
+    let mut events = client.generate(request("to-cancel", 2_000)).boxed();
+    events.next().await.unwrap().expect("the first event");
+    client.cancel("to-cancel").await.unwrap();
+    let (s, body) = common::http(&g.http, "GET", "/v1/chat/completions/to-cancel/stream", &[], "");
+    assert_eq!(s, 200, "{body}");
+    let last = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .rfind(|d| d.starts_with('{'))
+        .expect("chunks");
+    let v: serde_json::Value = serde_json::from_str(last).unwrap();
+    assert_eq!(v["choices"][0]["finish_reason"], "cancelled", "{last}");
+    assert!(body.contains("data: [DONE]"), "{body}");
+
+    let _d2 = cluster.start_decoder("d2", &["--model-name", "fake-b"]);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while log.list_models().await.unwrap().models.len() < 2 {
+        assert!(std::time::Instant::now() < deadline, "the second model registered");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    // The gateway's list of models is cached for up to 2 s.
+    tokio::time::sleep(tokenlog_gateway::limits::MODELS_CACHE_TTL).await;
+    let (s, body) = completion("two-models", "");
+    assert_eq!(s, 400, "{body}");
+    assert!(
+        body.contains("model is required") && body.contains("fake-a") && body.contains("fake-b"),
+        "{body}"
+    );
+    let (s, body) = completion("named", "fake-b");
+    assert_eq!(s, 200, "{body}");
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&body).unwrap()["model"],
+        "fake-b"
+    );
+}

@@ -9,64 +9,78 @@ use crate::error::{GatewayError, Result};
 use crate::limits::*;
 
 impl Gateway {
-    /// Checks `p` and builds the binding the log will hold.
-    pub fn binding(&self, tenant: &str, p: &GenerateParams, m: &ResolvedModel) -> Result<pb::Binding> {
-        check_request_id(&p.request_id)?;
-        let (ids, text) = prompt_of(p, m)?;
-        let max_tokens = p.max_tokens.unwrap_or(MAX_TOKENS_DEFAULT);
-        if max_tokens == 0 || max_tokens > GENERATION_TOKENS_MAX {
-            return Err(GatewayError::Invalid(format!(
-                "max_tokens {max_tokens}: must be 1..={GENERATION_TOKENS_MAX}"
-            )));
-        }
-        let s = &p.sampling;
-        check_range("temperature", s.temperature, 0.0, TEMPERATURE_MAX)?;
-        check_range("top_p", s.top_p, 0.0, 1.0)?;
-        check_range("repetition_penalty", s.repetition_penalty, 0.0, REPETITION_PENALTY_MAX)?;
-        check_range(
-            "frequency_penalty",
-            s.frequency_penalty,
-            -PENALTY_ABS_MAX,
-            PENALTY_ABS_MAX,
-        )?;
-        check_range(
-            "presence_penalty",
-            s.presence_penalty,
-            -PENALTY_ABS_MAX,
-            PENALTY_ABS_MAX,
-        )?;
-        check_stops(&p.stop)?;
-        let off_is_one = |v: f32| if v == 0.0 { 1.0 } else { v };
-        let binding = Binding {
-            model: m.info.identity.clone().unwrap_or_default().into(),
-            prompt_token_ids: ids,
-            prompt_text: text,
-            sampling: SamplingConfig {
-                top_p: off_is_one(s.top_p),
-                repetition_penalty: off_is_one(s.repetition_penalty),
-                seed: p.seed.unwrap_or_else(|| default_seed(tenant, &p.request_id)),
-                rng_version: RNG_VERSION,
-                ..s.clone()
-            },
-            stop: StopConfig {
-                max_tokens,
-                stop_strings: p.stop.clone(),
-                eos_token_ids: if p.ignore_eos {
-                    Vec::new()
-                } else {
-                    m.tokenizer.eos_token_ids().to_vec()
-                },
-            },
-            mode: if p.fast_resume {
-                ResumeMode::Fast
-            } else {
-                ResumeMode::Exact
-            },
-            deadline_ms: 0,
-            unowned_ms: self.bind.unowned_ms,
+    /// Checks `p` and builds the binding the log will hold, on a blocking thread: a prompt of
+    /// `PROMPT_TEXT_BYTES_MAX` takes the tokenizer a while, and on the async runtime it held
+    /// up every stream of that worker thread meanwhile.
+    pub async fn binding(&self, tenant: &str, p: &GenerateParams, m: &ResolvedModel) -> Result<pb::Binding> {
+        let (tenant, p, unowned_ms) = (tenant.to_string(), p.clone(), self.bind.unowned_ms);
+        let m = ResolvedModel {
+            info: m.info.clone(),
+            tokenizer: m.tokenizer.clone(),
         };
-        Ok(binding.into())
+        tokio::task::spawn_blocking(move || binding(&tenant, &p, &m, unowned_ms))
+            .await
+            .map_err(|e| GatewayError::Internal(format!("binding a request: {e}")))?
     }
+}
+
+/// [`Gateway::binding`]'s work.
+fn binding(tenant: &str, p: &GenerateParams, m: &ResolvedModel, unowned_ms: u64) -> Result<pb::Binding> {
+    check_request_id(&p.request_id)?;
+    let (ids, text) = prompt_of(p, m)?;
+    let max_tokens = p.max_tokens.unwrap_or(MAX_TOKENS_DEFAULT);
+    if max_tokens == 0 || max_tokens > GENERATION_TOKENS_MAX {
+        return Err(GatewayError::Invalid(format!(
+            "max_tokens {max_tokens}: must be 1..={GENERATION_TOKENS_MAX}"
+        )));
+    }
+    let s = &p.sampling;
+    check_range("temperature", s.temperature, 0.0, TEMPERATURE_MAX)?;
+    check_range("top_p", s.top_p, 0.0, 1.0)?;
+    check_range("repetition_penalty", s.repetition_penalty, 0.0, REPETITION_PENALTY_MAX)?;
+    check_range(
+        "frequency_penalty",
+        s.frequency_penalty,
+        -PENALTY_ABS_MAX,
+        PENALTY_ABS_MAX,
+    )?;
+    check_range(
+        "presence_penalty",
+        s.presence_penalty,
+        -PENALTY_ABS_MAX,
+        PENALTY_ABS_MAX,
+    )?;
+    check_stops(&p.stop)?;
+    let off_is_one = |v: f32| if v == 0.0 { 1.0 } else { v };
+    let binding = Binding {
+        model: m.info.identity.clone().unwrap_or_default().into(),
+        prompt_token_ids: ids,
+        prompt_text: text,
+        sampling: SamplingConfig {
+            top_p: off_is_one(s.top_p),
+            repetition_penalty: off_is_one(s.repetition_penalty),
+            seed: p.seed.unwrap_or_else(|| default_seed(tenant, &p.request_id)),
+            rng_version: RNG_VERSION,
+            ..s.clone()
+        },
+        stop: StopConfig {
+            max_tokens,
+            stop_strings: p.stop.clone(),
+            eos_token_ids: if p.ignore_eos {
+                Vec::new()
+            } else {
+                m.tokenizer.eos_token_ids().to_vec()
+            },
+        },
+        mode: if p.fast_resume {
+            ResumeMode::Fast
+        } else {
+            ResumeMode::Exact
+        },
+        deadline_ms: 0,
+        unowned_ms,
+    };
+    Ok(binding.into())
 }
 
 /// A request's messages as the chat template takes them (`developer` is `system`).
@@ -242,4 +256,78 @@ pub fn default_seed(tenant: &str, request_id: &str) -> u64 {
 /// A fresh random request id (for HTTP requests without an Idempotency-Key).
 pub fn random_request_id() -> String {
     format!("req-{:016x}{:016x}", rand::random::<u64>(), rand::random::<u64>())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+    use std::time::{Duration, Instant};
+
+    use tokenlog_proto::raftlog as pb;
+    use tokenlog_raftlog::client::LogClient;
+
+    use crate::core::{BindDefaults, Gateway, GenerateParams, Prompt, ResolvedModel};
+    use crate::limits::PROMPT_TEXT_BYTES_MAX;
+    use crate::tenants::{TenantLimits, Tenants};
+
+    /// A prompt of the largest size is bound off the async runtime: a task on the same runtime
+    /// (one thread here; a gateway's worker thread runs the streams queued on it) keeps running
+    /// while the tokenizer works. Before, the runtime's thread was held for the whole of it.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_long_prompt_is_tokenized_off_the_async_runtime() {
+        let path = tokenlog_decoder::fetch::ensure_default_model(&tokenlog_decoder::fetch::repo_models_dir()).unwrap();
+        let tokenizer = tokenlog_decoder::Tokenizer::from_model_path(&path).unwrap();
+        let text = "The keeper climbed the lighthouse stairs at dusk. ".repeat(PROMPT_TEXT_BYTES_MAX / 50);
+        let t0 = Instant::now();
+        let tokens = tokenizer.encode(&text).unwrap().len();
+        let alone = t0.elapsed();
+        let gw = Gateway::new(
+            LogClient::new(vec!["127.0.0.1:9".into()]).unwrap(),
+            Tenants::Open,
+            vec![],
+            TenantLimits { streams: 1, submits: 1 },
+            BindDefaults::default(),
+        )
+        .unwrap();
+        let m = ResolvedModel {
+            info: pb::ModelInfo {
+                name: "m".into(),
+                context_tokens: 1 << 20,
+                ..Default::default()
+            },
+            tokenizer: Arc::new(tokenizer),
+        };
+        let p = GenerateParams::new("r", Prompt::Text(text));
+        let longest = Arc::new(Mutex::new(Duration::ZERO));
+        let ticker = tokio::spawn({
+            let longest = longest.clone();
+            async move {
+                let mut last = Instant::now();
+                loop {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    let mut l = longest.lock().unwrap();
+                    *l = (*l).max(last.elapsed());
+                    last = Instant::now();
+                }
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let bound = gw.binding("t", &p, &m).await;
+        // The ticker's next tick measures the pause it is in.
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        ticker.abort();
+        let longest = *longest.lock().unwrap();
+        eprintln!(
+            "{tokens} tokens in {alone:?}; the longest pause of the ticker {longest:?}; {:?}",
+            bound.as_ref().err()
+        );
+        assert!(
+            alone >= Duration::from_millis(20),
+            "the tokenizer took {alone:?}: too short to tell"
+        );
+        assert!(
+            longest < alone / 2,
+            "the runtime paused for {longest:?} while a prompt that takes {alone:?} was tokenized"
+        );
+    }
 }

@@ -198,7 +198,7 @@ impl Gateway {
         self.tenant_use
             .check(tenant, Held::Stream, self.tenant_limits.streams)?;
         let m = self.resolve_model(&p.model).await?;
-        let binding = self.binding(tenant, p, &m)?;
+        let binding = self.binding(tenant, p, &m).await?;
         let submitted = self
             .log
             .submit(pb::SubmitRequest {

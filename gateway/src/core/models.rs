@@ -76,7 +76,9 @@ impl Gateway {
         self.tokenizers.lock().expect("lock").get(tokenizer_sha256).cloned()
     }
 
-    /// The model `name` names (empty: the first registered model this gateway can serve).
+    /// The model `name` names. Empty: the one model the log serves; with several, the request
+    /// must name one (a default that depended on this gateway, on which tokenizers it had
+    /// fetched so far, sent a retry through another gateway to another model).
     pub async fn resolve_model(&self, name: &str) -> Result<ResolvedModel> {
         let models = self.models().await?;
         if models.is_empty() {
@@ -84,23 +86,20 @@ impl Gateway {
                 "no decoder is registered with the log: start one (`tokenlog decoder`)".into(),
             ));
         }
-        let info = if name.is_empty() {
-            models
-                .iter()
-                .find(|m| {
-                    m.identity
-                        .as_ref()
-                        .is_some_and(|i| self.held_tokenizer(&i.tokenizer_sha256).is_some())
-                })
-                .or(models.first())
-        } else {
-            models.iter().find(|m| m.name == name)
-        }
-        .cloned()
-        .ok_or_else(|| {
-            let names: Vec<&str> = models.iter().map(|m| m.name.as_str()).collect();
-            GatewayError::NotFound(format!("unknown model {name:?}; served models: {}", names.join(", ")))
-        })?;
+        let names = || models.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(", ");
+        let info =
+            match (name.is_empty(), models.as_slice()) {
+                (true, [only]) => only.clone(),
+                (true, _) => {
+                    return Err(GatewayError::Invalid(format!(
+                        "model is required: the log serves several models ({})",
+                        names()
+                    )))
+                }
+                (false, _) => models.iter().find(|m| m.name == name).cloned().ok_or_else(|| {
+                    GatewayError::NotFound(format!("unknown model {name:?}; served models: {}", names()))
+                })?,
+            };
         let digest = info
             .identity
             .as_ref()

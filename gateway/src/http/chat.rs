@@ -73,6 +73,12 @@ pub(super) async fn create(
     kind: Kind,
 ) -> Result<Response> {
     let after = last_event_id(&h)?;
+    if !stream && after >= 0 {
+        // The answer would be the text after it, with the whole generation's usage.
+        return Err(GatewayError::Invalid(
+            "Last-Event-ID resumes a stream: send it with \"stream\": true, or to GET the request's stream URL".into(),
+        ));
+    }
     let (info, model) = gw.submit(&tenant, &p).await?;
     let rid = p.request_id.clone();
     let gid = info.generation_id;

@@ -129,6 +129,9 @@ async fn collect(mut rx: mpsc::Receiver<Result<Event>>) -> Result<(String, Event
 fn openai_finish(reason: &str) -> &'static str {
     match reason {
         "length" => "length",
+        // OpenAI has no name for it, and "stop" would tell the client that the model ended
+        // its answer.
+        "cancelled" => "cancelled",
         _ => "stop",
     }
 }
