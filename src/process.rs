@@ -208,6 +208,17 @@ pub fn plant_zombie() -> anyhow::Result<bool> {
     Ok(on)
 }
 
+/// The planted bug `short-stage-rows` (`TOKENLOG_PLANT_SHORT_STAGE_ROWS=1`, a stage of a fault
+/// build only): the stage's first answer that carries an item of two or more rows drops that
+/// item's last row (a buggy stage; the head must not take its rows).
+pub fn plant_short_stage_rows() -> anyhow::Result<bool> {
+    let on = planted("TOKENLOG_PLANT_SHORT_STAGE_ROWS")?;
+    if on {
+        eprintln!("PLANTED BUG ON: short stage rows");
+    }
+    Ok(on)
+}
+
 /// The planted bug `stalled-worker` (`TOKENLOG_PLANT_STALLED_WORKER=1`, fault builds only;
 /// issue 12): the worker's step loop stops for ever after a few appends while its leases are
 /// renewed.

@@ -151,6 +151,18 @@ fn start_stage(dir: &Path, model: &Path, name: &str, layers: &str) -> (Decoder, 
 
 /// `layers` "cold": a cold spare (`--cold`).
 fn start_stage_with(dir: &Path, model: &Path, name: &str, layers: &str, extra: &[&str]) -> (Decoder, String) {
+    start_stage_env(dir, model, name, layers, extra, &[])
+}
+
+/// [`start_stage_with`] with `env` set for the stage process.
+fn start_stage_env(
+    dir: &Path,
+    model: &Path,
+    name: &str,
+    layers: &str,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> (Decoder, String) {
     let log = dir.join(format!("{name}.log"));
     let held = match layers {
         "cold" => vec!["--cold"],
@@ -161,6 +173,7 @@ fn start_stage_with(dir: &Path, model: &Path, name: &str, layers: &str, extra: &
         .args(held)
         .args(["--listen", "127.0.0.1:0", "--stage-id", name, "--threads", "1"])
         .args(extra)
+        .envs(env.iter().copied())
         .env("RUST_LOG", "info")
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log).unwrap())
@@ -387,6 +400,60 @@ async fn a_hot_spare_replaces_a_killed_middle_stage_and_the_generation_stays_wit
     assert!(log.contains("the spare rebuilt its layers"), "{log}");
     assert!(log.contains("sequences=1") && log.contains("in_full=0"), "{log}");
     assert!(!log.contains("feeding the sequence again in full"), "{log}");
+}
+
+/// A stage that answers an item one row short (the planted bug `short-stage-rows`, at the
+/// prompt's pass) is broken to its head, like a dead one: the head splices the spare of its
+/// layers in, and every token is the whole model's. Before, the head passed the short rows on:
+/// the later stages fed one position fewer and gave the logits of the prompt's second-to-last
+/// position; they refused the next pass ("holds 31 positions ..., fewer than 32"), the head's
+/// worker failed on it and the decoder exited, and the generation ended without a token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stage_that_answers_a_row_short_is_spliced_out_before_a_token_comes_of_it() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let (path, model, cluster, stages) = setup(dir.path(), &["10..20", "20..30"]);
+    let client = cluster.client();
+    let (short, short_addr) = start_stage_env(
+        dir.path(),
+        &path,
+        "short",
+        "0..10",
+        &[],
+        &[("TOKENLOG_PLANT_SHORT_STAGE_ROWS", "1")],
+    );
+    let (_spare, spare) = start_stage(dir.path(), &path, "spare", "0..10");
+    let list = [short_addr.as_str(), &stages[0].1, &stages[1].1].join(",");
+    let head = cluster.start_real_decoder(
+        "head",
+        &path,
+        &["--pipeline", &list, "--pipeline-spares", &spare, "--lease-ms", "1500"],
+    );
+    common::wait_for_model(&client).await;
+    let prompt = model
+        .tokenizer()
+        .encode_chat(&[tokenlog_decoder::ChatMessage::user("Tell me about lighthouses.")])
+        .unwrap();
+    let id = submit_n(&client, model.as_ref(), "short", &prompt, 5, 16).await;
+    let (toks, _) = follow(&client, id).await;
+    assert!(
+        short
+            .log_text()
+            .contains("PLANTED: the answer lacks the item's last row"),
+        "the planted bug fired:\n{}",
+        short.log_text()
+    );
+    assert_eq!(
+        toks,
+        expected_n(model.as_ref(), &prompt, 5, 16),
+        "the whole model's 16 tokens; the head's log:\n{}",
+        head.log_text()
+    );
+    let log = head.log_text();
+    assert!(
+        log.contains("bytes of rows for") && log.contains("spliced a spare in its place"),
+        "{log}"
+    );
 }
 
 /// What a stage answers to one request of a head stamped `(head, epoch)`: the stream's first

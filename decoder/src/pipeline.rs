@@ -122,6 +122,8 @@ struct Conn {
     /// Why the stream is unusable (it broke, answered out of turn, or its registration in the
     /// log lapsed).
     broken: Option<String>,
+    /// The bytes of one row the stage gives (its model's hidden size, in f32s).
+    row_bytes: usize,
     /// The stages' registrations in the log, as the head's watcher reads them (`None`: no log).
     registry: Option<Registry>,
     /// The log time of a leader's view that listed this stage registered when the head chose
@@ -366,6 +368,7 @@ async fn open_stage(
         tx,
         rx,
         broken: None,
+        row_bytes: d.hidden as usize * 4,
         registry,
         live_at_log_ms: 0,
     };
@@ -1046,6 +1049,26 @@ async fn run_pass(
             pipeline_epoch: epoch,
         };
         let answer = ask(conn, req).await?;
+        // A stage before the last gives one row per position it was fed: one row more or
+        // fewer would shift every later stage's positions (their keys and values, and the
+        // logits the token is sampled from), unseen. Such a stage is broken, like a dead one.
+        if k < last {
+            let short = going.iter().zip(&answer.results).find(|((i, _), r)| {
+                r.error.is_empty() && !r.hidden.is_empty() && r.hidden.len() != items[*i].2.len() * conn.row_bytes
+            });
+            if let Some(((i, _), r)) = short {
+                let why = format!(
+                    "stage {} (layers {:?}) gave {} bytes of rows for {} positions of {} bytes",
+                    conn.info.addr,
+                    conn.info.layers,
+                    r.hidden.len(),
+                    items[*i].2.len(),
+                    conn.row_bytes
+                );
+                conn.broken = Some(why.clone());
+                return Err(why);
+            }
+        }
         let mut next = Vec::with_capacity(going.len());
         for ((i, _), r) in going.into_iter().zip(answer.results) {
             let stage = || format!("stage {} (layers {:?})", conn.info.addr, conn.info.layers);

@@ -570,6 +570,31 @@ fn serve_request(
     })
 }
 
+/// The planted bug `short-stage-rows` ([`plant_short_rows`]).
+#[cfg(feature = "faults")]
+static PLANT_SHORT_ROWS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Plants the bug `short-stage-rows` (fault builds): this process's first answer that carries
+/// an item of two or more rows drops that item's last row, as a buggy stage would.
+#[cfg(feature = "faults")]
+pub fn plant_short_rows() {
+    PLANT_SHORT_ROWS.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+#[cfg(feature = "faults")]
+fn planted_short_rows(mut a: dpb::ForwardResponse, row_bytes: usize) -> dpb::ForwardResponse {
+    use std::sync::atomic::Ordering;
+    if PLANT_SHORT_ROWS.load(Ordering::SeqCst) {
+        if let Some(r) = a.results.iter_mut().find(|r| r.hidden.len() >= 2 * row_bytes) {
+            if PLANT_SHORT_ROWS.swap(false, Ordering::SeqCst) {
+                r.hidden.truncate(r.hidden.len() - row_bytes);
+                tracing::warn!(sequence = r.sequence, "PLANTED: the answer lacks the item's last row");
+            }
+        }
+    }
+    a
+}
+
 type ForwardStream =
     std::pin::Pin<Box<dyn futures::Stream<Item = std::result::Result<dpb::ForwardResponse, Status>> + Send>>;
 
@@ -666,6 +691,8 @@ impl dpb::stage_server::Stage for StageService {
                     }
                     Err(e) => Err(Status::internal(format!("the stage's pass failed: {e}"))),
                 };
+                #[cfg(feature = "faults")]
+                let answer = answer.map(|a| planted_short_rows(a, model.hidden() * 4));
                 let failed = answer.is_err();
                 if out.send(answer).await.is_err() || failed {
                     break;

@@ -69,6 +69,10 @@ pub async fn run(a: StageArgs) -> anyhow::Result<()> {
             a.listen
         );
     }
+    if crate::process::plant_short_stage_rows()? {
+        #[cfg(feature = "faults")]
+        tokenlog_decoder::stage::plant_short_rows();
+    }
     threads::init_cpu_threads(a.threads);
     let path = match &a.model {
         Some(p) => p.clone(),
