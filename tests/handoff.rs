@@ -784,3 +784,56 @@ fn the_drain_bench_runs_a_round_with_the_fake_model() {
     assert!(round.contains("source exited"), "{round}");
     assert!(text.contains("over 1 drains"), "{text}");
 }
+
+/// A transfer's manifest is checked against the destination's model before it takes a byte
+/// of cache or a slot: more positions than the model's context, or more bytes than its cache
+/// of those positions and one position's logits, is refused at the header. Before, any
+/// manifest of up to 4 GiB was taken, whatever the model, and its bytes awaited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destination_refuses_a_manifest_bigger_than_its_models_cache_at_the_header() {
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    let client = cluster.client();
+    let _d = cluster.start_decoder("dest", &["--handoff-listen", "127.0.0.1:0"]);
+    common::wait_for_model(&client).await;
+    let model = client.list_models().await.unwrap().models.remove(0);
+    let addr = model.handoff_addrs["dest"].clone();
+    let mut c = tokenlog_proto::decoder::handoff_client::HandoffClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    let context = model.context_tokens;
+    for (positions, bytes, want) in [
+        (4, 1 << 30, "this model's holds at most"),
+        (context + 1, 64, "this model's context holds"),
+    ] {
+        let header = tokenlog_proto::decoder::TransferHeader {
+            generation_id: 1,
+            attempt: 1,
+            handoff_epoch: 2,
+            source: "nobody".into(),
+            destination: "dest".into(),
+            manifest: Some(pb::CacheManifest {
+                model: model.identity.clone(),
+                cache_format: tokenlog_decoder::fake::FAKE_CACHE_FORMAT.into(),
+                frontier: 0,
+                kv_positions: positions,
+                cache_sha256: String::new(),
+                bytes,
+            }),
+            rows_key: 0,
+        };
+        let chunk = tokenlog_proto::decoder::TransferChunk {
+            part: Some(tokenlog_proto::decoder::transfer_chunk::Part::Header(header)),
+        };
+        let r = c
+            .transfer(futures::stream::iter(vec![chunk]))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(
+            !r.committed && r.detail.contains(want),
+            "{positions} positions, {bytes} bytes: {}",
+            r.detail
+        );
+    }
+}

@@ -124,6 +124,11 @@ impl Model for FakeModel {
         FAKE_VOCAB_SIZE
     }
 
+    fn cache_bytes(&self, _positions: usize) -> Option<u64> {
+        // One block of the cache's hash, whatever its length.
+        Some(8)
+    }
+
     fn new_sequence(&self) -> Result<Box<dyn Sequence>> {
         Ok(Box::new(FakeSequence {
             config: self.config.clone(),

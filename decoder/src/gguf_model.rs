@@ -240,6 +240,14 @@ impl Model for GgufModel {
         self.tokenizer.vocab_size()
     }
 
+    fn cache_bytes(&self, positions: usize) -> Option<u64> {
+        let per_position = match &self.weights {
+            Weights::Cpu(w) => w.cache_position_bytes(),
+            Weights::Candle(w) => w.cache_position_bytes(),
+        };
+        Some(per_position as u64 * positions as u64)
+    }
+
     fn new_sequence(&self) -> Result<Box<dyn Sequence>> {
         Ok(match &self.weights {
             Weights::Cpu(w) => Box::new(CpuSequence::new(w.clone(), self.max_context)),

@@ -184,8 +184,8 @@ impl HandoffPort {
             ))
             .await);
         }
-        if manifest.bytes > HANDOFF_CACHE_BYTES_MAX {
-            return Err(abort(format!("a cache of {} bytes is over the limit", manifest.bytes)).await);
+        if let Err(why) = manifest_fits(&manifest, s.model.as_ref()) {
+            return Err(abort(why).await);
         }
         // One slot, taken now and given back unless the commit hands it to the worker.
         let reserved = s.reserved.fetch_add(1, Ordering::AcqRel);
@@ -517,6 +517,34 @@ impl HandoffPort {
             .max_decoding_message_size(HANDOFF_CHUNK_BYTES * 2)
             .max_encoding_message_size(HANDOFF_CHUNK_BYTES * 2)
     }
+}
+
+/// Whether the cache `m` describes fits this model: no more positions than its context, and no
+/// more bytes than its cache of those positions and one position's logits (and at most
+/// `HANDOFF_CACHE_BYTES_MAX`). The destination holds up to the manifest's bytes while it
+/// receives: they were bounded by the limit alone, 4 GiB for a model whose whole context takes
+/// a few hundred MB.
+fn manifest_fits(m: &pb::CacheManifest, model: &dyn Model) -> Result<(), Refusal> {
+    let positions = m.kv_positions as usize;
+    if positions > model.max_context() {
+        return Err(format!(
+            "a cache of {positions} positions; this model's context holds {}",
+            model.max_context()
+        ));
+    }
+    let most = model
+        .cache_bytes(positions)
+        .map_or(HANDOFF_CACHE_BYTES_MAX, |kv| {
+            kv.saturating_add(4 * model.vocab_size() as u64)
+        })
+        .min(HANDOFF_CACHE_BYTES_MAX);
+    if m.bytes > most {
+        return Err(format!(
+            "a cache of {} bytes for {positions} positions; this model's holds at most {most}",
+            m.bytes
+        ));
+    }
+    Ok(())
 }
 
 /// The blocks and logits of a transfer, reassembled (a block may come in several chunks:

@@ -54,7 +54,8 @@ pub const HANDOFFS_AT_ONCE_MAX: usize = 1;
 /// The longest a source waits for a destination's answer to a cache transfer (then it asks the
 /// log what happened).
 pub const HANDOFF_TRANSFER_TIMEOUT: Duration = Duration::from_secs(10);
-/// The largest cache a destination accepts (blocks and logits).
+/// The largest cache a destination accepts (blocks and logits), whatever its model's cache of
+/// the manifest's positions (`Model::cache_bytes`), which bounds it first.
 pub const HANDOFF_CACHE_BYTES_MAX: u64 = 4 << 30;
 /// The most blocks a received cache holds (a model's cache has two per layer). Messages of no
 /// bytes that each opened a block grew a destination's memory with nothing counted against

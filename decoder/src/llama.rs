@@ -113,6 +113,11 @@ impl LlamaShape {
 }
 
 impl LlamaWeights {
+    /// The bytes of one position of an exported cache: keys and values of every layer, f32.
+    pub(crate) fn cache_position_bytes(&self) -> usize {
+        2 * self.layers.len() * self.n_kv_head * self.head_dim * std::mem::size_of::<f32>()
+    }
+
     /// Reads the weights of a `llama` GGUF file onto `device`.
     pub(crate) fn from_gguf<R: Read + Seek>(ct: &gguf_file::Content, r: &mut R, device: &Device) -> Result<Self> {
         let LlamaShape {

@@ -23,6 +23,12 @@ pub trait Model: Send + Sync {
     fn max_context(&self) -> usize;
     /// Length of every [`Logits`] this model returns.
     fn vocab_size(&self) -> usize;
+    /// The bytes of an exported cache ([`Sequence::export_cache`]) of `positions` positions
+    /// (`None`: its sequences export none, or it does not say). What a handoff's destination
+    /// takes in for one transfer is bounded by it.
+    fn cache_bytes(&self, _positions: usize) -> Option<u64> {
+        None
+    }
     /// A new, empty sequence (its own KV cache).
     fn new_sequence(&self) -> Result<Box<dyn Sequence>>;
     /// Feeds each item's tokens to its sequence (sequences of this model), in one forward pass

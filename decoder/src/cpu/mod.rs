@@ -278,6 +278,11 @@ impl CpuWeights {
         self.n_kv_head * self.head_dim
     }
 
+    /// The bytes of one position of an exported cache: keys and values of every layer, f32.
+    pub(crate) fn cache_position_bytes(&self) -> usize {
+        2 * self.layers.len() * self.kv_width() * std::mem::size_of::<f32>()
+    }
+
     fn cache_format(&self) -> String {
         format!(
             "tokenlog-cpu-kv/f32/{}x{}x{}",
