@@ -452,12 +452,17 @@ impl RaftTransport for RaftService {
         let file = partial
             .finish()
             .map_err(|e| LogError::storage("receiving a snapshot", e))?;
+        let received = file.path().to_path_buf();
         let snapshot = Snapshot { meta, snapshot: file };
-        let resp = self
-            .raft
-            .install_full_snapshot(vote, snapshot)
-            .await
-            .map_err(raft_failed)?;
+        let resp = self.raft.install_full_snapshot(vote, snapshot).await;
+        // Openraft answers once it installed the snapshot (renamed into place), or at once when
+        // it ignores it (an older vote, or nothing newer than what this node committed): then
+        // the received file, up to `SNAPSHOT_BYTES_MAX`, stayed on disk until a restart.
+        if received.exists() {
+            tracing::info!(path = %received.display(), "a received snapshot was not installed: removed");
+            let _ = std::fs::remove_file(&received);
+        }
+        let resp = resp.map_err(raft_failed)?;
         reply(&resp.vote)
     }
 }
@@ -558,5 +563,44 @@ mod tests {
             entries.extend(part.entries);
         }
         assert_eq!(entries, request(&sizes).entries);
+    }
+
+    /// A snapshot that openraft does not install (sent with an older vote) leaves nothing on
+    /// disk. The received file stayed until a restart: up to `SNAPSHOT_BYTES_MAX` of a peer's
+    /// bytes each time.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_received_snapshot_that_is_not_installed_leaves_no_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = crate::node::NodeConfig::new(1, "127.0.0.1:0".parse().unwrap(), dir.path().to_path_buf());
+        cfg.initial_members = vec![(1, "127.0.0.1:0".into())];
+        let n = crate::node::start(cfg).await.expect("node starts");
+        for _ in 0..100 {
+            if n.ctx.status().leader_id == 1 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        assert_eq!(n.ctx.status().leader_id, 1, "a leader of term 1 or later");
+        let meta = SnapshotMeta {
+            last_log_id: Some(log_id::<TypeConfig>(0, 2, 5)),
+            last_membership: Default::default(),
+        };
+        let old_vote = Vote::new(0, 2);
+        let chunk = tokenlog_proto::raft::SnapshotChunk {
+            meta: Some(pack(&(old_vote, meta)).unwrap()),
+            data: vec![7; 1 << 20],
+        };
+        let mut c = RaftTransportClient::connect(format!("http://{}", n.local_addr))
+            .await
+            .unwrap();
+        let answer = c.install_snapshot(futures::stream::iter([chunk])).await.unwrap();
+        let vote: Vote = unpack(answer.get_ref()).unwrap();
+        assert!(vote > old_vote, "answered with the node's newer vote: {vote}");
+        let left: Vec<String> = std::fs::read_dir(crate::data_dir::snapshot_dir(dir.path()))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|name| name.starts_with("incoming-"))
+            .collect();
+        assert!(left.is_empty(), "received files left: {left:?}");
     }
 }
