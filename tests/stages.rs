@@ -456,6 +456,53 @@ async fn a_stage_that_answers_a_row_short_is_spliced_out_before_a_token_comes_of
     );
 }
 
+/// A head of a capacity above what a stage takes in one request (`STAGE_ITEMS_MAX`, 256
+/// items) decodes every generation: a pass goes to the stages in requests that each fit.
+/// Before, a step of its 260 generations went as one request; the stage refused it, the head
+/// took the stage for broken, found no spare, and its decoder failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_of_more_generations_than_one_stage_request_takes_decodes_them_all() {
+    const N: usize = 260;
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let (path, model, cluster, stages) = setup(dir.path(), &["0..15", "15..30"]);
+    let client = cluster.client();
+    let prompt = model.tokenizer().encode("Lighthouses").unwrap();
+    // All pending before the head starts: it takes them at once, and its steps feed them all.
+    let ids = futures::future::join_all((0..N).map(|i| {
+        let (client, model, prompt) = (client.clone(), model.clone(), prompt.clone());
+        async move { submit_n(&client, model.as_ref(), &format!("many-{i}"), &prompt, i as u64, 3).await }
+    }))
+    .await;
+    let list: Vec<String> = stages.iter().map(|s| s.1.clone()).collect();
+    let head = cluster.start_real_decoder(
+        "head",
+        &path,
+        &[
+            "--pipeline",
+            &list.join(","),
+            "--capacity",
+            "300",
+            "--lease-ms",
+            "10000",
+        ],
+    );
+    for (i, id) in ids.iter().enumerate() {
+        let (toks, _) = follow(&client, *id).await;
+        assert_eq!(
+            toks.len(),
+            3,
+            "generation {i}: {toks:?}; the head's log:\n{}",
+            head.log_text()
+        );
+        if i % 100 == 0 {
+            assert_eq!(toks, expected_n(model.as_ref(), &prompt, i as u64, 3), "generation {i}");
+        }
+    }
+    let log = head.log_text();
+    assert!(!log.contains("spliced") && !log.contains("failed"), "{log}");
+}
+
 /// What a stage answers to one request of a head stamped `(head, epoch)`: the stream's first
 /// message (a stale head's work, as a paused or partitioned old head would send it).
 async fn ask_stage(addr: &str, head: &str, epoch: u64) -> Result<dpb::ForwardResponse, tonic::Status> {

@@ -906,20 +906,32 @@ impl Pipe {
 
 async fn serve_jobs(pipe: &mut Pipe, mut jobs: tokio::sync::mpsc::UnboundedReceiver<Job>) {
     while let Some(job) = jobs.recv().await {
-        let r = loop {
-            // A sequence a splice could not rebuild is fed again from 0, its history first.
-            let items: Vec<(u64, u32, Vec<u32>)> = job
-                .items
-                .iter()
-                .map(|i| match i.start > 0 && pipe.stale.contains(&i.id) {
-                    true => (i.id, 0, [i.history.as_slice(), i.tokens.as_slice()].concat()),
-                    false => (i.id, i.start, i.tokens.clone()),
-                })
-                .collect();
+        let r = serve_job(pipe, &job).await;
+        let _ = job.reply.send(r);
+    }
+}
+
+/// One job's pass, in groups of items that each fit one stage request and its answer
+/// ([`pass_groups`]): a stage refuses a request of more than `STAGE_ITEMS_MAX` items or of more
+/// positions than one message carries, and a head of a larger capacity sent all its items in
+/// one (the stage's refusal broke the stream, then every spare's, and the decoder failed).
+async fn serve_job(pipe: &mut Pipe, job: &Job) -> PassResult {
+    // A sequence a splice could not rebuild is fed again from 0, its history first.
+    let item = |pipe: &Pipe, i: &JobItem| match i.start > 0 && pipe.stale.contains(&i.id) {
+        true => (i.id, 0, [i.history.as_slice(), i.tokens.as_slice()].concat()),
+        false => (i.id, i.start, i.tokens.clone()),
+    };
+    let positions: Vec<usize> = job.items.iter().map(|i| item(pipe, i).2.len()).collect();
+    let row_bytes = pipe.conns.first().map_or(1, |c| c.row_bytes);
+    let mut out = Vec::with_capacity(job.items.len());
+    let mut release = job.release.clone();
+    for group in pass_groups(&positions, row_bytes, pipe.vocab) {
+        let logits = loop {
+            let items: Vec<(u64, u32, Vec<u32>)> = job.items[group.clone()].iter().map(|i| item(pipe, i)).collect();
             match run_pass(
                 &mut pipe.conns,
                 &items,
-                job.release.clone(),
+                release.clone(),
                 pipe.vocab,
                 (&pipe.head, pipe.epoch),
             )
@@ -933,24 +945,50 @@ async fn serve_jobs(pipe: &mut Pipe, mut jobs: tokio::sync::mpsc::UnboundedRecei
                             (l, (ok, rows))
                         })
                         .unzip();
-                    pipe.keep(&items, &fed, &job.release);
-                    break Ok(logits);
+                    pipe.keep(&items, &fed, &release);
+                    break logits;
                 }
                 Err(e) => {
-                    let resumes_at = job
-                        .items
+                    let resumes_at = job.items[group.clone()]
                         .iter()
                         .map(|i| i.start as usize + i.tokens.len())
                         .max()
                         .unwrap_or(0);
                     if !pipe.splice(resumes_at).await {
-                        break Err(e);
+                        return Err(e);
                     }
                 }
             }
         };
-        let _ = job.reply.send(r);
+        // The releases went with the first request.
+        release.clear();
+        out.extend(logits);
     }
+    Ok(out)
+}
+
+/// Splits a pass's items (their positions, in order) into consecutive groups that each fit one
+/// stage request and its answer: at most `STAGE_ITEMS_MAX` items, their rows (`row_bytes` a
+/// position) within half a message (as a splice's rebuild sends them), and the last stage's
+/// answer, their logits (`vocab` f32s an item), within seven eighths of one. An item larger
+/// than that alone goes alone.
+fn pass_groups(positions: &[usize], row_bytes: usize, vocab: usize) -> Vec<std::ops::Range<usize>> {
+    let (budget, logits_budget) = (STAGE_MESSAGE_BYTES_MAX / 2, STAGE_MESSAGE_BYTES_MAX / 8 * 7);
+    let mut groups = Vec::new();
+    let (mut start, mut rows, mut logits) = (0, 0usize, 0usize);
+    for (i, &p) in positions.iter().enumerate() {
+        let (r, l) = (p.saturating_mul(row_bytes), vocab.saturating_mul(4));
+        if i > start && (i - start >= STAGE_ITEMS_MAX || rows + r > budget || logits + l > logits_budget) {
+            groups.push(start..i);
+            (start, rows, logits) = (i, 0, 0);
+        }
+        rows = rows.saturating_add(r);
+        logits = logits.saturating_add(l);
+    }
+    if start < positions.len() {
+        groups.push(start..positions.len());
+    }
+    groups
 }
 
 /// Sends one request to a stage and takes its answer, which must name the same sequences in
@@ -1254,6 +1292,34 @@ impl Model for PipelineModel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A pass's items go in groups of at most `STAGE_ITEMS_MAX` items whose rows and logits fit
+    /// half a message; together the items in order; one item too large for a group goes alone.
+    #[test]
+    fn a_pass_goes_in_groups_that_each_fit_one_stage_request() {
+        let half = STAGE_MESSAGE_BYTES_MAX / 2;
+        let cover = |groups: &[std::ops::Range<usize>], n: usize| {
+            let flat: Vec<usize> = groups.iter().flat_map(|g| g.clone()).collect();
+            assert_eq!(flat, (0..n).collect::<Vec<_>>());
+            assert!(groups.iter().all(|g| !g.is_empty()));
+        };
+        assert!(pass_groups(&[], 2304, 49_152).is_empty());
+        assert_eq!(pass_groups(&[30, 1, 1], 2304, 49_152), vec![0..3]);
+        // 300 items of one position: 256 and 44.
+        let g = pass_groups(&[1; 300], 2304, 49_152);
+        assert_eq!(g, vec![0..STAGE_ITEMS_MAX, STAGE_ITEMS_MAX..300]);
+        // Rows: prompts of 4,000 positions of 2,304 bytes (9.2 MB): three to a group.
+        let g = pass_groups(&[4_000; 7], 2304, 49_152);
+        cover(&g, 7);
+        assert!(g.iter().all(|g| g.len() * 4_000 * 2304 <= half), "{g:?}");
+        assert_eq!(g.len(), 3, "{g:?}");
+        // Logits: a vocabulary of 128k (512 KiB an item) lets 112 items in a group.
+        let g = pass_groups(&[1; 200], 2304, 128 * 1024);
+        assert_eq!(g, vec![0..112, 112..200]);
+        // An item past the budget alone goes alone, and the others still group.
+        let g = pass_groups(&[1, half, 1, 1], 1, 16);
+        assert_eq!(g, vec![0..1, 1..2, 2..4]);
+    }
 
     /// A stage that agrees with the head on everything; each case changes one thing.
     fn described() -> dpb::DescribeResponse {
