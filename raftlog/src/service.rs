@@ -106,13 +106,15 @@ pub fn pending(s: &LogState, r: pb::PendingWorkRequest, now: u64) -> Result<pb::
 
 /// The next Watch event of generation `g` from `seq` (at most
 /// [`WATCH_RECORDS_PER_EVENT_MAX`] records; the last one carries the terminal info), and the
-/// seq after it; `None` when nothing is new.
+/// seq after it; `None` when nothing is new. Only the records in memory are given: the terminal
+/// info comes with the last record of the frontier, never while some are on disk only (those
+/// are read by [`watch_cold`]).
 pub fn next_event(g: &Generation, seq: Seq) -> (Option<pb::WatchEvent>, Seq) {
     let end = g.records.len().min(seq as usize + WATCH_RECORDS_PER_EVENT_MAX);
     let records: Vec<pb::Record> = (seq as usize..end)
         .map(|i| record_to_pb(i as Seq, &g.records[i]))
         .collect();
-    let done = g.state.is_terminal() && end == g.records.len();
+    let done = g.state.is_terminal() && end as Seq >= g.frontier();
     if records.is_empty() && !done {
         return (None, seq);
     }
@@ -740,55 +742,50 @@ async fn watch_loop(
     loop {
         // Mark the current apply as seen before reading, so an apply after the read wakes us.
         applied.borrow_and_update();
-        let cold = {
-            let s = ctx.sm.read();
-            s.generations
-                .get(&id)
-                .filter(|g| g.on_disk_only())
-                .map(|g| (s.cold_files().clone(), g.clone()))
-        };
-        if let Some((files, g)) = cold {
-            // Sealed and on disk: nothing more will come; read it once, outside the lock.
-            return watch_cold(&ctx, files, g, seq, &tx).await;
-        }
-        let event = {
+        // Under one read of the state: a snapshot build may move a sealed generation's records
+        // to disk between two reads, and the second then found none in memory and sent the
+        // terminal event with the rest of them missing.
+        let next = {
             let s = ctx.sm.read();
             match s.generations.get(&id) {
                 None => Err(LogError::NotFound(format!("generation {id} was pruned"))),
+                // Sealed and on disk: nothing more will come; read it once, outside the lock.
+                Some(g) if g.on_disk_only() => Ok(WatchNext::Cold(s.cold_files().clone(), g.clone())),
                 Some(g) => match next_event(g, seq) {
                     (Some(e), next) => {
                         seq = next;
-                        Ok(Some(e))
+                        Ok(WatchNext::Send(e))
                     }
                     // The planted bug: show what was proposed here but is not committed.
                     (None, _) => match early_records(&ctx, id, seq) {
                         Some(early) => {
                             seq += early.len() as Seq;
-                            Ok(Some(pb::WatchEvent {
+                            Ok(WatchNext::Send(pb::WatchEvent {
                                 records: early,
                                 terminal: None,
                             }))
                         }
-                        None => Ok(None),
+                        None => Ok(WatchNext::Wait),
                     },
                 },
             }
         };
-        let event = match event {
-            Ok(e) => e,
+        let next = match next {
+            Ok(n) => n,
             Err(e) => {
                 let _ = tx.send(Err(e.into())).await;
                 return;
             }
         };
-        match event {
-            Some(e) => {
+        match next {
+            WatchNext::Cold(files, g) => return watch_cold(&ctx, files, g, seq, &tx).await,
+            WatchNext::Send(e) => {
                 let last = e.terminal.is_some();
                 if tx.send(Ok(e)).await.is_err() || last {
                     return;
                 }
             }
-            None => {
+            WatchNext::Wait => {
                 tokio::select! {
                     changed = applied.changed() => if changed.is_err() { return },
                     _ = tx.closed() => return,
@@ -799,6 +796,15 @@ async fn watch_loop(
             }
         }
     }
+}
+
+/// What a Watch does next, as one read of the state decided it.
+enum WatchNext {
+    Send(pb::WatchEvent),
+    /// Nothing new: wait for the next apply.
+    Wait,
+    /// The generation is sealed and its records are on disk only.
+    Cold(crate::sm_store::ColdFiles, Generation),
 }
 
 /// Planted bug `early_visibility` only: a short wait, so that a waiting Watch looks at the

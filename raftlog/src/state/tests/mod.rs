@@ -369,3 +369,34 @@ fn precheck_refuses_oversized_commands_and_unbounded_strings() {
         RejectReason::Limit
     );
 }
+
+/// A Watch event never says a generation ended while records before its frontier are not in
+/// it: with a sealed generation's records moved to disk (a snapshot build, between a Watch's
+/// two reads of the state), `next_event` from seq 1 gave the terminal info with no records, and
+/// the client's stream ended two records short.
+#[test]
+fn a_watch_event_is_terminal_only_at_the_frontier() {
+    let mut t = T::new();
+    let g = t.submit(10, "r1");
+    let epoch = t.acquire(20, g, "d1").unwrap().lease.epoch;
+    t.append(30, g, "d1", epoch, 0, &[5, 6, 7]).unwrap();
+    t.finish(40, g, epoch).unwrap();
+    let (e, next) = crate::service::next_event(t.gen(g), 1);
+    let e = e.expect("records 1 and 2, and the end");
+    assert_eq!((e.records.len(), next), (2, 3));
+    assert!(e.terminal.is_some());
+    // The same generation with its records on disk only.
+    let mut on_disk = t.gen(g).clone();
+    on_disk.cold = Some(ColdRef {
+        segment: 1,
+        offset: 0,
+        bytes: 64,
+        crc: 0,
+        records: 3,
+    });
+    on_disk.records.clear();
+    assert!(on_disk.on_disk_only());
+    let (e, next) = crate::service::next_event(&on_disk, 1);
+    assert!(e.is_none(), "{e:?}");
+    assert_eq!(next, 1);
+}
