@@ -835,3 +835,85 @@ async fn openai_edges_a_cancelled_finish_last_event_id_without_a_stream_and_an_u
         "fake-b"
     );
 }
+
+/// Resuming by POST and past the end, over HTTP:
+/// - a streaming POST repeated with the `Last-Event-ID` of its last chunk gets `[DONE]` (it
+///   got an empty stream, which a client takes for a broken one and retries for ever);
+/// - a POST with `Last-Event-ID` must name, by its key, a request that exists (without a key,
+///   or with a key never used, a new generation was made and its first events skipped);
+/// - `top_p: 0` is refused (it was read as "off" and sampled from the whole distribution);
+/// - a Responses stream resumed past its last event is refused (it was an empty 200).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_resumes_by_post_and_past_the_end_are_answered() {
+    let _g = serial();
+    let (cluster, _d, log) = cluster_with_decoder(&[]).await;
+    let g = cluster.start_gateway("g1", &[]);
+    let body = r#"{"prompt": "hi", "max_tokens": 2, "ignore_eos": true, "stream": true}"#;
+    let (s, first) = common::http(&g.http, "POST", "/v1/completions", &[("idempotency-key", "done")], body);
+    assert_eq!(s, 200, "{first}");
+    assert!(first.contains("id: 2") && first.contains("data: [DONE]"), "{first}");
+    let (s, again) = common::http(
+        &g.http,
+        "POST",
+        "/v1/completions",
+        &[("idempotency-key", "done"), ("last-event-id", "2")],
+        body,
+    );
+    assert_eq!(s, 200, "{again}");
+    assert!(again.contains("data: [DONE]") && !again.contains("data: {"), "{again}");
+
+    let (s, refused) = common::http(&g.http, "POST", "/v1/completions", &[("last-event-id", "1")], body);
+    assert_eq!(s, 400, "{refused}");
+    assert!(refused.contains("send the key"), "{refused}");
+    let (s, refused) = common::http(
+        &g.http,
+        "POST",
+        "/v1/completions",
+        &[("idempotency-key", "never-used"), ("last-event-id", "1")],
+        body,
+    );
+    assert_eq!(s, 404, "{refused}");
+
+    let (s, refused) = common::http(
+        &g.http,
+        "POST",
+        "/v1/completions",
+        &[("idempotency-key", "top-p-0")],
+        r#"{"prompt": "hi", "max_tokens": 2, "top_p": 0}"#,
+    );
+    assert_eq!(s, 400, "{refused}");
+    assert!(refused.contains("top_p"), "{refused}");
+    let status = log.cluster_status(true).await.unwrap();
+    let total: u64 = status.generations_by_state.values().sum();
+    assert_eq!(total, 1, "only the first request made a generation: {status:?}");
+
+    let (s, done) = common::http(
+        &g.http,
+        "POST",
+        "/v1/responses",
+        &[("idempotency-key", "r-past")],
+        r#"{"input": "hi", "max_output_tokens": 2, "ignore_eos": true}"#,
+    );
+    assert_eq!(s, 200, "{done}");
+    let (s, body) = common::http(
+        &g.http,
+        "GET",
+        "/v1/responses/resp_r-past?stream=true&starting_after=100000",
+        &[],
+        "",
+    );
+    assert_eq!(s, 400, "{body}");
+    assert!(body.contains("no event has sequence_number 100000"), "{body}");
+    let (s, body) = common::http(
+        &g.http,
+        "GET",
+        "/v1/responses/resp_r-past?stream=true&starting_after=3",
+        &[],
+        "",
+    );
+    assert_eq!(s, 200, "{body}");
+    assert!(
+        body.contains(r#""sequence_number":4,"#) && !body.contains("response.created"),
+        "{body}"
+    );
+}

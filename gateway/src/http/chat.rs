@@ -73,18 +73,29 @@ pub(super) async fn create(
     kind: Kind,
 ) -> Result<Response> {
     let after = last_event_id(&h)?;
-    if !stream && after >= 0 {
-        // The answer would be the text after it, with the whole generation's usage.
-        return Err(GatewayError::Invalid(
-            "Last-Event-ID resumes a stream: send it with \"stream\": true, or to GET the request's stream URL".into(),
-        ));
+    if after >= 0 {
+        if !stream {
+            // The answer would be the text after it, with the whole generation's usage.
+            return Err(GatewayError::Invalid(
+                "Last-Event-ID resumes a stream: send it with \"stream\": true, or to GET the request's stream URL"
+                    .into(),
+            ));
+        }
+        // A resume: of the request the key names, which must exist (without a key, or with one
+        // never used, a new generation was made and its events up to Last-Event-ID skipped).
+        if !h.contains_key("idempotency-key") {
+            return Err(GatewayError::Invalid(
+                "Last-Event-ID resumes the request its Idempotency-Key names: send the key".into(),
+            ));
+        }
+        gw.lookup(&tenant, &p.request_id).await?;
     }
     let (info, model) = gw.submit(&tenant, &p).await?;
     let rid = p.request_id.clone();
     let gid = info.generation_id;
     let url = kind.stream_url(&rid);
-    let rx = gw.events(info.clone(), after).await?;
     if !stream {
+        let rx = gw.events(info.clone(), after).await?;
         let (text, last) = collect(rx).await?;
         let f = last.finish.as_ref().expect("last");
         if f.reason == "error" {
@@ -105,9 +116,8 @@ pub(super) async fn create(
                           "choices": [choice], "usage": usage_json(&last), "system_fingerprint": null});
         return Ok(with_headers(Json(body).into_response(), &rid, gid, Some(url)));
     }
-    let started = Instant::now();
-    let resp = chunk_stream(gw, rx, kind, rid.clone(), model, created_s(&info), Some(started)).into_response();
-    Ok(with_headers(resp, &rid, gid, Some(url)))
+    let started = (after < 0).then(Instant::now);
+    stream_after(gw, info, after, kind, model, started).await
 }
 
 pub(super) async fn chat_resume(State(gw): Gw, h: HeaderMap, Path(rid): Path<String>) -> Result<Response> {
@@ -125,24 +135,40 @@ pub(super) async fn resume(gw: Arc<Gateway>, h: HeaderMap, rid: String, kind: Ki
     gw.metrics.resumes.inc();
     tracing::info!(tenant, request_id = %rid, after, "http resume");
     let model = gw.model_name(&info).await;
+    stream_after(gw, info, after, kind, model, None).await
+}
+
+/// The SSE stream of a request's events after `after` (a GET resume, or a streaming POST,
+/// created or repeated).
+async fn stream_after(
+    gw: Arc<Gateway>,
+    info: pb::GenerationInfo,
+    after: i64,
+    kind: Kind,
+    model: String,
+    started: Option<Instant>,
+) -> Result<Response> {
+    let rid = info.request_id.clone();
     let gid = info.generation_id;
-    let created = created_s(&info);
-    let failed = info.state == pb::GenerationState::Failed as i32;
-    if is_terminal(&info) && !failed && after == i64::from(info.frontier) {
-        // The client saw the last chunk and lost the connection before `[DONE]`: only that is
-        // left to send (a failed generation's stream ends with its error, without `[DONE]`).
+    let url = Some(kind.stream_url(&rid));
+    if is_terminal(&info) && after == i64::from(info.frontier) {
+        // The client saw the last event and lost the connection before what ends the stream:
+        // only that is left to send, `[DONE]`, or a failed generation's error again (its
+        // stream ends with it, without `[DONE]`). A repeated POST used to get an empty stream.
+        let last = match info.state == pb::GenerationState::Failed as i32 {
+            true => GatewayError::Unavailable(format!("generation failed: {}", info.finish_detail))
+                .openai_body()
+                .to_string(),
+            false => "[DONE]".to_string(),
+        };
         let (tx, rx) = mpsc::channel(1);
-        let _ = tx.try_send(SseEvent::default().data("[DONE]"));
-        return Ok(with_headers(
-            sse(rx).into_response(),
-            &rid,
-            gid,
-            Some(kind.stream_url(&rid)),
-        ));
+        let _ = tx.try_send(SseEvent::default().data(last));
+        return Ok(with_headers(sse(rx).into_response(), &rid, gid, url));
     }
+    let created = created_s(&info);
     let rx = gw.events(info, after).await?;
-    let resp = chunk_stream(gw, rx, kind, rid.clone(), model, created, None).into_response();
-    Ok(with_headers(resp, &rid, gid, Some(kind.stream_url(&rid))))
+    let resp = chunk_stream(gw, rx, kind, rid.clone(), model, created, started).into_response();
+    Ok(with_headers(resp, &rid, gid, url))
 }
 
 /// SSE of chat.completion.chunk / text_completion objects, `id: <seq>` on each, `[DONE]` last.

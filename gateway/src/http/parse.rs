@@ -136,6 +136,11 @@ pub(super) fn common_params(
     // OpenAI's default temperature is 1.
     p.sampling.temperature = opt_f32(b, "temperature")?.unwrap_or(1.0);
     p.sampling.top_p = opt_f32(b, "top_p")?.unwrap_or(1.0);
+    // 0 keeps no token; the binding reads 0 as "off" (gRPC's unset), which would sample from
+    // the whole distribution: the opposite of what a client sending 0 means.
+    if p.sampling.top_p <= 0.0 {
+        return Err(GatewayError::Invalid("top_p must be in (0, 1]".into()));
+    }
     p.sampling.frequency_penalty = opt_f32(b, "frequency_penalty")?.unwrap_or(0.0);
     p.sampling.presence_penalty = opt_f32(b, "presence_penalty")?.unwrap_or(0.0);
     p.sampling.repetition_penalty = opt_f32(b, "repetition_penalty")?.unwrap_or(1.0);

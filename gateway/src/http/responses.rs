@@ -93,6 +93,23 @@ pub(super) async fn get_response(
         if after < -1 {
             return Err(GatewayError::Invalid("starting_after must be >= -1".into()));
         }
+        // No event comes past the last one: 4 before the text, one per token and one for the
+        // held-back rest, 4 after it (see `response_stream`). A resume past that got an empty
+        // stream, which a client takes for a broken one.
+        let tokens = match is_terminal(&info) {
+            true => info.frontier,
+            false => info
+                .binding
+                .as_ref()
+                .and_then(|b| b.stop.as_ref())
+                .map_or(u32::MAX, |s| s.max_tokens),
+        };
+        let last_possible = 8 + i64::from(tokens);
+        if after > last_possible {
+            return Err(GatewayError::Invalid(format!(
+                "no event has sequence_number {after}: the last event of response {id:?} is {last_possible} at most"
+            )));
+        }
         gw.metrics.resumes.inc();
         tracing::info!(tenant, request_id = %rid, starting_after = after, "responses resume");
         let rx = gw.events(info.clone(), -1).await?;
