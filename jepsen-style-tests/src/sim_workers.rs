@@ -343,7 +343,7 @@ impl Log for SimLog {
     }
 
     async fn append(&self, req: Request<pb::AppendRequest>) -> Answer<pb::AppendResponse> {
-        let (resp, index) = self.write(append_cmd(req.into_inner())).await?;
+        let (resp, index) = self.write(append_cmd(req.into_inner())?).await?;
         Ok(TonicResponse::new(appended(resp, index)?))
     }
 
@@ -362,9 +362,12 @@ impl Log for SimLog {
         let me = self.clone();
         tokio::spawn(async move {
             while let Ok(Some(r)) = inbound.message().await {
-                let item = match me.write(append_cmd(r)).await {
-                    Ok((resp, index)) => appended(resp, index),
-                    Err(s) => Err(s),
+                let item = match append_cmd(r) {
+                    Ok(cmd) => match me.write(cmd).await {
+                        Ok((resp, index)) => appended(resp, index),
+                        Err(s) => Err(s),
+                    },
+                    Err(e) => Err(e.into()),
                 };
                 let end = item.is_err();
                 if out.send(item).await.is_err() || end {

@@ -129,13 +129,26 @@ type WatchStream = Pin<Box<dyn Stream<Item = Result<pb::WatchEvent, Status>> + S
 type AppendStream = Pin<Box<dyn Stream<Item = Result<pb::AppendResponse, Status>> + Send>>;
 type SessionStream = Pin<Box<dyn Stream<Item = Result<pb::SessionEvent, Status>> + Send>>;
 
-/// The command of an Append request.
-pub fn append_cmd(r: pb::AppendRequest) -> Command {
-    Command::Append {
+/// The command of an Append request. An item's finish reason must be one the log knows (or
+/// none): an unknown one was read as none, and the records committed while the generation
+/// went on, its owner told only that they were accepted.
+pub fn append_cmd(r: pb::AppendRequest) -> Result<Command, LogError> {
+    if let Some((k, i)) = r
+        .items
+        .iter()
+        .enumerate()
+        .find(|(_, i)| i.finish != pb::FinishReason::Unspecified as i32 && reason_from_pb(i.finish).is_none())
+    {
+        return Err(LogError::Invalid(format!(
+            "item {k} (generation {}): unknown finish reason {}",
+            i.generation_id, i.finish
+        )));
+    }
+    Ok(Command::Append {
         decoder: r.decoder_id,
         lease_ms: r.lease_ms,
         items: r.items.into_iter().map(AppendItem::from).collect(),
-    }
+    })
 }
 
 /// An Append's answer from the command's.
@@ -295,7 +308,7 @@ impl Log for LogService {
     }
 
     async fn append(&self, req: Request<pb::AppendRequest>) -> Result<TonicResponse<pb::AppendResponse>, Status> {
-        let (resp, index) = self.ctx.write(append_cmd(req.into_inner())).await?;
+        let (resp, index) = self.ctx.write(append_cmd(req.into_inner())?).await?;
         Ok(TonicResponse::new(appended(resp, index)?))
     }
 
@@ -321,7 +334,10 @@ impl Log for LogService {
                         break;
                     }
                 };
-                let proposed = ctx.propose(append_cmd(req)).await;
+                let proposed = match append_cmd(req) {
+                    Ok(cmd) => ctx.propose(cmd).await,
+                    Err(e) => Err(e),
+                };
                 let failed = proposed.is_err();
                 if queued_tx.send(proposed).await.is_err() || failed {
                     break;

@@ -120,6 +120,19 @@ async fn pipelined_appends_are_answered_in_order_and_a_gap_is_refused_with_the_f
         .generation
         .unwrap();
     assert_eq!(g.frontier, N + 2);
+
+    // A finish reason the log does not know is refused, not read as none: the records
+    // committed and the generation went on, its owner told they were accepted.
+    let mut unknown = append(gen, epoch, N + 2, &[5]);
+    unknown.items[0].finish = 9;
+    let e = client.append(unknown).await.expect_err("an unknown finish reason");
+    assert!(e.to_string().contains("unknown finish reason 9"), "{e}");
+    let g = client.generation(gen).await.unwrap();
+    assert_eq!(
+        (g.frontier, g.state),
+        (N + 2, pb::GenerationState::Running as i32),
+        "nothing was written"
+    );
     drop(s);
     n.shutdown().await;
 }

@@ -172,7 +172,33 @@ pub fn precheck_sized(cmd: &Command) -> Result<u64, Rejection> {
         ));
     }
     check_kept_strings(cmd)?;
+    check_submit(cmd)?;
     Ok(size)
+}
+
+/// What `apply` would refuse of a `Submit` without looking at the state (a `Batch`'s too):
+/// refused before it is proposed, instead of stored by every replica first (a 16 MiB prompt
+/// text passes the command bound and is refused by `apply`'s 256 KiB one).
+fn check_submit(cmd: &Command) -> Result<(), Rejection> {
+    match cmd {
+        Command::Submit {
+            tenant,
+            request_id,
+            binding,
+        } => submit_fields(tenant, request_id, binding),
+        Command::Batch(cmds) => cmds.iter().try_for_each(check_submit),
+        _ => Ok(()),
+    }
+}
+
+/// A submit's tenant, request id and binding, against their bounds ([`validate_binding`]).
+fn submit_fields(tenant: &str, request_id: &str, binding: &Binding) -> Result<(), Rejection> {
+    if tenant.is_empty() || request_id.is_empty() {
+        return Err(reject(RejectReason::Invalid, "tenant and request_id must not be empty"));
+    }
+    check_len("tenant bytes", tenant.len(), TENANT_BYTES_MAX)
+        .and(check_len("request_id bytes", request_id.len(), REQUEST_ID_BYTES_MAX))
+        .and(validate_binding(binding))
 }
 
 /// The strings of `cmd` the log keeps for good, against their bounds (a `Batch`'s commands too;
@@ -435,13 +461,7 @@ impl LogState {
 
     fn submit(&mut self, tenant: &str, request_id: &str, binding: &Binding, changes: &mut Changes) -> Response {
         let fail = |r: Rejection| Response::Ownership(Err(r));
-        if tenant.is_empty() || request_id.is_empty() {
-            return fail(reject(RejectReason::Invalid, "tenant and request_id must not be empty"));
-        }
-        if let Err(r) = check_len("tenant bytes", tenant.len(), TENANT_BYTES_MAX)
-            .and(check_len("request_id bytes", request_id.len(), REQUEST_ID_BYTES_MAX))
-            .and(validate_binding(binding))
-        {
+        if let Err(r) = submit_fields(tenant, request_id, binding) {
             return fail(r);
         }
         if let Some(g) = self.by_request(tenant, request_id) {

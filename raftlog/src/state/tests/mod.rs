@@ -368,6 +368,31 @@ fn precheck_refuses_oversized_commands_and_unbounded_strings() {
         precheck(&Command::Batch(vec![append(1), submit])).unwrap_err().reason,
         RejectReason::Limit
     );
+    // What `apply` refuses of a submit without the state is refused before it is proposed: a
+    // prompt text of 16 MiB is within the command bound, and every replica stored it first.
+    let mut b = binding();
+    b.prompt_token_ids.clear();
+    b.prompt_text = "a".repeat(16 << 20);
+    let submit = |tenant: &str, binding: Binding| Command::Submit {
+        tenant: tenant.into(),
+        request_id: "r".into(),
+        binding,
+    };
+    assert_eq!(precheck(&submit("t", b)).unwrap_err().reason, RejectReason::Limit);
+    let mut b = binding();
+    b.stop.max_tokens = 0;
+    assert_eq!(precheck(&submit("t", b)).unwrap_err().reason, RejectReason::Limit);
+    assert_eq!(
+        precheck(&submit("", binding())).unwrap_err().reason,
+        RejectReason::Invalid
+    );
+    assert_eq!(
+        precheck(&Command::Batch(vec![append(1), submit("", binding())]))
+            .unwrap_err()
+            .reason,
+        RejectReason::Invalid
+    );
+    assert_eq!(precheck(&submit("t", binding())), Ok(()));
 }
 
 /// A Watch event never says a generation ended while records before its frontier are not in
