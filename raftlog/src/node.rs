@@ -21,7 +21,7 @@ use std::sync::Mutex;
 
 use crate::limits::SHUTDOWN_GRACE;
 use openraft::async_runtime::WatchReceiver;
-use openraft::error::{ClientWriteError, RaftError};
+use openraft::error::{ChangeMembershipError, ClientWriteError, RaftError};
 use openraft::{ChangeMembers, Config, ReadPolicy, ServerState, SnapshotPolicy};
 use tokenlog_proto::raft::raft_transport_server::RaftTransportServer;
 use tokenlog_proto::raftlog::log_server::LogServer;
@@ -369,6 +369,17 @@ fn membership_err(
         RaftError::APIError(ClientWriteError::ForwardToLeader(f)) => LogError::NotLeader {
             leader_addr: f.leader_node.map(|n| n.addr),
         },
+        // A change that cannot be made as asked (a voter that is not a learner yet, no voter
+        // left, ...): retrying it cannot help. It was UNAVAILABLE, which a client retries for
+        // its whole budget. A change in progress, or a leader not ready, is worth a retry.
+        RaftError::APIError(ClientWriteError::ChangeMembershipError(e))
+            if !matches!(
+                e,
+                ChangeMembershipError::InProgress(_) | ChangeMembershipError::UncommittedLeaderLog(_)
+            ) =>
+        {
+            LogError::Invalid(format!("membership change refused: {e}"))
+        }
         e => raft_err(e),
     }
 }

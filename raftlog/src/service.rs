@@ -655,6 +655,9 @@ impl Log for LogService {
                     .add_learner(m.node_id, RaftNode::new(m.addr, m.peer_addr))
                     .await?
             }
+            Some(
+                Op::AddVoters(pb::AddVoters { node_ids: ids }) | Op::RemoveVoters(pb::RemoveVoters { node_ids: ids }),
+            ) if ids.is_empty() => return Err(LogError::Invalid("a membership change names no node".into()).into()),
             Some(Op::AddVoters(v)) => {
                 self.ctx
                     .change_voters(v.node_ids.into_iter().collect(), BTreeSet::new())
