@@ -842,7 +842,9 @@ async fn openai_edges_a_cancelled_finish_last_event_id_without_a_stream_and_an_u
 /// - a POST with `Last-Event-ID` must name, by its key, a request that exists (without a key,
 ///   or with a key never used, a new generation was made and its first events skipped);
 /// - `top_p: 0` is refused (it was read as "off" and sampled from the whole distribution);
-/// - a Responses stream resumed past its last event is refused (it was an empty 200).
+/// - a Responses stream resumed past its last event is refused (it was an empty 200);
+/// - the output message of a response cut at max_output_tokens is `incomplete`, as the
+///   response is (it said `completed`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http_resumes_by_post_and_past_the_end_are_answered() {
     let _g = serial();
@@ -895,6 +897,12 @@ async fn http_resumes_by_post_and_past_the_end_are_answered() {
         r#"{"input": "hi", "max_output_tokens": 2, "ignore_eos": true}"#,
     );
     assert_eq!(s, 200, "{done}");
+    let v: serde_json::Value = serde_json::from_str(&done).unwrap();
+    assert_eq!(
+        (&v["status"], &v["output"][0]["status"]),
+        (&serde_json::json!("incomplete"), &serde_json::json!("incomplete")),
+        "{done}"
+    );
     let (s, body) = common::http(
         &g.http,
         "GET",
@@ -913,7 +921,10 @@ async fn http_resumes_by_post_and_past_the_end_are_answered() {
     );
     assert_eq!(s, 200, "{body}");
     assert!(
-        body.contains(r#""sequence_number":4,"#) && !body.contains("response.created"),
+        body.contains(r#""sequence_number":4,"#)
+            && !body.contains("response.created")
+            && body.contains(r#""status":"incomplete""#)
+            && !body.contains(r#""status":"completed""#),
         "{body}"
     );
 }

@@ -171,6 +171,17 @@ pub(super) fn response_status(info: &pb::GenerationInfo, last: Option<&Event>) -
     }
 }
 
+/// The status of the output message of a response whose status is `status`: `completed` only
+/// when the response is; `incomplete` when it ended otherwise (max_output_tokens, cancelled,
+/// failed), as OpenAI's items say; `in_progress` while it runs.
+fn item_status(status: &str) -> &'static str {
+    match status {
+        "completed" => "completed",
+        "queued" | "in_progress" => "in_progress",
+        _ => "incomplete",
+    }
+}
+
 pub(super) fn message_item(rid: &str, status: &str, text: Option<&str>) -> Value {
     let content = match text {
         Some(t) => json!([{"type": "output_text", "text": t, "annotations": []}]),
@@ -191,8 +202,7 @@ pub(super) fn response_json(
     let output = if text.is_empty() && last.is_none() {
         json!([])
     } else {
-        let item_status = if last.is_some() { "completed" } else { "in_progress" };
-        json!([message_item(rid, item_status, Some(text))])
+        json!([message_item(rid, item_status(status), Some(text))])
     };
     let prompt = crate::core::prompt_tokens(info);
     let done = last
@@ -300,14 +310,14 @@ pub(super) fn response_stream(
                     json!({"item_id": item_id, "output_index": 0, "content_index": 0,
                                                             "part": part})
                 );
-                emit!(
-                    "response.output_item.done",
-                    json!({"output_index": 0,
-                                                           "item": message_item(&rid, "completed", Some(&text))})
-                );
                 let mut end_info = info.clone();
                 end_info.state = pb::GenerationState::Finished as i32;
                 let resp = response_json(&end_info, &model, background, &text, Some(&ev));
+                let status = item_status(resp["status"].as_str().unwrap_or("failed"));
+                emit!(
+                    "response.output_item.done",
+                    json!({"output_index": 0, "item": message_item(&rid, status, Some(&text))})
+                );
                 let ty = match resp["status"].as_str() {
                     Some("completed") => "response.completed",
                     Some("incomplete") => "response.incomplete",
