@@ -96,8 +96,15 @@ impl LogState {
             .range(start, end)
             .zip(&item.token_ids)
             .all(|(r, t)| r.token_id == *t);
-        // An identical re-send of committed records (a retry) is acknowledged without effect.
-        if end <= committed && overlap_ok && (item.finish.is_none() || g.state.is_terminal()) {
+        // An identical re-send of committed records (a retry) is acknowledged without effect; a
+        // finish's only if it ended the generation: by the same epoch, with the same reason, at
+        // the frontier (as `finish` acknowledges a retried finish). A finish of a generation
+        // that ended otherwise (cancelled, failed) was acknowledged too, and its owner believed
+        // it had ended it so.
+        let retried_finish = |(reason, _): &(FinishReason, String)| {
+            g.state.is_terminal() && g.lease.epoch == item.epoch && g.finish_reason == Some(*reason) && end == committed
+        };
+        if end <= committed && overlap_ok && item.finish.as_ref().is_none_or(retried_finish) {
             return Ok((appended_lease(g), g.frontier()));
         }
         if !no_fence {

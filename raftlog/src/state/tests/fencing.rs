@@ -286,6 +286,42 @@ fn append_with_finish_and_retry_of_it() {
     }
 }
 
+/// An append's finish of a generation that already ended otherwise (cancelled, or finished
+/// with another reason) is refused, not acknowledged: its owner was told it had ended it so.
+#[test]
+fn a_finish_of_a_generation_that_ended_otherwise_is_refused() {
+    let mut t = T::new();
+    let g = t.submit(0, "r");
+    t.acquire(0, g, "d1").unwrap();
+    t.append(1, g, "d1", 1, 0, &[4, 5]).unwrap();
+    let cancel = Command::Cancel {
+        tenant: "a".into(),
+        request_id: "r".into(),
+    };
+    assert_eq!(t.ownership(2, cancel).unwrap().state, GenState::Cancelled);
+    let finish = |reason| Command::Append {
+        decoder: "d1".into(),
+        lease_ms: LEASE,
+        items: vec![AppendItem {
+            generation: g,
+            epoch: 1,
+            start_seq: 2,
+            token_ids: vec![],
+            finish: Some((reason, String::new())),
+        }],
+    };
+    for reason in [FinishReason::Stop, FinishReason::Length] {
+        match t.at(3, finish(reason)) {
+            Response::Appended(v) => {
+                let e = v[0].result.clone().expect_err("a finish of a cancelled generation");
+                assert_eq!(e.reason, RejectReason::Terminal, "{reason:?}: {e:?}");
+            }
+            r => panic!("{r:?}"),
+        }
+    }
+    assert_eq!(t.gen(g).finish_reason, Some(FinishReason::Cancelled));
+}
+
 /// A finish that ends the generation behind its committed frontier (a re-send of fewer
 /// records than were committed, with a finish) is refused. It used to slice past the item's
 /// tokens in `apply`: a panic on every replica and, since the entry stays in the log, again
