@@ -390,7 +390,9 @@ fn continued_after_head(tokens: &[(u32, u32, u64)]) -> (bool, String) {
 }
 
 /// Points 9 and 10: the old owner's write after the takeover (for 10, the held append carrying
-/// seq 20, its failpoint `fired`) was rejected.
+/// seq 20, its failpoint `fired`) was rejected by the fence: for its stale epoch or lapsed
+/// lease. A rejection because the generation had ended meanwhile says nothing of the fence (a
+/// log without one refuses a finish of an ended generation too).
 fn old_owner_rejected(
     out: &mut Vec<Expectation>,
     sc: Scenario,
@@ -417,7 +419,13 @@ fn old_owner_rejected(
         .collect();
     let rejected = owner_appends(ops, gen)
         .filter(|a| granted.is_some_and(|t| a.invoke_us > t))
-        .filter(|a| a.rejection().is_some_and(|(current, _)| current > a.epoch()))
+        .filter(|a| {
+            a.rejection().is_some_and(|(current, reason)| {
+                use tokenlog_proto::raftlog::RejectReason;
+                current > a.epoch()
+                    && matches!(reason, Some(r) if r == RejectReason::StaleEpoch as i32 || r == RejectReason::LeaseExpired as i32)
+            })
+        })
         .filter(|a| sc != Scenario::DelayedAppendFromOldOwner || carries(a, seq))
         .count();
     expect(
