@@ -917,11 +917,16 @@ async fn serve_jobs(pipe: &mut Pipe, mut jobs: tokio::sync::mpsc::UnboundedRecei
 /// one (the stage's refusal broke the stream, then every spare's, and the decoder failed).
 async fn serve_job(pipe: &mut Pipe, job: &Job) -> PassResult {
     // A sequence a splice could not rebuild is fed again from 0, its history first.
-    let item = |pipe: &Pipe, i: &JobItem| match i.start > 0 && pipe.stale.contains(&i.id) {
+    let again = |pipe: &Pipe, i: &JobItem| i.start > 0 && pipe.stale.contains(&i.id);
+    let item = |pipe: &Pipe, i: &JobItem| match again(pipe, i) {
         true => (i.id, 0, [i.history.as_slice(), i.tokens.as_slice()].concat()),
         false => (i.id, i.start, i.tokens.clone()),
     };
-    let positions: Vec<usize> = job.items.iter().map(|i| item(pipe, i).2.len()).collect();
+    let positions: Vec<usize> = job
+        .items
+        .iter()
+        .map(|i| i.tokens.len() + if again(pipe, i) { i.history.len() } else { 0 })
+        .collect();
     let row_bytes = pipe.conns.first().map_or(1, |c| c.row_bytes);
     let mut out = Vec::with_capacity(job.items.len());
     let mut release = job.release.clone();

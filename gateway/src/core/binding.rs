@@ -13,11 +13,7 @@ impl Gateway {
     /// `PROMPT_TEXT_BYTES_MAX` takes the tokenizer a while, and on the async runtime it held
     /// up every stream of that worker thread meanwhile.
     pub async fn binding(&self, tenant: &str, p: &GenerateParams, m: &ResolvedModel) -> Result<pb::Binding> {
-        let (tenant, p, unowned_ms) = (tenant.to_string(), p.clone(), self.bind.unowned_ms);
-        let m = ResolvedModel {
-            info: m.info.clone(),
-            tokenizer: m.tokenizer.clone(),
-        };
+        let (tenant, p, m, unowned_ms) = (tenant.to_string(), p.clone(), m.clone(), self.bind.unowned_ms);
         tokio::task::spawn_blocking(move || binding(&tenant, &p, &m, unowned_ms))
             .await
             .map_err(|e| GatewayError::Internal(format!("binding a request: {e}")))?

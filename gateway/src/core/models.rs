@@ -13,6 +13,7 @@ use crate::error::{GatewayError, Result};
 use crate::limits::*;
 
 /// A model a request can use: its registration and the tokenizer for its text.
+#[derive(Clone)]
 pub struct ResolvedModel {
     pub info: pb::ModelInfo,
     pub tokenizer: Arc<Tokenizer>,
