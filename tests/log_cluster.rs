@@ -517,6 +517,69 @@ async fn paused_follower_catches_up_through_records_and_pruning_without_crashing
     assert!(!log.contains("panicked"), "{log}");
 }
 
+/// A Watch sent to a node that has not applied the generation yet is not told the generation
+/// does not exist. The follower here is killed while the generation is created and written,
+/// then restarted while the other two are stopped: it cannot catch up. It used to answer
+/// NOT_FOUND at once ("generation N does not exist on this node"), and a gateway or a standby
+/// took that for the generation's end. Now only the leader answers NOT_FOUND, after a read
+/// index: the follower sends the call on, and once the others run again the Watch opens and
+/// shows every committed record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_on_a_follower_behind_the_generation_reaches_it_instead_of_not_found() {
+    use futures::StreamExt;
+    let _serial = serial();
+    let mut cluster = Cluster::start(1_000);
+    let leader = cluster.leader().await;
+    let behind = (leader + 1) % 3;
+    let other = (leader + 2) % 3;
+    // Killed, not stopped: a stopped node finds the leader's appends waiting in its socket
+    // when it continues.
+    cluster.kill9(behind);
+    let client = cluster.client();
+    let (id, epoch) = owned_generations(&client, 1, "w").await[0];
+    let r = client
+        .append(pb::AppendRequest {
+            decoder_id: "w".into(),
+            lease_ms: 60_000,
+            items: vec![pb::AppendItem {
+                generation_id: id,
+                epoch,
+                start_seq: 0,
+                token_ids: vec![5, 6, 7],
+                ..Default::default()
+            }],
+        })
+        .await
+        .unwrap();
+    assert!(r.results[0].accepted, "{r:?}");
+    cluster.signal(leader, "STOP");
+    cluster.signal(other, "STOP");
+    cluster.start_node(behind);
+    common::wait_for_port(&cluster.addrs[behind]);
+    // A client that knows only the node behind: its first call lands there.
+    let at_behind = LogClient::with_budget(vec![cluster.addrs[behind].clone()], Duration::from_secs(20)).unwrap();
+    let watch = tokio::spawn(async move { at_behind.watch(id, 0).await });
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    assert!(
+        !watch.is_finished(),
+        "the node behind answered while it could not know: {:?}",
+        watch.await.unwrap().map(|_| "a stream")
+    );
+    cluster.signal(leader, "CONT");
+    cluster.signal(other, "CONT");
+    let mut stream = watch.await.unwrap().expect("the watch opens once a leader answers");
+    let mut seen = Vec::new();
+    while seen.len() < 3 {
+        let ev = tokio::time::timeout(Duration::from_secs(10), stream.next())
+            .await
+            .expect("the committed records come")
+            .expect("the stream runs")
+            .unwrap();
+        seen.extend(ev.records.iter().map(|r| r.token_id));
+    }
+    assert_eq!(seen, vec![5, 6, 7]);
+}
+
 /// Issue 12 item 4: a panic in any task ends the process (SIGABRT, with the panic and why it
 /// aborts printed) instead of leaving a live process with a dead task behind it. The planted
 /// `TOKENLOG_PLANT_TASK_PANIC` panics a background task of a running node 300 ms after start;

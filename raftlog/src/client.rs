@@ -582,8 +582,10 @@ impl LogClient {
         }
     }
 
-    /// Opens a Watch stream on whichever node answers (any node serves it from applied state).
-    /// Not retried: the caller resumes with `from_seq` = the next seq it has not seen.
+    /// Opens a Watch stream on whichever node answers (any node that has applied the generation
+    /// serves it from applied state; one that has not sends the call on to the leader, which
+    /// alone answers NOT_FOUND). A broken stream is not reopened: the caller resumes with
+    /// `from_seq` = the next seq it has not seen.
     pub async fn watch(
         &self,
         generation_id: u64,

@@ -601,10 +601,17 @@ impl Log for LogService {
 
     async fn watch(&self, req: Request<pb::WatchRequest>) -> Result<TonicResponse<WatchStream>, Status> {
         let r = req.into_inner();
-        if !self.ctx.sm.read().generations.contains_key(&r.generation_id) {
-            return Err(
-                LogError::NotFound(format!("generation {} does not exist on this node", r.generation_id)).into(),
-            );
+        let applied = |ctx: &NodeCtx| ctx.sm.read().generations.contains_key(&r.generation_id);
+        if !applied(&self.ctx) {
+            // Not here may only mean not here yet: a follower behind the commit (paused, cut
+            // off, restarted) answered NOT_FOUND for a generation the cluster holds, and its
+            // client, told the generation does not exist, gave up on it. Only the leader may
+            // say so, after a read index: a follower answers NOT_LEADER (the client follows
+            // it to the leader), and the leader catches up with its own commit first.
+            self.ctx.linearize().await?;
+            if !applied(&self.ctx) {
+                return Err(LogError::NotFound(format!("no generation {}", r.generation_id)).into());
+            }
         }
         let (tx, rx) = mpsc::channel(WATCH_BUFFER_EVENTS);
         tokio::spawn(watch_loop(self.ctx.clone(), r.generation_id, r.from_seq, tx));
