@@ -894,13 +894,19 @@ async fn http_resumes_by_post_and_past_the_end_are_answered() {
         "POST",
         "/v1/responses",
         &[("idempotency-key", "r-past")],
-        r#"{"input": "hi", "max_output_tokens": 2, "ignore_eos": true}"#,
+        r#"{"input": "hi", "max_output_tokens": 2, "ignore_eos": true, "temperature": 0.5}"#,
     );
     assert_eq!(s, 200, "{done}");
     let v: serde_json::Value = serde_json::from_str(&done).unwrap();
     assert_eq!(
         (&v["status"], &v["output"][0]["status"]),
         (&serde_json::json!("incomplete"), &serde_json::json!("incomplete")),
+        "{done}"
+    );
+    // The response says what it was made with (it said null for both).
+    assert_eq!(
+        (&v["temperature"], &v["top_p"], &v["max_output_tokens"]),
+        (&serde_json::json!(0.5), &serde_json::json!(1.0), &serde_json::json!(2)),
         "{done}"
     );
     let (s, body) = common::http(
@@ -927,4 +933,131 @@ async fn http_resumes_by_post_and_past_the_end_are_answered() {
             && !body.contains(r#""status":"completed""#),
         "{body}"
     );
+}
+
+/// A generation that fails (here its only decoder is killed, and nobody owns it for the
+/// gateway's `--unowned-ms`) reaches an HTTP client as what it is: 500, code
+/// `generation_failed`, "generation failed: <the log's detail>". It was a 503 "log
+/// unavailable: generation failed: ...", which tells a client the log did not answer and
+/// invites a retry that can only read the same failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_generation_is_a_500_generation_failed_over_http_not_log_unavailable() {
+    let _g = serial();
+    let (cluster, mut d, _log) = cluster_with_decoder(&["--fake-step-ms", "50", "--lease-ms", "500"]).await;
+    let g = cluster.start_gateway("g1", &["--unowned-ms", "300"]);
+    let body = r#"{"prompt": "hi", "max_tokens": 4000, "ignore_eos": true}"#;
+    let (http, streaming_http) = (g.http.clone(), g.http.clone());
+    let whole = std::thread::spawn(move || {
+        common::http(&http, "POST", "/v1/completions", &[("idempotency-key", "whole")], body)
+    });
+    let streamed = std::thread::spawn(move || {
+        let body = r#"{"prompt": "hi", "max_tokens": 4000, "ignore_eos": true, "stream": true}"#;
+        common::http(
+            &streaming_http,
+            "POST",
+            "/v1/completions",
+            &[("idempotency-key", "streamed")],
+            body,
+        )
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(800)).await;
+    d.kill9();
+    let (s, body) = whole.join().unwrap();
+    assert_eq!(s, 500, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["error"]["code"], "generation_failed", "{body}");
+    let m = v["error"]["message"].as_str().unwrap();
+    assert!(m.starts_with("generation failed: no decoder owned it"), "{m}");
+    let (s, body) = streamed.join().unwrap();
+    assert_eq!(s, 200, "{body}");
+    let last = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .next_back()
+        .expect("events");
+    let v: serde_json::Value = serde_json::from_str(last).unwrap();
+    assert_eq!(
+        v["error"]["code"], "generation_failed",
+        "the stream ends with the failure: {last}"
+    );
+    // A resume past the last token gets the failure again, the same way.
+    let (s, body) = common::http(&g.http, "GET", "/v1/completions/streamed/stream", &[], "");
+    assert_eq!(s, 200, "{body}");
+    assert!(body.contains(r#""code":"generation_failed""#), "{body}");
+}
+
+/// Over HTTP: a request that asks for tools (or a JSON schema, or a previous response) is
+/// refused with a 400 naming the field, and creates nothing; they used to be ignored, and
+/// the answer was free text that looked like a reply to what was asked. `stream_options:
+/// {"include_usage": true}` ends the stream with a chunk of no choices and the usage, before
+/// `[DONE]` (it was ignored), and the chunks before it carry `"usage": null`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unsupported_openai_fields_are_refused_and_include_usage_ends_the_stream_with_usage() {
+    let _g = serial();
+    let (cluster, _d, _log) = cluster_with_decoder(&[]).await;
+    let g = cluster.start_gateway("g1", &[]);
+    for (path, key, body, field) in [
+        (
+            "/v1/chat/completions",
+            "tools",
+            r#"{"messages": [{"role": "user", "content": "weather?"}], "tools": [{"type": "function", "function": {"name": "weather"}}]}"#,
+            "tools",
+        ),
+        (
+            "/v1/chat/completions",
+            "schema",
+            r#"{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {}}}"#,
+            "response_format",
+        ),
+        (
+            "/v1/responses",
+            "previous",
+            r#"{"input": "and then?", "previous_response_id": "resp_x"}"#,
+            "previous_response_id",
+        ),
+        (
+            "/v1/completions",
+            "usage-not-streamed",
+            r#"{"prompt": "hi", "stream_options": {"include_usage": true}}"#,
+            "stream_options",
+        ),
+    ] {
+        let (s, resp) = common::http(&g.http, "POST", path, &[("idempotency-key", key)], body);
+        assert_eq!(s, 400, "{body}: {resp}");
+        assert!(resp.contains(field), "{resp}");
+        let (s, resp) = common::http(&g.http, "GET", &format!("/v1/chat/completions/{key}/stream"), &[], "");
+        assert_eq!(s, 404, "the refused request created nothing: {resp}");
+    }
+    for (path, body) in [
+        (
+            "/v1/chat/completions",
+            r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true}}"#,
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "hi", "max_tokens": 5, "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true}}"#,
+        ),
+    ] {
+        let (s, resp) = common::http(&g.http, "POST", path, &[], body);
+        assert_eq!(s, 200, "{resp}");
+        let data: Vec<&str> = resp.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+        assert_eq!(data.last(), Some(&"[DONE]"), "{resp}");
+        let chunks: Vec<serde_json::Value> = data[..data.len() - 1]
+            .iter()
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect();
+        let (usage, tokens) = chunks.split_last().unwrap();
+        assert_eq!(usage["choices"], serde_json::json!([]), "{resp}");
+        assert_eq!(usage["usage"]["completion_tokens"], 5, "{resp}");
+        assert!(usage["usage"]["prompt_tokens"].as_u64().unwrap() > 0, "{resp}");
+        let (finish, before) = tokens.split_last().unwrap();
+        assert_eq!(finish["choices"][0]["finish_reason"], "length", "{resp}");
+        assert!(before.len() >= 5, "{resp}");
+        assert!(
+            before
+                .iter()
+                .all(|c| c["usage"].is_null() && c["choices"][0]["finish_reason"].is_null()),
+            "{resp}"
+        );
+    }
 }

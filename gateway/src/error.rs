@@ -27,6 +27,11 @@ pub enum GatewayError {
     /// The log did not answer.
     #[error("log unavailable: {0}")]
     Unavailable(String),
+    /// The generation ended in failure (the log's detail says why: no decoder before its
+    /// deadline, none for too long after its owner's lease ended, a decoder's error). The log
+    /// answered; retrying the same request id reads the same failure.
+    #[error("generation failed: {0}")]
+    Failed(String),
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -59,7 +64,7 @@ impl From<GatewayError> for Status {
             GatewayError::Overloaded(_) => Code::ResourceExhausted,
             GatewayError::Precondition(_) => Code::FailedPrecondition,
             GatewayError::Unavailable(_) => Code::Unavailable,
-            GatewayError::Internal(_) => Code::Internal,
+            GatewayError::Failed(_) | GatewayError::Internal(_) => Code::Internal,
         };
         Status::new(code, e.message())
     }
@@ -88,6 +93,7 @@ impl GatewayError {
             GatewayError::Overloaded(_) => (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", "overloaded"),
             GatewayError::Precondition(_) => (StatusCode::SERVICE_UNAVAILABLE, "server_error", "no_capacity"),
             GatewayError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "server_error", "unavailable"),
+            GatewayError::Failed(_) => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", "generation_failed"),
             GatewayError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal"),
         }
     }

@@ -27,6 +27,7 @@ impl Kind {
 pub(super) async fn chat_completions(State(gw): Gw, h: HeaderMap, body: Bytes) -> Result<Response> {
     let tenant = tenant(&gw, &h)?;
     let b = parse_body(&body)?;
+    refuse_unsupported(&b, Endpoint::Chat)?;
     let msgs = messages(
         b.get("messages")
             .ok_or_else(|| GatewayError::Invalid("messages is required".into()))?,
@@ -37,12 +38,15 @@ pub(super) async fn chat_completions(State(gw): Gw, h: HeaderMap, body: Bytes) -
         Prompt::Chat(msgs),
         &["max_tokens", "max_completion_tokens"],
     )?;
-    create(gw, h, tenant, p, opt_bool(&b, "stream")?, Kind::Chat).await
+    let stream = opt_bool(&b, "stream")?;
+    let usage = include_usage(&b, stream)?;
+    create(gw, h, tenant, p, Streaming { stream, usage }, Kind::Chat).await
 }
 
 pub(super) async fn completions(State(gw): Gw, h: HeaderMap, body: Bytes) -> Result<Response> {
     let tenant = tenant(&gw, &h)?;
     let b = parse_body(&body)?;
+    refuse_unsupported(&b, Endpoint::Completion)?;
     let prompt = match b.get("prompt") {
         Some(Value::String(s)) => Prompt::Text(s.clone()),
         Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => Prompt::Text(a[0].as_str().unwrap_or("").into()),
@@ -61,7 +65,17 @@ pub(super) async fn completions(State(gw): Gw, h: HeaderMap, body: Bytes) -> Res
         }
     };
     let p = common_params(&b, request_id(&h)?, prompt, &["max_tokens"])?;
-    create(gw, h, tenant, p, opt_bool(&b, "stream")?, Kind::Completion).await
+    let stream = opt_bool(&b, "stream")?;
+    let usage = include_usage(&b, stream)?;
+    create(gw, h, tenant, p, Streaming { stream, usage }, Kind::Completion).await
+}
+
+/// Whether a create call streams, and whether its stream ends with a usage chunk
+/// (`stream_options.include_usage`).
+#[derive(Clone, Copy)]
+pub(super) struct Streaming {
+    pub stream: bool,
+    pub usage: bool,
 }
 
 pub(super) async fn create(
@@ -69,7 +83,7 @@ pub(super) async fn create(
     h: HeaderMap,
     tenant: String,
     p: GenerateParams,
-    stream: bool,
+    Streaming { stream, usage }: Streaming,
     kind: Kind,
 ) -> Result<Response> {
     let after = last_event_id(&h)?;
@@ -99,7 +113,7 @@ pub(super) async fn create(
         let (text, last) = collect(rx).await?;
         let f = last.finish.as_ref().expect("last");
         if f.reason == "error" {
-            return Err(GatewayError::Unavailable(format!("generation failed: {}", f.detail)));
+            return Err(GatewayError::Failed(f.detail.clone()));
         }
         let choice = match kind {
             Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text},
@@ -117,7 +131,7 @@ pub(super) async fn create(
         return Ok(with_headers(Json(body).into_response(), &rid, gid, Some(url)));
     }
     let started = (after < 0).then(Instant::now);
-    stream_after(gw, info, after, kind, model, started).await
+    stream_after(gw, info, after, kind, model, started, usage).await
 }
 
 pub(super) async fn chat_resume(State(gw): Gw, h: HeaderMap, Path(rid): Path<String>) -> Result<Response> {
@@ -135,11 +149,12 @@ pub(super) async fn resume(gw: Arc<Gateway>, h: HeaderMap, rid: String, kind: Ki
     gw.metrics.resumes.inc();
     tracing::info!(tenant, request_id = %rid, after, "http resume");
     let model = gw.model_name(&info).await;
-    stream_after(gw, info, after, kind, model, None).await
+    stream_after(gw, info, after, kind, model, None, false).await
 }
 
 /// The SSE stream of a request's events after `after` (a GET resume, or a streaming POST,
-/// created or repeated).
+/// created or repeated); `include_usage`: a chunk with the usage and no choices before
+/// `[DONE]`.
 async fn stream_after(
     gw: Arc<Gateway>,
     info: pb::GenerationInfo,
@@ -147,6 +162,7 @@ async fn stream_after(
     kind: Kind,
     model: String,
     started: Option<Instant>,
+    include_usage: bool,
 ) -> Result<Response> {
     let rid = info.request_id.clone();
     let gid = info.generation_id;
@@ -155,23 +171,45 @@ async fn stream_after(
         // The client saw the last event and lost the connection before what ends the stream:
         // only that is left to send, `[DONE]`, or a failed generation's error again (its
         // stream ends with it, without `[DONE]`). A repeated POST used to get an empty stream.
-        let last = match info.state == pb::GenerationState::Failed as i32 {
-            true => GatewayError::Unavailable(format!("generation failed: {}", info.finish_detail))
-                .openai_body()
-                .to_string(),
-            false => "[DONE]".to_string(),
-        };
-        let (tx, rx) = mpsc::channel(1);
-        let _ = tx.try_send(SseEvent::default().data(last));
+        let (tx, rx) = mpsc::channel(2);
+        if info.state == pb::GenerationState::Failed as i32 {
+            let _ = tx.try_send(
+                SseEvent::default().data(
+                    GatewayError::Failed(info.finish_detail.clone())
+                        .openai_body()
+                        .to_string(),
+                ),
+            );
+        } else {
+            if include_usage {
+                let (prompt, completion) = (prompt_tokens(&info), info.frontier);
+                let chunk = usage_chunk(kind, &rid, created_s(&info), &model, prompt, completion);
+                let _ = tx.try_send(SseEvent::default().data(chunk.to_string()));
+            }
+            let _ = tx.try_send(SseEvent::default().data("[DONE]"));
+        }
         return Ok(with_headers(sse(rx).into_response(), &rid, gid, url));
     }
     let created = created_s(&info);
     let rx = gw.events(info, after).await?;
-    let resp = chunk_stream(gw, rx, kind, rid.clone(), model, created, started).into_response();
+    let resp = chunk_stream(gw, rx, kind, rid.clone(), model, created, started, include_usage).into_response();
     Ok(with_headers(resp, &rid, gid, url))
 }
 
-/// SSE of chat.completion.chunk / text_completion objects, `id: <seq>` on each, `[DONE]` last.
+/// The chunk `stream_options.include_usage` asks for: no choices, the whole request's usage
+/// (not a log event: no `id:`).
+fn usage_chunk(kind: Kind, rid: &str, created: u64, model: &str, prompt: u32, completion: u32) -> Value {
+    let object = match kind {
+        Kind::Chat => "chat.completion.chunk",
+        Kind::Completion => "text_completion",
+    };
+    json!({"id": kind.id(rid), "object": object, "created": created, "model": model, "choices": [],
+           "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}})
+}
+
+/// SSE of chat.completion.chunk / text_completion objects, `id: <seq>` on each, `[DONE]` last
+/// (after a usage chunk with `include_usage`).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn chunk_stream(
     gw: Arc<Gateway>,
     mut rx: mpsc::Receiver<Result<Event>>,
@@ -180,6 +218,7 @@ pub(super) fn chunk_stream(
     model: String,
     created: u64,
     started: Option<Instant>,
+    include_usage: bool,
 ) -> Sse<impl Stream<Item = std::result::Result<SseEvent, Infallible>>> {
     let (tx, out) = mpsc::channel(SSE_BUFFER_EVENTS);
     tokio::spawn(async move {
@@ -206,7 +245,7 @@ pub(super) fn chunk_stream(
             }
             let finish = ev.finish.as_ref();
             if finish.is_some_and(|f| f.reason == "error") {
-                let err = GatewayError::Unavailable(format!("generation failed: {}", finish.unwrap().detail));
+                let err = GatewayError::Failed(finish.unwrap().detail.clone());
                 let _ = tx
                     .send(
                         SseEvent::default()
@@ -235,6 +274,8 @@ pub(super) fn chunk_stream(
                 json!({"seq": ev.seq, "generation": ev.generation, "epoch": ev.epoch, "token_id": ev.token_id});
             if finish.is_some() {
                 chunk["usage"] = usage_json(&ev);
+            } else if include_usage {
+                chunk["usage"] = Value::Null;
             }
             if tx
                 .send(SseEvent::default().id(ev.seq.to_string()).data(chunk.to_string()))
@@ -243,7 +284,13 @@ pub(super) fn chunk_stream(
             {
                 return;
             }
-            if finish.is_some() {
+            if let Some(f) = finish {
+                if include_usage {
+                    let usage = usage_chunk(kind, &rid, created, &model, f.prompt_tokens, f.completion_tokens);
+                    if tx.send(SseEvent::default().data(usage.to_string())).await.is_err() {
+                        return;
+                    }
+                }
                 let _ = tx.send(SseEvent::default().data("[DONE]")).await;
                 return;
             }

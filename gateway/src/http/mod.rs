@@ -30,7 +30,7 @@ use tokenlog_decoder::ChatMessage;
 use tokenlog_proto::raftlog as pb;
 use tokio::sync::mpsc;
 
-use crate::core::{is_terminal, random_request_id, Event, Gateway, GenerateParams, Prompt};
+use crate::core::{is_terminal, prompt_tokens, random_request_id, Event, Gateway, GenerateParams, Prompt};
 use crate::error::{GatewayError, Result};
 use crate::limits::{HTTP_BODY_BYTES_MAX, SSE_BUFFER_EVENTS};
 

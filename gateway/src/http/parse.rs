@@ -173,3 +173,200 @@ pub(super) fn common_params(
     }
     Ok(p)
 }
+
+/// Which create call a body was sent to: each has fields of its own that ask for what tokenlog
+/// does not do.
+#[derive(Clone, Copy, PartialEq)]
+pub(super) enum Endpoint {
+    Chat,
+    Completion,
+    Responses,
+}
+
+/// Refuses (400, naming the field) a request that asks for what tokenlog does not do: tools,
+/// structured output, log probabilities, logit biases, echo, best_of, a suffix, a previous
+/// response or conversation. Ignored, each gave an answer that looked like the one asked for
+/// and was not (free text for a JSON schema, no tool call, a response without the
+/// conversation before it). The values that ask for nothing (`tools: []`, `logprobs: false`,
+/// `response_format: {"type": "text"}`, ...) pass, as do fields that change nothing of the
+/// answer (`user`, `metadata`, `store`, ...).
+pub(super) fn refuse_unsupported(b: &serde_json::Map<String, Value>, endpoint: Endpoint) -> Result<()> {
+    let unsupported = |field: &str, why: &str| {
+        Err(GatewayError::Invalid(format!(
+            "{field} is not supported: {why}; tokenlog generates plain text"
+        )))
+    };
+    let set = |k: &str| match b.get(k) {
+        None | Some(Value::Null) => false,
+        Some(Value::Array(a)) => !a.is_empty(),
+        Some(Value::Object(o)) => !o.is_empty(),
+        Some(Value::String(s)) => !s.is_empty(),
+        Some(Value::Bool(x)) => *x,
+        Some(Value::Number(n)) => n.as_f64() != Some(0.0),
+    };
+    for k in ["tools", "functions"] {
+        if set(k) {
+            return unsupported(k, "tokenlog calls no tools");
+        }
+    }
+    for k in ["tool_choice", "function_call"] {
+        match b.get(k) {
+            None | Some(Value::Null) => {}
+            Some(Value::String(s)) if matches!(s.as_str(), "none" | "auto") => {}
+            Some(_) => return unsupported(k, "tokenlog calls no tools"),
+        }
+    }
+    if set("logit_bias") {
+        return unsupported("logit_bias", "token biases are not applied");
+    }
+    if set("logprobs") || set("top_logprobs") {
+        let k = if set("logprobs") { "logprobs" } else { "top_logprobs" };
+        return unsupported(k, "tokenlog returns no log probabilities");
+    }
+    let format = match endpoint {
+        Endpoint::Responses => b.get("text").and_then(|t| t.get("format")).map(|f| ("text.format", f)),
+        _ => b.get("response_format").map(|f| ("response_format", f)),
+    };
+    if let Some((k, f)) = format.filter(|(_, f)| !f.is_null()) {
+        match f.get("type").and_then(Value::as_str) {
+            Some("text") => {}
+            Some(ty) => return unsupported(&format!("{k} {ty:?}"), "output is not constrained to a format"),
+            None => return Err(GatewayError::Invalid(format!("{k} must be an object with a type"))),
+        }
+    }
+    match endpoint {
+        Endpoint::Completion => {
+            if set("echo") {
+                return unsupported("echo", "the prompt is not repeated in the answer");
+            }
+            if set("suffix") {
+                return unsupported("suffix", "tokenlog does not insert text");
+            }
+            if let Some(n) = opt_u64(b, "best_of")? {
+                if n > 1 {
+                    return unsupported("best_of", "one sequence is generated per request (best_of 1)");
+                }
+            }
+        }
+        Endpoint::Responses => {
+            for k in ["previous_response_id", "conversation", "prompt"] {
+                if set(k) {
+                    return unsupported(k, "send the whole conversation as input");
+                }
+            }
+        }
+        Endpoint::Chat => {}
+    }
+    Ok(())
+}
+
+/// `stream_options.include_usage` of a create call (false when absent); `stream_options`
+/// without `"stream": true` is refused, as OpenAI does.
+pub(super) fn include_usage(b: &serde_json::Map<String, Value>, stream: bool) -> Result<bool> {
+    match b.get("stream_options") {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Object(o)) => {
+            if !stream {
+                return Err(GatewayError::Invalid(
+                    "stream_options is only allowed with \"stream\": true".into(),
+                ));
+            }
+            opt_bool(o, "include_usage")
+        }
+        Some(_) => Err(GatewayError::Invalid("stream_options must be an object".into())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn body(s: &str) -> serde_json::Map<String, Value> {
+        parse_body(&Bytes::from(s.to_string())).unwrap()
+    }
+
+    fn refused(s: &str, endpoint: Endpoint) -> String {
+        match refuse_unsupported(&body(s), endpoint) {
+            Err(GatewayError::Invalid(m)) => m,
+            other => panic!("{s}: {other:?}"),
+        }
+    }
+
+    /// What asks for something tokenlog does not do is refused, naming the field; the values
+    /// that ask for nothing pass.
+    #[test]
+    fn fields_asking_for_what_tokenlog_does_not_do_are_refused_by_name() {
+        use Endpoint::*;
+        for (b, e, field) in [
+            (r#"{"tools": [{"type": "function"}]}"#, Chat, "tools"),
+            (r#"{"functions": [{"name": "f"}]}"#, Chat, "functions"),
+            (r#"{"tool_choice": "required"}"#, Chat, "tool_choice"),
+            (r#"{"tool_choice": {"type": "function"}}"#, Responses, "tool_choice"),
+            (r#"{"logit_bias": {"50256": -100}}"#, Chat, "logit_bias"),
+            (r#"{"logprobs": true}"#, Chat, "logprobs"),
+            (r#"{"top_logprobs": 3}"#, Chat, "top_logprobs"),
+            (r#"{"logprobs": 2}"#, Completion, "logprobs"),
+            (
+                r#"{"response_format": {"type": "json_object"}}"#,
+                Chat,
+                "response_format \"json_object\"",
+            ),
+            (
+                r#"{"text": {"format": {"type": "json_schema"}}}"#,
+                Responses,
+                "text.format \"json_schema\"",
+            ),
+            (r#"{"echo": true}"#, Completion, "echo"),
+            (r#"{"suffix": "end"}"#, Completion, "suffix"),
+            (r#"{"best_of": 3}"#, Completion, "best_of"),
+            (
+                r#"{"previous_response_id": "resp_x"}"#,
+                Responses,
+                "previous_response_id",
+            ),
+            (r#"{"conversation": "conv_1"}"#, Responses, "conversation"),
+        ] {
+            let m = refused(b, e);
+            assert!(m.starts_with(&format!("{field} is not supported")), "{b}: {m}");
+        }
+        assert!(refused(r#"{"response_format": {}}"#, Chat).contains("must be an object with a type"));
+        for (b, e) in [
+            (
+                r#"{"tools": [], "tool_choice": "none", "logprobs": false, "top_logprobs": 0}"#,
+                Chat,
+            ),
+            (
+                r#"{"tools": null, "tool_choice": "auto", "logit_bias": {}, "user": "u", "store": false}"#,
+                Chat,
+            ),
+            (
+                r#"{"response_format": {"type": "text"}, "parallel_tool_calls": true}"#,
+                Chat,
+            ),
+            (
+                r#"{"logprobs": 0, "echo": false, "suffix": "", "best_of": 1}"#,
+                Completion,
+            ),
+            (r#"{"logprobs": null, "metadata": {"k": "v"}}"#, Completion),
+            (
+                r#"{"text": {"format": {"type": "text"}}, "previous_response_id": null, "tools": []}"#,
+                Responses,
+            ),
+            // Fields of the other endpoints are theirs: echo means nothing to a chat call.
+            (r#"{"echo": true, "previous_response_id": "resp_x"}"#, Chat),
+        ] {
+            refuse_unsupported(&body(b), e).unwrap_or_else(|err| panic!("{b}: {err}"));
+        }
+    }
+
+    #[test]
+    fn stream_options_need_a_stream() {
+        let b = body(r#"{"stream_options": {"include_usage": true}}"#);
+        assert!(include_usage(&b, true).unwrap());
+        assert!(matches!(include_usage(&b, false), Err(GatewayError::Invalid(m)) if m.contains("only allowed")));
+        assert!(!include_usage(&body(r#"{"stream_options": {}}"#), true).unwrap());
+        assert!(!include_usage(&body("{}"), false).unwrap());
+        assert!(include_usage(&body(r#"{"stream_options": true}"#), true).is_err());
+        assert!(include_usage(&body(r#"{"stream_options": {"include_usage": "yes"}}"#), true).is_err());
+    }
+}

@@ -16,6 +16,7 @@ pub(super) fn rid_of(response_id: &str) -> Result<&str> {
 pub(super) async fn create_response(State(gw): Gw, h: HeaderMap, body: Bytes) -> Result<Response> {
     let tenant = tenant(&gw, &h)?;
     let b = parse_body(&body)?;
+    refuse_unsupported(&b, Endpoint::Responses)?;
     let mut msgs = Vec::new();
     if let Some(i) = opt_str(&b, "instructions")? {
         msgs.push(ChatMessage::system(i));
@@ -208,11 +209,18 @@ pub(super) fn response_json(
     let done = last
         .and_then(|e| e.finish.as_ref())
         .map_or(info.frontier, |f| f.completion_tokens);
+    // What the response was made with, as the log bound it (the same on every gateway).
+    let binding = info.binding.as_ref();
+    let sampling = binding.and_then(|b| b.sampling.as_ref());
+    let temperature = sampling.map(|s| s.temperature);
+    let top_p = sampling.map(|s| if s.top_p > 0.0 { s.top_p } else { 1.0 });
+    let max_output_tokens = binding.and_then(|b| b.stop.as_ref()).map(|s| s.max_tokens);
     json!({
         "id": response_id(rid), "object": "response", "created_at": created_s(info), "status": status,
         "background": background, "model": model, "output": output, "output_text": text,
         "error": error, "incomplete_details": incomplete, "instructions": null, "metadata": {},
-        "parallel_tool_calls": false, "tool_choice": "none", "tools": [], "temperature": null, "top_p": null,
+        "parallel_tool_calls": false, "tool_choice": "none", "tools": [], "temperature": temperature, "top_p": top_p,
+        "max_output_tokens": max_output_tokens,
         "usage": {"input_tokens": prompt, "output_tokens": done, "total_tokens": prompt + done,
                   "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}},
     })
