@@ -219,6 +219,30 @@ pub fn plant_short_stage_rows() -> anyhow::Result<bool> {
     Ok(on)
 }
 
+/// The planted bug `stage-forgets` (`TOKENLOG_PLANT_STAGE_FORGETS=once` or `always`, a stage of
+/// a fault build only): the stage loses what it holds of the first sequence it is asked to
+/// extend and refuses that item (`once`), or refuses every item of that sequence from then on
+/// (`always`). A head feeds a refused sequence again from 0; one refused again ends as failed,
+/// alone.
+pub fn plant_stage_forgets() -> anyhow::Result<Option<bool>> {
+    let var = "TOKENLOG_PLANT_STAGE_FORGETS";
+    let always = match std::env::var(var).as_deref() {
+        Err(_) => return Ok(None),
+        Ok("once") => false,
+        Ok("always") => true,
+        Ok(other) => anyhow::bail!("{var}={other:?}: it is once or always"),
+    };
+    anyhow::ensure!(
+        cfg!(feature = "faults"),
+        "{var} is set, but this build has no planted bugs (build with --features faults)"
+    );
+    eprintln!(
+        "PLANTED BUG ON: the stage forgets a sequence ({})",
+        if always { "always" } else { "once" }
+    );
+    Ok(Some(always))
+}
+
 /// The planted bug `stalled-worker` (`TOKENLOG_PLANT_STALLED_WORKER=1`, fault builds only;
 /// issue 12): the worker's step loop stops for ever after a few appends while its leases are
 /// renewed.

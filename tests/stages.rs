@@ -456,6 +456,103 @@ async fn a_stage_that_answers_a_row_short_is_spliced_out_before_a_token_comes_of
     );
 }
 
+/// A stage that lost what it held of a sequence (the planted bug `stage-forgets=once`) refuses
+/// the sequence's next item ("holds no positions of sequence N: feed it again from 0"). The
+/// head feeds that sequence again, from 0 with its history, and every token is the whole
+/// model's. Before, the refusal failed the head's whole step: its worker failed, the decoder
+/// exited with every generation it held, and this one was never finished.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequence_a_stage_forgot_is_fed_again_from_0_and_decodes_on() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let (path, model, cluster, stages) = setup(dir.path(), &["10..20", "20..30"]);
+    let client = cluster.client();
+    let (forgets, forgets_addr) = start_stage_env(
+        dir.path(),
+        &path,
+        "forgets",
+        "0..10",
+        &[],
+        &[("TOKENLOG_PLANT_STAGE_FORGETS", "once")],
+    );
+    let list = [forgets_addr.as_str(), &stages[0].1, &stages[1].1].join(",");
+    let head = cluster.start_real_decoder("head", &path, &["--pipeline", &list]);
+    common::wait_for_model(&client).await;
+    let prompt = model
+        .tokenizer()
+        .encode_chat(&[tokenlog_decoder::ChatMessage::user("Tell me about lighthouses.")])
+        .unwrap();
+    let id = submit_n(&client, model.as_ref(), "forgot", &prompt, 5, 16).await;
+    let (toks, epochs) = follow(&client, id).await;
+    assert!(
+        forgets.log_text().contains("PLANTED: the stage forgot the sequence"),
+        "the planted bug fired:\n{}",
+        forgets.log_text()
+    );
+    assert_eq!(
+        toks,
+        expected_n(model.as_ref(), &prompt, 5, 16),
+        "the whole model's 16 tokens; the head's log:\n{}",
+        head.log_text()
+    );
+    assert!(epochs.iter().all(|&e| e == 1), "it never left its head: {epochs:?}");
+    assert!(
+        head.log_text().contains("feeding the sequence again from 0"),
+        "{}",
+        head.log_text()
+    );
+}
+
+/// A stage that refuses every item of one sequence (the planted bug `stage-forgets=always`),
+/// from 0 too: that generation ends FAILED, saying why, and the head decodes its other
+/// generation to the end, every token the whole model's. Before, the refusal failed the head's
+/// whole step: the decoder exited and neither generation was finished.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequence_a_stage_keeps_refusing_fails_alone_and_the_head_decodes_the_other() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let (path, model, cluster, stages) = setup(dir.path(), &["0..10", "20..30"]);
+    let client = cluster.client();
+    let (_refuses, refuses_addr) = start_stage_env(
+        dir.path(),
+        &path,
+        "refuses",
+        "10..20",
+        &[],
+        &[("TOKENLOG_PLANT_STAGE_FORGETS", "always")],
+    );
+    let prompt = model
+        .tokenizer()
+        .encode_chat(&[tokenlog_decoder::ChatMessage::user("Tell me about lighthouses.")])
+        .unwrap();
+    let a = submit_n(&client, model.as_ref(), "a", &prompt, 5, 16).await;
+    let b = submit_n(&client, model.as_ref(), "b", &prompt, 6, 16).await;
+    let list = [stages[0].1.as_str(), &refuses_addr, &stages[1].1].join(",");
+    let mut head = cluster.start_real_decoder("head", &path, &["--pipeline", &list]);
+    let (ta, _) = follow(&client, a).await;
+    let (tb, _) = follow(&client, b).await;
+    let (ga, gb) = (generation(&client, a).await, generation(&client, b).await);
+    let failed = pb::GenerationState::Failed as i32;
+    let (lost, kept, kept_toks, seed) = match (ga.state == failed, gb.state == failed) {
+        (true, false) => (ga, gb, tb, 6),
+        (false, true) => (gb, ga, ta, 5),
+        _ => panic!("one generation fails: {ga:?} {gb:?}\n{}", head.log_text()),
+    };
+    assert!(
+        lost.finish_detail.contains("could not continue it")
+            && lost.finish_detail.contains("PLANTED: the stage refuses sequence"),
+        "{}",
+        lost.finish_detail
+    );
+    assert_eq!(kept.state, pb::GenerationState::Finished as i32, "{kept:?}");
+    assert_eq!(kept_toks, expected_n(model.as_ref(), &prompt, seed, 16));
+    assert!(
+        head.wait_exit(Duration::ZERO).is_none(),
+        "the head runs on:\n{}",
+        head.log_text()
+    );
+}
+
 /// A head of a capacity above what a stage takes in one request (`STAGE_ITEMS_MAX`, 256
 /// items) decodes every generation: a pass goes to the stages in requests that each fit.
 /// Before, a step of its 260 generations went as one request; the stage refused it, the head
@@ -782,6 +879,24 @@ fn a_decoder_without_tls_refuses_to_serve_handoffs_beyond_loopback() {
     assert_eq!(status.and_then(|s| s.code()), Some(1), "it refuses to start: {err}");
     assert!(
         err.contains("refusing to serve handoffs in plain text") && err.contains("--tls-ca"),
+        "{err}"
+    );
+}
+
+/// A pipeline head of more generations than a stage keeps for one head refuses to start, and
+/// says why. It started, and its stages refused the sequences past 1,024, one per step.
+#[test]
+fn a_head_of_a_capacity_its_stages_cannot_hold_refuses_to_start() {
+    let out = Command::new(bin())
+        .args(["decoder", "--cluster", "127.0.0.1:1", "--decoder-id", "head"])
+        .args(["--pipeline", "127.0.0.1:1", "--capacity", "1025"])
+        .args(["--model", "/nonexistent.gguf"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("--capacity 1025 with --pipeline") && err.contains("at most 1024"),
         "{err}"
     );
 }

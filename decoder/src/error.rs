@@ -35,9 +35,14 @@ pub enum Error {
     #[error("invalid argument: {0}")]
     Invalid(String),
 
-    /// A pipeline stage could not be reached, broke its stream or refused a pass.
+    /// A pipeline stage refused one sequence's part of a pass (the others went on).
     #[error("pipeline stage: {0}")]
     Stage(String),
+
+    /// The pipeline as a whole cannot pass anything: a stage could not be reached or broke its
+    /// stream, and no spare took its place.
+    #[error("pipeline: {0}")]
+    Pipeline(String),
 
     /// Fetching or verifying the default model failed.
     #[error("fetch: {0}")]
@@ -54,5 +59,12 @@ impl Error {
 
     pub(crate) fn tokenizer(e: impl std::fmt::Display) -> Self {
         Error::Tokenizer(e.to_string())
+    }
+
+    /// Whether the error is one sequence's alone (a stage's refusal of its item, its context,
+    /// a bad input of its own), so that the others fed beside it went on; not the model's or
+    /// the pipeline's as a whole.
+    pub fn is_of_one_sequence(&self) -> bool {
+        matches!(self, Error::Stage(_) | Error::ContextFull { .. } | Error::Invalid(_))
     }
 }

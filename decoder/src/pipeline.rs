@@ -306,11 +306,11 @@ impl PipelineModel {
                     serve_jobs(&mut pipe, job_rx).await;
                 });
             })
-            .map_err(|e| Error::Stage(format!("starting the pipeline's I/O thread: {e}")))?;
+            .map_err(|e| Error::Pipeline(format!("starting the pipeline's I/O thread: {e}")))?;
         let (stages, stage_max, epoch) = ready_rx
             .recv()
-            .map_err(|_| Error::Stage("the pipeline's I/O thread ended".into()))?
-            .map_err(Error::Stage)?;
+            .map_err(|_| Error::Pipeline("the pipeline's I/O thread ended".into()))?
+            .map_err(Error::Pipeline)?;
         Ok(PipelineModel {
             inner: Arc::new(Inner {
                 jobs,
@@ -943,7 +943,7 @@ async fn serve_job(pipe: &mut Pipe, job: &Job) -> PassResult {
             .await
             {
                 Ok(r) => {
-                    let (logits, fed): (Vec<_>, Vec<_>) = r
+                    let (mut logits, fed): (Vec<_>, Vec<_>) = r
                         .into_iter()
                         .map(|(l, rows)| {
                             let ok = l.is_ok();
@@ -951,6 +951,19 @@ async fn serve_job(pipe: &mut Pipe, job: &Job) -> PassResult {
                         })
                         .unzip();
                     pipe.keep(&items, &fed, &release);
+                    // An item a stage refused (it lacks the sequence's positions, ...): fed
+                    // again once, from 0 with its history, alone. The stages begin it afresh.
+                    // It used to come back as that sequence's failure at once.
+                    for (k, l) in logits.iter_mut().enumerate() {
+                        if let Err(why) = l {
+                            let i = &job.items[group.start + k];
+                            tracing::warn!(sequence = i.id, error = %why, "a stage refused the sequence's item: feeding the sequence again from 0");
+                            if i.start > 0 {
+                                pipe.stale.insert(i.id);
+                            }
+                            *l = refeed(pipe, item(pipe, i)).await;
+                        }
+                    }
                     break logits;
                 }
                 Err(e) => {
@@ -970,6 +983,22 @@ async fn serve_job(pipe: &mut Pipe, job: &Job) -> PassResult {
         out.extend(logits);
     }
     Ok(out)
+}
+
+/// One item fed again alone (from 0, with its history); its logits, or why not.
+async fn refeed(pipe: &mut Pipe, item: (u64, u32, Vec<u32>)) -> std::result::Result<Logits, String> {
+    let items = [item];
+    let mut r = run_pass(
+        &mut pipe.conns,
+        &items,
+        Vec::new(),
+        pipe.vocab,
+        (&pipe.head, pipe.epoch),
+    )
+    .await?;
+    let (l, rows) = r.pop().expect("one item");
+    pipe.keep(&items, &[(l.is_ok(), rows)], &[]);
+    l
 }
 
 /// Splits a pass's items (their positions, in order) into consecutive groups that each fit one
@@ -1182,10 +1211,10 @@ impl Sequence for PipelineSequence {
             self.reset();
             return Err(e);
         }
-        let r = self
-            .inner
-            .pass(vec![self.job_item(tokens)])
-            .and_then(|mut r| r.pop().expect("one item"));
+        let r = match self.inner.pass(vec![self.job_item(tokens)]) {
+            Ok(mut r) => r.pop().expect("one item").map_err(Error::Stage),
+            Err(e) => Err(Error::Pipeline(e)),
+        };
         match r {
             Ok(l) => {
                 self.fed(tokens);
@@ -1193,7 +1222,7 @@ impl Sequence for PipelineSequence {
             }
             Err(e) => {
                 self.reset();
-                Err(Error::Stage(e))
+                Err(e)
             }
         }
     }
@@ -1269,11 +1298,11 @@ impl Model for PipelineModel {
             }
         }
         let n = fed.len();
-        let mut answers: Box<dyn Iterator<Item = std::result::Result<Logits, String>>> = match fed.is_empty() {
+        let mut answers: Box<dyn Iterator<Item = Result<Logits>>> = match fed.is_empty() {
             true => Box::new(std::iter::empty()),
             false => match self.inner.pass(fed) {
-                Ok(r) => Box::new(r.into_iter()),
-                Err(e) => Box::new(std::iter::repeat_n(Err(e), n)),
+                Ok(r) => Box::new(r.into_iter().map(|r| r.map_err(Error::Stage))),
+                Err(e) => Box::new((0..n).map(move |_| Err(Error::Pipeline(e.clone())))),
             },
         };
         seqs.iter_mut()
@@ -1286,7 +1315,7 @@ impl Model for PipelineModel {
                     }
                     Err(e) => {
                         s.reset();
-                        Err(Error::Stage(e))
+                        Err(e)
                     }
                 })
             })

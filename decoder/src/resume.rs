@@ -605,6 +605,12 @@ impl DecodeState {
     /// batches), each getting the logits it would get alone. Returns the first failure; a
     /// failed generation cannot draw again (as after a failed `feed_pending`).
     pub fn feed_pending_batch(model: &dyn Model, states: &mut [&mut DecodeState]) -> Result<()> {
+        Self::feed_pending_batch_each(model, states).into_iter().collect()
+    }
+
+    /// [`DecodeState::feed_pending_batch`], with each state's own outcome (in the order of
+    /// `states`): one generation's failure leaves the others fed.
+    pub fn feed_pending_batch_each(model: &dyn Model, states: &mut [&mut DecodeState]) -> Vec<Result<()>> {
         // Per state: what goes in (its pending token, or the next chunk of a deferred prefill)
         // and whether that is a prefill chunk.
         let inputs: Vec<Option<(Vec<u32>, bool)>> = states
@@ -619,8 +625,9 @@ impl DecodeState {
             })
             .collect();
         let fed = inputs.iter().filter(|t| t.is_some()).count();
+        let mut outcomes: Vec<Result<()>> = states.iter().map(|_| Ok(())).collect();
         if fed == 0 {
-            return Ok(());
+            return outcomes;
         }
         let t0 = Instant::now();
         let results = {
@@ -634,8 +641,7 @@ impl DecodeState {
         let took = t0.elapsed();
         assert_eq!(results.len(), fed, "one result per fed generation");
         let mut results = results.into_iter();
-        let mut first_err = None;
-        for (s, t) in states.iter_mut().zip(&inputs) {
+        for ((s, t), outcome) in states.iter_mut().zip(&inputs).zip(outcomes.iter_mut()) {
             let Some((_, chunk)) = t else {
                 continue;
             };
@@ -652,12 +658,10 @@ impl DecodeState {
                     s.frontiers.kv = s.sequence.kv_len();
                     s.frontiers.check();
                 }
-                Err(e) => {
-                    first_err.get_or_insert(e);
-                }
+                Err(e) => *outcome = Err(e),
             }
         }
-        first_err.map_or(Ok(()), Err)
+        outcomes
     }
 
     /// Takes `token`, committed by the generation's owner at position [`Frontiers::sampled`],

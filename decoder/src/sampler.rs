@@ -222,6 +222,9 @@ pub enum StopCause {
     Length,
     /// The model's context window is full.
     ContextFull,
+    /// The decoder could not go on with it (the model or a pipeline stage failed for this
+    /// generation alone); the text says why.
+    Failed(String),
 }
 
 impl std::fmt::Display for StopCause {
@@ -232,6 +235,7 @@ impl std::fmt::Display for StopCause {
             StopCause::StopString { index } => write!(f, "stop string #{index}"),
             StopCause::Length => write!(f, "max_tokens reached"),
             StopCause::ContextFull => write!(f, "the model's context window is full"),
+            StopCause::Failed(why) => f.write_str(why),
         }
     }
 }
@@ -242,6 +246,7 @@ impl StopCause {
         match self {
             StopCause::Eos { .. } | StopCause::StopString { .. } => FinishReason::Stop,
             StopCause::Length | StopCause::ContextFull => FinishReason::Length,
+            StopCause::Failed(_) => FinishReason::Error,
         }
     }
 }

@@ -468,6 +468,11 @@ fn serve_request(
     let mut refused: Vec<Option<String>> = Vec::with_capacity(req.items.len());
     let mut taken: Vec<(u64, StageSequence, Vec<f32>)> = Vec::new();
     for item in &req.items {
+        #[cfg(feature = "faults")]
+        if let Some(why) = planted_forget(seqs, item) {
+            refused.push(Some(why));
+            continue;
+        }
         let mut seq = match item.start {
             0 => {
                 // A sequence begins (or begins again): whatever the stage held of it goes.
@@ -567,6 +572,46 @@ fn serve_request(
     Ok(dpb::ForwardResponse {
         results,
         pipeline_epoch: req.pipeline_epoch,
+    })
+}
+
+/// The planted bug `stage-forgets` ([`plant_forget`]): 0 off, 1 once, 2 always.
+#[cfg(feature = "faults")]
+static PLANT_FORGET: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+/// The sequence it struck (`u64::MAX`: none yet).
+#[cfg(feature = "faults")]
+static FORGOTTEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(u64::MAX);
+
+/// Plants the bug `stage-forgets` (fault builds). `always == false`: the stage loses what it
+/// holds of the first sequence it is asked to extend, once, and refuses that item as it
+/// refuses any sequence it lacks. `always`: it refuses every item of that sequence from then
+/// on, from 0 too.
+#[cfg(feature = "faults")]
+pub fn plant_forget(always: bool) {
+    PLANT_FORGET.store(if always { 2 } else { 1 }, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// What the plant `stage-forgets` does to one item: `Some(why)` refuses it.
+#[cfg(feature = "faults")]
+fn planted_forget(seqs: &mut HashMap<u64, StageSequence>, item: &dpb::StageItem) -> Option<String> {
+    use std::sync::atomic::Ordering;
+    let mode = PLANT_FORGET.load(Ordering::SeqCst);
+    if mode == 0 {
+        return None;
+    }
+    let struck = FORGOTTEN.load(Ordering::SeqCst);
+    if struck == u64::MAX && item.start > 0 && seqs.contains_key(&item.sequence) {
+        FORGOTTEN.store(item.sequence, Ordering::SeqCst);
+        seqs.remove(&item.sequence);
+        tracing::warn!(sequence = item.sequence, "PLANTED: the stage forgot the sequence");
+        if mode == 1 {
+            PLANT_FORGET.store(0, Ordering::SeqCst);
+            return None;
+        }
+    }
+    (mode == 2 && FORGOTTEN.load(Ordering::SeqCst) == item.sequence).then(|| {
+        seqs.remove(&item.sequence);
+        format!("PLANTED: the stage refuses sequence {}", item.sequence)
     })
 }
 

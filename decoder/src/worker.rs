@@ -1364,6 +1364,7 @@ impl Worker {
         let mut gens: Vec<Active> = std::mem::take(&mut self.active).into_values().collect();
         let model = self.model.clone();
         let pc = self.prefix_cache.clone();
+        let decoder_id = self.cfg.decoder_id.clone();
         let queued = Instant::now();
         let gens = model_work(move || {
             let began = Instant::now();
@@ -1374,16 +1375,42 @@ impl Worker {
                 .filter(|g| g.can_sample())
                 .map(|g| &mut g.state)
                 .collect();
-            DecodeState::feed_pending_batch(&*model, &mut feeding)?;
+            let fed = DecodeState::feed_pending_batch_each(&*model, &mut feeding);
+            // A failure of one generation alone (a stage refused its item, ...) ends that
+            // generation, explicitly; the others go on. It used to fail the whole step, so the
+            // decoder exited with every generation it held, and the next owner of the failing
+            // one could fail the same way. A failure of the model or pipeline as a whole still
+            // ends the worker: its generations are taken over elsewhere.
+            let mut failed = Vec::new();
+            for (g, r) in gens.iter_mut().filter(|g| g.can_sample()).zip(fed) {
+                match r {
+                    Ok(()) => {}
+                    Err(e) if e.is_of_one_sequence() => failed.push((g, e)),
+                    Err(e) => return Err(e),
+                }
+            }
+            for (g, e) in failed {
+                tracing::warn!(generation = g.id, error = %e, "the generation cannot go on here: it is ended as failed");
+                g.finish = Some(StopCause::Failed(format!(
+                    "decoder {decoder_id} could not continue it: {e}"
+                )));
+            }
             // A generation still prefilling draws once its last chunk is in.
             for g in gens.iter_mut().filter(|g| g.can_sample() && !g.state.prefilling()) {
                 store_prefix(g, pc.as_ref());
-                match g.state.next_token()? {
-                    Some(step) => {
+                match g.state.next_token() {
+                    Ok(Some(step)) => {
                         g.uncommitted.push(step.token);
                         g.finish = step.finish;
                     }
-                    None => g.finish = g.state.finished().cloned(),
+                    Ok(None) => g.finish = g.state.finished().cloned(),
+                    Err(e) if e.is_of_one_sequence() => {
+                        tracing::warn!(generation = g.id, error = %e, "the generation cannot go on here: it is ended as failed");
+                        g.finish = Some(StopCause::Failed(format!(
+                            "decoder {decoder_id} could not continue it: {e}"
+                        )));
+                    }
+                    Err(e) => return Err(e),
                 }
             }
             // Where a slow step's time went (`RUST_LOG=tokenlog_decoder::steps=debug`): waiting

@@ -285,6 +285,15 @@ pub fn load_model(a: &DecoderArgs) -> anyhow::Result<(Arc<dyn Model>, String)> {
             a.model_name.clone().unwrap_or_else(|| "fake".into()),
         ));
     }
+    let stage_sequences = tokenlog_decoder::limits::STAGE_SEQUENCES_MAX;
+    if !a.pipeline.is_empty() && a.capacity > stage_sequences {
+        // Its stages would refuse the sequences past that, one generation at a time.
+        anyhow::bail!(
+            "--capacity {} with --pipeline: a stage keeps at most {stage_sequences} sequences of one head, \
+             so a pipeline head decodes at most {stage_sequences} generations at once",
+            a.capacity
+        );
+    }
     let path = match &a.model {
         Some(p) => p.clone(),
         None => fetch::ensure_default_model(&fetch::repo_models_dir()).context("fetching the default model")?,

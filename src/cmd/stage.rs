@@ -73,6 +73,10 @@ pub async fn run(a: StageArgs) -> anyhow::Result<()> {
         #[cfg(feature = "faults")]
         tokenlog_decoder::stage::plant_short_rows();
     }
+    if let Some(_always) = crate::process::plant_stage_forgets()? {
+        #[cfg(feature = "faults")]
+        tokenlog_decoder::stage::plant_forget(_always);
+    }
     threads::init_cpu_threads(a.threads);
     let path = match &a.model {
         Some(p) => p.clone(),
