@@ -37,10 +37,19 @@ pub fn abort_on_panic() {
 /// Logs to stderr, in colour only on a terminal (a log file or a pipe gets plain text, which
 /// `grep` and the tests read as written); `RUST_LOG` overrides the default filter.
 pub fn init_tracing() {
+    use tracing_subscriber::EnvFilter;
+    const DEFAULT: &str = "info,openraft=warn";
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(v) if !v.trim().is_empty() => EnvFilter::try_new(&v).unwrap_or_else(|e| {
+            // Refused whole for one bad directive: say so rather than log at the default
+            // level as if asked to.
+            eprintln!("RUST_LOG={v:?} is not a log filter ({e}); logging with {DEFAULT:?}");
+            EnvFilter::new(DEFAULT)
+        }),
+        _ => EnvFilter::new(DEFAULT),
+    };
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,openraft=warn".into()),
-        )
+        .with_env_filter(filter)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .init();
@@ -260,6 +269,16 @@ pub fn plant_early_handoff_write() -> anyhow::Result<bool> {
     let on = planted("TOKENLOG_PLANT_EARLY_HANDOFF_WRITE")?;
     if on {
         eprintln!("PLANTED BUG ON: early handoff write");
+    }
+    Ok(on)
+}
+
+/// Planted bug `false-commit` (fault builds): `TOKENLOG_PLANT_FALSE_COMMIT=1`, a handoff
+/// destination that answers every transfer "committed" without taking it.
+pub fn plant_false_commit() -> anyhow::Result<bool> {
+    let on = planted("TOKENLOG_PLANT_FALSE_COMMIT")?;
+    if on {
+        eprintln!("PLANTED BUG ON: false commit");
     }
     Ok(on)
 }

@@ -331,6 +331,53 @@ async fn a_loaded_decoder_rebalances_onto_an_idle_one() {
     );
 }
 
+/// A destination that answers a transfer "committed" without taking it (the planted bug
+/// `false-commit`) does not get the generation: the source asks the log, which holds no commit
+/// of the attempt, aborts it and decodes on; every client sees the uninterrupted run's tokens,
+/// all written by the source at epoch 1. Before, the source took the destination's word: it
+/// said "generation handed over" and forgot a generation the log still gave it, which stalled
+/// until its lease lapsed and was taken over by a re-prefill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destination_saying_committed_without_the_log_does_not_get_the_generation() {
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    let flags = [
+        "--handoff-listen",
+        "127.0.0.1:0",
+        "--fake-step-ms",
+        "40",
+        "--capacity",
+        "4",
+    ];
+    let a = cluster.start_decoder("fc-a", &[flags.as_slice(), &["--rebalance"]].concat());
+    let client = cluster.client();
+    common::wait_for_model(&client).await;
+    let m = fake();
+    let prompts: Vec<Vec<u32>> = (0..2)
+        .map(|i| m.tokenizer().encode(&format!("falsely committed {i}")).unwrap())
+        .collect();
+    const LONG: u32 = 200;
+    let ids = submit_owned(&client, &client, &m, "fc", &prompts, LONG, &a.id).await;
+    let follows = follow_all(&client, &ids);
+    let b = cluster.start_decoder_env("fc-b", &flags, &[("TOKENLOG_PLANT_FALSE_COMMIT", "1")]);
+    for ((id, p), f) in ids.iter().zip(&prompts).zip(follows) {
+        let (toks, epochs, _) = f.await.unwrap();
+        assert_eq!(toks, expected(&m, p, LONG), "generation {id}");
+        assert!(
+            epochs.iter().all(|&e| e == 1),
+            "generation {id} never left a: {epochs:?}\n{}",
+            a.log_text()
+        );
+    }
+    let (a_log, b_log) = (a.log_text(), b.log_text());
+    assert!(
+        b_log.contains("PLANTED: answering a transfer committed"),
+        "the plant struck:\n{b_log}"
+    );
+    assert!(a_log.contains("the log did not"), "{a_log}");
+    assert!(!a_log.contains("generation handed over"), "{a_log}");
+}
+
 /// A decoder with a handoff listener told to stop while it holds nothing re-registers without
 /// the listener before it exits, like a draining one: until its registration lapses (5 s or
 /// more) no other decoder would pick it as a destination. (It used to exit still offering it.)
@@ -786,9 +833,9 @@ fn the_drain_bench_runs_a_round_with_the_fake_model() {
 }
 
 /// A transfer's manifest is checked against the destination's model before it takes a byte
-/// of cache or a slot: more positions than the model's context, or more bytes than its cache
-/// of those positions and one position's logits, is refused at the header. Before, any
-/// manifest of up to 4 GiB was taken, whatever the model, and its bytes awaited.
+/// of cache or a slot: a frontier or more positions than the model's context, or more bytes
+/// than its cache of those positions and one position's logits, is refused at the header.
+/// Before, any manifest of up to 4 GiB was taken, whatever the model, and its bytes awaited.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_destination_refuses_a_manifest_bigger_than_its_models_cache_at_the_header() {
     let _serial = serial();
@@ -802,9 +849,12 @@ async fn a_destination_refuses_a_manifest_bigger_than_its_models_cache_at_the_he
         .await
         .unwrap();
     let context = model.context_tokens;
-    for (positions, bytes, want) in [
-        (4, 1 << 30, "this model's holds at most"),
-        (context + 1, 64, "this model's context holds"),
+    for (positions, bytes, frontier, want) in [
+        (4, 1 << 30, 0, "this model's holds at most"),
+        (context + 1, 64, 0, "this model's context holds"),
+        // A frontier past the context: the committed prefix read for it allocated a vector of
+        // that many records at once (16 GiB for u32::MAX) before anything was checked.
+        (0, 64, context + 1, "a cache at frontier"),
     ] {
         let header = tokenlog_proto::decoder::TransferHeader {
             generation_id: 1,
@@ -815,7 +865,7 @@ async fn a_destination_refuses_a_manifest_bigger_than_its_models_cache_at_the_he
             manifest: Some(pb::CacheManifest {
                 model: model.identity.clone(),
                 cache_format: tokenlog_decoder::fake::FAKE_CACHE_FORMAT.into(),
-                frontier: 0,
+                frontier,
                 kv_positions: positions,
                 cache_sha256: String::new(),
                 bytes,

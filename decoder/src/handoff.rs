@@ -126,6 +126,8 @@ pub(crate) struct PortShared {
     pub hooks: Option<Arc<dyn StepHooks>>,
     /// Planted bug `early-handoff-write` (see `WorkerConfig::plant_early_handoff_write`).
     pub plant_early_write: bool,
+    /// Planted bug `false-commit` (see `WorkerConfig::plant_false_commit`).
+    pub plant_false_commit: bool,
     /// Wakes the worker's idle loop when a generation arrives.
     pub wake: Arc<tokio::sync::Notify>,
     /// The rows of each attempt being received, by (generation, attempt, the source's key), for
@@ -216,20 +218,26 @@ impl HandoffPort {
         // The generation and its committed prefix, read while the blocks arrive.
         let client = s.client.clone();
         let frontier = manifest.frontier;
-        let prefix = tokio::spawn(async move {
-            let g = client
-                .get(pb::GetRequest {
-                    generation_id: id,
-                    linearizable: true,
-                    ..Default::default()
-                })
-                .await?;
-            let info = g
-                .generation
-                .ok_or_else(|| WorkerError::Other(format!("generation {id} not found")))?;
-            let committed = read_prefix(&client, id, frontier).await?;
-            Ok::<_, WorkerError>((info, committed))
-        });
+        // Its task ends with the transfer: a refused one (a bad block, a checksum) left it
+        // reading until its own deadline.
+        let (prefix_tx, prefix) = tokio::sync::oneshot::channel();
+        let _prefix_read = AbortOnDrop(tokio::spawn(async move {
+            let read = async {
+                let g = client
+                    .get(pb::GetRequest {
+                        generation_id: id,
+                        linearizable: true,
+                        ..Default::default()
+                    })
+                    .await?;
+                let info = g
+                    .generation
+                    .ok_or_else(|| WorkerError::Other(format!("generation {id} not found")))?;
+                let committed = read_prefix(&client, id, frontier).await?;
+                Ok::<_, WorkerError>((info, committed))
+            };
+            let _ = prefix_tx.send(read.await);
+        }));
         // The rows the source streams beside the cache (its `Rows` call), kept by position for
         // the follow passes while this attempt lasts.
         let positions = manifest.kv_positions as usize..s.model.max_context();
@@ -248,7 +256,7 @@ impl HandoffPort {
         laps.lap("blocks");
         let (info, committed) = prefix
             .await
-            .map_err(|e| e.to_string())?
+            .map_err(|_| "the committed prefix's read ended without an answer".to_string())?
             .map_err(|e| format!("the committed prefix is not readable: {e}"))?;
         laps.lap("prefix");
         if info.frontier < manifest.frontier {
@@ -487,6 +495,14 @@ impl dpb::handoff_server::Handoff for HandoffPort {
         // cancel a receive halfway, with its slot taken or its commit proposed.
         let port = self.clone();
         let inbound = req.into_inner();
+        if self.shared.plant_false_commit {
+            tracing::warn!("PLANTED: answering a transfer committed without taking it");
+            return Ok(Response::new(dpb::TransferResult {
+                committed: true,
+                epoch: 0,
+                detail: "PLANTED false commit".into(),
+            }));
+        }
         let outcome = tokio::spawn(async move { port.receive(inbound).await })
             .await
             .unwrap_or_else(|e| Err(format!("the receive failed: {e}")));
@@ -519,12 +535,22 @@ impl HandoffPort {
     }
 }
 
-/// Whether the cache `m` describes fits this model: no more positions than its context, and no
+/// Whether the cache `m` describes fits this model: a frontier within its context, no more
+/// positions than its context, and no
 /// more bytes than its cache of those positions and one position's logits (and at most
 /// `HANDOFF_CACHE_BYTES_MAX`). The destination holds up to the manifest's bytes while it
 /// receives: they were bounded by the limit alone, 4 GiB for a model whose whole context takes
 /// a few hundred MB.
 fn manifest_fits(m: &pb::CacheManifest, model: &dyn Model) -> Result<(), Refusal> {
+    // The destination reads that many committed records while the blocks arrive: a frontier
+    // past any context (u32::MAX) was an allocation of 16 GiB, before anything was checked.
+    if m.frontier as usize > model.max_context() {
+        return Err(format!(
+            "a cache at frontier {}; this model's context holds {}",
+            m.frontier,
+            model.max_context()
+        ));
+    }
     let positions = m.kv_positions as usize;
     if positions > model.max_context() {
         return Err(format!(
@@ -1293,9 +1319,23 @@ impl Source {
             }),
         )
         .await;
-        if let Err(e) = &r {
-            // Ownership moved all the same; the release is bookkeeping.
-            tracing::warn!(generation = id, attempt, error = %e, "source_released not recorded");
+        // The log takes the release only after it committed the destination's ownership: its
+        // word, not the destination's, says the generation moved. A destination's "committed"
+        // was taken as the move: the source forgot a generation the log still gave it (and
+        // freed its cache), and the generation stalled until its lease lapsed.
+        if !r.as_ref().is_ok_and(|r| r.ok) && !committed_in_log(&self.client, id, attempt).await {
+            let why = format!("the log holds no commit of attempt {attempt}: {r:?}");
+            tracing::warn!(
+                generation = id,
+                attempt,
+                why,
+                "the destination said committed; the log did not"
+            );
+            abort(&self.client, id, attempt, &self.decoder_id, &why).await;
+            if !committed_in_log(&self.client, id, attempt).await {
+                record("aborted", why.clone());
+                return Err(Stop::Next(why));
+            }
         }
         record("released", String::new());
         laps.lap("release");

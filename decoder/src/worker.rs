@@ -79,6 +79,11 @@ pub struct WorkerConfig {
     /// A check of the decoder's history must catch it.
     #[cfg(feature = "faults")]
     pub plant_early_handoff_write: bool,
+    /// Planted bug (fault builds only): a handoff destination answers a transfer "committed"
+    /// at once, without taking the cache or asking the log (a destination that lies, or an
+    /// answer meant for another attempt). The source must not take its word for the move.
+    #[cfg(feature = "faults")]
+    pub plant_false_commit: bool,
     /// Planted bug (fault builds only; issue 15): a hot standby whose generation's owner died
     /// appends at the epoch it last saw, without acquiring the generation. The log's fence
     /// refuses it; a check of the decoder's history must catch the attempt.
@@ -125,6 +130,8 @@ impl WorkerConfig {
             #[cfg(feature = "faults")]
             plant_early_handoff_write: false,
             #[cfg(feature = "faults")]
+            plant_false_commit: false,
+            #[cfg(feature = "faults")]
             plant_standby_early_write: false,
             #[cfg(feature = "faults")]
             plant_source_frees_early: false,
@@ -147,6 +154,14 @@ impl WorkerConfig {
     pub fn early_handoff_write(&self) -> bool {
         #[cfg(feature = "faults")]
         return self.plant_early_handoff_write;
+        #[cfg(not(feature = "faults"))]
+        false
+    }
+
+    /// Whether the planted bug `false-commit` is on.
+    pub fn false_commit(&self) -> bool {
+        #[cfg(feature = "faults")]
+        return self.plant_false_commit;
         #[cfg(not(feature = "faults"))]
         false
     }
@@ -478,6 +493,7 @@ impl Worker {
             history: None,
             hooks: None,
             plant_early_write: cfg.early_handoff_write(),
+            plant_false_commit: cfg.false_commit(),
             wake: Default::default(),
             rows_in: Default::default(),
         });

@@ -134,6 +134,15 @@ pub(crate) async fn read_records(
                         }
                     }
                     if ev.terminal.is_some() {
+                        if at(&out) < frontier {
+                            // It ended short of what was asked: watching again would only
+                            // answer the same end, as fast as the log answers, until the
+                            // deadline.
+                            return Err(WorkerError::Other(format!(
+                                "generation {id} ended with {} records; {frontier} were asked for",
+                                at(&out)
+                            )));
+                        }
                         break;
                     }
                 }

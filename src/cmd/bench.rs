@@ -66,7 +66,7 @@ pub struct LogArgs {
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     pub seconds: u64,
     /// First loopback port to use (tokenlog uses 3, etcd 6).
-    #[arg(long, default_value_t = 27_100)]
+    #[arg(long, default_value_t = 27_100, value_parser = crate::cmd::base_port)]
     pub base_port: u16,
     /// Skip the etcd baseline (no ratio is printed then).
     #[arg(long)]

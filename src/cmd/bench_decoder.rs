@@ -39,7 +39,7 @@ pub struct DecodeArgs {
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
     pub rounds: u64,
     /// First loopback port for the 3 log nodes.
-    #[arg(long, default_value_t = 27_300)]
+    #[arg(long, default_value_t = 27_300, value_parser = crate::cmd::base_port)]
     pub base_port: u16,
     /// Concurrent generations for the batching table (comma-separated): the model alone
     /// decoding that many at once (one batched forward pass per step) and the same number of
@@ -60,7 +60,8 @@ pub struct FailoverArgs {
     pub kills: usize,
     /// Lease (ms) of the decoders. A kill is detected when the victim's session with the leader
     /// breaks (at once); the lease bounds detection only if that fails.
-    #[arg(long, default_value_t = LEASE_MS_DEFAULT)]
+    #[arg(long, default_value_t = LEASE_MS_DEFAULT,
+          value_parser = clap::value_parser!(u64).range(tokenlog_raftlog::limits::LEASE_MS_MIN..=tokenlog_raftlog::limits::LEASE_MS_MAX))]
     pub lease_ms: u64,
     /// Records committed before the kill.
     #[arg(long, default_value_t = 8)]
@@ -71,7 +72,7 @@ pub struct FailoverArgs {
     #[arg(long, default_value_t = 20)]
     pub fake_step_ms: u64,
     /// First loopback port for the 3 log nodes.
-    #[arg(long, default_value_t = 27_400)]
+    #[arg(long, default_value_t = 27_400, value_parser = crate::cmd::base_port)]
     pub base_port: u16,
     /// Hot standby: the decoders run with `--standby 1`, and each kill waits until the log names
     /// the other decoder as the generation's standby and 16 more records were committed (the

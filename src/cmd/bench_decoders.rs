@@ -27,7 +27,7 @@ pub struct DecodersArgs {
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
     pub generations: u64,
     /// Decoder processes; each gets capacity generations / decoders (rounded up).
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=1000))]
     pub decoders: u64,
     /// Tokens per generation.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=i64::from(tokenlog_raftlog::limits::GENERATION_TOKENS_MAX)))]
@@ -36,7 +36,7 @@ pub struct DecodersArgs {
     #[arg(long, default_value_t = 300)]
     pub timeout_s: u64,
     /// First loopback port (3 log nodes, then one metrics port per decoder from base + 10).
-    #[arg(long, default_value_t = 27_500)]
+    #[arg(long, default_value_t = 27_500, value_parser = crate::cmd::base_port)]
     pub base_port: u16,
 }
 

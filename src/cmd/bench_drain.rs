@@ -39,7 +39,7 @@ pub struct DrainArgs {
     #[arg(long, default_value_t = 20)]
     pub fake_step_ms: u64,
     /// First loopback port for the 3 log nodes.
-    #[arg(long, default_value_t = 27_500)]
+    #[arg(long, default_value_t = 27_500, value_parser = crate::cmd::base_port)]
     pub base_port: u16,
 }
 

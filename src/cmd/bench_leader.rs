@@ -30,13 +30,14 @@ pub struct LeaderKillArgs {
     pub step_ms: u64,
     /// The decoder's lease (ms). One shorter than an election shows whether the election
     /// counts against leases (it must not).
-    #[arg(long, default_value_t = tokenlog_raftlog::limits::LEASE_MS_DEFAULT)]
+    #[arg(long, default_value_t = tokenlog_raftlog::limits::LEASE_MS_DEFAULT,
+          value_parser = clap::value_parser!(u64).range(tokenlog_raftlog::limits::LEASE_MS_MIN..=tokenlog_raftlog::limits::LEASE_MS_MAX))]
     pub lease_ms: u64,
     /// Seconds between kills (and the length of each measured stretch).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(2..=60))]
     pub every_s: u64,
     /// First loopback port (3 log nodes).
-    #[arg(long, default_value_t = 27_700)]
+    #[arg(long, default_value_t = 27_700, value_parser = crate::cmd::base_port)]
     pub base_port: u16,
 }
 

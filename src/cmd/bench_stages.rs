@@ -38,13 +38,13 @@ pub struct StagesArgs {
     /// kept (only the dead stage's layers rebuilt) and once with nothing kept (every generation
     /// fed through the whole pipeline again); kill -> next visible token, split into
     /// detection, splice, rebuild and first step.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1000))]
     pub kills: usize,
     /// Records committed before each kill (with --kills).
     #[arg(long, default_value_t = 20)]
     pub after: u32,
     /// First loopback port for the 3 log nodes (with --kills; spares listen from +100).
-    #[arg(long, default_value_t = 27_500)]
+    #[arg(long, default_value_t = 27_500, value_parser = crate::cmd::base_port)]
     pub base_port: u16,
 }
 

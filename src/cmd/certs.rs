@@ -61,6 +61,11 @@ fn write_private(path: &Path, pem: &str) -> anyhow::Result<()> {
         .mode(0o600)
         .open(path)
         .with_context(|| format!("writing {}", path.display()))?;
+    // `mode` applies to a file it creates: one being overwritten (--force) keeps its
+    // permissions, which may let others read the new key. Set before the key goes in.
+    use std::os::unix::fs::PermissionsExt;
+    f.set_permissions(std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("making {} readable by its owner only", path.display()))?;
     f.write_all(pem.as_bytes())
         .with_context(|| format!("writing {}", path.display()))
 }

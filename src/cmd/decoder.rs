@@ -67,7 +67,8 @@ pub struct DecoderArgs {
     #[arg(long, default_value_t = 4, value_parser = crate::cmd::at_least_one)]
     pub capacity: usize,
     /// Lease length (ms); renewed by every append and by a timer when a step is slow.
-    #[arg(long, default_value_t = tokenlog_raftlog::limits::LEASE_MS_DEFAULT)]
+    #[arg(long, default_value_t = tokenlog_raftlog::limits::LEASE_MS_DEFAULT,
+          value_parser = clap::value_parser!(u64).range(tokenlog_raftlog::limits::LEASE_MS_MIN..=tokenlog_raftlog::limits::LEASE_MS_MAX))]
     pub lease_ms: u64,
     /// Model threads. One per decoder when several share a host (candle's pool collapses
     /// under shared cores).
@@ -370,6 +371,7 @@ pub async fn run(mut a: DecoderArgs) -> anyhow::Result<()> {
     let early_write = crate::process::plant_early_handoff_write()?;
     let standby_write = crate::process::plant_standby_early_write()?;
     let frees_early = crate::process::plant_source_frees_early()?;
+    let false_commit = crate::process::plant_false_commit()?;
     #[cfg(feature = "faults")]
     {
         cfg.plant_zombie = zombie;
@@ -377,9 +379,10 @@ pub async fn run(mut a: DecoderArgs) -> anyhow::Result<()> {
         cfg.plant_early_handoff_write = early_write;
         cfg.plant_standby_early_write = standby_write;
         cfg.plant_source_frees_early = frees_early;
+        cfg.plant_false_commit = false_commit;
     }
     #[cfg(not(feature = "faults"))]
-    let _ = (stall, early_write, standby_write, frees_early);
+    let _ = (stall, early_write, standby_write, frees_early, false_commit);
     cfg.drain_ms = a.drain_ms;
     cfg.standby = a.standby as usize;
     cfg.rebalance = a.rebalance;

@@ -47,9 +47,28 @@ pub struct DevArgs {
     /// tenant `default`.
     #[arg(long)]
     pub keys: Option<PathBuf>,
+    /// Serve the log API (--listen) on an address other machines can reach. It has no TLS and
+    /// no authentication here: whoever reaches it can append to any generation and change the
+    /// membership. Without this, --listen must be a loopback address.
+    #[arg(long)]
+    pub insecure: bool,
 }
 
 pub async fn run(a: DevArgs) -> anyhow::Result<()> {
+    if !a.listen.ip().is_loopback() && !a.insecure {
+        anyhow::bail!(
+            "refusing to serve the log API in plain text on {}: anyone who reaches it could append to any generation and change the membership. \
+             Keep --listen on a loopback address (the gateway's --grpc-listen and --http-listen may face the network), \
+             run `tokenlog node` with TLS for a reachable log, or give --insecure",
+            a.listen
+        );
+    }
+    if a.insecure {
+        eprintln!(
+            "WARNING: --insecure: the log API on {} has no TLS and no authentication",
+            a.listen
+        );
+    }
     let threads = a
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));

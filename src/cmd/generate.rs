@@ -12,6 +12,7 @@ use tokenlog_proto::tokenlog as tpb;
 #[derive(clap::Args)]
 pub struct GenerateArgs {
     /// The prompt (a user message; see --raw).
+    #[arg(conflicts_with = "resume")]
     pub prompt: Option<String>,
     /// Gateway gRPC addresses (comma-separated); the client fails over between them.
     #[arg(long, value_delimiter = ',', default_value = "127.0.0.1:7100")]
@@ -31,9 +32,9 @@ pub struct GenerateArgs {
     #[arg(long, requires = "request_id")]
     pub resume: bool,
     /// With --resume: the last seq already seen (-1 = from the start).
-    #[arg(long, default_value_t = -1, allow_hyphen_values = true)]
-    pub after: i64,
-    /// Model name (default: the first one the gateway serves).
+    #[arg(long, allow_hyphen_values = true)]
+    pub after: Option<i64>,
+    /// Model name (default: the model the log serves; needed when it serves several).
     #[arg(long, default_value = "")]
     pub model: String,
     /// System message.
@@ -64,6 +65,14 @@ pub struct GenerateArgs {
 }
 
 pub async fn run(a: GenerateArgs) -> anyhow::Result<()> {
+    if a.after.is_some() && !a.resume {
+        // Not clap's `requires`: a flag (`--resume`) counts as present through its default.
+        clap::Error::raw(
+            clap::error::ErrorKind::MissingRequiredArgument,
+            "--after needs --resume: a new generation is printed from its start\n",
+        )
+        .exit();
+    }
     let ca = match &a.gateway_ca {
         Some(p) => Some(std::fs::read(p).with_context(|| format!("reading --gateway-ca {}", p.display()))?),
         None => None,
@@ -75,7 +84,7 @@ pub async fn run(a: GenerateArgs) -> anyhow::Result<()> {
         .unwrap_or_else(|| format!("cli-{:016x}", rand::random::<u64>()));
     let started = Instant::now();
     let mut stream = if a.resume {
-        client.resume(rid.clone(), a.after).boxed()
+        client.resume(rid.clone(), a.after.unwrap_or(-1)).boxed()
     } else {
         let prompt = a
             .prompt

@@ -41,6 +41,19 @@ pub fn at_least_one(s: &str) -> Result<usize, String> {
     }
 }
 
+/// A bench's `--base-port`: its log nodes listen from there, and its other processes on ports
+/// counted up from it (up to a few thousand above), which must stay ports.
+pub fn base_port(s: &str) -> Result<u16, String> {
+    const MAX: u16 = 61_000;
+    match s.parse::<u16>() {
+        Ok(p) if (1024..=MAX).contains(&p) => Ok(p),
+        Ok(p) => Err(format!(
+            "{p} is outside 1024..={MAX} (the bench counts ports up from it)"
+        )),
+        Err(e) => Err(format!("{s:?} is not a port: {e}")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -49,5 +62,15 @@ mod tests {
         assert_eq!(super::at_least_one("0"), Err("must be at least 1".to_string()));
         assert!(super::at_least_one("-1").unwrap_err().contains("is not a count"));
         assert!(super::at_least_one("").unwrap_err().contains("is not a count"));
+    }
+
+    /// A bench's base port leaves room above it: 65534 overflowed `base + 3` (a panic in a
+    /// debug build; node 3 on port 0 in a release one).
+    #[test]
+    fn a_base_port_too_high_or_privileged_is_refused() {
+        assert_eq!(super::base_port("27100"), Ok(27_100));
+        assert!(super::base_port("65534").unwrap_err().contains("outside 1024..=61000"));
+        assert!(super::base_port("80").unwrap_err().contains("outside"));
+        assert!(super::base_port("70000").unwrap_err().contains("is not a port"));
     }
 }

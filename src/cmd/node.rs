@@ -101,10 +101,13 @@ pub fn parse_peers(peers: &[String]) -> anyhow::Result<Vec<(u64, RaftNode)>> {
             if addr.is_empty() || addr.contains(' ') || peer.contains(' ') {
                 bail!("peer {p:?} is not id=host:port or id=host:port/host:peerport");
             }
-            Ok((
-                id.parse().with_context(|| format!("peer id {id:?} is not a number"))?,
-                RaftNode::new(addr, peer),
-            ))
+            let id: u64 = id.parse().with_context(|| format!("peer id {id:?} is not a number"))?;
+            if id == 0 {
+                // No node can have it (--id is positive), and the lowest id initializes the
+                // cluster: nobody would.
+                bail!("peer {p:?}: ids are positive integers");
+            }
+            Ok((id, RaftNode::new(addr, peer)))
         })
         .collect::<anyhow::Result<_>>()?;
     for (i, (id, node)) in members.iter().enumerate() {
@@ -149,6 +152,19 @@ pub async fn run(a: NodeArgs) -> anyhow::Result<()> {
             "WARNING: --insecure: node {} serves plain text without authentication on {}",
             id, a.listen
         );
+    }
+    // An address of every interface is no address to reach: the cluster's membership (and
+    // every redirect to this node as the leader) would name 0.0.0.0.
+    if a.listen.ip().is_unspecified() && a.listen.port() != 0 && a.advertise.is_none() {
+        bail!(
+            "--listen {} listens on every address: say with --advertise where clients and other nodes reach this node",
+            a.listen
+        );
+    }
+    if let Some(p) = a.peer_listen.filter(|p| p.ip().is_unspecified() && p.port() != 0) {
+        if a.peer_advertise.is_none() {
+            bail!("--peer-listen {p} listens on every address: say with --peer-advertise where other nodes reach it");
+        }
     }
     let mut cfg = NodeConfig::new(id, a.listen, a.data_dir);
     cfg.tls = tls;
@@ -211,7 +227,17 @@ pub async fn run(a: NodeArgs) -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::id_from_ordinal;
+    use super::{id_from_ordinal, parse_peers};
+
+    /// Peer id 0 is refused: no node can have it, and as the lowest id it was the one that
+    /// should initialize the cluster, so none did and the nodes waited for ever.
+    #[test]
+    fn a_peer_of_id_0_is_refused() {
+        let peers = |s: &str| parse_peers(&s.split(',').map(str::to_string).collect::<Vec<_>>());
+        let e = peers("0=127.0.0.1:7000,1=127.0.0.1:7001").unwrap_err().to_string();
+        assert!(e.contains("ids are positive"), "{e}");
+        assert_eq!(peers("1=127.0.0.1:7000,2=127.0.0.1:7001").unwrap().len(), 2);
+    }
 
     #[test]
     fn a_pod_name_gives_its_ordinal_plus_one() {

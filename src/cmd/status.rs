@@ -259,6 +259,13 @@ pub async fn members(a: MembersArgs) -> anyhow::Result<()> {
                 .await?;
         }
         MembersOp::Replace { old, new, addr } => {
+            if old == new {
+                // The add changes nothing (a member keeps its addresses), and the remove then
+                // takes the node out of the cluster.
+                anyhow::bail!(
+                    "replace {old} {new}: the new node needs an id of its own (the remove would take node {old} out)"
+                );
+            }
             add(new, addr).await?;
             eprintln!("removing node {old}");
             client
