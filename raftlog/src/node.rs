@@ -337,7 +337,23 @@ impl NodeCtx {
         }
     }
 
+    /// Adds node `id` at `node`'s addresses as a learner, once it has caught up. A member of
+    /// that id at other addresses is refused: openraft keeps a member's addresses as they
+    /// are, so the call succeeded and changed nothing (and a replace of a node by itself then
+    /// removed it). At the same addresses it is a retry, and succeeds.
     pub async fn add_learner(&self, id: NodeId, node: RaftNode) -> Result<(), LogError> {
+        let held = self
+            .raft
+            .metrics()
+            .borrow_watched()
+            .membership_config
+            .get_node(&id)
+            .cloned();
+        if let Some(held) = held.filter(|h| *h != node) {
+            return Err(LogError::Invalid(format!(
+                "node {id} is already a member at {held}: remove it before adding it at {node}, or add the new node under a new id"
+            )));
+        }
         self.raft
             .add_learner(id, node, true)
             .await

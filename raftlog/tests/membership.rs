@@ -41,5 +41,39 @@ async fn a_membership_change_that_cannot_be_made_is_refused_at_once() {
         assert!(s.message().to_lowercase().contains(want), "{what}: {}", s.message());
         assert!(t0.elapsed() < Duration::from_secs(3), "{what}: {:?}", t0.elapsed());
     }
+    // A member added again at other addresses: refused, naming where it is (it was acknowledged
+    // and changed nothing). At its own address it is a retry, and succeeds.
+    let learner = |addr: String| {
+        Op::AddLearner(pb::MemberStatus {
+            node_id: 1,
+            addr,
+            ..Default::default()
+        })
+    };
+    let e = client
+        .change_membership(pb::ChangeMembershipRequest {
+            op: Some(learner("127.0.0.1:9".into())),
+        })
+        .await
+        .expect_err("a member at other addresses");
+    let ClientError::Status(s) = &e else { panic!("{e}") };
+    assert_eq!(s.code(), tonic::Code::InvalidArgument, "{s:?}");
+    assert!(s.message().contains("already a member"), "{}", s.message());
+    let status = client.cluster_status(true).await.unwrap();
+    let own = status
+        .members
+        .iter()
+        .find(|m| m.node_id == 1)
+        .expect("node 1")
+        .addr
+        .clone();
+    client
+        .change_membership(pb::ChangeMembershipRequest {
+            op: Some(learner(own.clone())),
+        })
+        .await
+        .expect("the same member at its own address again");
+    let after = client.cluster_status(true).await.unwrap();
+    assert_eq!(after.members.iter().find(|m| m.node_id == 1).unwrap().addr, own);
     n.shutdown().await;
 }
