@@ -1061,3 +1061,33 @@ async fn unsupported_openai_fields_are_refused_and_include_usage_ends_the_stream
         );
     }
 }
+
+/// A gateway told to stop (SIGTERM) while a client streams a long generation stops within its
+/// grace (`SHUTDOWN_GRACE`), cutting the stream; the client resumes on another gateway and sees
+/// every token once. It used to wait for every open stream to end: as long as the longest
+/// generation (here 2,000 tokens at 50 ms a step, 100 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_told_to_stop_cuts_its_open_streams_after_a_grace_and_they_resume_elsewhere() {
+    let _g = serial();
+    let (cluster, _d, _log) = cluster_with_decoder(&["--fake-step-ms", "50"]).await;
+    let mut g1 = cluster.start_gateway("g1", &[]);
+    let g2 = cluster.start_gateway("g2", &[]);
+    let client = GatewayClient::new(vec![g1.grpc.clone(), g2.grpc.clone()], None).unwrap();
+    let mut events = client.generate(request("long", 2_000)).boxed();
+    let first = events.next().await.unwrap().expect("the first event");
+    let t0 = std::time::Instant::now();
+    g1.signal("TERM");
+    let status = g1.wait_exit(tokenlog_gateway::limits::SHUTDOWN_GRACE + std::time::Duration::from_secs(5));
+    let log_text = std::fs::read_to_string(&g1.log).unwrap_or_default();
+    let status =
+        status.unwrap_or_else(|| panic!("the gateway still runs {:?} after SIGTERM:\n{log_text}", t0.elapsed()));
+    assert!(status.success(), "{status:?}\n{log_text}");
+    // The stream goes on through the other gateway, each seq once.
+    let mut seqs = vec![first.seq];
+    while seqs.len() < 40 {
+        let e = events.next().await.unwrap().expect("the stream resumes on g2");
+        seqs.push(e.seq);
+    }
+    assert_eq!(seqs, (0..40).collect::<Vec<u32>>());
+    client.cancel("long").await.unwrap();
+}

@@ -553,6 +553,30 @@ async fn a_sequence_a_stage_keeps_refusing_fails_alone_and_the_head_decodes_the_
     );
 }
 
+/// A stage told to stop (SIGTERM) while a head holds its stream stops within the grace; the
+/// head's stream to it breaks. It waited for the head's stream to end, which a running head
+/// never does: only SIGKILL stopped it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stage_told_to_stop_stops_while_a_head_holds_its_stream() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let (path, _model, cluster, mut stages) = setup(dir.path(), &["0..15", "15..30"]);
+    let client = cluster.client();
+    let list: Vec<String> = stages.iter().map(|s| s.1.clone()).collect();
+    let _head = start_head(&cluster, "head", &path, &list);
+    common::wait_for_model(&client).await;
+    let stage = &mut stages[0].0;
+    stage.signal("-TERM");
+    let within = tokenlog_raftlog::limits::SHUTDOWN_GRACE + Duration::from_secs(5);
+    let status = stage.wait_exit(within);
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "the stage exits cleanly within {within:?}: {status:?}\n{}",
+        stage.log_text()
+    );
+    assert!(stage.log_text().contains("stage stopped"), "{}", stage.log_text());
+}
+
 /// A head of a capacity above what a stage takes in one request (`STAGE_ITEMS_MAX`, 256
 /// items) decodes every generation: a pass goes to the stages in requests that each fit.
 /// Before, a step of its 260 generations went as one request; the stage refused it, the head

@@ -57,3 +57,7 @@ pub const REPETITION_PENALTY_MAX: f32 = 10.0;
 pub const LOG_PROBE_EVERY: Duration = Duration::from_secs(1);
 pub const LOG_PROBE_BUDGET: Duration = Duration::from_secs(2);
 pub const LOG_UNREACHABLE_AFTER: Duration = Duration::from_secs(5);
+/// A gateway told to stop lets its open streams and calls end for this long, then cuts them:
+/// their clients resume on another gateway (gRPC `Resume`, `Last-Event-ID`) and see every event
+/// once. Waiting for every stream to end could take as long as the longest generation.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);

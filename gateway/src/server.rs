@@ -31,12 +31,26 @@ pub struct Serving {
 }
 
 impl Serving {
-    /// Stops accepting, lets open calls end, and waits for both servers.
-    pub async fn shutdown(self) {
+    /// Stops accepting, lets open calls end for up to `SHUTDOWN_GRACE`, then stops both
+    /// servers (the streams still open are cut; their clients resume elsewhere). Returns
+    /// whether everything ended within the grace.
+    pub async fn shutdown(self) -> bool {
         let _ = self.stop.send(true);
-        for t in self.tasks {
-            let _ = t.await;
+        let deadline = tokio::time::Instant::now() + crate::limits::SHUTDOWN_GRACE;
+        let mut clean = true;
+        for mut t in self.tasks {
+            if tokio::time::timeout_at(deadline, &mut t).await.is_err() {
+                t.abort();
+                clean = false;
+            }
         }
+        if !clean {
+            tracing::warn!(
+                grace = ?crate::limits::SHUTDOWN_GRACE,
+                "calls still open when the shutdown grace ended are cut: their clients resume on another gateway"
+            );
+        }
+        clean
     }
 }
 

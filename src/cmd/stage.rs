@@ -155,10 +155,26 @@ pub async fn run(a: StageArgs) -> anyhow::Result<()> {
     let mut b = crate::process::decoder_peer_server(&tls)?;
     let svc = tokenlog_raftlog::auth::Guarded::new(svc.server(), tls.is_some());
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-    b.add_service(svc)
-        .serve_with_incoming_shutdown(incoming, crate::process::shutdown_signal())
-        .await
-        .context("serving the stage")?;
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let mut server = tokio::spawn(b.add_service(svc).serve_with_incoming_shutdown(incoming, async {
+        let _ = stop_rx.await;
+    }));
+    tokio::select! {
+        r = &mut server => {
+            r.context("the stage's server task")?.context("serving the stage")?;
+            return Ok(());
+        }
+        () = crate::process::shutdown_signal() => {}
+    }
+    // A head holds its stream to the stage for as long as it runs: waiting for it to end (what
+    // a graceful shutdown does) never ended. Open streams get a grace; the head then finds its
+    // stream broken and splices a spare in, as for a dead stage.
+    let _ = stop_tx.send(());
+    let grace = tokenlog_raftlog::limits::SHUTDOWN_GRACE;
+    if tokio::time::timeout(grace, &mut server).await.is_err() {
+        eprintln!("stage: the heads' streams still open after {grace:?} are cut");
+        server.abort();
+    }
     eprintln!("stage stopped");
     Ok(())
 }

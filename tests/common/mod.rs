@@ -431,6 +431,22 @@ pub fn wait_for_port(addr: &str) {
 }
 
 impl GatewayProc {
+    /// Sends `sig` (`TERM`, `INT`, ...) to the gateway.
+    pub fn signal(&self, sig: &str) {
+        let pid = self.child.as_ref().expect("the gateway runs").id();
+        let st = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(pid.to_string())
+            .status()
+            .unwrap();
+        assert!(st.success(), "kill -{sig} {pid}");
+    }
+
+    /// Waits up to `within` for the gateway to exit on its own; its status, or None if it runs.
+    pub fn wait_exit(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        wait_child(&mut self.child, within)
+    }
+
     pub fn kill9(&mut self) {
         if let Some(mut c) = self.child.take() {
             c.kill().unwrap();
