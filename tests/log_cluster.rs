@@ -470,21 +470,7 @@ async fn paused_follower_catches_up_through_records_and_pruning_without_crashing
         let name = format!("p{finished}");
         let gens = owned_generations(&client, 1, &name).await;
         let (id, epoch) = gens[0];
-        let r = client
-            .append(pb::AppendRequest {
-                decoder_id: name.clone(),
-                lease_ms: 60_000,
-                items: vec![pb::AppendItem {
-                    generation_id: id,
-                    epoch,
-                    start_seq: 0,
-                    token_ids: vec![5, 6, 7],
-                    ..Default::default()
-                }],
-            })
-            .await
-            .unwrap();
-        assert!(r.results[0].accepted, "{r:?}");
+        common::append_first(&client, &name, id, epoch, &[5, 6, 7]).await;
         let f = client
             .finish(pb::FinishRequest {
                 generation_id: id,
@@ -537,21 +523,7 @@ async fn a_watch_on_a_follower_behind_the_generation_reaches_it_instead_of_not_f
     cluster.kill9(behind);
     let client = cluster.client();
     let (id, epoch) = owned_generations(&client, 1, "w").await[0];
-    let r = client
-        .append(pb::AppendRequest {
-            decoder_id: "w".into(),
-            lease_ms: 60_000,
-            items: vec![pb::AppendItem {
-                generation_id: id,
-                epoch,
-                start_seq: 0,
-                token_ids: vec![5, 6, 7],
-                ..Default::default()
-            }],
-        })
-        .await
-        .unwrap();
-    assert!(r.results[0].accepted, "{r:?}");
+    common::append_first(&client, "w", id, epoch, &[5, 6, 7]).await;
     cluster.signal(leader, "STOP");
     cluster.signal(other, "STOP");
     cluster.start_node(behind);

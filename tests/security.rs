@@ -208,21 +208,7 @@ async fn strangers_and_wrong_roles_are_refused_on_every_method_and_change_nothin
     let decoder = LogClient::with_tls(c.addrs.clone(), Some(tls(certs.path(), "decoder-1"))).unwrap();
     let id = common::submit(&gateway, "r1").await;
     let epoch = common::acquire(&decoder, id, "decoder-1").await;
-    let appended = decoder
-        .append(pb::AppendRequest {
-            decoder_id: "decoder-1".into(),
-            lease_ms: 60_000,
-            items: vec![pb::AppendItem {
-                generation_id: id,
-                epoch,
-                start_seq: 0,
-                token_ids: vec![5, 6, 7],
-                ..Default::default()
-            }],
-        })
-        .await
-        .unwrap();
-    assert!(appended.results[0].accepted, "{appended:?}");
+    common::append_first(&decoder, "decoder-1", id, epoch, &[5, 6, 7]).await;
     let got = gateway
         .get(pb::GetRequest {
             generation_id: id,
@@ -307,6 +293,9 @@ fn a_node_refuses_plain_text_beyond_loopback_unless_insecure() {
             "1",
             "--listen",
             &format!("0.0.0.0:{port}"),
+            // On every address a node must say where it is reached.
+            "--advertise",
+            &format!("127.0.0.1:{port}"),
             "--insecure",
         ])
         .arg("--data-dir")

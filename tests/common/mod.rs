@@ -205,13 +205,7 @@ impl Cluster {
 
     /// Sends `sig` (`STOP`, `CONT`, ...) to node `i`.
     pub fn signal(&self, i: usize, sig: &str) {
-        let pid = self.procs[i].as_ref().expect("node runs").id();
-        let st = Command::new("kill")
-            .arg(format!("-{sig}"))
-            .arg(pid.to_string())
-            .status()
-            .unwrap();
-        assert!(st.success(), "kill -{sig} {pid}");
+        signal_pid(self.procs[i].as_ref().expect("node runs").id(), sig);
     }
 
     pub fn node_log(&self, i: usize) -> String {
@@ -433,13 +427,7 @@ pub fn wait_for_port(addr: &str) {
 impl GatewayProc {
     /// Sends `sig` (`TERM`, `INT`, ...) to the gateway.
     pub fn signal(&self, sig: &str) {
-        let pid = self.child.as_ref().expect("the gateway runs").id();
-        let st = Command::new("kill")
-            .arg(format!("-{sig}"))
-            .arg(pid.to_string())
-            .status()
-            .unwrap();
-        assert!(st.success(), "kill -{sig} {pid}");
+        signal_pid(self.child.as_ref().expect("the gateway runs").id(), sig);
     }
 
     /// Waits up to `within` for the gateway to exit on its own; its status, or None if it runs.
@@ -514,6 +502,36 @@ pub fn http(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body
         .map(|(_, b)| b.to_string())
         .unwrap_or_default();
     (status, body)
+}
+
+/// Sends `sig` (`STOP`, `TERM`, ...) to process `pid`.
+pub fn signal_pid(pid: u32, sig: &str) {
+    let st = Command::new("kill")
+        .arg(format!("-{sig}"))
+        .arg(pid.to_string())
+        .status()
+        .unwrap();
+    assert!(st.success(), "kill -{sig} {pid}");
+}
+
+/// Appends the first `tokens` of generation `id` as `decoder`, owner at `epoch` (a 60 s lease);
+/// asserts the log accepted them.
+pub async fn append_first(client: &LogClient, decoder: &str, id: u64, epoch: u64, tokens: &[u32]) {
+    let r = client
+        .append(pb::AppendRequest {
+            decoder_id: decoder.into(),
+            lease_ms: 60_000,
+            items: vec![pb::AppendItem {
+                generation_id: id,
+                epoch,
+                start_seq: 0,
+                token_ids: tokens.to_vec(),
+                ..Default::default()
+            }],
+        })
+        .await
+        .unwrap();
+    assert!(r.results[0].accepted, "{r:?}");
 }
 
 /// Waits up to `within` for `child` to exit on its own; its status (and the slot emptied), or
