@@ -223,16 +223,7 @@ impl HandoffPort {
         let (prefix_tx, prefix) = tokio::sync::oneshot::channel();
         let _prefix_read = AbortOnDrop(tokio::spawn(async move {
             let read = async {
-                let g = client
-                    .get(pb::GetRequest {
-                        generation_id: id,
-                        linearizable: true,
-                        ..Default::default()
-                    })
-                    .await?;
-                let info = g
-                    .generation
-                    .ok_or_else(|| WorkerError::Other(format!("generation {id} not found")))?;
+                let info = client.generation(id).await?;
                 let committed = read_prefix(&client, id, frontier).await?;
                 Ok::<_, WorkerError>((info, committed))
             };

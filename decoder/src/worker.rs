@@ -1392,24 +1392,23 @@ impl Worker {
                 .map(|g| &mut g.state)
                 .collect();
             let fed = DecodeState::feed_pending_batch_each(&*model, &mut feeding);
+            let fail = |g: &mut Active, e: crate::Error| {
+                tracing::warn!(generation = g.id, error = %e, "the generation cannot go on here: it is ended as failed");
+                g.finish = Some(StopCause::Failed(format!(
+                    "decoder {decoder_id} could not continue it: {e}"
+                )));
+            };
             // A failure of one generation alone (a stage refused its item, ...) ends that
             // generation, explicitly; the others go on. It used to fail the whole step, so the
             // decoder exited with every generation it held, and the next owner of the failing
             // one could fail the same way. A failure of the model or pipeline as a whole still
             // ends the worker: its generations are taken over elsewhere.
-            let mut failed = Vec::new();
             for (g, r) in gens.iter_mut().filter(|g| g.can_sample()).zip(fed) {
                 match r {
                     Ok(()) => {}
-                    Err(e) if e.is_of_one_sequence() => failed.push((g, e)),
+                    Err(e) if e.is_of_one_sequence() => fail(g, e),
                     Err(e) => return Err(e),
                 }
-            }
-            for (g, e) in failed {
-                tracing::warn!(generation = g.id, error = %e, "the generation cannot go on here: it is ended as failed");
-                g.finish = Some(StopCause::Failed(format!(
-                    "decoder {decoder_id} could not continue it: {e}"
-                )));
             }
             // A generation still prefilling draws once its last chunk is in.
             for g in gens.iter_mut().filter(|g| g.can_sample() && !g.state.prefilling()) {
@@ -1420,12 +1419,7 @@ impl Worker {
                         g.finish = step.finish;
                     }
                     Ok(None) => g.finish = g.state.finished().cloned(),
-                    Err(e) if e.is_of_one_sequence() => {
-                        tracing::warn!(generation = g.id, error = %e, "the generation cannot go on here: it is ended as failed");
-                        g.finish = Some(StopCause::Failed(format!(
-                            "decoder {decoder_id} could not continue it: {e}"
-                        )));
-                    }
+                    Err(e) if e.is_of_one_sequence() => fail(g, e),
                     Err(e) => return Err(e),
                 }
             }
