@@ -85,12 +85,14 @@ fn main() -> anyhow::Result<()> {
             Cmd::Generate(a) => generate::run(a).await,
             Cmd::Node(a) => node::run(a).await,
             Cmd::Stage(a) => stage::run(a).await,
-            Cmd::Status(a) => status::status(a).await,
-            Cmd::Verify(a) => status::verify(a).await,
-            Cmd::Members(a) => status::members(a).await,
-            Cmd::ExportSafetensors(a) => decoder::export(a),
-            Cmd::Keys(k) => keys::run(k),
-            Cmd::Certs(a) => certs::run(a),
+            // Commands run for what they print: output that a closed stdout lost is an error
+            // (a server's lines, its addresses, cost it nothing; it serves on).
+            Cmd::Status(a) => printed(status::status(a).await),
+            Cmd::Verify(a) => printed(status::verify(a).await),
+            Cmd::Members(a) => printed(status::members(a).await),
+            Cmd::ExportSafetensors(a) => printed(decoder::export(a)),
+            Cmd::Keys(k) => printed(keys::run(k)),
+            Cmd::Certs(a) => printed(certs::run(a)),
             // SIGTERM, Ctrl-C or a closed stdout drops the bench, and with it the clusters it started (their
             // processes are killed when dropped) instead of leaving them running.
             Cmd::Bench(b) => tokio::select! {
@@ -103,6 +105,16 @@ fn main() -> anyhow::Result<()> {
             },
         }
     })
+}
+
+/// `r`, or an error when the command's output was lost to a closed stdout.
+fn printed(r: anyhow::Result<()>) -> anyhow::Result<()> {
+    match r {
+        Ok(()) if process::stdout_was_closed() => Err(anyhow::anyhow!(
+            "standard output was closed: what this command printed was lost"
+        )),
+        r => r,
+    }
 }
 
 #[cfg(test)]

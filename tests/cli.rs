@@ -131,3 +131,60 @@ fn a_bad_log_filter_is_reported() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("is not a log filter"), "{err}");
 }
+
+/// A closed standard output (a pipe whose reader is gone: `tokenlog dev | head -1`) loses the
+/// lines, not the process. `println!` panicked there and the panic aborts the process: a
+/// command died with SIGABRT, and a gateway or `dev` that printed its addresses to such a pipe
+/// died at start. Now a command that is run for its output ends with an error that says the
+/// output was lost, and a server goes on serving.
+#[test]
+fn a_closed_stdout_is_an_error_for_a_command_and_costs_a_server_nothing() {
+    use std::process::Stdio;
+    let closed = || {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        writer
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().display().to_string();
+    for args in [
+        &["keys", "new", "--tenant", "t"][..],
+        &["certs", "--out", &out_dir, "--node", "node-1"][..],
+    ] {
+        let out = Command::new(bin())
+            .args(args)
+            .stdout(closed())
+            .stderr(Stdio::piped())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {:?} {err}", out.status);
+        assert!(err.contains("standard output was closed"), "{args:?}: {err}");
+    }
+    let http = common::free_port();
+    let mut gateway = Command::new(bin())
+        .args(["gateway", "--cluster", "127.0.0.1:9"])
+        .args(["--grpc-listen", &format!("127.0.0.1:{}", common::free_port())])
+        .args(["--http-listen", &format!("127.0.0.1:{http}")])
+        .stdout(closed())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while std::net::TcpStream::connect(("127.0.0.1", http)).is_err() {
+        assert!(
+            gateway.try_wait().unwrap().is_none(),
+            "the gateway exited: {:?}",
+            gateway.wait()
+        );
+        assert!(std::time::Instant::now() < deadline, "the gateway never listened");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    // It printed its addresses after it bound them.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let alive = gateway.try_wait().unwrap();
+    common::signal_pid(gateway.id(), "TERM");
+    let status = gateway.wait().unwrap();
+    assert!(alive.is_none(), "the gateway died with a closed stdout: {alive:?}");
+    assert!(status.success(), "{status:?}");
+}

@@ -212,7 +212,7 @@ pub fn run(a: CertsArgs) -> anyhow::Result<()> {
         let (cert, key) = holder(&ca, *role, name, &a.san, a.days)?;
         write_private(&key_path, &key)?;
         std::fs::write(&cert_path, cert).with_context(|| format!("writing {}", cert_path.display()))?;
-        println!("{role:<8} {name}: {} {}", cert_path.display(), key_path.display());
+        say!("{role:<8} {name}: {} {}", cert_path.display(), key_path.display());
     }
     Ok(())
 }

@@ -154,7 +154,7 @@ pub fn export(a: ExportArgs) -> anyhow::Result<()> {
     };
     let n = tokenlog_decoder::export::export_gguf_as_safetensors(&gguf, &a.out)
         .with_context(|| format!("exporting {}", gguf.display()))?;
-    println!(
+    say!(
         "wrote {n} tensors and the tokenizer of {} to {}",
         gguf.display(),
         a.out.display()

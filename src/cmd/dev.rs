@@ -140,20 +140,20 @@ pub async fn run(a: DevArgs) -> anyhow::Result<()> {
         .context("binding the gateway's listeners")?;
     let (grpc, http) = (serving.grpc_addr, serving.http_addr);
 
-    println!("tokenlog dev is up: model {name}, {threads} CPU thread(s)");
-    println!("  gateway gRPC (tokenlog.v1)      {grpc}");
-    println!("  OpenAI-compatible HTTP          http://{http}/v1   (metrics: http://{http}/metrics)");
-    println!(
+    say!("tokenlog dev is up: model {name}, {threads} CPU thread(s)");
+    say!("  gateway gRPC (tokenlog.v1)      {grpc}");
+    say!("  OpenAI-compatible HTTP          http://{http}/v1   (metrics: http://{http}/metrics)");
+    say!(
         "  log API (raftlog.v1)            {log_addr}   data: {}",
         a.data_dir.display()
     );
-    println!("try, in another shell:");
-    println!("  tokenlog generate --gateway {grpc} \"Write a haiku about logs.\"");
-    println!(
+    say!("try, in another shell:");
+    say!("  tokenlog generate --gateway {grpc} \"Write a haiku about logs.\"");
+    say!(
         "  curl -N http://{http}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"model\":\"{name}\",\"stream\":true,\"messages\":[{{\"role\":\"user\",\"content\":\"Hi!\"}}]}}'"
     );
-    println!("  tokenlog status --cluster {log_addr}");
-    println!("Ctrl-C stops it cleanly.");
+    say!("  tokenlog status --cluster {log_addr}");
+    say!("Ctrl-C stops it cleanly.");
     // The process lives as long as its decoder: a worker that ends on its own (a model error, a
     // panic) stops the whole process with a non-zero status rather than leave a gateway whose
     // generations no decoder will ever continue.

@@ -142,7 +142,7 @@ pub async fn run(a: GatewayArgs) -> anyhow::Result<()> {
     } else {
         ("gRPC", "HTTP")
     };
-    println!(
+    say!(
         "gateway: {g} {}  {h} {}  log {}",
         serving.grpc_addr,
         serving.http_addr,

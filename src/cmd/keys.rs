@@ -38,8 +38,8 @@ pub fn run(cmd: KeysCmd) -> anyhow::Result<()> {
         KeysCmd::New { tenant } => {
             check(&tenant)?;
             let key = format!("tlk_{}", hex(&rand::random::<[u8; 24]>()));
-            println!("key:  {key}");
-            println!("line: {}", keys_file_line(&key, &tenant));
+            say!("key:  {key}");
+            say!("line: {}", keys_file_line(&key, &tenant));
             eprintln!("append the line to the gateway's keys file; give the key to tenant {tenant:?}");
         }
         KeysCmd::Hash { tenant } => {
@@ -48,7 +48,7 @@ pub fn run(cmd: KeysCmd) -> anyhow::Result<()> {
             std::io::stdin().read_line(&mut key)?;
             let key = key.trim();
             anyhow::ensure!(!key.is_empty(), "no key on standard input");
-            println!("{}", keys_file_line(key, &tenant));
+            say!("{}", keys_file_line(key, &tenant));
         }
     }
     Ok(())

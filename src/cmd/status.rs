@@ -82,19 +82,23 @@ pub async fn status(a: StatusArgs) -> anyhow::Result<()> {
             "generations_by_state": s.generations_by_state, "members": members,
             "pipelines": pipelines, "stages": registered,
         });
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        say!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
-    println!("leader     node {} at {} (term {})", s.leader_id, s.leader_addr, s.term);
-    println!(
+    say!("leader     node {} at {} (term {})", s.leader_id, s.leader_addr, s.term);
+    say!(
         "log        last {}  committed {}  applied {}  snapshot {}  purged {}",
-        s.last_log_index, s.commit_index, s.applied_index, s.snapshot_index, s.purged_index
+        s.last_log_index,
+        s.commit_index,
+        s.applied_index,
+        s.snapshot_index,
+        s.purged_index
     );
-    println!("members");
+    say!("members");
     for (m, v) in &views {
         let role = if m.voter { "voter" } else { "learner" };
         match v {
-            Some(v) => println!(
+            Some(v) => say!(
                 "  node {:<3} {:<22} {:<8} {:<10} applied {:<8} lag {}",
                 m.node_id,
                 m.addr,
@@ -103,37 +107,37 @@ pub async fn status(a: StatusArgs) -> anyhow::Result<()> {
                 v.applied_index,
                 s.commit_index.saturating_sub(v.applied_index)
             ),
-            None => println!("  node {:<3} {:<22} {:<8} unreachable", m.node_id, m.addr, role),
+            None => say!("  node {:<3} {:<22} {:<8} unreachable", m.node_id, m.addr, role),
         }
     }
-    print!("generations");
+    let mut line = String::from("generations");
     if s.generations_by_state.is_empty() {
-        print!(" none");
+        line.push_str(" none");
     }
     for (state, n) in &s.generations_by_state {
-        print!("  {state} {n}");
+        line.push_str(&format!("  {state} {n}"));
     }
-    println!();
+    say!("{line}");
     if !stages.pipelines.is_empty() {
-        println!("pipelines");
+        say!("pipelines");
         for p in &stages.pipelines {
             let parts: Vec<String> = p
                 .stages
                 .iter()
                 .map(|s| format!("{} {} at {}", s.stage_id, layers(s.first_layer, s.end_layer), s.addr))
                 .collect();
-            println!("  head {:<20} epoch {:<6} {}", p.head, p.epoch, parts.join(", "));
+            say!("  head {:<20} epoch {:<6} {}", p.head, p.epoch, parts.join(", "));
         }
     }
     if !stages.stages.is_empty() {
-        println!("stages");
+        say!("stages");
         let named: std::collections::HashSet<&str> = stages
             .pipelines
             .iter()
             .flat_map(|p| p.stages.iter().map(|s| s.stage_id.as_str()))
             .collect();
         for st in &stages.stages {
-            println!(
+            say!(
                 "  {:<28} {:<8} {:<22} {:<6} lapses in {} ms",
                 st.stage_id,
                 layers(st.first_layer, st.end_layer),
@@ -181,7 +185,7 @@ pub async fn verify(a: VerifyArgs) -> anyhow::Result<()> {
             let mut node = client.node(&addr);
             let d = node.state_digest(pb::StateDigestRequest {}).await?.into_inner();
             // Replicas at the same applied index must print the same digest.
-            println!(
+            say!(
                 "state digest at applied index {}: {}",
                 d.applied_index,
                 d.digest.iter().map(|b| format!("{b:02x}")).collect::<String>()
@@ -190,14 +194,14 @@ pub async fn verify(a: VerifyArgs) -> anyhow::Result<()> {
         }
         _ => bail!("give --data-dir DIR or --node HOST:PORT"),
     };
-    println!("checked {} generations, {} records", report.generations, report.records);
+    say!("checked {} generations, {} records", report.generations, report.records);
     for p in &report.problems {
-        println!("BROKEN {p}");
+        say!("BROKEN {p}");
     }
     if !report.problems.is_empty() {
         bail!("{} broken chain(s)", report.problems.len());
     }
-    println!("every chain intact");
+    say!("every chain intact");
     Ok(())
 }
 
