@@ -24,6 +24,27 @@ pub fn snapshot_dir(data_dir: &Path) -> PathBuf {
     data_dir.join("snapshots")
 }
 
+/// The process holding a lock on `lock_file` (RocksDB's `LOCK`, which a running node holds
+/// with `fcntl`), from the kernel's table of file locks (`/proc/locks`); `None` when nobody
+/// does, or the table cannot be read.
+fn lock_holder(lock_file: &Path) -> Option<u32> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(lock_file).ok()?;
+    let dev = meta.dev();
+    // Linux's dev_t: major in bits 8-19 and 32-63, minor in bits 0-7 and 20-31.
+    let (major, minor) = (
+        ((dev >> 8) & 0xfff) | ((dev >> 32) & !0xfff),
+        (dev & 0xff) | ((dev >> 12) & !0xff),
+    );
+    let file = format!("{major:02x}:{minor:02x}:{}", meta.ino());
+    let table = std::fs::read_to_string("/proc/locks").ok()?;
+    table.lines().find_map(|line| {
+        // `1: POSIX  ADVISORY  WRITE 4242 fd:01:1234 0 EOF` (`1: -> ...` for a waiter).
+        let fields: Vec<&str> = line.split_whitespace().filter(|f| *f != "->").collect();
+        (fields.get(5) == Some(&file.as_str())).then(|| fields.get(4)?.parse().ok())?
+    })
+}
+
 /// A data dir of tokenlog before raftlog v2 kept its RocksDB (with the state machine's rows)
 /// directly in the data dir.
 fn refuse_old_layout(data_dir: &Path) -> Result<(), LogError> {
@@ -105,6 +126,14 @@ pub fn open(data_dir: &Path, faults: Faults) -> Result<Storage, LogError> {
 /// counts what a restart would serve.
 pub fn verify(data_dir: &Path) -> Result<LoadReport, LogError> {
     refuse_old_layout(data_dir)?;
+    if let Some(pid) = lock_holder(&log_dir(data_dir).join("LOCK")) {
+        return Err(LogError::Invalid(format!(
+            "{} is in use by a running process (pid {pid}), which changes it while it is read \
+             (a snapshot replaced, entries purged: they would read as broken chains); stop it \
+             first, or verify the running node through its API (`tokenlog verify --node`)",
+            data_dir.display()
+        )));
+    }
     if !log_dir(data_dir).exists() {
         return Err(LogError::Invalid(format!(
             "{} holds no Raft log ({} is missing)",
