@@ -416,7 +416,19 @@ struct Case {
     destination_dies: bool,
 }
 
-const CASES: [Case; 6] = [
+const CASES: [Case; 7] = [
+    // The source cannot ask the log at once either: it asks again until the log answers. It
+    // took the unanswered questions for an abort, recorded "aborted" for an attempt the log
+    // committed, and never released it (the phase stayed `ownership_committed`). First, while
+    // no decoder of an earlier case is still registered: its one transfer is to the destination.
+    Case {
+        name: "5, with the log out of the source's reach for 1 s when the answer is lost",
+        source_failpoints: "source-blind-ms=1000",
+        destination_failpoints: "handoff-exit=destination-after-commit",
+        phase: pb::HandoffPhase::SourceReleased,
+        source_dies: false,
+        destination_dies: true,
+    },
     Case {
         name: "1: the source fails during copying",
         source_failpoints: "handoff-exit=source-copying",
@@ -521,9 +533,14 @@ async fn every_handoff_failure_point_keeps_one_owner_and_the_clients_stream() {
             case.name
         );
         if case.destination_dies {
-            let st = d
-                .wait_exit(Duration::from_secs(30))
-                .expect("the destination's failpoint fired");
+            let st = d.wait_exit(Duration::from_secs(30)).unwrap_or_else(|| {
+                panic!(
+                    "{}: the destination's failpoint did not fire\nsource:\n{}\ndestination:\n{}",
+                    case.name,
+                    s.log_text(),
+                    d.log_text()
+                )
+            });
             assert_eq!(st.code(), Some(137), "{}", case.name);
         }
         // Whatever nobody holds any more, a third decoder finishes.
@@ -886,4 +903,112 @@ async fn a_destination_refuses_a_manifest_bigger_than_its_models_cache_at_the_he
             r.detail
         );
     }
+}
+
+/// A caller that opens a `Transfer` or a `Rows` call and sends nothing is answered within the
+/// transfer's timeout, with the reason. Both waited for a header for as long as the caller kept
+/// the connection open: each silent call held a task and its buffers in the destination for
+/// good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_that_sends_no_header_is_answered_within_the_transfer_timeout() {
+    use tokenlog_decoder::limits::HANDOFF_TRANSFER_TIMEOUT;
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    let client = cluster.client();
+    let _d = cluster.start_decoder("dest", &["--handoff-listen", "127.0.0.1:0"]);
+    common::wait_for_model(&client).await;
+    let addr = client.list_models().await.unwrap().models[0].handoff_addrs["dest"].clone();
+    let mut c = tokenlog_proto::decoder::handoff_client::HandoffClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    let within = HANDOFF_TRANSFER_TIMEOUT + Duration::from_secs(5);
+    let t0 = Instant::now();
+    let transfer = tokio::time::timeout(within, c.transfer(futures::stream::pending()))
+        .await
+        .expect("a transfer without a header is still open")
+        .unwrap()
+        .into_inner();
+    assert!(
+        !transfer.committed && transfer.detail.contains("header"),
+        "{}",
+        transfer.detail
+    );
+    let rows = tokio::time::timeout(within, c.rows(futures::stream::pending()))
+        .await
+        .expect("a rows call without a header is still open")
+        .map(|_| ())
+        .unwrap_err();
+    assert_eq!(rows.code(), tonic::Code::DeadlineExceeded, "{rows}");
+    eprintln!("both answered after {:?}", t0.elapsed());
+}
+
+/// A transfer that arrives while its destination is taking generations from the log finds the
+/// slots they will fill taken (failpoint `take-delay-ms` holds the take open). Both decoders
+/// have capacity 1: the destination takes y from the log while a is drained towards it. Before,
+/// the transfer was admitted against the count the worker had published before its take, and
+/// the destination ended up owning x and y, over its capacity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_arriving_while_the_destination_takes_from_the_log_finds_its_slot_taken() {
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    let client = cluster.client();
+    let m = fake();
+    let flags = [
+        "--handoff-listen",
+        "127.0.0.1:0",
+        "--fake-step-ms",
+        "25",
+        "--capacity",
+        "1",
+        "--drain-ms",
+        "2000",
+    ];
+    let mut a = cluster.start_decoder("cap-a", &flags);
+    common::wait_for_model(&client).await;
+    let x = submit(
+        &client,
+        &m,
+        "cap-x",
+        &m.tokenizer().encode("capacity x").unwrap(),
+        2_000,
+    )
+    .await;
+    wait_until("a to own x", async || {
+        let g = get(&client, x).await.generation.unwrap();
+        g.lease.is_some_and(|l| l.owner == a.id) && g.frontier >= 4
+    })
+    .await;
+    let d = cluster.start_decoder_env("cap-d", &flags, &[("TOKENLOG_FAILPOINTS", "take-delay-ms=3000")]);
+    let d_id = d.id.clone();
+    wait_until("d to register", async || takes_handoffs(&client, &d_id).await).await;
+    let y = submit(
+        &client,
+        &m,
+        "cap-y",
+        &m.tokenizer().encode("capacity y").unwrap(),
+        2_000,
+    )
+    .await;
+    wait_until("d to hold its take of y open", async || {
+        d.log_text().contains("failpoint take-delay-ms")
+    })
+    .await;
+    a.signal("-TERM");
+    a.wait_exit(Duration::from_secs(30)).expect("a exits");
+    wait_until("d to own y", async || {
+        get(&client, y)
+            .await
+            .generation
+            .unwrap()
+            .lease
+            .is_some_and(|l| l.owner == d_id && l.epoch > 0)
+    })
+    .await;
+    let owner = |g: pb::GetResponse| g.generation.unwrap().lease.map(|l| l.owner);
+    let (ox, oy) = (owner(get(&client, x).await), owner(get(&client, y).await));
+    assert!(
+        !(ox.as_deref() == Some(d_id.as_str()) && oy.as_deref() == Some(d_id.as_str())),
+        "d, of capacity 1, owns x and y:\n{}",
+        d.log_text()
+    );
 }

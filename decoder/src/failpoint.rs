@@ -22,6 +22,12 @@
 //!   `destination-after-commit` (5), `source-before-release` (6).
 //! - `commit-answer-lost=1`: a destination's ownership commit applies but its answer is dropped;
 //!   the destination asks the log (point 4).
+//! - `take-delay-ms=MS`: the worker waits `MS` milliseconds between finding generations to
+//!   take from the log and taking them (their slots are claimed meanwhile).
+//! - `source-blind-ms=MS`: once a transfer ended without a "committed" answer, the source's
+//!   log calls about the attempt fail for `MS` milliseconds (it cannot learn the outcome at
+//!   once; it asks again until the log answers, and never takes an unanswered question for an
+//!   abort).
 //! - `catch-up-read-fails=1`: after its ownership commit applied, a destination's read of the
 //!   records the source committed since its last follow fails; it releases the generation.
 //! - `prefix-restore-exit=1`: the process exits (as if killed) every time it is about to restore
@@ -52,6 +58,8 @@ pub struct Failpoints {
     pub handoff_exit: Option<String>,
     pub commit_answer_lost: bool,
     pub catch_up_read_fails: bool,
+    pub source_blind: Option<Duration>,
+    pub take_delay: Option<Duration>,
     pub prefix_restore_exit: bool,
     pub deaf_to_lost_renewals: bool,
     pub min_step: Option<Duration>,
@@ -102,6 +110,8 @@ impl Failpoints {
                 }
                 "commit-answer-lost" => fp.commit_answer_lost = num(arg)? != 0,
                 "catch-up-read-fails" => fp.catch_up_read_fails = num(arg)? != 0,
+                "source-blind-ms" => fp.source_blind = Some(Duration::from_millis(num(arg)?)),
+                "take-delay-ms" => fp.take_delay = Some(Duration::from_millis(num(arg)?)),
                 "prefix-restore-exit" => fp.prefix_restore_exit = num(arg)? != 0,
                 "deaf-to-lost-renewals" => fp.deaf_to_lost_renewals = num(arg)? != 0,
                 "min-step-ms" => fp.min_step = Some(Duration::from_millis(num(arg)?)),
@@ -114,7 +124,7 @@ impl Failpoints {
                 _ => {
                     return Err(bad(format!(
                         "unknown failpoint {name:?} (known: exit-after-sample, delay-append, model-error, \
-                         model-panic, prefix-read-errors, handoff-exit, commit-answer-lost, catch-up-read-fails, prefix-restore-exit, \
+                         model-panic, prefix-read-errors, handoff-exit, commit-answer-lost, catch-up-read-fails, source-blind-ms, take-delay-ms, prefix-restore-exit, \
                          deaf-to-lost-renewals, min-step-ms)"
                     )))
                 }
@@ -139,6 +149,14 @@ impl StepHooks for Failpoints {
 
     fn catch_up_read_fails(&self) -> bool {
         self.catch_up_read_fails
+    }
+
+    fn source_blind(&self) -> Option<Duration> {
+        self.source_blind
+    }
+
+    fn take_delay(&self) -> Option<Duration> {
+        self.take_delay
     }
 
     fn prefix_restore_exit(&self) -> bool {

@@ -42,7 +42,7 @@
 //! attempt (or an earlier incarnation of the destination) changes nothing.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -114,10 +114,8 @@ pub(crate) struct PortShared {
     pub client: LogClient,
     pub lease_ms: u64,
     pub capacity: usize,
-    /// Generations the worker holds (active or being handed out), as it last counted them.
-    pub load: AtomicUsize,
-    /// Slots taken by transfers being received, or received and not yet taken in by the worker.
-    pub reserved: AtomicUsize,
+    /// The decoder's `capacity` slots, taken by the worker's generations and by transfers.
+    pub slots: Slots,
     /// Off while the worker drains or stops: transfers are refused.
     pub accepting: AtomicBool,
     pub incoming: mpsc::UnboundedSender<Received>,
@@ -135,6 +133,82 @@ pub(crate) struct PortShared {
     pub rows_in: Mutex<HashMap<(u64, u64, u64), RowsFound>>,
 }
 
+/// A decoder's generation slots, counted in one place for its worker and its handoff port:
+/// looking at what is free and taking it is one step under one lock, so the two never both
+/// take the last slot. (They were two counters, the worker's published after its steps: a
+/// transfer that arrived while the worker took generations from the log, or took in a received
+/// one, found a slot the worker had just filled, and the decoder held one over its capacity.)
+pub(crate) struct Slots {
+    capacity: usize,
+    count: Mutex<SlotCount>,
+}
+
+#[derive(Default, Debug, Clone, Copy, PartialEq, Eq)]
+struct SlotCount {
+    /// The worker's: active (those being handed out included), being copied, being taken.
+    held: usize,
+    /// Transfers being received, or received and not yet taken in by the worker.
+    reserved: usize,
+}
+
+impl Slots {
+    pub fn new(capacity: usize) -> Self {
+        Slots {
+            capacity,
+            count: Default::default(),
+        }
+    }
+
+    fn count(&self) -> std::sync::MutexGuard<'_, SlotCount> {
+        self.count.lock().expect("slots lock")
+    }
+
+    /// Takes one slot for a transfer, unless every slot is taken.
+    pub fn reserve(&self) -> bool {
+        let mut c = self.count();
+        if c.held + c.reserved >= self.capacity {
+            return false;
+        }
+        c.reserved += 1;
+        true
+    }
+
+    /// Gives a transfer's slot back (refused, failed, or released after its commit).
+    pub fn unreserve(&self) {
+        let mut c = self.count();
+        assert!(c.reserved > 0, "a slot given back that no transfer held");
+        c.reserved -= 1;
+    }
+
+    /// A received generation is in the worker's hands, which now hold `held`: its slot passes
+    /// from the transfer to the worker in the same step.
+    pub fn admit(&self, held: usize) {
+        let mut c = self.count();
+        assert!(c.reserved > 0, "a generation taken in that no transfer reserved");
+        c.reserved -= 1;
+        c.held = held;
+    }
+
+    /// The worker holds `held` generations.
+    pub fn hold(&self, held: usize) {
+        self.count().held = held;
+    }
+
+    /// The worker, holding `held`, is about to take generations from the log: how many it may
+    /// take. They count as taken until its next [`Slots::hold`].
+    pub fn claim(&self, held: usize) -> usize {
+        let mut c = self.count();
+        let free = self.capacity.saturating_sub(held + c.reserved);
+        c.held = held + free;
+        free
+    }
+
+    /// Slots of transfers not yet in the worker's hands.
+    pub fn reserved(&self) -> usize {
+        self.count().reserved
+    }
+}
+
 /// The `decoder.v1.Handoff` service of a decoder: receives caches (`tokenlog decoder
 /// --handoff-listen` serves it).
 #[derive(Clone)]
@@ -149,7 +223,12 @@ impl HandoffPort {
     /// names one).
     async fn receive(&self, mut inbound: tonic::Streaming<dpb::TransferChunk>) -> Result<dpb::TransferResult, Refusal> {
         let s = &self.shared;
-        let header = match inbound.message().await {
+        // A caller that sends nothing is answered, not waited for as long as it keeps the
+        // connection open.
+        let first = tokio::time::timeout(HANDOFF_TRANSFER_TIMEOUT, inbound.message())
+            .await
+            .map_err(|_| format!("no header within {HANDOFF_TRANSFER_TIMEOUT:?}"))?;
+        let header = match first {
             Ok(Some(dpb::TransferChunk {
                 part: Some(dpb::transfer_chunk::Part::Header(h)),
             })) => h,
@@ -190,14 +269,12 @@ impl HandoffPort {
             return Err(abort(why).await);
         }
         // One slot, taken now and given back unless the commit hands it to the worker.
-        let reserved = s.reserved.fetch_add(1, Ordering::AcqRel);
-        if s.load.load(Ordering::Acquire) + reserved >= s.capacity {
-            s.reserved.fetch_sub(1, Ordering::AcqRel);
+        if !s.slots.reserve() {
             return Err(abort(format!("this decoder is full ({} generations)", s.capacity)).await);
         }
         let r = self.receive_into_slot(&header, &manifest, inbound).await;
         if r.is_err() {
-            s.reserved.fetch_sub(1, Ordering::AcqRel);
+            s.slots.unreserve();
         }
         match r {
             Ok(done) => Ok(done),
@@ -428,7 +505,7 @@ impl HandoffPort {
                 );
                 s.held.lock().expect("lock").remove(&id);
                 // The slot taken for it goes back: the worker never takes this one in.
-                s.reserved.fetch_sub(1, Ordering::AcqRel);
+                s.slots.unreserve();
                 crate::worker::release(&s.client, s.history.as_deref(), id, header.handoff_epoch).await;
                 return Ok(dpb::TransferResult {
                     committed: true,
@@ -957,7 +1034,10 @@ impl HandoffPort {
     /// kept. Its transfer may not have begun yet: it is waited for up to `HANDOFF_ROWS_FIND`.
     async fn receive_rows(&self, mut inbound: tonic::Streaming<dpb::RowsChunk>) -> Result<u64, Status> {
         let s = &self.shared;
-        let header = match inbound.message().await {
+        let first = tokio::time::timeout(HANDOFF_TRANSFER_TIMEOUT, inbound.message())
+            .await
+            .map_err(|_| Status::deadline_exceeded(format!("no header within {HANDOFF_TRANSFER_TIMEOUT:?}")))?;
+        let header = match first {
             Ok(Some(dpb::RowsChunk {
                 part: Some(dpb::rows_chunk::Part::Header(h)),
             })) => h,
@@ -995,7 +1075,13 @@ impl HandoffPort {
             }
         };
         loop {
-            let row = match inbound.message().await {
+            // A silent call ends with its attempt: checked once a second while nothing comes.
+            let next = match tokio::time::timeout(std::time::Duration::from_secs(1), inbound.message()).await {
+                Ok(next) => next,
+                Err(_) if rows.strong_count() == 0 => break,
+                Err(_) => continue,
+            };
+            let row = match next {
                 Ok(Some(dpb::RowsChunk {
                     part: Some(dpb::rows_chunk::Part::Row(r)),
                 })) => r,
@@ -1031,22 +1117,38 @@ impl HandoffPort {
 /// Whether the log holds attempt `attempt` of `id` as committed (or released) now; false when
 /// it does not, or cannot be read.
 async fn committed_in_log(client: &LogClient, id: u64, attempt: u64) -> bool {
+    phase_in_log(client, id, attempt).await.unwrap_or(false)
+}
+
+/// Whether the log holds attempt `attempt` of `id` as committed (or released) now, read
+/// linearizably; an error when it cannot be read.
+async fn phase_in_log(client: &LogClient, id: u64, attempt: u64) -> Result<bool, String> {
     let r = client
         .get(pb::GetRequest {
             generation_id: id,
             linearizable: true,
             ..Default::default()
         })
-        .await;
+        .await
+        .map_err(|e| e.to_string())?;
     let phase = r
-        .ok()
-        .and_then(|r| r.handoff)
+        .handoff
         .filter(|h| h.attempt == attempt)
         .and_then(|h| pb::HandoffPhase::try_from(h.phase).ok());
-    matches!(
+    Ok(matches!(
         phase,
         Some(pb::HandoffPhase::OwnershipCommitted | pb::HandoffPhase::SourceReleased)
-    )
+    ))
+}
+
+/// What the log says became of a handoff attempt whose answer the source did not get.
+enum Settled {
+    /// Ownership moved: the destination's commit applied.
+    Committed,
+    /// The attempt is over without moving it (our abort applied, or it ended otherwise).
+    Aborted,
+    /// The log did not answer in time.
+    Unknown,
 }
 
 /// What handing a generation out came to.
@@ -1270,25 +1372,78 @@ impl Source {
         };
         let sent = self.transfer(addr, header, cache, rows).await;
         laps.lap("transfer");
-        let moved = match &sent {
-            Ok(r) if r.committed => true,
-            // Refused, broken or timed out: the log knows whether the commit happened.
-            _ => committed_in_log(&self.client, id, attempt).await,
+        let why = match sent {
+            Ok(r) if r.committed => return self.released(id, attempt, h.handoff_epoch, t0, laps, &record).await,
+            Ok(r) => format!("refused: {}", r.detail),
+            Err(e) => format!("transfer failed: {e}"),
         };
-        if !moved {
-            let why = match sent {
-                Ok(r) => format!("refused: {}", r.detail),
-                Err(e) => format!("transfer failed: {e}"),
-            };
-            abort(&self.client, id, attempt, &self.decoder_id, &why).await;
-            // The abort and a late commit race: the log's answer decides.
-            if committed_in_log(&self.client, id, attempt).await {
-                return self.released(id, attempt, h.handoff_epoch, t0, laps, &record).await;
+        // Refused, broken or timed out: the log knows whether the commit happened.
+        let blind_until = self.hooks.as_ref().and_then(|h| h.source_blind()).map(|d| {
+            tracing::warn!(
+                generation = id,
+                ms = d.as_millis() as u64,
+                "failpoint source-blind-ms: the log is out of reach"
+            );
+            Instant::now() + d
+        });
+        match self.settle(id, attempt, &why, blind_until).await {
+            Settled::Committed => self.released(id, attempt, h.handoff_epoch, t0, laps, &record).await,
+            Settled::Aborted => {
+                record("aborted", why.clone());
+                Err(Stop::Next(why))
             }
-            record("aborted", why.clone());
-            return Err(Stop::Next(why));
+            Settled::Unknown => {
+                let why = format!("{why}; the log did not say whether attempt {attempt} committed");
+                record("unknown", why.clone());
+                Err(Stop::Done(why))
+            }
         }
-        self.released(id, attempt, h.handoff_epoch, t0, laps, &record).await
+    }
+
+    /// What became of attempt `attempt`, whose outcome this source did not hear: settled by its
+    /// own abort (log order decides: applied, the attempt is over and a late commit will be
+    /// refused; refused, the log's phase says whether ownership moved). Asked again until the
+    /// log answers or `HANDOFF_TRANSFER_TIMEOUT` passes: an unanswered question is
+    /// [`Settled::Unknown`], never an abort (the source then keeps decoding; had the commit
+    /// applied, its next append meets the new epoch's fence). `blind_until`: failpoint
+    /// `source-blind-ms`, the log out of reach until then.
+    async fn settle(&self, id: u64, attempt: u64, why: &str, blind_until: Option<Instant>) -> Settled {
+        let deadline = Instant::now() + HANDOFF_TRANSFER_TIMEOUT;
+        loop {
+            if blind_until.is_none_or(|t| Instant::now() >= t) {
+                let aborted = step(
+                    &self.client,
+                    id,
+                    pb::handoff_request::Step::Abort(pb::HandoffAbort {
+                        attempt,
+                        by: self.decoder_id.clone(),
+                        detail: why.chars().take(256).collect(),
+                    }),
+                )
+                .await;
+                match aborted {
+                    Ok(r) if r.ok => return Settled::Aborted,
+                    Ok(_) => match phase_in_log(&self.client, id, attempt).await {
+                        Ok(true) => return Settled::Committed,
+                        // Over otherwise (aborted by the other side, by the log's timeout, or
+                        // the generation ended): not moved by this attempt.
+                        Ok(false) => return Settled::Aborted,
+                        Err(e) => tracing::debug!(generation = id, error = %e, "phase unread; asking again"),
+                    },
+                    Err(e) => tracing::debug!(generation = id, error = %e, "abort unanswered; asking again"),
+                }
+            }
+            if Instant::now() >= deadline {
+                tracing::warn!(
+                    generation = id,
+                    attempt,
+                    why,
+                    "the log did not say what became of the attempt"
+                );
+                return Settled::Unknown;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
     }
 
     async fn released(
@@ -1322,10 +1477,16 @@ impl Source {
                 why,
                 "the destination said committed; the log did not"
             );
-            abort(&self.client, id, attempt, &self.decoder_id, &why).await;
-            if !committed_in_log(&self.client, id, attempt).await {
-                record("aborted", why.clone());
-                return Err(Stop::Next(why));
+            match self.settle(id, attempt, &why, None).await {
+                Settled::Committed => {}
+                Settled::Aborted => {
+                    record("aborted", why.clone());
+                    return Err(Stop::Next(why));
+                }
+                Settled::Unknown => {
+                    record("unknown", why.clone());
+                    return Err(Stop::Done(why));
+                }
             }
         }
         record("released", String::new());
@@ -1481,7 +1642,7 @@ enum Stop {
 
 #[cfg(test)]
 mod tests {
-    use super::{collect_cache, dpb, pb, RowsIn, HANDOFF_CACHE_BLOCKS_MAX, HANDOFF_ROWS_BYTES_MAX};
+    use super::{collect_cache, dpb, pb, RowsIn, Slots, HANDOFF_CACHE_BLOCKS_MAX, HANDOFF_ROWS_BYTES_MAX};
     use std::time::Duration;
 
     fn tensor(layer: u32, kind: &str, shape: Vec<u32>, data: Vec<u8>) -> Result<dpb::TransferChunk, tonic::Status> {
@@ -1583,5 +1744,26 @@ mod tests {
         r.ended = true;
         assert!(!r.streams());
         assert_eq!(r.take(2, 1)[0].logits, None);
+    }
+
+    /// The worker's claims and the port's reservations share the capacity: what one took, the
+    /// other cannot, and a received generation's slot passes to the worker in one step.
+    #[test]
+    fn the_worker_and_the_port_never_both_take_the_last_slot() {
+        let slots = Slots::new(2);
+        assert!(slots.reserve());
+        // The worker holds nothing and may take the one slot left, which a transfer then lacks.
+        assert_eq!(slots.claim(0), 1);
+        assert!(!slots.reserve());
+        // It took nothing after all: the slot is free again.
+        slots.hold(0);
+        assert!(slots.reserve());
+        assert_eq!(slots.claim(0), 0);
+        // The first transfer's generation is taken in: one held, one reserved, still full.
+        slots.admit(1);
+        assert_eq!(slots.reserved(), 1);
+        assert!(!slots.reserve());
+        slots.unreserve();
+        assert!(slots.reserve());
     }
 }

@@ -240,7 +240,8 @@ pub enum DecoderEvent {
     /// incarnation's death ends its leases at once.
     SessionOpened { session: u64 },
     /// A planned handoff of a generation this decoder owned at `epoch` reached `phase`
-    /// (`prepared`, `aborted`, `released`) towards `to`. Written as `handoff_phase`: a line's
+    /// (`prepared`, `aborted`, `released`; `unknown`: the log did not say, after an unanswered
+    /// transfer, whether ownership moved, and the source kept it, fenced if it had) towards `to`. Written as `handoff_phase`: a line's
     /// own `phase` says what kind of line it is.
     HandoffOut {
         gen: u64,

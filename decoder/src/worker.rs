@@ -485,8 +485,7 @@ impl Worker {
             client: client.clone(),
             lease_ms: cfg.lease_ms,
             capacity: cfg.capacity,
-            load: Default::default(),
-            reserved: Default::default(),
+            slots: crate::handoff::Slots::new(cfg.capacity),
             accepting: std::sync::atomic::AtomicBool::new(true),
             incoming: incoming_tx,
             held: held.clone(),
@@ -702,9 +701,7 @@ impl Worker {
                 return self.halt(fired).await;
             }
             let sent = self.in_flight.len() < APPENDS_IN_FLIGHT_MAX && self.send().await;
-            self.port
-                .load
-                .store(self.active.len() + self.copying, std::sync::atomic::Ordering::Release);
+            self.port.slots.hold(self.active.len() + self.copying);
             if !sent && !sampling && self.in_flight.is_empty() && !self.standbys.has_work() {
                 // Idle, or the log is unreachable: do not spin. An arriving generation or an
                 // ended handoff wakes it at once.
@@ -742,7 +739,7 @@ impl Worker {
     /// Generations held or on their way: active (those being handed out included), or being
     /// received (and not yet taken in).
     fn load(&self) -> usize {
-        self.active.len() + self.copying + self.port.reserved.load(std::sync::atomic::Ordering::Acquire)
+        self.active.len() + self.copying + self.port.slots.reserved()
     }
 
     /// Called while `stop` is set: whether to keep going to hand generations out. The first
@@ -1060,11 +1057,11 @@ impl Worker {
                 "received generation joins the step loop"
             );
             self.stats.lock().expect("lock").received += 1;
-            self.port.reserved.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
             // If this decoder stood by for it, the received state replaces the followed one.
             drop(self.standbys.take(r.id));
             self.active
                 .insert(r.id, Active::new(r.id, r.epoch, r.committed, r.state));
+            self.port.slots.admit(self.active.len() + self.copying);
         }
         while let Ok((id, epoch, copied)) = self.copies.try_recv() {
             self.copied(id, epoch, copied);
@@ -1258,11 +1255,17 @@ impl Worker {
     }
 
     async fn take_work(&mut self) {
-        use futures::StreamExt;
-        let want = self.cfg.capacity.saturating_sub(self.load()) as u32;
-        if want == 0 {
-            return;
+        // The slots for what it takes are claimed first: a transfer arriving meanwhile finds
+        // them taken. Those not filled are free again after.
+        let want = self.port.slots.claim(self.active.len() + self.copying) as u32;
+        if want > 0 {
+            self.take(want).await;
         }
+        self.port.slots.hold(self.active.len() + self.copying);
+    }
+
+    async fn take(&mut self, want: u32) {
+        use futures::StreamExt;
         let pending = match self
             .client
             .pending_work(pb::PendingWorkRequest {
@@ -1290,6 +1293,15 @@ impl Worker {
             .filter(|id| !self.active.contains_key(id) && !held.contains(id))
             .take(want as usize)
             .collect();
+        if let Some(d) = self
+            .hooks
+            .as_ref()
+            .and_then(|h| h.take_delay())
+            .filter(|_| !ids.is_empty())
+        {
+            tracing::warn!(generations = ?ids, ms = d.as_millis() as u64, "failpoint take-delay-ms: holding the take");
+            tokio::time::sleep(d).await;
+        }
         // Acquire and prepare several at once: the leader merges the acquires into few entries.
         let taker = Taker {
             cfg: self.cfg.clone(),
@@ -1697,7 +1709,7 @@ impl Worker {
         // Handoffs out (and receives) still in progress end next: moved, or back here to be
         // released. Their leases are renewed meanwhile.
         let deadline = Instant::now() + crate::limits::HANDOFF_TRANSFER_TIMEOUT * 2;
-        let busy = |w: &Self| w.handing_out > 0 || w.port.reserved.load(std::sync::atomic::Ordering::Acquire) > 0;
+        let busy = |w: &Self| w.handing_out > 0 || w.port.slots.reserved() > 0;
         while busy(self) && Instant::now() < deadline {
             let wake = self.wake.clone();
             let _ = tokio::time::timeout(Duration::from_millis(50), wake.notified()).await;

@@ -76,6 +76,19 @@ pub trait StepHooks: Send + Sync {
         false
     }
 
+    /// How long the worker waits between finding generations to take from the log and taking
+    /// them (a slow log): a transfer arriving meanwhile must find their slots taken.
+    fn take_delay(&self) -> Option<std::time::Duration> {
+        None
+    }
+
+    /// How long a handoff source cannot reach the log once a transfer ended without a
+    /// "committed" answer (a partition between it and the log, right when it must learn what
+    /// became of the attempt): its log calls about the attempt fail meanwhile.
+    fn source_blind(&self) -> Option<std::time::Duration> {
+        None
+    }
+
     /// Whether the destination's read of the records committed between its last follow and its
     /// ownership commit fails (after the commit applied: the generation is the destination's,
     /// without a state to continue it, and goes back to the log for a takeover).
