@@ -1091,3 +1091,113 @@ async fn a_gateway_told_to_stop_cuts_its_open_streams_after_a_grace_and_they_res
     assert_eq!(seqs, (0..40).collect::<Vec<u32>>());
     client.cancel("long").await.unwrap();
 }
+
+/// Cancelling a response that has produced text answers with that text, as a later GET
+/// shows it (it answered with an empty output while its usage counted the tokens).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_response_answers_with_its_text_so_far() {
+    let _g = serial();
+    let (cluster, _d, _log) = cluster_with_decoder(&["--fake-step-ms", "50"]).await;
+    let g = cluster.start_gateway("g1", &[]);
+    let (s, body) = common::http(
+        &g.http,
+        "POST",
+        "/v1/responses",
+        &[("idempotency-key", "to-cancel")],
+        r#"{"input": "hi", "max_output_tokens": 4000, "ignore_eos": true, "background": true}"#,
+    );
+    assert_eq!(s, 200, "{body}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let (_, now) = common::http(&g.http, "GET", "/v1/responses/resp_to-cancel", &[], "");
+        let v: serde_json::Value = serde_json::from_str(&now).unwrap();
+        if v["output_text"].as_str().is_some_and(|t| t.len() >= 8) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "no text yet: {now}");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let (s, cancelled) = common::http(&g.http, "POST", "/v1/responses/resp_to-cancel/cancel", &[], "");
+    assert_eq!(s, 200, "{cancelled}");
+    let (_, later) = common::http(&g.http, "GET", "/v1/responses/resp_to-cancel", &[], "");
+    let (c, l): (serde_json::Value, serde_json::Value) = (
+        serde_json::from_str(&cancelled).unwrap(),
+        serde_json::from_str(&later).unwrap(),
+    );
+    assert_eq!(c["status"], "cancelled", "{cancelled}");
+    assert!(!c["output_text"].as_str().unwrap().is_empty(), "{cancelled}");
+    assert_eq!(c["output_text"], l["output_text"], "{cancelled}\n{later}");
+    assert_eq!(c["output"], l["output"], "{cancelled}\n{later}");
+}
+
+/// A retry of a request the log holds is answered from the log, whatever decoders are
+/// registered now: after its only decoder died and its registration lapsed, the same POST
+/// (same key, same body) gets the finished completion again, and a different body under that
+/// key is still a conflict. Before, the gateway resolved the model from the live registrations
+/// first and answered 503 "no decoder is registered" for a completion the log had finished.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_is_answered_from_the_log_after_its_decoder_is_gone() {
+    let _g = serial();
+    let (cluster, mut d, log) = cluster_with_decoder(&["--fake-step-ms", "5"]).await;
+    let g = cluster.start_gateway("g1", &[]);
+    let body = r#"{"prompt": "hi", "max_tokens": 3, "ignore_eos": true}"#;
+    let key = [("idempotency-key", "again")];
+    let (s, first) = common::http(&g.http, "POST", "/v1/completions", &key, body);
+    assert_eq!(s, 200, "{first}");
+    d.kill9();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !log.list_models().await.unwrap().models.is_empty() {
+        assert!(std::time::Instant::now() < deadline, "the registration never lapsed");
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(tokenlog_gateway::limits::MODELS_CACHE_TTL).await;
+    let (s, again) = common::http(&g.http, "POST", "/v1/completions", &key, body);
+    assert_eq!(s, 200, "{again}");
+    let text = |b: &str| serde_json::from_str::<serde_json::Value>(b).unwrap()["choices"][0]["text"].clone();
+    assert_eq!(text(&again), text(&first), "{first}\n{again}");
+    let other = r#"{"prompt": "hi", "max_tokens": 4, "ignore_eos": true}"#;
+    let (s, refused) = common::http(&g.http, "POST", "/v1/completions", &key, other);
+    assert_eq!(s, 409, "{refused}");
+}
+
+/// A stream of a generation quiet for longer than the Watch's retry budget (queued behind a
+/// busy decoder of capacity 1) survives a log outage: the budget counts from the failure. It
+/// counted from the generation's last record, so the first failed re-open after 30 quiet
+/// seconds failed the stream with "unavailable", though the log was back 2 s later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_quiet_past_the_retry_budget_survives_a_log_outage() {
+    let _g = serial();
+    let (mut cluster, _d, _log) = cluster_with_decoder(&["--fake-step-ms", "50", "--capacity", "1"]).await;
+    let g = cluster.start_gateway("g1", &[]);
+    let mut c = GenerationClient::connect(format!("http://{}", g.grpc)).await.unwrap();
+    let mut busy = c.generate(request("busy", 4000)).await.unwrap().into_inner();
+    busy.message().await.unwrap().expect("the busy generation runs");
+    drop(busy);
+    let mut quiet = c.generate(request("quiet", 5)).await.unwrap().into_inner();
+    tokio::time::sleep(tokenlog_gateway::limits::WATCH_RETRY_BUDGET + std::time::Duration::from_secs(2)).await;
+    // Down for longer than a Watch's open retries for (the log client's budget): one re-open
+    // fails.
+    for i in 0..3 {
+        cluster.kill9(i);
+    }
+    tokio::time::sleep(tokenlog_raftlog::limits::RETRY_BUDGET_DEFAULT + std::time::Duration::from_secs(2)).await;
+    for i in 0..3 {
+        cluster.start_node(i);
+    }
+    cluster.leader().await;
+    // A second decoder takes the queued generation once the log is back.
+    let _d2 = cluster.start_decoder("d2", &["--fake-step-ms", "50"]);
+    let mut seen = 0;
+    loop {
+        let e = quiet
+            .message()
+            .await
+            .unwrap_or_else(|e| panic!("the quiet stream failed after {seen} events: {e}"))
+            .expect("the stream ended before its last event");
+        seen += 1;
+        if e.last {
+            assert_eq!(e.seq, 5, "5 tokens, then the last event");
+            break;
+        }
+    }
+}

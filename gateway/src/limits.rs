@@ -24,8 +24,12 @@ pub const TENANT_SUBMITS_MAX_DEFAULT: usize = 64;
 pub const HTTP_BODY_BYTES_MAX: usize = 2 * PROMPT_TEXT_BYTES_MAX;
 /// How long the list of registered models is reused before asking the log again.
 pub const MODELS_CACHE_TTL: Duration = Duration::from_secs(2);
-/// How long a gateway keeps re-opening a broken Watch (log node died) before failing the stream.
+/// How long a gateway keeps re-opening a broken Watch (log node died) before failing the
+/// stream, counted from the first failure since the Watch last delivered a record or stayed
+/// open for `WATCH_HEALTHY`.
 pub const WATCH_RETRY_BUDGET: Duration = Duration::from_secs(30);
+/// A Watch open this long before it broke was healthy: its break starts a new retry budget.
+pub const WATCH_HEALTHY: Duration = Duration::from_secs(1);
 /// Wait before re-opening a Watch that ended (a log node went away).
 pub const WATCH_REOPEN_BACKOFF: Duration = Duration::from_millis(50);
 /// Wait before trying again to open a Watch that could not be opened.

@@ -76,7 +76,11 @@ impl Gateway {
     ) {
         let _active = self.metrics.stream_guard();
         let mut text = EventText::new(&info, &tokenizer, after_seq);
-        let mut last_progress = Instant::now();
+        // Since when the Watch has failed without a healthy stretch between: the budget counts
+        // from the failure. (It counted from the generation's last record: a stream quiet for
+        // longer than the budget, a queued request, failed at the first failed re-open, and a
+        // Watch that opened and broke again at once was re-opened for ever.)
+        let mut failing_since: Option<Instant> = None;
         loop {
             let opened = tokio::select! {
                 _ = tx.closed() => return,
@@ -85,7 +89,7 @@ impl Gateway {
             let mut stream = match opened {
                 Ok(s) => s,
                 Err(e) => {
-                    if last_progress.elapsed() > WATCH_RETRY_BUDGET {
+                    if failing_since.get_or_insert_with(Instant::now).elapsed() > WATCH_RETRY_BUDGET {
                         let _ = tx.send(Err(e.into())).await;
                         return;
                     }
@@ -93,6 +97,7 @@ impl Gateway {
                     continue;
                 }
             };
+            let opened = Instant::now();
             loop {
                 let message = tokio::select! {
                     _ = tx.closed() => return,
@@ -106,6 +111,16 @@ impl Gateway {
                         return;
                     }
                     Err(status) => {
+                        // A Watch that stayed open a while was healthy: this is a new failure.
+                        if opened.elapsed() >= WATCH_HEALTHY {
+                            failing_since = None;
+                        }
+                        if failing_since.get_or_insert_with(Instant::now).elapsed() > WATCH_RETRY_BUDGET {
+                            let _ = tx
+                                .send(Err(tokenlog_raftlog::client::ClientError::Status(status).into()))
+                                .await;
+                            return;
+                        }
                         tracing::debug!(
                             generation = text.generation,
                             "watch broke ({status}); reopening at seq {}",
@@ -114,7 +129,7 @@ impl Gateway {
                         break;
                     }
                 };
-                last_progress = Instant::now();
+                failing_since = None;
                 let (events, broken) = text.events(ev);
                 for e in events {
                     let token = e.token_id.is_some();

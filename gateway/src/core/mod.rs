@@ -197,7 +197,18 @@ impl Gateway {
         // Refuse before creating anything when the tenant could not stream it anyway.
         self.tenant_use
             .check(tenant, Held::Stream, self.tenant_limits.streams)?;
-        let m = self.resolve_model(&p.model).await?;
+        let m = match self.resolve_model(&p.model).await {
+            Ok(m) => m,
+            // No live decoder serves the model now (or the name picks none): a retry of a
+            // request the log holds is still answered from the log.
+            Err(e @ (GatewayError::Precondition(_) | GatewayError::Invalid(_) | GatewayError::NotFound(_))) => {
+                return match self.retried(tenant, p).await? {
+                    Some(existing) => Ok(existing),
+                    None => Err(e),
+                };
+            }
+            Err(e) => return Err(e),
+        };
         let binding = self.binding(tenant, p, &m).await?;
         let submitted = self
             .log
@@ -216,7 +227,8 @@ impl Gateway {
                 let same = existing
                     .binding
                     .as_ref()
-                    .is_some_and(|b| binding::same_but_bound_as_text(p, &m, &binding, b));
+                    .is_some_and(|b| binding::same_but_bound_as_text(p, &m, &binding, b))
+                    || self.same_as_bound(tenant, p, &existing).await.unwrap_or(false);
                 if !same {
                     return Err(GatewayError::Conflict(format!(
                         "request id {:?} was already used for a different request ({msg})",
@@ -239,6 +251,65 @@ impl Gateway {
         }
         tracing::info!(tenant, request_id = %p.request_id, generation = info.generation_id, created = r.created, "submitted");
         Ok((info, m.info.name))
+    }
+
+    /// `p` as a retry of the generation the log holds under its request id, when there is one
+    /// and `p` is the request it was bound from (else a conflict): answered from the log, with
+    /// no model resolved from the decoders registered now.
+    async fn retried(&self, tenant: &str, p: &GenerateParams) -> Result<Option<(pb::GenerationInfo, String)>> {
+        let existing = match self.lookup(tenant, &p.request_id).await {
+            Ok(g) => g,
+            Err(GatewayError::NotFound(_)) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        if !self.same_as_bound(tenant, p, &existing).await? {
+            return Err(GatewayError::Conflict(format!(
+                "request id {:?} was already used for a different request",
+                p.request_id
+            )));
+        }
+        self.metrics.submits.inc();
+        tracing::info!(tenant, request_id = %p.request_id, generation = existing.generation_id, "retry answered from the log");
+        let name = match p.model.is_empty() {
+            true => self.model_name(&existing).await,
+            false => p.model.clone(),
+        };
+        Ok(Some((existing, name)))
+    }
+
+    /// Whether `p` is the request `existing` was bound from, bound again against that
+    /// binding's own model and settings: the decoders registered now may serve another model
+    /// or none, and another gateway may have bound it with another `--unowned-ms`, none of which
+    /// makes a retry a different request. The log's rule: a text prompt's ids, filled in by
+    /// its owner, are not part of the request.
+    async fn same_as_bound(&self, tenant: &str, p: &GenerateParams, existing: &pb::GenerationInfo) -> Result<bool> {
+        let Some(bound) = &existing.binding else {
+            return Ok(false);
+        };
+        let Some(identity) = bound.model.clone() else {
+            return Ok(false);
+        };
+        let tokenizer = self.tokenizer_for(&identity.tokenizer_sha256, &p.model).await?;
+        let m = ResolvedModel {
+            info: pb::ModelInfo {
+                name: p.model.clone(),
+                identity: Some(identity),
+                // The binding passed the context's check when it was made.
+                context_tokens: u32::MAX,
+                ..Default::default()
+            },
+            tokenizer,
+        };
+        let Ok(mut ours) = self.binding(tenant, p, &m).await else {
+            return Ok(false);
+        };
+        ours.unowned_ms = bound.unowned_ms;
+        ours.deadline_ms = bound.deadline_ms;
+        let mut theirs = bound.clone();
+        if !theirs.prompt_text.is_empty() {
+            theirs.prompt_token_ids.clear();
+        }
+        Ok(ours == theirs || binding::same_but_bound_as_text(p, &m, &ours, bound))
     }
 
     /// The generation of `(tenant, request_id)`, read linearizably (never creates one).

@@ -117,8 +117,15 @@ pub(super) async fn get_response(
         return Ok(response_stream(gw, rx, info, model, true, after).into_response());
     }
     // Not streaming: the response as it stands (text up to the current frontier).
+    let (text, last) = text_so_far(&gw, &info).await?;
+    Ok(Json(response_json(&info, &model, true, &text, last.as_ref())).into_response())
+}
+
+/// The text of a response up to its frontier as `info` has it, and its last event when it
+/// has ended.
+async fn text_so_far(gw: &Arc<Gateway>, info: &pb::GenerationInfo) -> Result<(String, Option<Event>)> {
     let frontier = info.frontier;
-    let terminal = is_terminal(&info);
+    let terminal = is_terminal(info);
     let mut text = String::new();
     let mut last = None;
     // Nothing committed and not over: there is no text to read (and no event would come yet).
@@ -136,15 +143,18 @@ pub(super) async fn get_response(
             }
         }
     }
-    Ok(Json(response_json(&info, &model, true, &text, last.as_ref())).into_response())
+    Ok((text, last))
 }
 
+/// The response object after the cancel, with its output so far (it answered with an empty
+/// output whatever the response had produced, while its usage counted the tokens).
 pub(super) async fn cancel_response(State(gw): Gw, h: HeaderMap, Path(id): Path<String>) -> Result<Json<Value>> {
     let tenant = tenant(&gw, &h)?;
     let rid = rid_of(&id)?;
     let info = gw.cancel(&tenant, rid).await?;
     let model = gw.model_name(&info).await;
-    Ok(Json(response_json(&info, &model, true, "", None)))
+    let (text, last) = text_so_far(&gw, &info).await?;
+    Ok(Json(response_json(&info, &model, true, &text, last.as_ref())))
 }
 
 /// `status` of a response object for a generation (and its last event when it has ended).
@@ -292,8 +302,12 @@ pub(super) fn response_stream(
                 Ok(e) => e,
                 Err(e) => {
                     gw.metrics.stream_errors.inc();
+                    // Not an event of the response (its numbers are the log's): it carries the
+                    // number of the last event the client has, so a client that resumes after
+                    // the last number it saw gets event `n` next. It carried `n`, which the
+                    // next real event takes: a resume after it skipped that event.
                     let body = json!({"type": "error", "code": e.http().2, "message": e.message(), "param": null,
-                                      "sequence_number": n});
+                                      "sequence_number": (n - 1).max(after)});
                     let _ = tx.send(SseEvent::default().event("error").data(body.to_string())).await;
                     return;
                 }
@@ -339,4 +353,75 @@ pub(super) fn response_stream(
         }
     });
     sse(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(seq: u32, text: &str) -> Event {
+        Event {
+            request_id: "r".into(),
+            generation: 1,
+            epoch: 1,
+            seq,
+            token_id: Some(seq),
+            text: text.into(),
+            finish: None,
+        }
+    }
+
+    /// An error in the middle of a Responses stream carries the number of the last event sent
+    /// (or the one resumed after), not the next one's: a client that resumes after the last
+    /// number it saw then gets every event. It carried the next number, and a resume after it
+    /// skipped the text delta that took that number.
+    #[tokio::test]
+    async fn an_error_event_does_not_take_the_next_events_number() {
+        let gw = Gateway::new(
+            tokenlog_raftlog::client::LogClient::new(vec!["127.0.0.1:9".into()]).unwrap(),
+            crate::tenants::Tenants::Open,
+            vec![],
+            crate::tenants::TenantLimits { streams: 1, submits: 1 },
+            crate::core::BindDefaults::default(),
+        )
+        .unwrap();
+        for after in [-1, 4, 9] {
+            let (tx, rx) = mpsc::channel(8);
+            tx.send(Ok(event(0, "a"))).await.unwrap();
+            tx.send(Ok(event(1, "b"))).await.unwrap();
+            tx.send(Err(GatewayError::Unavailable("the log is away".into())))
+                .await
+                .unwrap();
+            drop(tx);
+            let info = pb::GenerationInfo {
+                request_id: "r".into(),
+                generation_id: 1,
+                ..Default::default()
+            };
+            let body = response_stream(gw.clone(), rx, info, "m".into(), false, after).into_response();
+            let bytes = axum::body::to_bytes(body.into_body(), 1 << 20).await.unwrap();
+            let text = String::from_utf8(bytes.to_vec()).unwrap();
+            let numbers: Vec<(String, i64)> = text
+                .lines()
+                .filter_map(|l| l.strip_prefix("data: "))
+                .map(|d| {
+                    let v: Value = serde_json::from_str(d).unwrap();
+                    (
+                        v["type"].as_str().unwrap().to_string(),
+                        v["sequence_number"].as_i64().unwrap(),
+                    )
+                })
+                .collect();
+            let (last_type, error_number) = numbers.last().cloned().unwrap();
+            assert_eq!(last_type, "error", "{numbers:?}");
+            // Events 0..=3 open the response; the two deltas are 4 and 5.
+            let last_sent = numbers[..numbers.len() - 1].iter().map(|(_, n)| *n).max();
+            assert_eq!(
+                error_number,
+                last_sent.unwrap_or(after).max(after),
+                "after {after}: {numbers:?}"
+            );
+            assert_eq!(error_number, 5.max(after), "after {after}: {numbers:?}");
+        }
+    }
 }
