@@ -740,3 +740,68 @@ fn the_log_bench_writes_through_unary_calls_and_append_streams() {
         "{err}"
     );
 }
+
+/// Both followers die and come back 3 s later, and the leader stays leader (no election): its
+/// entries could not commit meanwhile, and that time is credited to the live leases as an
+/// election's is (a `NewLeader` ahead of the first entries stamped while a proposal waited).
+/// Before, the first entry stamped after the outage (a renewal, or the Tick that the stamp made
+/// due) found an 800 ms lease expired: every decoder lost every generation, though no renewal
+/// could have been committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_outlives_a_commit_stall_without_an_election() {
+    let _serial = serial();
+    let mut cluster = Cluster::start(0);
+    let leader = cluster.leader().await;
+    let client = cluster.client();
+    let id = common::submit(&client, "stall").await;
+    let acquired = client
+        .acquire(pb::AcquireRequest {
+            generation_id: id,
+            decoder_id: "dec".into(),
+            lease_ms: tokenlog_raftlog::limits::LEASE_MS_DEFAULT,
+            model: Some(common::model()),
+            rng_version: 0,
+        })
+        .await
+        .unwrap();
+    let epoch = acquired.generation.unwrap().lease.unwrap().epoch;
+    let renew = move || pb::RenewRequest {
+        generation_id: id,
+        epoch,
+        decoder_id: "dec".into(),
+        lease_ms: tokenlog_raftlog::limits::LEASE_MS_DEFAULT,
+    };
+    assert!(client.renew(renew()).await.unwrap().ok);
+    let term = client.cluster_status(true).await.unwrap().term;
+    let followers: Vec<usize> = (0..3).filter(|&i| i != leader).collect();
+    for &i in &followers {
+        cluster.kill9(i);
+    }
+    // A renewal proposed now waits for the followers, as a decoder's would.
+    let waiting = {
+        let client = client.clone();
+        tokio::spawn(async move { client.renew(renew()).await })
+    };
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    for &i in &followers {
+        cluster.start_node(i);
+    }
+    let first = waiting.await.unwrap().unwrap();
+    let second = client.renew(renew()).await.unwrap();
+    let after = client.cluster_status(true).await.unwrap().term;
+    assert!(
+        first.ok && second.ok,
+        "the lease expired across the stall (term {term} -> {after}): {first:?} {second:?}"
+    );
+    let g = client
+        .get(pb::GetRequest {
+            generation_id: id,
+            linearizable: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .generation
+        .unwrap();
+    assert_eq!(g.lease.unwrap().epoch, epoch, "still the same owner's lease");
+}

@@ -86,6 +86,14 @@ impl Clock {
         }
     }
 
+    /// This node leads anew (a new term): its next stamp anchors to the log time applied then,
+    /// not to where its clock stood when it led before. The anchor only grows, and while other
+    /// leaders led, log time did not count their elections: kept, it stamped that much ahead of
+    /// the log, expiring registrations, sessions and handoffs and pruning early.
+    pub fn lead_anew(&self) {
+        self.offset.store(i64::MIN, Ordering::Release);
+    }
+
     /// Log time for the next entry, given the log time already applied: never below an
     /// earlier stamp of this clock.
     pub fn stamp(&self, applied_ms: u64) -> u64 {
@@ -186,6 +194,28 @@ mod tests {
         src.pass(300);
         let t2 = c.stamp(t1);
         assert!(t2 - t0 <= 300 + LEAD && t2 - t1 >= 300 - LEAD, "{t0} {t1} {t2}");
+    }
+
+    /// A node that led, lost the lead while others led through elections that log time does
+    /// not count, and leads again stamps within the lead of the log time applied then.
+    #[test]
+    fn a_node_leading_again_stamps_from_the_applied_time() {
+        let src = Manual::at(1_000_000, 0);
+        let c = Clock::new(src.clone(), false);
+        let t0 = c.stamp(0);
+        // 10 s later; the other leaders' stamps moved log time by 4 s of them (6 s of elections).
+        src.pass(10_000);
+        let applied = t0 + 4_000;
+        c.lead_anew();
+        let t = c.stamp(applied);
+        assert!(
+            t >= applied && t <= applied + LEAD,
+            "stamped {} ms past the applied time",
+            t - applied
+        );
+        src.pass(300);
+        let t2 = c.stamp(t);
+        assert!(t2 >= t + 300 - LEAD && t2 <= t + 300 + LEAD, "{t} {t2}");
     }
 
     /// A node's estimate of log time before it applied anything (a restart, its log not yet

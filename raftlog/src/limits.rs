@@ -179,6 +179,13 @@ pub const LOG_CACHE_BYTES_MAX: usize = 32 << 20;
 pub const STAMP_WALL_LEAD_MS_MAX: u64 = 25;
 /// How often the leader considers proposing a `Tick`.
 pub const TICK_INTERVAL: Duration = Duration::from_millis(500);
+/// A leader that has answered no proposal for this long while one waited as long (a stall:
+/// its followers gone and back without an election, a stuck disk) puts a `NewLeader` ahead of
+/// its next entries, which credits the stall to the live leases as after an election; and
+/// once more at the first entry after the stall. Under `LEASE_MS_DEFAULT`, far over a
+/// commit's latency (a slow but steady log gets no credit: its renewals commit).
+pub const COMMIT_STALL_CREDIT: Duration = Duration::from_millis(500);
+const _: () = assert!((COMMIT_STALL_CREDIT.as_millis() as u64) < LEASE_MS_DEFAULT);
 /// How long a stopping node waits for open streams (Watches) to end before it closes them.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 /// A TLS handshake that takes longer is dropped (a client that connects and says nothing holds

@@ -34,9 +34,9 @@ use crate::error::LogError;
 use crate::faults::Faults;
 use crate::health::{Health, Readiness};
 use crate::limits::{
-    snapshot_due, COMMAND_BYTES_MAX, GRPC_MESSAGE_BYTES_MAX, KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT,
-    PROPOSALS_IN_FLIGHT_MAX, PROPOSAL_COMMANDS_MAX, PROPOSAL_TOKENS_MAX, PROPOSER_QUEUE_MAX, RETENTION_MS_DEFAULT,
-    RETENTION_MS_MIN, TICK_INTERVAL,
+    snapshot_due, COMMAND_BYTES_MAX, COMMIT_STALL_CREDIT, GRPC_MESSAGE_BYTES_MAX, KEEPALIVE_INTERVAL,
+    KEEPALIVE_TIMEOUT, PROPOSALS_IN_FLIGHT_MAX, PROPOSAL_COMMANDS_MAX, PROPOSAL_TOKENS_MAX, PROPOSER_QUEUE_MAX,
+    RETENTION_MS_DEFAULT, RETENTION_MS_MIN, TICK_INTERVAL,
 };
 use crate::raft_types::{Node as RaftNode, NodeId, Raft};
 use crate::service::LogService;
@@ -415,6 +415,15 @@ async fn proposer(
     mut rx: tokio::sync::mpsc::Receiver<Pending>,
 ) {
     let in_flight = Arc::new(tokio::sync::Semaphore::new(PROPOSALS_IN_FLIGHT_MAX));
+    // When each proposal not yet answered was proposed, by proposal number: the oldest says
+    // whether the log has stalled (a quiet log has none).
+    let waiting: Arc<std::sync::Mutex<BTreeMap<u64, std::time::Instant>>> = Default::default();
+    let mut proposal_no = 0u64;
+    // When the last proposal was answered; and whether one was answered after nothing had
+    // been for `COMMIT_STALL_CREDIT` while proposals waited (a stall ended): the next entry
+    // then credits the rest of the stall, up to its stamp.
+    let last_answer = Arc::new(std::sync::Mutex::new(std::time::Instant::now()));
+    let stall_ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
     // The term whose `NewLeader` this node proposed last (see `Command::NewLeader`).
     let mut announced_term = None;
     // A command taken from the queue that would have made the entry too large: the next
@@ -455,23 +464,52 @@ async fn proposer(
         // A leader's first proposal in its term starts with `NewLeader`, applied before anything
         // else of the term can be fenced by a lease the election expired.
         let announce = term.is_some() && term != announced_term;
-        let (cmd, answers): (Command, Vec<_>) = if batch.len() == 1 && !announce {
-            let p = batch.pop().expect("one");
-            (p.cmd, vec![p.answer])
-        } else {
-            let (mut cmds, answers): (Vec<_>, Vec<_>) = batch.into_iter().map(|p| (p.cmd, p.answer)).unzip();
-            if announce {
-                cmds.insert(0, Command::NewLeader);
-            }
-            (Command::Batch(cmds), answers)
-        };
+        if announce {
+            clock.lead_anew();
+        }
         // Only a leader stamps. A node that has applied nothing yet (just restarted) would
         // anchor its clock to its own wall clock by stamping, and lead later that far ahead
         // (found by the simulation); what a follower proposes is refused anyway, and apply
         // never moves log time back, so it carries the applied time.
+        let applied_ms = applied.log_ms();
         let log_ms = match term {
-            Some(_) => clock.stamp(applied.log_ms()),
-            None => applied.log_ms(),
+            Some(_) => clock.stamp(applied_ms),
+            None => applied_ms,
+        };
+        // A proposal of this leader has waited for its commit for a while (its followers gone
+        // and back without an election, a stalled disk): nobody could renew a lease meanwhile,
+        // so that time is credited to the live leases as an election's is (`NewLeader` credits
+        // the log time between the entry before it and its own). Without it the first entry
+        // stamped after such a stall (a renewal, or the Tick it made due) expired every lease
+        // shorter than the stall.
+        // A stall, not a slow log: nothing answered for that long while a proposal waited as
+        // long (a log that commits slowly but steadily gets no credit: its renewals commit).
+        let oldest = waiting
+            .lock()
+            .expect("lock")
+            .first_key_value()
+            .map(|(_, t)| t.elapsed());
+        let quiet = last_answer.lock().expect("lock").elapsed();
+        let stalled = term.is_some()
+            && (oldest.is_some_and(|w| w >= COMMIT_STALL_CREDIT && quiet >= COMMIT_STALL_CREDIT)
+                || stall_ended.swap(false, std::sync::atomic::Ordering::AcqRel));
+        let lead = announce || stalled;
+        if stalled && !announce {
+            tracing::warn!(
+                waited_ms = oldest.unwrap_or_default().as_millis() as u64,
+                behind_ms = log_ms.saturating_sub(applied_ms),
+                "a proposal waits for its commit: crediting the time to live leases"
+            );
+        }
+        let (cmd, answers): (Command, Vec<_>) = if batch.len() == 1 && !lead {
+            let p = batch.pop().expect("one");
+            (p.cmd, vec![p.answer])
+        } else {
+            let (mut cmds, answers): (Vec<_>, Vec<_>) = batch.into_iter().map(|p| (p.cmd, p.answer)).unzip();
+            if lead {
+                cmds.insert(0, Command::NewLeader);
+            }
+            (Command::Batch(cmds), answers)
         };
         let req = Request::new(log_ms, cmd);
         proposals.inc();
@@ -486,8 +524,18 @@ async fn proposer(
         if announce {
             announced_term = term;
         }
+        let no = proposal_no;
+        proposal_no += 1;
+        waiting.lock().expect("lock").insert(no, std::time::Instant::now());
+        let (waiting, stall_ended, last_answer) = (waiting.clone(), stall_ended.clone(), last_answer.clone());
         tokio::spawn(async move {
-            let outcome = match result.await {
+            let result = result.await;
+            let since = waiting.lock().expect("lock").remove(&no);
+            let quiet = std::mem::replace(&mut *last_answer.lock().expect("lock"), std::time::Instant::now()).elapsed();
+            if since.is_some_and(|t| t.elapsed() >= COMMIT_STALL_CREDIT) && quiet >= COMMIT_STALL_CREDIT {
+                stall_ended.store(true, std::sync::atomic::Ordering::Release);
+            }
+            let outcome = match result {
                 Err(_) => Err(LogError::Raft("raft stopped before answering".into())),
                 Ok(Err(ClientWriteError::ForwardToLeader(f))) => Err(LogError::NotLeader {
                     leader_addr: f.leader_node.map(|n| n.addr),
@@ -497,7 +545,7 @@ async fn proposer(
             };
             // The announcement's own answer goes to nobody.
             let outcome = match outcome {
-                Ok((Response::Batch(mut parts), index)) if announce => {
+                Ok((Response::Batch(mut parts), index)) if lead => {
                     parts.remove(0);
                     match parts.len() {
                         1 => Ok((parts.pop().expect("one"), index)),
