@@ -793,15 +793,6 @@ async fn a_lease_outlives_a_commit_stall_without_an_election() {
         first.ok && second.ok,
         "the lease expired across the stall (term {term} -> {after}): {first:?} {second:?}"
     );
-    let g = client
-        .get(pb::GetRequest {
-            generation_id: id,
-            linearizable: true,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .generation
-        .unwrap();
+    let g = client.generation(id).await.unwrap();
     assert_eq!(g.lease.unwrap().epoch, epoch, "still the same owner's lease");
 }

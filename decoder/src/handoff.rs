@@ -747,12 +747,15 @@ async fn step(client: &LogClient, id: u64, step: pb::handoff_request::Step) -> R
         .map_err(|e| e.to_string())
 }
 
-/// Best effort: the attempt is given up (a refused abort means it was over already).
-async fn abort(client: &LogClient, id: u64, attempt: u64, by: &str, detail: &str) {
-    if attempt == 0 {
-        return;
-    }
-    let r = step(
+/// Asks the log to give attempt `attempt` up; its answer.
+async fn abort_step(
+    client: &LogClient,
+    id: u64,
+    attempt: u64,
+    by: &str,
+    detail: &str,
+) -> Result<pb::HandoffResponse, String> {
+    step(
         client,
         id,
         pb::handoff_request::Step::Abort(pb::HandoffAbort {
@@ -761,8 +764,15 @@ async fn abort(client: &LogClient, id: u64, attempt: u64, by: &str, detail: &str
             detail: detail.chars().take(256).collect(),
         }),
     )
-    .await;
-    if let Err(e) = r {
+    .await
+}
+
+/// Best effort: the attempt is given up (a refused abort means it was over already).
+async fn abort(client: &LogClient, id: u64, attempt: u64, by: &str, detail: &str) {
+    if attempt == 0 {
+        return;
+    }
+    if let Err(e) = abort_step(client, id, attempt, by, detail).await {
         tracing::warn!(generation = id, attempt, error = %e, "abort not recorded (the log's timeout will)");
     }
 }
@@ -775,17 +785,7 @@ async fn abort(client: &LogClient, id: u64, attempt: u64, by: &str, detail: &str
 async fn resolve_lost_commit(client: &LogClient, id: u64, attempt: u64, me: &str, epoch: u64) -> bool {
     let deadline = Instant::now() + HANDOFF_TRANSFER_TIMEOUT;
     loop {
-        let r = step(
-            client,
-            id,
-            pb::handoff_request::Step::Abort(pb::HandoffAbort {
-                attempt,
-                by: me.to_string(),
-                detail: "the destination's commit answer was lost".into(),
-            }),
-        )
-        .await;
-        match r {
+        match abort_step(client, id, attempt, me, "the destination's commit answer was lost").await {
             Ok(resp) if resp.ok => return false,
             Ok(_) => {
                 if let Ok(g) = client.generation(id).await {
@@ -1411,17 +1411,7 @@ impl Source {
         let deadline = Instant::now() + HANDOFF_TRANSFER_TIMEOUT;
         loop {
             if blind_until.is_none_or(|t| Instant::now() >= t) {
-                let aborted = step(
-                    &self.client,
-                    id,
-                    pb::handoff_request::Step::Abort(pb::HandoffAbort {
-                        attempt,
-                        by: self.decoder_id.clone(),
-                        detail: why.chars().take(256).collect(),
-                    }),
-                )
-                .await;
-                match aborted {
+                match abort_step(&self.client, id, attempt, &self.decoder_id, why).await {
                     Ok(r) if r.ok => return Settled::Aborted,
                     Ok(_) => match phase_in_log(&self.client, id, attempt).await {
                         Ok(true) => return Settled::Committed,
