@@ -409,6 +409,35 @@ impl TlsArgs {
     }
 }
 
+/// The id a decoder (or stage) process acts under in the log: `given` (`flag`), or else
+/// `fallback()`. Under TLS the log takes only ids the process's certificate may act as
+/// ([`tokenlog_raftlog::tls::Holder::may_act_as`]): another given id is refused here, before
+/// anything starts, and the default is the certificate's name (for a pool certificate
+/// `NAME-*`, `NAME-` and `fallback()`).
+pub fn id_for_certificate(
+    given: Option<String>,
+    tls: &ClientTls,
+    fallback: impl FnOnce() -> String,
+    flag: &str,
+) -> anyhow::Result<String> {
+    let Some(tls) = tls else {
+        return Ok(given.unwrap_or_else(fallback));
+    };
+    let h = &tls.holder;
+    let id = given.unwrap_or_else(|| h.id_with(&fallback()));
+    if !h.may_act_as(&id) {
+        anyhow::bail!(
+            "{flag} {id:?} is not an id the certificate of {:?} (role {}) may act as, and the log would refuse every call under it. \
+             A decoder certificate names the one id its holder uses; leave {flag} out to take the certificate's, or make a \
+             certificate for it (`tokenlog certs --decoder {id}`; for decoders that share one certificate and name themselves, \
+             a pool: `tokenlog certs --decoder-pool PREFIX` lets them use PREFIX-anything)",
+            h.name,
+            h.role
+        );
+    }
+    Ok(id)
+}
+
 /// The gRPC server a decoder-role process serves peers with (a handoff listener, a pipeline
 /// stage): HTTP/2 and TCP keepalive, and, with `tls`, mutual TLS under its decoder
 /// certificate. Wrap the service in `auth::Guarded` so that only decoders may call it.

@@ -403,6 +403,39 @@ async fn a_stopping_decoder_holding_nothing_stops_offering_handoffs() {
     );
 }
 
+/// A decoder killed with -9 stops being offered as a handoff destination as soon as the log ends
+/// its session, not when its registration lapses (5 s or more later): a draining decoder that
+/// picked it first waited on a connection to a dead process (on another host, a connect
+/// timeout). It stays registered meanwhile (its model's decoders still list it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_decoder_is_no_handoff_destination_once_its_session_ends() {
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    let flags = ["--handoff-listen", "127.0.0.1:0", "--fake-step-ms", "25"];
+    let mut a = cluster.start_decoder("dead-ho-a", &flags);
+    let client = cluster.client();
+    let a_id = a.id.clone();
+    wait_until("a to register its handoff listener", async || {
+        takes_handoffs(&client, &a_id).await
+    })
+    .await;
+    // Its session is open once it takes work: wait for that, so that its end is what is seen.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    a.kill9();
+    let killed = Instant::now();
+    wait_until("the killed decoder to leave the handoff destinations", async || {
+        !takes_handoffs(&client, &a_id).await
+    })
+    .await;
+    let gone_after = killed.elapsed();
+    let models = client.list_models().await.unwrap();
+    assert!(
+        models.models.iter().any(|m| m.decoders.contains(&a_id)),
+        "the registration lapsed first ({gone_after:?}): {models:?}"
+    );
+    assert!(gone_after < Duration::from_secs(3), "{gone_after:?}");
+}
+
 /// One failure point of a planned handoff (CONTRACT §8, points 1-6), as a scenario: which side
 /// dies where (a failpoint ends the process as a kill would), and what the log must show after.
 struct Case {
@@ -663,18 +696,18 @@ async fn handoffs_run_over_mutual_tls_and_only_decoders_may_call_a_listener() {
     };
     let a_args = args("decoder-1");
     let b_args = args("decoder-2");
-    let a = cluster.start_decoder("tls-a", &a_args.iter().map(String::as_str).collect::<Vec<_>>());
+    let a = cluster.start_decoder("decoder-1", &a_args.iter().map(String::as_str).collect::<Vec<_>>());
     let client = cluster.client();
     common::wait_for_model(&client).await;
     let prompts: Vec<Vec<u32>> = (0..2)
         .map(|i| m.tokenizer().encode(&format!("tls {i}")).unwrap())
         .collect();
     let (_, b) = drain_and_check(&cluster, &m, &prompts, MAX_TOKENS, a, || {
-        cluster.start_decoder("tls-b", &b_args.iter().map(String::as_str).collect::<Vec<_>>())
+        cluster.start_decoder("decoder-2", &b_args.iter().map(String::as_str).collect::<Vec<_>>())
     })
     .await;
     // b's listener, called as a gateway and without a certificate.
-    let addr = client.list_models().await.unwrap().models[0].handoff_addrs["tls-b"].clone();
+    let addr = client.list_models().await.unwrap().models[0].handoff_addrs["decoder-2"].clone();
     for (holder, want) in [
         (Some("gateway-1"), tonic::Code::PermissionDenied),
         (None, tonic::Code::Unauthenticated),

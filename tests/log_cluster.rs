@@ -558,6 +558,97 @@ async fn a_watch_on_a_follower_behind_the_generation_reaches_it_instead_of_not_f
     assert_eq!(seen, vec![5, 6, 7]);
 }
 
+/// A Watch on a node cut off from the cluster's quorum ends with UNAVAILABLE, and that node opens
+/// no new one, so that its client resumes at another node: its state no longer advances while
+/// the generation may go on elsewhere. Before, the stream stayed open and silent for as long as
+/// the node was cut off (a gateway reading from it showed its client nothing). Both ways a node
+/// is cut off: a follower whose leader and other follower are stopped (it knows no leader), and
+/// a leader whose two followers are stopped (no quorum acknowledges it). Once the others run
+/// again, the node serves Watches again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_on_a_node_cut_off_from_the_quorum_ends_and_the_client_is_sent_elsewhere() {
+    use tokenlog_proto::raftlog::log_client::LogClient as PbClient;
+    let _serial = serial();
+    let cluster = Cluster::start(1_000);
+    let client = cluster.client();
+    let (id, epoch) = owned_generations(&client, 1, "w").await[0];
+    common::append_first(&client, "w", id, epoch, &[5, 6, 7]).await;
+    let watch_at = |i: usize| {
+        let addr = format!("http://{}", cluster.addrs[i]);
+        async move {
+            let mut c = PbClient::connect(addr).await.unwrap();
+            c.watch(pb::WatchRequest {
+                generation_id: id,
+                from_seq: 0,
+            })
+            .await
+        }
+    };
+    for leads in [false, true] {
+        let leader = cluster.leader().await;
+        let cut = if leads { leader } else { (leader + 1) % 3 };
+        let others: Vec<usize> = (0..3).filter(|&i| i != cut).collect();
+        // Wait until the node has applied the records (a follower may lag a moment).
+        let mut stream = watch_at(cut).await.expect("the watch opens").into_inner();
+        let first = tokio::time::timeout(Duration::from_secs(10), stream.message())
+            .await
+            .expect("the committed records come")
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            first.records.iter().map(|r| r.token_id).collect::<Vec<_>>(),
+            vec![5, 6, 7]
+        );
+        for &o in &others {
+            cluster.signal(o, "STOP");
+        }
+        let cut_at = Instant::now();
+        let ended = tokio::time::timeout(Duration::from_secs(15), stream.message()).await;
+        let waited = cut_at.elapsed();
+        let status = match ended {
+            Ok(Err(s)) => s,
+            other => {
+                for &o in &others {
+                    cluster.signal(o, "CONT");
+                }
+                panic!(
+                    "the watch on node {} (leader: {leads}) did not end with a status after its quorum went: {other:?}",
+                    cut + 1
+                );
+            }
+        };
+        assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+        assert!(status.message().contains("cut off"), "{status:?}");
+        assert!(waited < Duration::from_secs(8), "ended after {waited:?}");
+        // A new watch there is refused at once, naming why.
+        let refused = watch_at(cut).await.map(|_| "a stream");
+        assert!(
+            matches!(&refused, Err(s) if s.code() == tonic::Code::Unavailable && s.message().contains("cut off")),
+            "{refused:?}"
+        );
+        for &o in &others {
+            cluster.signal(o, "CONT");
+        }
+        // Back in the cluster, it serves again.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(r) = watch_at(cut).await {
+                let mut s = r.into_inner();
+                if let Ok(Ok(Some(ev))) = tokio::time::timeout(Duration::from_secs(5), s.message()).await {
+                    assert_eq!(ev.records.len(), 3);
+                    break;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "node {} did not serve a watch again",
+                cut + 1
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
+
 /// Issue 12 item 4: a panic in any task ends the process (SIGABRT, with the panic and why it
 /// aborts printed) instead of leaving a live process with a dead task behind it. The planted
 /// `TOKENLOG_PLANT_TASK_PANIC` panics a background task of a running node 300 ms after start;

@@ -377,7 +377,7 @@ async fn a_gateway_serves_its_clients_over_tls() {
     let listen_tls: Vec<&str> = listen_tls.iter().map(String::as_str).collect();
     let gw = c.start_gateway("gw-tls", &listen_tls);
     let dec_args = common::tls_args(d, "decoder-1");
-    let _dec = c.start_decoder("d1", &dec_args.iter().map(String::as_str).collect::<Vec<_>>());
+    let _dec = c.start_decoder("decoder-1", &dec_args.iter().map(String::as_str).collect::<Vec<_>>());
     common::wait_for_model(&c.client()).await;
 
     // gRPC over TLS, through the client library.
@@ -459,4 +459,281 @@ async fn a_gateway_serves_its_clients_over_tls() {
         err.contains("gateway-2.key") && err.contains("does not go with"),
         "{err}"
     );
+}
+
+/// A call's outcome: `Ok`, or its status code.
+fn code<T>(r: Result<tonic::Response<T>, tonic::Status>) -> Code {
+    match r {
+        Ok(_) => Code::Ok,
+        Err(s) => s.code(),
+    }
+}
+
+/// A streaming call's outcome: its first message's (a stream's handler may refuse after it
+/// reads what the caller sent).
+async fn stream_code<T>(r: Result<tonic::Response<tonic::Streaming<T>>, tonic::Status>) -> Code {
+    match r {
+        Ok(resp) => match resp.into_inner().message().await {
+            Ok(_) => Code::Ok,
+            Err(e) => e.code(),
+        },
+        Err(s) => s.code(),
+    }
+}
+
+/// A decoder certificate speaks for its own decoder id only. With decoder-1's certificate, every
+/// call that names (or, by its epoch, belongs to) decoder-2 is refused with PERMISSION_DENIED
+/// before anything is proposed: acquiring or renewing decoder-2's generation, writing its
+/// tokens, finishing, releasing or re-binding it, holding decoder-2's session (whose end ends
+/// its leases), registering as decoder-2, standing by, handing off, and pipeline and stage
+/// records; decoder-2's generation is as it was. A pool certificate (`--decoder-pool pool`)
+/// acts as `pool-...` ids only. A decoder process whose --decoder-id its certificate does not
+/// name stops at start with a message; without --decoder-id it takes the certificate's name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decoder_certificate_speaks_only_for_its_own_decoder_id() {
+    let _g = serial();
+    let certs = tempfile::tempdir().unwrap();
+    make_certs(certs.path(), &[]);
+    make_certs(certs.path(), &["--decoder-pool", "pool"]);
+    let c = Cluster::start_tls(certs.path());
+    let leader = c.leader().await;
+    let gateway = LogClient::with_tls(c.addrs.clone(), Some(tls(certs.path(), "gateway-1"))).unwrap();
+    let d2 = LogClient::with_tls(c.addrs.clone(), Some(tls(certs.path(), "decoder-2"))).unwrap();
+    let id = common::submit(&gateway, "theirs").await;
+    let epoch = common::acquire(&d2, id, "decoder-2").await;
+    let before = gateway
+        .get(pb::GetRequest {
+            generation_id: id,
+            linearizable: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .generation
+        .unwrap();
+
+    let ch = channel(&c.addrs[leader], &Cred::Holder(certs.path(), "decoder-1"));
+    let mut d1 = PbClient::new(ch);
+    let theirs = "decoder-2".to_string();
+    let append = pb::AppendRequest {
+        decoder_id: theirs.clone(),
+        lease_ms: 60_000,
+        items: vec![pb::AppendItem {
+            generation_id: id,
+            epoch,
+            start_seq: 0,
+            token_ids: vec![9, 9, 9],
+            ..Default::default()
+        }],
+    };
+    let register = |decoder_id: &str| pb::RegisterRequest {
+        decoder_id: decoder_id.into(),
+        model_name: "m".into(),
+        model: Some(common::model()),
+        capacity: 1,
+        ttl_ms: 10_000,
+        ..Default::default()
+    };
+    let mut got: Vec<(&str, Code)> = vec![
+        (
+            "Acquire",
+            code(
+                d1.acquire(pb::AcquireRequest {
+                    generation_id: id,
+                    decoder_id: theirs.clone(),
+                    lease_ms: 60_000,
+                    model: Some(common::model()),
+                    rng_version: 0,
+                })
+                .await,
+            ),
+        ),
+        (
+            "Renew",
+            code(
+                d1.renew(pb::RenewRequest {
+                    generation_id: id,
+                    epoch,
+                    decoder_id: theirs.clone(),
+                    lease_ms: 60_000,
+                })
+                .await,
+            ),
+        ),
+        ("Append", code(d1.append(append.clone()).await)),
+        (
+            "AppendStream",
+            stream_code(d1.append_stream(futures::stream::iter([append.clone()])).await).await,
+        ),
+        (
+            "Finish",
+            code(
+                d1.finish(pb::FinishRequest {
+                    generation_id: id,
+                    epoch,
+                    reason: pb::FinishReason::Stop as i32,
+                    detail: String::new(),
+                })
+                .await,
+            ),
+        ),
+        (
+            "Release",
+            code(
+                d1.release(pb::ReleaseRequest {
+                    generation_id: id,
+                    epoch,
+                })
+                .await,
+            ),
+        ),
+        (
+            "BindPrompt",
+            code(
+                d1.bind_prompt(pb::BindPromptRequest {
+                    generation_id: id,
+                    epoch,
+                    prompt_token_ids: vec![1, 2, 3],
+                })
+                .await,
+            ),
+        ),
+        (
+            "Session",
+            stream_code(
+                d1.session(futures::stream::iter([pb::SessionRequest {
+                    decoder_id: theirs.clone(),
+                    session_id: 7,
+                }]))
+                .await,
+            )
+            .await,
+        ),
+        ("Register", code(d1.register(register("decoder-2")).await)),
+        (
+            "Standby",
+            code(
+                d1.standby(pb::StandbyRequest {
+                    generation_id: id,
+                    decoder_id: theirs.clone(),
+                    model: Some(common::model()),
+                })
+                .await,
+            ),
+        ),
+        (
+            "Handoff",
+            code(
+                d1.handoff(pb::HandoffRequest {
+                    generation_id: id,
+                    step: Some(pb::handoff_request::Step::Prepare(pb::HandoffPrepare {
+                        epoch,
+                        source: theirs.clone(),
+                        destination: "decoder-1".into(),
+                        manifest: None,
+                    })),
+                })
+                .await,
+            ),
+        ),
+        (
+            "SetPipeline",
+            code(
+                d1.set_pipeline(pb::SetPipelineRequest {
+                    head: theirs.clone(),
+                    expect_epoch: 0,
+                    stages: vec![],
+                })
+                .await,
+            ),
+        ),
+        (
+            "RegisterStage",
+            code(
+                d1.register_stage(pb::RegisterStageRequest {
+                    stage: Some(pb::StageRegistration {
+                        stage_id: "stage-x".into(),
+                        addr: "127.0.0.1:1".into(),
+                        ..Default::default()
+                    }),
+                    ttl_ms: 10_000,
+                })
+                .await,
+            ),
+        ),
+    ];
+    got.retain(|(_, code)| *code != Code::PermissionDenied);
+    assert!(
+        got.is_empty(),
+        "calls for decoder-2 with decoder-1's certificate got through: {got:?}"
+    );
+    let after = gateway
+        .get(pb::GetRequest {
+            generation_id: id,
+            linearizable: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .generation
+        .unwrap();
+    assert_eq!(after, before, "decoder-2's generation changed");
+    let models = gateway.list_models().await.unwrap();
+    assert!(models.models.is_empty(), "{models:?}");
+    // Its own id works (and so its owner's write does).
+    assert_eq!(code(d1.register(register("decoder-1")).await), Code::Ok);
+    common::append_first(&d2, "decoder-2", id, epoch, &[5, 6]).await;
+
+    // A pool's certificate: ids under its prefix, no others.
+    let mut pool = PbClient::new(channel(&c.addrs[leader], &Cred::Holder(certs.path(), "pool")));
+    assert_eq!(code(pool.register(register("pool-7f3a")).await), Code::Ok);
+    for other in ["pool", "pool-", "decoder-2", "apool-1"] {
+        assert_eq!(
+            code(pool.register(register(other)).await),
+            Code::PermissionDenied,
+            "{other}"
+        );
+    }
+
+    // A decoder process: an id its certificate does not name stops it at start, with the way out.
+    let tls_args = common::tls_args(certs.path(), "decoder-1");
+    let mut cmd = Command::new(bin());
+    cmd.args([
+        "decoder",
+        "--fake",
+        "--cluster",
+        &c.addrs.join(","),
+        "--decoder-id",
+        "decoder-2",
+    ])
+    .args(&tls_args);
+    let out = exits_within(cmd, Duration::from_secs(20));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("\"decoder-2\"") && err.contains("--decoder-pool"), "{err}");
+    // ... and without --decoder-id it is the certificate's decoder.
+    let mut child = Command::new(bin())
+        .args(["decoder", "--fake", "--cluster", &c.addrs.join(",")])
+        .args(&tls_args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let m = gateway.list_models().await.unwrap();
+        if m.models
+            .iter()
+            .any(|m| m.name != "m" && m.decoders.iter().any(|d| d == "decoder-1"))
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the decoder did not register as decoder-1: {m:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
 }

@@ -924,3 +924,53 @@ fn a_head_of_a_capacity_its_stages_cannot_hold_refuses_to_start() {
         "{err}"
     );
 }
+
+/// Over mutual TLS a stage takes from a caller only requests stamped with a head its decoder
+/// certificate may act as: decoder-2 stamping decoder-1's name is refused (PERMISSION_DENIED),
+/// its own name is served. Before, any decoder certificate could speak as any head (and,
+/// without the log, move that head's fence to an epoch its real requests were then refused at).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stage_serves_a_caller_only_as_the_head_its_certificate_names() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    common::make_certs(dir.path(), &["--decoder", "stage-a,decoder-1,decoder-2"]);
+    let tls = common::tls_args(dir.path(), "stage-a");
+    let tls: Vec<&str> = tls.iter().map(String::as_str).collect();
+    let (_stage, addr) = start_stage_with(dir.path(), &model_path(), "stage-a", "0..30", &tls);
+    let cfg = common::tls(dir.path(), "decoder-2").client_config_for(tokenlog_raftlog::tls::DECODER_SERVER_NAME);
+    let ch = tonic::transport::Endpoint::from_shared(format!("https://{addr}"))
+        .unwrap()
+        .tls_config(cfg)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let pass = |head: &str| dpb::ForwardRequest {
+        items: vec![dpb::StageItem {
+            sequence: 1,
+            start: 0,
+            tokens: vec![1, 2, 3],
+            hidden: Vec::new(),
+        }],
+        release: Vec::new(),
+        head: head.into(),
+        pipeline_epoch: 1,
+    };
+    let mut stage = dpb::stage_client::StageClient::new(ch);
+    let mut outcome = Vec::new();
+    for head in ["decoder-1", "decoder-2"] {
+        let got = match stage.forward(futures::stream::iter([pass(head)])).await {
+            Ok(r) => match r.into_inner().next().await {
+                Some(Ok(a)) => Ok(a.results.len()),
+                Some(Err(s)) => Err(s.code()),
+                None => Err(tonic::Code::Unknown),
+            },
+            Err(s) => Err(s.code()),
+        };
+        outcome.push((head, got));
+    }
+    assert_eq!(
+        outcome,
+        vec![("decoder-1", Err(tonic::Code::PermissionDenied)), ("decoder-2", Ok(1))]
+    );
+}

@@ -674,6 +674,9 @@ impl dpb::stage_server::Stage for StageService {
                 self.shared.stage_id
             )));
         };
+        // Under TLS, the certificate of the caller: it may speak for its own head only (a
+        // decoder that stamped another head's name on its requests moved that head's fence).
+        let who = tokenlog_raftlog::auth::caller(&req);
         let mut inbound = req.into_inner();
         let (out, out_rx) = tokio::sync::mpsc::channel(1);
         let model = loaded.model.clone();
@@ -703,6 +706,10 @@ impl dpb::stage_server::Stage for StageService {
                             .await;
                         break;
                     }
+                }
+                if let Err(status) = tokenlog_raftlog::auth::acts_as(who.as_ref(), &req.head) {
+                    let _ = out.send(Err(status)).await;
+                    break;
                 }
                 // Fenced before anything is touched: a refused request changes nothing, not
                 // even its releases; the stream ends and its sequences go.

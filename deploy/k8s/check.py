@@ -86,7 +86,7 @@ for i in range(nodes):
     for ext in ("pem", "key"):
         if f"tokenlog-node-{i}.{ext}" not in node_tls:
             fail(f"the node Secret has no tokenlog-node-{i}.{ext}")
-for prefix, holder in (("tokenlog-decoder-tls", "decoder"), ("tokenlog-gateway-tls", "gateway")):
+for prefix, holder in (("tokenlog-decoder-tls", "tokenlog-decoder"), ("tokenlog-gateway-tls", "gateway")):
     s = secret(prefix)
     for f in ("ca.pem", f"{holder}.pem", f"{holder}.key"):
         if f not in s:

@@ -17,7 +17,7 @@ for overlay in "$here"/overlays/*/; do
   name="$(basename "$overlay")"
   n="$(grep -oE '^    count: [0-9]+' "$overlay/kustomization.yaml" | grep -oE '[0-9]+' || echo 3)"
   nodes="$(seq -s, -f 'tokenlog-node-%g' 0 $((n - 1)))"
-  "$bin" certs --out "$scratch/k8s/overlays/$name/certs" --node "$nodes" --decoder decoder \
+  "$bin" certs --out "$scratch/k8s/overlays/$name/certs" --node "$nodes" --decoder-pool tokenlog-decoder \
     --gateway gateway --admin admin >/dev/null 2>"$scratch/certs.err" || { cat "$scratch/certs.err" >&2; exit 1; }
   kubectl kustomize "$scratch/k8s/overlays/$name" > "$scratch/$name.yaml"
   kubernetes-validate --strict --quiet "$scratch/$name.yaml"

@@ -120,14 +120,44 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+    fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
         if self.enforce {
-            if let Err(status) = authorize(&req) {
-                tracing::debug!(path = req.uri().path(), %status, "call refused");
-                return Box::pin(async move { Ok(status.into_http()) });
+            match authorize(&req) {
+                // The service reads it to bind decoder ids to their certificate ([`acts_as`]).
+                Ok(holder) => {
+                    req.extensions_mut().insert(Caller(holder));
+                }
+                Err(status) => {
+                    tracing::debug!(path = req.uri().path(), %status, "call refused");
+                    return Box::pin(async move { Ok(status.into_http()) });
+                }
             }
         }
         Box::pin(self.inner.call(req))
+    }
+}
+
+/// The verified holder of a call's certificate, as [`Guarded`] found it.
+#[derive(Clone, Debug)]
+pub struct Caller(pub Holder);
+
+/// The holder of `req`'s certificate; `None` where nothing is checked (a plain-text node).
+pub fn caller<T>(req: &tonic::Request<T>) -> Option<Holder> {
+    req.extensions().get::<Caller>().map(|c| c.0.clone())
+}
+
+/// `Ok` when `caller` may act as decoder `id` (see [`Holder::may_act_as`]), or nothing is
+/// checked (`None`); else PERMISSION_DENIED, before anything is proposed. Which decoder owns
+/// a generation, holds a session or takes a handoff is the log's record of a decoder id: a
+/// decoder certificate must not speak for another decoder.
+pub fn acts_as(caller: Option<&Holder>, id: &str) -> Result<(), Status> {
+    match caller {
+        Some(h) if !h.may_act_as(id) => Err(Status::permission_denied(format!(
+            "the certificate of {:?} (role {}) may not act as decoder {id:?}: a decoder certificate names \
+             the decoder id its holder uses (or, for a pool certificate NAME-*, the ids NAME-...)",
+            h.name, h.role
+        ))),
+        _ => Ok(()),
     }
 }
 

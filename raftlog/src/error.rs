@@ -17,6 +17,10 @@ pub enum LogError {
     /// command is safe: every command is idempotent.
     #[error("raft: {0}")]
     Raft(String),
+    /// This node cannot serve the call now and knows no leader to send it to (cut off from the
+    /// cluster's quorum): the client should try another node.
+    #[error("{0}")]
+    Unavailable(String),
     #[error("{}", .0.message)]
     Rejected(Rejection),
     #[error("invalid request: {0}")]
@@ -102,7 +106,7 @@ impl From<LogError> for Status {
                 }
                 s
             }
-            LogError::Raft(_) => Status::unavailable(msg),
+            LogError::Raft(_) | LogError::Unavailable(_) => Status::unavailable(msg),
             LogError::Rejected(r) => Status::new(rejection_code(r.reason), msg),
             LogError::Invalid(_) => Status::invalid_argument(msg),
             LogError::NotFound(_) => Status::not_found(msg),

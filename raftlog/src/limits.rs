@@ -126,6 +126,14 @@ pub const WATCH_RECORDS_PER_EVENT_MAX: usize = 256;
 pub const PENDING_WORK_LIMIT_MAX: u32 = 1_024;
 /// Events buffered per Watch stream between the state machine and a slow client.
 pub const WATCH_BUFFER_EVENTS: usize = 16;
+/// How long a node may go without a quorum behind it (a leader no quorum acknowledged, or a
+/// node that knows no leader) before it counts as cut off: its applied state no longer moves
+/// while the rest of the cluster may go on, so its Watch streams end with UNAVAILABLE and it
+/// opens none (the client watches from another node). Well above an election (0.5-1 s of
+/// election timeout, ~1.3 s from a leader's kill to the next commit, `bench leader-kill`).
+pub const CUT_OFF_AFTER: std::time::Duration = std::time::Duration::from_secs(3);
+/// How often a waiting Watch asks whether its node is cut off.
+pub const CUT_OFF_POLL: std::time::Duration = std::time::Duration::from_millis(250);
 /// Bytes per chunk of a snapshot streamed to a follower.
 pub const SNAPSHOT_CHUNK_BYTES: usize = 1 << 20;
 /// Largest snapshot a follower accepts from the leader (bytes on disk; in memory it holds one

@@ -15,9 +15,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicI64;
-use std::sync::Arc;
-#[cfg(feature = "faults")]
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use crate::limits::SHUTDOWN_GRACE;
 use openraft::async_runtime::WatchReceiver;
@@ -34,7 +32,7 @@ use crate::error::LogError;
 use crate::faults::Faults;
 use crate::health::{Health, Readiness};
 use crate::limits::{
-    snapshot_due, COMMAND_BYTES_MAX, COMMIT_STALL_CREDIT, GRPC_MESSAGE_BYTES_MAX, KEEPALIVE_INTERVAL,
+    snapshot_due, COMMAND_BYTES_MAX, COMMIT_STALL_CREDIT, CUT_OFF_AFTER, GRPC_MESSAGE_BYTES_MAX, KEEPALIVE_INTERVAL,
     KEEPALIVE_TIMEOUT, PROPOSALS_IN_FLIGHT_MAX, PROPOSAL_COMMANDS_MAX, PROPOSAL_TOKENS_MAX, PROPOSER_QUEUE_MAX,
     RETENTION_MS_DEFAULT, RETENTION_MS_MIN, TICK_INTERVAL,
 };
@@ -153,6 +151,9 @@ pub struct NodeCtx {
     /// committed.
     #[cfg(feature = "faults")]
     pub proposed: Mutex<std::collections::HashMap<u64, ProposedRecords>>,
+    /// Since when this node has had no quorum behind it as far as its Raft metrics tell
+    /// ([`track_quorum`]); `None` while it has one.
+    no_quorum_since: Arc<Mutex<Option<tokio::time::Instant>>>,
 }
 
 /// Planted bug only: the `(start_seq, [(token, epoch)])` of a generation's last proposed append.
@@ -188,6 +189,33 @@ impl NodeCtx {
             ));
         }
         Ok(())
+    }
+
+    /// Why this node is cut off from the cluster's quorum, when it has been for longer than
+    /// [`CUT_OFF_AFTER`]: a leader that no quorum has acknowledged for that long, or a node that
+    /// has known no leader for that long. `None` while it is not.
+    pub fn cut_off(&self) -> Option<String> {
+        let m = self.raft.metrics();
+        let m = m.borrow_watched();
+        let now = tokio::time::Instant::now();
+        let (quiet, what) = match (&m.state, &m.last_quorum_acked) {
+            (ServerState::Leader, Some(acked)) => (
+                openraft::Instant::elapsed(&**acked),
+                "it leads, and no quorum has acknowledged it",
+            ),
+            _ => {
+                let since = (*self.no_quorum_since.lock().expect("lock"))?;
+                (now.saturating_duration_since(since), "it has known no leader")
+            }
+        };
+        (quiet > CUT_OFF_AFTER).then(|| {
+            format!(
+                "node {} is cut off from the cluster's quorum ({what} for {} ms, term {}): what it has applied no longer advances; ask another node",
+                self.id,
+                quiet.as_millis(),
+                m.current_term
+            )
+        })
     }
 
     /// This node's estimate of log time now (a hint: see [`Clock::now`]).
@@ -606,6 +634,35 @@ pub struct RunningNode {
     server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
 }
 
+/// Keeps `since` at the moment this node last lost its quorum as its Raft metrics tell it: a
+/// node that knows a leader, or a leader a quorum acknowledged, has one; a node without a
+/// leader (a candidate, a follower whose leader went), or a leader not yet acknowledged, does
+/// not. How long a leader has gone without acknowledgments since is read from its metrics at
+/// the time ([`NodeCtx::cut_off`]).
+async fn track_quorum(raft: Raft, since: Arc<Mutex<Option<tokio::time::Instant>>>) {
+    let mut m = raft.metrics();
+    loop {
+        let has = {
+            let m = m.borrow_watched();
+            match m.state {
+                ServerState::Leader => m.last_quorum_acked.is_some(),
+                _ => m.current_leader.is_some(),
+            }
+        };
+        {
+            let mut s = since.lock().expect("lock");
+            if has {
+                *s = None;
+            } else if s.is_none() {
+                *s = Some(tokio::time::Instant::now());
+            }
+        }
+        if m.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
 impl RunningNode {
     /// Resolves, with the reason, when Raft stopped on its own: a fatal storage error (a full
     /// disk, a failed write or fsync). Such a node no longer commits or applies, while its
@@ -723,7 +780,9 @@ pub async fn start(cfg: NodeConfig) -> Result<RunningNode, LogError> {
         faults: cfg.faults,
         #[cfg(feature = "faults")]
         proposed: Default::default(),
+        no_quorum_since: Arc::new(Mutex::new(Some(tokio::time::Instant::now()))),
     });
+    tokio::spawn(track_quorum(raft.clone(), ctx.no_quorum_since.clone()));
     let (stop_tx, stop_rx) = watch::channel(false);
     let health = {
         let ctx = Arc::downgrade(&ctx);

@@ -12,14 +12,16 @@ use tokenlog_proto::raftlog::log_server::Log;
 use tokio::sync::mpsc;
 use tonic::{Request, Response as TonicResponse, Status};
 
+use crate::auth::{acts_as, caller};
 use crate::convert::{append_to_pb, handoff_from_pb, handoff_to_pb, ownership_to_pb, reason_from_pb, record_to_pb};
 use crate::error::LogError;
 use crate::limits::{
-    APPEND_STREAM_IN_FLIGHT_MAX, PENDING_WORK_LIMIT_MAX, WATCH_BUFFER_EVENTS, WATCH_RECORDS_PER_EVENT_MAX,
+    APPEND_STREAM_IN_FLIGHT_MAX, CUT_OFF_POLL, PENDING_WORK_LIMIT_MAX, WATCH_BUFFER_EVENTS, WATCH_RECORDS_PER_EVENT_MAX,
 };
 use crate::node::{NodeCtx, Proposed};
 use crate::raft_types::Node as RaftNode;
 use crate::state::LogState;
+use crate::tls::Holder;
 use crate::types::*;
 
 pub struct LogService {
@@ -35,6 +37,51 @@ impl LogService {
         let (resp, index) = self.ctx.write(cmd).await?;
         Ok(TonicResponse::new(owned(resp, index)?))
     }
+
+    /// For a call fenced by an epoch alone (Finish, Release, BindPrompt): `Ok` when `caller`
+    /// may act as the decoder the log granted `epoch` of `generation` to, or nothing is checked.
+    /// An epoch names one owner for ever, so this node's state answers once it holds that
+    /// grant; one that does not yet (it has not applied it) first catches up with the leader's
+    /// commits. An epoch the state does not hold even then, or an older one, is refused by the
+    /// command itself and changes nothing.
+    async fn acts_as_owner(
+        &self,
+        caller: Option<Holder>,
+        generation: GenerationId,
+        epoch: Epoch,
+    ) -> Result<(), Status> {
+        let Some(who) = caller else { return Ok(()) };
+        let owner = |s: &LogState| -> Option<Option<String>> {
+            let g = s.generations.get(&generation)?;
+            match g.lease.epoch.cmp(&epoch) {
+                std::cmp::Ordering::Equal => Some(Some(g.lease.owner.clone())),
+                std::cmp::Ordering::Greater => Some(None),
+                std::cmp::Ordering::Less => None,
+            }
+        };
+        let mut found = owner(&self.ctx.sm.read());
+        if found.is_none() {
+            self.ctx.linearize().await?;
+            found = owner(&self.ctx.sm.read());
+        }
+        match found {
+            Some(Some(owner)) => acts_as(Some(&who), &owner),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The decoder a handoff step says it comes from (the source, the destination, or who aborts).
+pub fn handoff_actor(r: &pb::HandoffRequest) -> Option<&str> {
+    use pb::handoff_request::Step;
+    Some(match r.step.as_ref()? {
+        Step::Prepare(p) => &p.source,
+        Step::Copying(c) => &c.source,
+        Step::ReceiverReady(r) => &r.destination,
+        Step::Commit(c) => &c.destination,
+        Step::SourceReleased(r) => &r.source,
+        Step::Abort(a) => &a.by,
+    })
 }
 
 // What the service answers from a state, shared with the simulation's service
@@ -71,7 +118,10 @@ pub fn models(s: &LogState) -> pb::ListModelsResponse {
         // build, nonsense in a release one).
         m.capacity = m.capacity.saturating_add(d.capacity);
         m.held.insert(id.clone(), s.index.owned_count(id) as u32);
-        if !d.handoff_addr.is_empty() {
+        // Only decoders whose session is open take handoffs: one that died (its session ended,
+        // and with it its leases) stays registered until its registration lapses, and a
+        // draining decoder that tried it first waited for a connection to a dead host.
+        if !d.handoff_addr.is_empty() && s.sessions.contains_key(id) {
             m.handoff_addrs.insert(id.clone(), d.handoff_addr.clone());
         }
     }
@@ -293,10 +343,12 @@ impl Log for LogService {
     }
 
     async fn acquire(&self, req: Request<pb::AcquireRequest>) -> Result<TonicResponse<pb::OwnershipResponse>, Status> {
+        acts_as(caller(&req).as_ref(), &req.get_ref().decoder_id)?;
         self.ownership(acquire_cmd(req.into_inner())?).await
     }
 
     async fn renew(&self, req: Request<pb::RenewRequest>) -> Result<TonicResponse<pb::OwnershipResponse>, Status> {
+        acts_as(caller(&req).as_ref(), &req.get_ref().decoder_id)?;
         self.ownership(renew_cmd(req.into_inner())).await
     }
 
@@ -304,10 +356,13 @@ impl Log for LogService {
         &self,
         req: Request<pb::BindPromptRequest>,
     ) -> Result<TonicResponse<pb::OwnershipResponse>, Status> {
+        let r = req.get_ref();
+        self.acts_as_owner(caller(&req), r.generation_id, r.epoch).await?;
         self.ownership(bind_prompt_cmd(req.into_inner())).await
     }
 
     async fn append(&self, req: Request<pb::AppendRequest>) -> Result<TonicResponse<pb::AppendResponse>, Status> {
+        acts_as(caller(&req).as_ref(), &req.get_ref().decoder_id)?;
         let (resp, index) = self.ctx.write(append_cmd(req.into_inner())?).await?;
         Ok(TonicResponse::new(appended(resp, index)?))
     }
@@ -319,8 +374,9 @@ impl Log for LogService {
         req: Request<tonic::Streaming<pb::AppendRequest>>,
     ) -> Result<TonicResponse<AppendStream>, Status> {
         self.ctx.check_leader()?;
+        let who = caller(&req);
         let mut inbound = req.into_inner();
-        let (queued_tx, mut queued) = mpsc::channel::<Result<Proposed, LogError>>(APPEND_STREAM_IN_FLIGHT_MAX);
+        let (queued_tx, mut queued) = mpsc::channel::<Result<Proposed, Status>>(APPEND_STREAM_IN_FLIGHT_MAX);
         let (out, out_rx) = mpsc::channel(APPEND_STREAM_IN_FLIGHT_MAX);
         // Proposes each request as it arrives, in order, without waiting for the last to commit.
         let ctx = self.ctx.clone();
@@ -334,8 +390,11 @@ impl Log for LogService {
                         break;
                     }
                 };
-                let proposed = match append_cmd(req) {
-                    Ok(cmd) => ctx.propose(cmd).await,
+                let proposed = match acts_as(who.as_ref(), &req.decoder_id) {
+                    Ok(()) => match append_cmd(req) {
+                        Ok(cmd) => ctx.propose(cmd).await.map_err(Status::from),
+                        Err(e) => Err(e.into()),
+                    },
                     Err(e) => Err(e),
                 };
                 let failed = proposed.is_err();
@@ -348,10 +407,10 @@ impl Log for LogService {
         tokio::spawn(async move {
             while let Some(p) = queued.recv().await {
                 let answer = match p {
-                    Ok(p) => p.answer().await,
+                    Ok(p) => p.answer().await.map_err(Status::from),
                     Err(e) => Err(e),
                 };
-                let item = answer.map_err(Status::from).and_then(|(r, i)| appended(r, i));
+                let item = answer.and_then(|(r, i)| appended(r, i));
                 let end = item.is_err();
                 if out.send(item).await.is_err() || end {
                     break;
@@ -364,10 +423,14 @@ impl Log for LogService {
     }
 
     async fn finish(&self, req: Request<pb::FinishRequest>) -> Result<TonicResponse<pb::OwnershipResponse>, Status> {
+        let r = req.get_ref();
+        self.acts_as_owner(caller(&req), r.generation_id, r.epoch).await?;
         self.ownership(finish_cmd(req.into_inner())?).await
     }
 
     async fn release(&self, req: Request<pb::ReleaseRequest>) -> Result<TonicResponse<pb::OwnershipResponse>, Status> {
+        let r = req.get_ref();
+        self.acts_as_owner(caller(&req), r.generation_id, r.epoch).await?;
         self.ownership(release_cmd(req.into_inner())).await
     }
 
@@ -376,10 +439,12 @@ impl Log for LogService {
     }
 
     async fn standby(&self, req: Request<pb::StandbyRequest>) -> Result<TonicResponse<pb::OwnershipResponse>, Status> {
+        acts_as(caller(&req).as_ref(), &req.get_ref().decoder_id)?;
         self.ownership(standby_cmd(req.into_inner())?).await
     }
 
     async fn register(&self, req: Request<pb::RegisterRequest>) -> Result<TonicResponse<pb::RegisterResponse>, Status> {
+        acts_as(caller(&req).as_ref(), &req.get_ref().decoder_id)?;
         let (resp, _) = self.ctx.write(register_cmd(req.into_inner())?).await?;
         Ok(TonicResponse::new(registered(resp)?))
     }
@@ -391,12 +456,15 @@ impl Log for LogService {
         req: Request<tonic::Streaming<pb::SessionRequest>>,
     ) -> Result<TonicResponse<SessionStream>, Status> {
         self.ctx.check_leader()?;
+        let who = caller(&req);
         let mut inbound = req.into_inner();
         let first = inbound.message().await?.ok_or_else(|| {
             Status::from(LogError::Invalid(
                 "a session starts with its decoder id and session id".into(),
             ))
         })?;
+        // Whoever ends a session ends its decoder's leases: only that decoder may hold it.
+        acts_as(who.as_ref(), &first.decoder_id)?;
         let (decoder, session) = (first.decoder_id, first.session_id);
         let (resp, _) = self
             .ctx
@@ -453,6 +521,9 @@ impl Log for LogService {
     }
 
     async fn handoff(&self, req: Request<pb::HandoffRequest>) -> Result<TonicResponse<pb::HandoffResponse>, Status> {
+        if let Some(id) = handoff_actor(req.get_ref()) {
+            acts_as(caller(&req).as_ref(), id)?;
+        }
         let cmd = handoff_from_pb(req.into_inner())
             .ok_or_else(|| Status::from(LogError::Invalid("a handoff request names its step".into())))?;
         let (resp, index) = self.ctx.write(cmd).await?;
@@ -466,6 +537,7 @@ impl Log for LogService {
         &self,
         req: Request<pb::SetPipelineRequest>,
     ) -> Result<TonicResponse<pb::SetPipelineResponse>, Status> {
+        acts_as(caller(&req).as_ref(), &req.get_ref().head)?;
         let r = req.into_inner();
         let (resp, log_index) = self
             .ctx
@@ -506,10 +578,12 @@ impl Log for LogService {
         &self,
         req: Request<pb::RegisterStageRequest>,
     ) -> Result<TonicResponse<pb::RegisterStageResponse>, Status> {
+        let who = caller(&req);
         let r = req.into_inner();
         let stage = r
             .stage
             .ok_or_else(|| Status::from(LogError::Invalid("a stage registration names its stage".into())))?;
+        acts_as(who.as_ref(), &stage.stage_id)?;
         let stage_id = stage.stage_id.clone();
         let (resp, log_index) = self
             .ctx
@@ -601,6 +675,11 @@ impl Log for LogService {
 
     async fn watch(&self, req: Request<pb::WatchRequest>) -> Result<TonicResponse<WatchStream>, Status> {
         let r = req.into_inner();
+        // A node cut off from the quorum would serve a stream that stops where its state
+        // stopped, without a word, while the generation goes on elsewhere.
+        if let Some(why) = self.ctx.cut_off() {
+            return Err(LogError::Unavailable(why).into());
+        }
         let applied = |ctx: &NodeCtx| ctx.sm.read().generations.contains_key(&r.generation_id);
         if !applied(&self.ctx) {
             // Not here may only mean not here yet: a follower behind the commit (paused, cut
@@ -818,6 +897,15 @@ async fn watch_loop(
                     // The planted bug shows proposals, which wake nothing: a leader that can no
                     // longer commit (cut off from its quorum) applies nothing either.
                     _ = early_poll(&ctx) => {}
+                    // Nothing applied for a while may be a quiet generation, or a node whose
+                    // state stopped: cut off from the quorum, it ends the stream and the
+                    // client resumes it at another node.
+                    _ = tokio::time::sleep(CUT_OFF_POLL) => {
+                        if let Some(why) = ctx.cut_off() {
+                            let _ = tx.send(Err(LogError::Unavailable(why).into())).await;
+                            return;
+                        }
+                    }
                 }
             }
         }

@@ -80,6 +80,35 @@ pub struct Holder {
     pub name: String,
 }
 
+/// What ends the name of a pool's certificate (`tokenlog certs --decoder-pool NAME` makes
+/// `NAME-*`): every holder of it may act under any id that starts with `NAME-`.
+pub const POOL_SUFFIX: &str = "-*";
+
+impl Holder {
+    /// Whether this holder may act as the decoder (or stage) `id`: a decoder certificate names
+    /// the one id its holder uses, or, for a pool (a name ending in [`POOL_SUFFIX`], for
+    /// decoders that share one certificate and take their ids from their pods), every id that
+    /// starts with the name before the `*` and has more after it. Holders of other roles act
+    /// as no decoder.
+    pub fn may_act_as(&self, id: &str) -> bool {
+        if self.role != Role::Decoder || id.is_empty() {
+            return false;
+        }
+        match self.name.strip_suffix('*') {
+            Some(prefix) if self.name.ends_with(POOL_SUFFIX) => id.len() > prefix.len() && id.starts_with(prefix),
+            _ => self.name == id,
+        }
+    }
+
+    /// An id this holder may act as: its name, or, for a pool, the pool's prefix and `suffix`.
+    pub fn id_with(&self, suffix: &str) -> String {
+        match self.name.strip_suffix('*') {
+            Some(prefix) if self.name.ends_with(POOL_SUFFIX) => format!("{prefix}{suffix}"),
+            _ => self.name.clone(),
+        }
+    }
+}
+
 /// Reads role and name out of a DER certificate (already verified by the TLS handshake).
 pub fn holder_of(der: &[u8]) -> Result<Holder, String> {
     let (_, cert) = x509_parser::parse_x509_certificate(der).map_err(|e| format!("not an X.509 certificate: {e}"))?;
@@ -326,5 +355,48 @@ impl ServingCert {
                 .map_err(|e| TlsError::Config(e.to_string()))?;
         config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         Ok(std::sync::Arc::new(config))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn holder(role: Role, name: &str) -> Holder {
+        Holder {
+            role,
+            name: name.into(),
+        }
+    }
+
+    #[test]
+    fn a_decoder_certificate_acts_as_its_own_id_and_a_pools_as_its_prefix() {
+        let d1 = holder(Role::Decoder, "decoder-1");
+        assert!(d1.may_act_as("decoder-1"));
+        for other in ["decoder-2", "decoder-10", "decoder-1-x", "decoder-", "", "DECODER-1"] {
+            assert!(!d1.may_act_as(other), "{other}");
+        }
+        let pool = holder(Role::Decoder, "tokenlog-decoder-*");
+        for id in ["tokenlog-decoder-7c9f-x2", "tokenlog-decoder-a"] {
+            assert!(pool.may_act_as(id), "{id}");
+        }
+        for id in [
+            "tokenlog-decoder-",
+            "tokenlog-decoder",
+            "tokenlog-gateway-1",
+            "x-tokenlog-decoder-1",
+            "",
+        ] {
+            assert!(!pool.may_act_as(id), "{id}");
+        }
+        assert_eq!(pool.id_with("h-1"), "tokenlog-decoder-h-1");
+        assert_eq!(d1.id_with("h-1"), "decoder-1");
+        // A `*` not after a '-' is no pool: the name is taken as it is.
+        let star = holder(Role::Decoder, "decoder*");
+        assert!(star.may_act_as("decoder*") && !star.may_act_as("decoder1"));
+        // Only decoders act as decoders.
+        for role in [Role::Gateway, Role::Admin, Role::Node] {
+            assert!(!holder(role, "decoder-1").may_act_as("decoder-1"));
+        }
     }
 }

@@ -11,7 +11,7 @@ use rcgen::{
     BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
     KeyUsagePurpose, SanType,
 };
-use tokenlog_raftlog::tls::{Role, DECODER_SERVER_NAME, NODE_SERVER_NAME};
+use tokenlog_raftlog::tls::{Role, DECODER_SERVER_NAME, NODE_SERVER_NAME, POOL_SUFFIX};
 
 #[derive(clap::Args)]
 #[command(after_help = "\
@@ -21,6 +21,9 @@ written readable by their owner only.\n\n\
 Example (3 nodes on three machines):\n  \
 tokenlog certs --out certs --node node-1 --node node-2 --node node-3 --decoder gpu-1 \
 --gateway gw-1 --admin ops --san 10.0.0.1,10.0.0.2,10.0.0.3\n\n\
+A decoder certificate is bound to its name: the log takes from its holder only that decoder id \
+(`tokenlog decoder --decoder-id`, default the certificate's name) and stage id. Decoders that \
+share one certificate use a pool's (--decoder-pool PREFIX: ids PREFIX-anything).\n\n\
 With no holder named, makes node-1..node-3, decoder-1, decoder-2, gateway-1, gateway-2 and admin.")]
 pub struct CertsArgs {
     /// Directory to write to (created if missing).
@@ -29,9 +32,15 @@ pub struct CertsArgs {
     /// Log nodes to certify (role node; may be repeated or comma-separated).
     #[arg(long, value_delimiter = ',')]
     pub node: Vec<String>,
-    /// Decoders to certify (role decoder).
+    /// Decoders to certify (role decoder). The log takes from each only the decoder id (and
+    /// stage id) its certificate names.
     #[arg(long, value_delimiter = ',')]
     pub decoder: Vec<String>,
+    /// Decoder pools to certify: one certificate (files PREFIX.pem, PREFIX.key; its name
+    /// PREFIX-*) that several decoders share, each under an id of its own that starts with
+    /// PREFIX- (a Kubernetes Deployment's pods named PREFIX-...).
+    #[arg(long, value_delimiter = ',')]
+    pub decoder_pool: Vec<String>,
     /// Gateways to certify (role gateway).
     #[arg(long, value_delimiter = ',')]
     pub gateway: Vec<String>,
@@ -144,7 +153,8 @@ fn holder(
         .push(DnType::OrganizationalUnitName, role.as_str());
     params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
     params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-    let mut names: Vec<String> = vec![name.to_string()];
+    // A pool's name (`PREFIX-*`) is no DNS name: the certificate carries its prefix.
+    let mut names: Vec<String> = vec![name.strip_suffix(POOL_SUFFIX).unwrap_or(name).to_string()];
     if matches!(role, Role::Node | Role::Gateway | Role::Decoder) {
         // All three serve: a node to peers and clients, a gateway to its clients, a decoder
         // planned handoffs to other decoders.
@@ -171,11 +181,13 @@ pub fn run(a: CertsArgs) -> anyhow::Result<()> {
     for (role, names) in [
         (Role::Node, &a.node),
         (Role::Decoder, &a.decoder),
+        (Role::Decoder, &a.decoder_pool),
         (Role::Gateway, &a.gateway),
         (Role::Admin, &a.admin),
     ] {
         holders.extend(names.iter().map(|n| (role, n.clone())));
     }
+    let pools: std::collections::HashSet<&str> = a.decoder_pool.iter().map(String::as_str).collect();
     if holders.is_empty() {
         holders = vec![
             (Role::Node, "node-1".into()),
@@ -209,10 +221,15 @@ pub fn run(a: CertsArgs) -> anyhow::Result<()> {
             eprintln!("kept {} (exists; --force makes a new one)", cert_path.display());
             continue;
         }
-        let (cert, key) = holder(&ca, *role, name, &a.san, a.days)?;
+        let cn = if pools.contains(name.as_str()) {
+            format!("{name}{POOL_SUFFIX}")
+        } else {
+            name.clone()
+        };
+        let (cert, key) = holder(&ca, *role, &cn, &a.san, a.days)?;
         write_private(&key_path, &key)?;
         std::fs::write(&cert_path, cert).with_context(|| format!("writing {}", cert_path.display()))?;
-        say!("{role:<8} {name}: {} {}", cert_path.display(), key_path.display());
+        say!("{role:<8} {cn}: {} {}", cert_path.display(), key_path.display());
     }
     Ok(())
 }

@@ -74,7 +74,9 @@ pub struct DecoderArgs {
     /// under shared cores).
     #[arg(long, default_value_t = 1, value_parser = crate::cmd::at_least_one)]
     pub threads: usize,
-    /// Unique id of this process (default: host-pid-random).
+    /// Unique id of this process (default: host-pid-random). Under TLS the log takes only the
+    /// id the decoder certificate names (the default then), or, with a pool certificate
+    /// (`tokenlog certs --decoder-pool PREFIX`), ids PREFIX-anything (default PREFIX-host-pid-random).
     #[arg(long)]
     pub decoder_id: Option<String>,
     /// Serve plain HTTP on ADDR for probes and scrapers: /metrics (tokens committed, takeovers,
@@ -359,7 +361,8 @@ fn model_name_of(path: &std::path::Path) -> String {
 
 pub async fn run(mut a: DecoderArgs) -> anyhow::Result<()> {
     // Known before the model: a pipeline head records its composition under it.
-    let id = a.decoder_id.get_or_insert_with(default_id).clone();
+    let id = crate::process::id_for_certificate(a.decoder_id.take(), &a.tls.load()?, default_id, "--decoder-id")?;
+    a.decoder_id = Some(id.clone());
     let (model, name) = load_model(&a)?;
     eprintln!("decoder {id} serves {name} ({:?})", model.identity());
     let mut cfg = WorkerConfig::new(id, name);

@@ -82,10 +82,15 @@ pub async fn run(a: StageArgs) -> anyhow::Result<()> {
         Some(p) => p.clone(),
         None => fetch::ensure_default_model(&fetch::repo_models_dir()).context("fetching the default model")?,
     };
-    let id = a.stage_id.clone().unwrap_or_else(|| match &a.layers {
-        Some(l) => format!("stage-{}-{}-{}", l.start, l.end, std::process::id()),
-        None => format!("stage-cold-{}", std::process::id()),
-    });
+    let id = crate::process::id_for_certificate(
+        a.stage_id.clone(),
+        &tls,
+        || match &a.layers {
+            Some(l) => format!("stage-{}-{}-{}", l.start, l.end, std::process::id()),
+            None => format!("stage-cold-{}", std::process::id()),
+        },
+        "--stage-id",
+    )?;
     let listener = tokio::net::TcpListener::bind(a.listen)
         .await
         .with_context(|| format!("binding --listen {}", a.listen))?;
