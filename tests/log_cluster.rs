@@ -649,6 +649,46 @@ async fn a_watch_on_a_node_cut_off_from_the_quorum_ends_and_the_client_is_sent_e
     }
 }
 
+/// `tokenlog members add` of a node that is not there (a wrong address, a node not started)
+/// fails with what happened and the way out, after `--stall-secs` without progress, and
+/// `members remove` takes the learner out; an id that is no member is refused. Before, the add
+/// waited without a limit on the leader, the client gave up after its budget with "no node
+/// answered" though the learner had been added, and `remove` (voters only) answered success
+/// and left it in the membership, where a later add at the right address was refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_learner_that_never_catches_up_is_reported_and_can_be_removed() {
+    let _serial = serial();
+    let cluster = Cluster::start(1_000);
+    cluster.leader().await;
+    let members = |args: &[&str]| {
+        let out = std::process::Command::new(common::bin())
+            .args(["members", "--cluster", &cluster.addrs.join(","), "--stall-secs", "2"])
+            .args(args)
+            .output()
+            .unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).to_string())
+    };
+    let t0 = Instant::now();
+    let (code, err) = members(&["add", "9", "127.0.0.1:1"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("node 9 at 127.0.0.1:1 has not caught up") && err.contains("members remove 9"),
+        "{err}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(12), "{:?}", t0.elapsed());
+    let ids = |st: &pb::ClusterStatusResponse| st.members.iter().map(|m| m.node_id).collect::<Vec<_>>();
+    let st = cluster.client().cluster_status(true).await.unwrap();
+    assert_eq!(ids(&st), vec![1, 2, 3, 9], "the learner is there until removed");
+    let (code, err) = members(&["remove", "9"]);
+    assert_eq!(code, Some(0), "{err}");
+    let st = cluster.client().cluster_status(true).await.unwrap();
+    assert_eq!(ids(&st), vec![1, 2, 3], "{st:?}");
+    assert!(st.members.iter().all(|m| m.voter));
+    let (code, err) = members(&["remove", "77"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("not members"), "{err}");
+}
+
 /// Issue 12 item 4: a panic in any task ends the process (SIGABRT, with the panic and why it
 /// aborts printed) instead of leaving a live process with a dead task behind it. The planted
 /// `TOKENLOG_PLANT_TASK_PANIC` panics a background task of a running node 300 ms after start;

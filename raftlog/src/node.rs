@@ -365,8 +365,12 @@ impl NodeCtx {
         }
     }
 
-    /// Adds node `id` at `node`'s addresses as a learner, once it has caught up. A member of
-    /// that id at other addresses is refused: openraft keeps a member's addresses as they
+    /// Adds node `id` at `node`'s addresses as a learner: returns once that membership is
+    /// committed, without waiting for the learner to catch up (it waited, without a limit: a
+    /// learner at a wrong or dead address held the call until the client gave up, with the
+    /// learner added all the same). The caller follows its catch-up in `ClusterStatus` (its
+    /// `matched_index`; `tokenlog members add` does). A member of that id at other addresses
+    /// is refused: openraft keeps a member's addresses as they
     /// are, so the call succeeded and changed nothing (and a replace of a node by itself then
     /// removed it). At the same addresses it is a retry, and succeeds.
     pub async fn add_learner(&self, id: NodeId, node: RaftNode) -> Result<(), LogError> {
@@ -383,7 +387,7 @@ impl NodeCtx {
             )));
         }
         self.raft
-            .add_learner(id, node, true)
+            .add_learner(id, node, false)
             .await
             .map(|_| ())
             .map_err(membership_err)
@@ -397,10 +401,38 @@ impl NodeCtx {
                 .map_err(membership_err)?;
         }
         if !remove.is_empty() {
-            self.raft
-                .change_membership(ChangeMembers::RemoveVoters(remove), false)
-                .await
-                .map_err(membership_err)?;
+            // A voter leaves the membership; so does a learner (one that never caught up, at a
+            // wrong address: there was no way to take it out); an id that is neither is refused
+            // (it was a success that changed nothing).
+            let membership = self.raft.metrics().borrow_watched().membership_config.clone();
+            let config = membership.membership();
+            let voters: BTreeSet<NodeId> = config.voter_ids().collect();
+            let strangers: Vec<NodeId> = remove
+                .iter()
+                .copied()
+                .filter(|id| config.get_node(id).is_none())
+                .collect();
+            if !strangers.is_empty() {
+                let members: Vec<String> = config.nodes().map(|(id, _)| id.to_string()).collect();
+                return Err(LogError::Invalid(format!(
+                    "node(s) {strangers:?} are not members (members: {})",
+                    members.join(", ")
+                )));
+            }
+            let (leaving_voters, learners): (BTreeSet<NodeId>, BTreeSet<NodeId>) =
+                remove.into_iter().partition(|id| voters.contains(id));
+            if !leaving_voters.is_empty() {
+                self.raft
+                    .change_membership(ChangeMembers::RemoveVoters(leaving_voters), false)
+                    .await
+                    .map_err(membership_err)?;
+            }
+            if !learners.is_empty() {
+                self.raft
+                    .change_membership(ChangeMembers::RemoveNodes(learners), false)
+                    .await
+                    .map_err(membership_err)?;
+            }
         }
         Ok(())
     }

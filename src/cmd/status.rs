@@ -1,6 +1,7 @@
 //! `tokenlog status`, `tokenlog verify`, `tokenlog members`.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::{bail, Context};
 use tokenlog_proto::raftlog as pb;
@@ -214,6 +215,11 @@ pub struct MembersArgs {
     pub cluster: Vec<String>,
     #[command(flatten)]
     pub tls: crate::process::TlsArgs,
+    /// `add` and `replace`: how long a new learner may go without catching up further (its
+    /// matched log index unchanged) before the command gives up. It stays a learner then (not
+    /// a voter: the quorum is unchanged); `members remove ID` takes it out.
+    #[arg(long, global = true, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    pub stall_secs: u64,
 }
 
 #[derive(clap::Subcommand)]
@@ -221,14 +227,55 @@ pub enum MembersOp {
     /// Add a running (empty or lagging) node: it catches up as a learner, then becomes a voter.
     /// ADDR: `host:port`, or `host:port/host:peerport` for a node with --peer-listen.
     Add { id: u64, addr: String },
-    /// Remove voters.
+    /// Remove members: voters, or learners (a node added that never caught up).
     Remove { ids: Vec<u64> },
     /// Replace node OLD with a new node NEW at ADDR (add NEW, then remove OLD).
     Replace { old: u64, new: u64, addr: String },
 }
 
+/// Waits until learner `id` has replicated the log up to the commit index the leader had when
+/// the wait began, printing its progress; gives up when its matched index does not move for
+/// `stall`.
+async fn caught_up(client: &LogClient, id: u64, addrs: &str, stall: Duration) -> anyhow::Result<()> {
+    let mut target = None;
+    let mut best = None;
+    let mut moved = std::time::Instant::now();
+    let mut told = std::time::Instant::now();
+    loop {
+        // Linearizable: the leader answers, and only it knows what a learner has matched.
+        let st = client.cluster_status(true).await?;
+        let target = *target.get_or_insert(st.commit_index);
+        let matched = st.members.iter().find(|m| m.node_id == id).map(|m| m.matched_index);
+        let Some(matched) = matched else {
+            anyhow::bail!("node {id} is no member any more (removed meanwhile?)");
+        };
+        if matched >= target {
+            eprintln!("node {id} has caught up (log index {matched})");
+            return Ok(());
+        }
+        if best.is_none_or(|b| matched > b) {
+            best = Some(matched);
+            moved = std::time::Instant::now();
+        }
+        if moved.elapsed() >= stall {
+            anyhow::bail!(
+                "node {id} at {addrs} has not caught up: it matched log index {matched} of {target} and made no progress for {} s. \
+                 Is it running, reachable there, and started without --peers? It was added as a learner and stays one (not a voter: \
+                 the quorum is unchanged); `tokenlog members remove {id}` takes it out, or run this again once it runs",
+                stall.as_secs()
+            );
+        }
+        if told.elapsed() >= Duration::from_secs(5) {
+            eprintln!("node {id} catching up: log index {matched} of {target}");
+            told = std::time::Instant::now();
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
 pub async fn members(a: MembersArgs) -> anyhow::Result<()> {
     use pb::change_membership_request::Op;
+    let stall_secs = a.stall_secs;
     let client = LogClient::with_tls(a.cluster, a.tls.load()?)?;
     let change = |op| pb::ChangeMembershipRequest { op: Some(op) };
     let add = |id, addrs: String| {
@@ -238,7 +285,7 @@ pub async fn members(a: MembersArgs) -> anyhow::Result<()> {
             if addr.is_empty() || addr.contains(' ') || peer_addr.contains(' ') {
                 anyhow::bail!("{addrs:?} is not host:port or host:port/host:peerport");
             }
-            eprintln!("adding node {id} at {addrs} as a learner (waits until it has caught up)");
+            eprintln!("adding node {id} at {addrs} as a learner");
             client
                 .change_membership(change(Op::AddLearner(pb::MemberStatus {
                     node_id: id,
@@ -248,6 +295,7 @@ pub async fn members(a: MembersArgs) -> anyhow::Result<()> {
                     matched_index: 0,
                 })))
                 .await?;
+            caught_up(&client, id, &addrs, Duration::from_secs(stall_secs)).await?;
             eprintln!("promoting node {id} to voter");
             client
                 .change_membership(change(Op::AddVoters(pb::AddVoters { node_ids: vec![id] })))
