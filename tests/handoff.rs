@@ -436,6 +436,53 @@ async fn a_killed_decoder_is_no_handoff_destination_once_its_session_ends() {
     assert!(gone_after < Duration::from_secs(3), "{gone_after:?}");
 }
 
+/// A decoder whose registration lapsed (its step loop held up past the registration's 5 s: here
+/// a take held open 6 s by failpoint `take-delay-ms`) opens a new session once it registers
+/// again: the log's housekeeping drops a lapsed decoder's session with its registration, while
+/// the session's stream stays open. Before, it stayed without a session in the log for good: no
+/// handoff destination (and no standby, and its crash found by lease expiry only).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decoder_whose_registration_lapsed_gets_its_session_back() {
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    let client = cluster.client();
+    let m = fake();
+    let flags = ["--handoff-listen", "127.0.0.1:0", "--fake-step-ms", "25"];
+    let b = cluster.start_decoder_env("lapse-b", &flags, &[("TOKENLOG_FAILPOINTS", "take-delay-ms=6000")]);
+    let b_id = b.id.clone();
+    wait_until("b to take handoffs", async || takes_handoffs(&client, &b_id).await).await;
+    let id = submit(&client, &m, "lapse-x", &m.tokenizer().encode("lapse").unwrap(), 400).await;
+    wait_until("b to hold its take open", async || {
+        b.log_text().contains("failpoint take-delay-ms")
+    })
+    .await;
+    wait_until("b's registration to lapse", async || {
+        !client
+            .list_models()
+            .await
+            .is_ok_and(|m| m.models.iter().any(|m| m.decoders.contains(&b_id)))
+    })
+    .await;
+    wait_until("b to own the generation", async || {
+        get(&client, id)
+            .await
+            .generation
+            .unwrap()
+            .lease
+            .is_some_and(|l| l.owner == b_id)
+    })
+    .await;
+    let t0 = Instant::now();
+    while !takes_handoffs(&client, &b_id).await {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "b is registered again but has no session in the log:\n{}",
+            b.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// One failure point of a planned handoff (CONTRACT §8, points 1-6), as a scenario: which side
 /// dies where (a failpoint ends the process as a kill would), and what the log must show after.
 struct Case {

@@ -391,6 +391,11 @@ pub struct Worker {
     appends_sent: u64,
     /// A session with the leader is open now (`worker_lease::session_loop`).
     session_open: Arc<std::sync::atomic::AtomicBool>,
+    /// Tells the session loop to open a new session: the registration had lapsed, and the log
+    /// drops a lapsed decoder's session with it while its stream stays open.
+    session_renew: Arc<tokio::sync::Notify>,
+    /// The log time the last registration lives to (0: none answered yet).
+    registered_until: Arc<std::sync::atomic::AtomicU64>,
     /// The model's tokenizer is in the log (published, or refused for good): gateways need it.
     tokenizer_published: bool,
     /// The registration on its way (each waits for the one before: they land in order).
@@ -518,6 +523,8 @@ impl Worker {
             registering: None,
             registered_once: false,
             session_open: Default::default(),
+            session_renew: Default::default(),
+            registered_until: Default::default(),
             wake: port.wake.clone(),
             standbys: crate::standby::Standbys::new(port.wake.clone()),
             prefix_cache: None,
@@ -576,6 +583,7 @@ impl Worker {
             self.client.clone(),
             self.cfg.decoder_id.clone(),
             self.session_open.clone(),
+            self.session_renew.clone(),
             self.history.clone(),
         )));
         let stall = Duration::from_millis(self.cfg.stall_ms.max(crate::limits::STALL_MS_MIN));
@@ -1189,12 +1197,13 @@ impl Worker {
         if !self.tokenizer_published {
             self.publish_tokenizer().await;
         }
+        let ttl_ms = (self.cfg.lease_ms * REGISTRATION_TTL_LEASES).max(REGISTRATION_TTL_MIN_MS);
         let req = pb::RegisterRequest {
             decoder_id: self.cfg.decoder_id.clone(),
             model_name: self.cfg.model_name.clone(),
             model: Some(self.identity.clone()),
             capacity: self.cfg.capacity as u32,
-            ttl_ms: (self.cfg.lease_ms * REGISTRATION_TTL_LEASES).max(REGISTRATION_TTL_MIN_MS),
+            ttl_ms,
             chat_template: self.cfg.chat_template.clone(),
             context_tokens: self.model.max_context() as u32,
             // None once stopping (nor for a model whose cache cannot move).
@@ -1205,6 +1214,7 @@ impl Worker {
             },
         };
         let (client, stats, before) = (self.client.clone(), self.stats.clone(), self.registering.take());
+        let (until, renew) = (self.registered_until.clone(), self.session_renew.clone());
         let first = !self.registered_once;
         self.registered_once = true;
         let task = tokio::spawn(async move {
@@ -1212,7 +1222,22 @@ impl Worker {
                 let _ = before.await;
             }
             let registered = match client.register(req).await {
-                Ok(_) => true,
+                Ok(r) => {
+                    // Registered at `expiry - ttl`: later than the last registration lived, it
+                    // lapsed in between (a step loop held up, a paused process), and the log's
+                    // housekeeping then dropped this decoder's session too, while its stream
+                    // stayed open. Without a session in the log it is no standby and no handoff
+                    // destination, and its crash would be found by lease expiry only.
+                    let before = until.swap(r.expiry_log_ms, std::sync::atomic::Ordering::AcqRel);
+                    if before != 0 && r.expiry_log_ms.saturating_sub(ttl_ms) > before {
+                        tracing::warn!(
+                            lapsed_ms = r.expiry_log_ms - ttl_ms - before,
+                            "the registration had lapsed: opening a new session with the log"
+                        );
+                        renew.notify_one();
+                    }
+                    true
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "registration not refreshed");
                     false

@@ -43,6 +43,7 @@ pub(crate) async fn session_loop(
     client: LogClient,
     decoder_id: String,
     open: Arc<AtomicBool>,
+    renew: Arc<tokio::sync::Notify>,
     history: Option<Arc<crate::history::History>>,
 ) {
     let mut pause = SESSION_RETRY_PAUSE_MIN;
@@ -56,9 +57,20 @@ pub(crate) async fn session_loop(
                 }
                 tracing::debug!(session = id, "session with the leader open");
                 pause = SESSION_RETRY_PAUSE_MIN;
-                let why = session.ended().await;
-                open.store(false, Ordering::Release);
-                tracing::info!(session = id, why = %why.message(), "session with the leader ended; opening another");
+                tokio::select! {
+                    why = session.ended() => {
+                        open.store(false, Ordering::Release);
+                        tracing::info!(session = id, why = %why.message(), "session with the leader ended; opening another");
+                    }
+                    // The log no longer holds this one (the registration lapsed): a new one,
+                    // at once. Ending the old stream ends nothing in the log (its session is
+                    // not the decoder's any more).
+                    () = renew.notified() => {
+                        tracing::info!(session = id, "session dropped by the log; opening another");
+                        drop(session);
+                        continue;
+                    }
+                }
             }
             Err(ClientError::Status(s)) if s.code() == tonic::Code::Unimplemented => {
                 tracing::warn!("the log has no decoder sessions (an older release): a crash of this decoder is found by lease expiry");
