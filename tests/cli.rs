@@ -79,6 +79,12 @@ fn flags_the_command_cannot_honour_are_refused_by_name() {
         (&["decoder", "--fake", "--lease-ms", "700000"][..], "--lease-ms"),
         (&["bench", "log", "--base-port", "65534"][..], "--base-port"),
         (&["bench", "decoders", "--decoders", "65536"][..], "--decoders"),
+        // One step's tokens of every generation are one append, of at most 1,024 items: more
+        // were refused whole, dropped as lost and taken again, for ever.
+        (&["decoder", "--fake", "--capacity", "1025"][..], "--capacity"),
+        (&["dev", "--fake", "--capacity", "5000"][..], "--capacity"),
+        // Beyond a generation's tokens no write fits: the bench measured nothing, and said 0.
+        (&["bench", "log", "--tokens-per-step", "40000"][..], "--tokens-per-step"),
         (&["generate", "--request-id", "r", "--after", "5", "hi"][..], "--resume"),
         (&["generate", "--resume", "--request-id", "r", "hi"][..], "--resume"),
     ] {

@@ -341,7 +341,22 @@ pub fn identity_to_pb(m: &ModelIdentity) -> pb::ModelIdentity {
 
 /// A stop cause as an append item's finish: the log's reason and the detail clients see.
 fn finish_to_pb(f: &StopCause) -> (pb::FinishReason, String) {
-    (reason_to_pb(Some(f.reason())), f.to_string())
+    (reason_to_pb(Some(f.reason())), finish_detail(f.to_string()))
+}
+
+/// A finish detail the log takes: at most `FINISH_DETAIL_BYTES_MAX` bytes, cut at a character
+/// with an ellipsis. A longer one (a model error with its whole context, a stage's refusal)
+/// got the whole item refused, tokens included, and the generation dropped as if lost, to be
+/// taken again and fail the same way, for ever.
+pub(crate) fn finish_detail(mut d: String) -> String {
+    use tokenlog_raftlog::limits::FINISH_DETAIL_BYTES_MAX;
+    if d.len() > FINISH_DETAIL_BYTES_MAX {
+        let room = FINISH_DETAIL_BYTES_MAX - '…'.len_utf8();
+        let cut = (0..=room).rev().find(|&i| d.is_char_boundary(i)).unwrap_or(0);
+        d.truncate(cut);
+        d.push('…');
+    }
+    d
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -2066,7 +2081,7 @@ impl Taker {
                 if e.is_incompatibility() {
                     // The binding cannot be served here (prompt too long, bad prompt...): end it
                     // explicitly rather than leave it to time out (CONTRACT §5).
-                    let detail = format!("decoder {} cannot continue: {e}", self.cfg.decoder_id);
+                    let detail = finish_detail(format!("decoder {} cannot continue: {e}", self.cfg.decoder_id));
                     let reason = pb::FinishReason::Error as i32;
                     let call = Call::Finish { gen: id, epoch, reason };
                     let hid = self.history.as_ref().map(|h| h.invoke(call.clone()));
@@ -2263,6 +2278,22 @@ fn store_prefix(g: &mut Active, pc: Option<&SharedPrefixCache>) {
 mod tests {
     use super::thread_schedstat;
     use std::time::{Duration, Instant};
+
+    /// A finish detail over the log's limit is cut to it at a character (the log refused the
+    /// whole item before, tokens included); one within it is kept as it is.
+    #[test]
+    fn a_finish_detail_is_cut_to_what_the_log_takes() {
+        use tokenlog_raftlog::limits::FINISH_DETAIL_BYTES_MAX;
+        let short = "model error: out of memory".to_string();
+        assert_eq!(super::finish_detail(short.clone()), short);
+        for long in ["x".repeat(5_000), "é".repeat(3_000), format!("a{}", "🦀".repeat(700))] {
+            let d = super::finish_detail(long.clone());
+            assert!(d.len() <= FINISH_DETAIL_BYTES_MAX, "{}", d.len());
+            assert!(d.len() >= FINISH_DETAIL_BYTES_MAX - 6, "{}", d.len());
+            assert!(d.ends_with('…'));
+            assert!(long.starts_with(d.trim_end_matches('…')));
+        }
+    }
 
     #[test]
     fn a_thread_s_scheduler_statistics_count_its_time_on_a_cpu() {

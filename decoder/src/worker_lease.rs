@@ -175,6 +175,21 @@ pub(crate) async fn read_records(
     Ok(out)
 }
 
+/// Takes the log's answer to a renewal of `id` at `epoch` into `held`: accepted, the lease was
+/// confirmed `now`; refused, it is no longer renewed. Only the lease the renewal was for: the
+/// generation may have been dropped and taken again meanwhile at a newer epoch, which an old
+/// epoch's refusal must not take out of the renewals (it then went unrenewed until its first
+/// append, and a long prefill outlasted its lease).
+fn renewed(held: &mut BTreeMap<u64, (u64, Instant)>, id: u64, epoch: u64, ok: bool, now: Instant) {
+    match held.get_mut(&id).filter(|v| v.0 == epoch) {
+        Some(v) if ok => v.1 = now,
+        Some(_) => {
+            held.remove(&id);
+        }
+        None => {}
+    }
+}
+
 /// Renews every held lease that the log has not confirmed for a third of the lease.
 pub(crate) async fn renew_loop(client: LogClient, cfg: WorkerConfig, held: Held, lost: Lost) {
     let period = Duration::from_millis(cfg.lease_ms / RENEWS_PER_LEASE).max(RENEW_PERIOD_MIN);
@@ -195,18 +210,40 @@ pub(crate) async fn renew_loop(client: LogClient, cfg: WorkerConfig, held: Held,
                 lease_ms: cfg.lease_ms,
             };
             match client.renew(req).await {
-                Ok(r) if r.ok => {
-                    if let Some(v) = held.lock().expect("lock").get_mut(&id) {
-                        v.1 = Instant::now();
-                    }
-                }
                 Ok(r) => {
-                    tracing::warn!(generation = id, rejection = ?r.rejection, "renew rejected");
-                    held.lock().expect("lock").remove(&id);
-                    lost.lock().expect("lock").push((id, epoch));
+                    if !r.ok {
+                        tracing::warn!(generation = id, epoch, rejection = ?r.rejection, "renew rejected");
+                        lost.lock().expect("lock").push((id, epoch));
+                    }
+                    renewed(&mut held.lock().expect("lock"), id, epoch, r.ok, Instant::now());
                 }
                 Err(e) => tracing::warn!(generation = id, error = %e, "renew failed"),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A renewal's answer touches the lease it was for only: an old epoch's refusal arriving
+    /// after the generation was taken again leaves the new lease in the renewals, and an old
+    /// epoch's success does not vouch for it.
+    #[test]
+    fn an_old_epochs_renewal_answer_leaves_the_new_lease_alone() {
+        let t0 = Instant::now();
+        let later = t0 + Duration::from_secs(1);
+        let mut held = BTreeMap::from([(7, (3, t0))]);
+        renewed(&mut held, 7, 2, false, later);
+        assert_eq!(held.get(&7), Some(&(3, t0)), "refused at epoch 2");
+        renewed(&mut held, 7, 2, true, later);
+        assert_eq!(held.get(&7), Some(&(3, t0)), "accepted at epoch 2");
+        renewed(&mut held, 7, 3, true, later);
+        assert_eq!(held.get(&7), Some(&(3, later)));
+        renewed(&mut held, 7, 3, false, later);
+        assert_eq!(held.get(&7), None);
+        renewed(&mut held, 8, 1, false, later);
+        assert!(held.is_empty());
     }
 }

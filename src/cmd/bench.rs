@@ -59,8 +59,10 @@ pub struct LogArgs {
     /// Generations in all, split across writers.
     #[arg(long, default_value_t = 512)]
     pub generations: usize,
-    /// Tokens per generation per step.
-    #[arg(long, default_value_t = 1)]
+    /// Tokens per generation per step (at most a generation's 32,768: beyond, no write fits
+    /// and the bench measured nothing).
+    #[arg(long, default_value_t = 1,
+          value_parser = crate::cmd::count_up_to::<{ tokenlog_raftlog::limits::GENERATION_TOKENS_MAX as usize }>)]
     pub tokens_per_step: usize,
     /// Measured seconds per system.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]

@@ -63,8 +63,10 @@ pub struct DecoderArgs {
     /// `cpu` or `cuda:N` (needs a build with `--features cuda`).
     #[arg(long, default_value = "cpu")]
     pub device: String,
-    /// Generations decoded at once.
-    #[arg(long, default_value_t = 4, value_parser = crate::cmd::at_least_one)]
+    /// Generations decoded at once (at most 1024: one step's tokens of all of them go to the log
+    /// as one append, of at most that many items).
+    #[arg(long, default_value_t = 4,
+          value_parser = crate::cmd::count_up_to::<{ tokenlog_raftlog::limits::ITEMS_PER_APPEND_MAX }>)]
     pub capacity: usize,
     /// Lease length (ms); renewed by every append and by a timer when a step is slow.
     #[arg(long, default_value_t = tokenlog_raftlog::limits::LEASE_MS_DEFAULT,

@@ -40,8 +40,9 @@ pub struct DevArgs {
     /// Model threads (default: all cores).
     #[arg(long, value_parser = crate::cmd::at_least_one)]
     pub threads: Option<usize>,
-    /// Generations decoded at once.
-    #[arg(long, default_value_t = 4, value_parser = crate::cmd::at_least_one)]
+    /// Generations decoded at once (at most 1024: one append's items).
+    #[arg(long, default_value_t = 4,
+          value_parser = crate::cmd::count_up_to::<{ tokenlog_raftlog::limits::ITEMS_PER_APPEND_MAX }>)]
     pub capacity: usize,
     /// API keys file (`sha256:<hex> <tenant>` per line, from `tokenlog keys new`); default: open,
     /// tenant `default`.

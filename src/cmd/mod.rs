@@ -41,6 +41,14 @@ pub fn at_least_one(s: &str) -> Result<usize, String> {
     }
 }
 
+/// A count from 1 to `MAX` (a decoder's capacity: one step's items in one append).
+pub fn count_up_to<const MAX: usize>(s: &str) -> Result<usize, String> {
+    match at_least_one(s)? {
+        n if n > MAX => Err(format!("must be at most {MAX}")),
+        n => Ok(n),
+    }
+}
+
 /// A bench's `--base-port`: its log nodes listen from there, and its other processes on ports
 /// counted up from it (up to a few thousand above), which must stay ports.
 pub fn base_port(s: &str) -> Result<u16, String> {
