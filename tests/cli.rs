@@ -125,6 +125,62 @@ fn certs_force_leaves_keys_readable_by_their_owner_only() {
     assert_eq!(mode, 0o600, "{mode:o}");
 }
 
+/// `certs --san` takes IP addresses and DNS names only: a space-separated list, an empty name
+/// (a trailing comma) or a name with an underscore stop it, naming the value. They went into the
+/// certificates as they were (`DNS:10.0.0.1 10.0.0.2`, an empty `DNS:`), and TLS failed later.
+#[test]
+fn certs_refuses_a_san_that_is_no_name() {
+    for bad in ["10.0.0.1 10.0.0.2", "10.0.0.1,", "bad_name.example", "x-.example"] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = run(&[
+            "certs",
+            "--out",
+            dir.path().to_str().unwrap(),
+            "--node",
+            "n1",
+            "--san",
+            bad,
+        ]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{bad:?} was taken: {err}");
+        assert!(err.contains("neither an IP address nor a DNS name"), "{bad:?}: {err}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(&[
+        "certs",
+        "--out",
+        dir.path().to_str().unwrap(),
+        "--node",
+        "n1",
+        "--san",
+        "10.0.0.1,node-1.example.net,*.tokenlog.svc,::1",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// `keys hash` refuses a key that no client could send (not visible ASCII: it travels in a
+/// header); it printed a keys-file line for it, and the gateway then read the header as no key.
+#[test]
+fn keys_hash_refuses_a_key_no_header_can_carry() {
+    use std::io::Write;
+    for (key, ok) in [("clé", false), ("two words", false), ("tlk_0123abc", true)] {
+        let mut child = Command::new(bin())
+            .args(["keys", "hash", "--tenant", "t"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        writeln!(child.stdin.take().unwrap(), "{key}").unwrap();
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.success(), ok, "{key:?}: {err}");
+        if !ok {
+            assert!(err.contains("visible ASCII"), "{key:?}: {err}");
+        }
+    }
+}
+
 /// A `RUST_LOG` that is not a filter is reported (it was dropped whole, without a word, and the
 /// process logged at the default level as if asked to).
 #[test]

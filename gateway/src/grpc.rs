@@ -27,9 +27,8 @@ pub fn server(gw: Arc<Gateway>) -> GenerationServer<GenerationService> {
 
 fn tenant<T>(gw: &Gateway, req: &Request<T>) -> Result<String, Status> {
     let md = req.metadata();
-    let auth = md.get("authorization").and_then(|v| v.to_str().ok());
-    let xkey = md.get("x-api-key").and_then(|v| v.to_str().ok());
-    Ok(gw.tenant(crate::tenants::key_from_headers(auth, xkey))?)
+    let text = |name: &str| md.get(name).map(|v| v.to_str().map_err(|_| ()));
+    Ok(gw.tenant_of(text("authorization"), text("x-api-key"))?)
 }
 
 pub fn to_pb(e: &Event) -> tpb::GenerationEvent {

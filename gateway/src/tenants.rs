@@ -118,6 +118,22 @@ impl Tenants {
         Ok(Tenants::Keys(keys))
     }
 
+    /// The tenant of a caller from its `authorization` and `x-api-key` headers (each absent, or
+    /// its text: `Err` when it is not visible ASCII, which no API key is; refused by name where
+    /// keys are checked).
+    pub fn tenant_of(
+        &self,
+        authorization: Option<Result<&str, ()>>,
+        x_api_key: Option<Result<&str, ()>>,
+    ) -> Result<String> {
+        if let Tenants::Open = self {
+            return Ok(OPEN_TENANT.to_string());
+        }
+        let auth = header_text("authorization", authorization)?;
+        let xkey = header_text("x-api-key", x_api_key)?;
+        self.tenant(key_from_headers(auth, xkey))
+    }
+
     /// The tenant of a caller that presented `key` (the bearer token or `x-api-key`).
     pub fn tenant(&self, key: Option<&str>) -> Result<String> {
         match self {
@@ -234,13 +250,30 @@ impl Drop for TenantSlot {
     }
 }
 
-/// The key in an `authorization: Bearer <key>` or `x-api-key: <key>` header value pair.
+/// The key in an `authorization: Bearer <key>` or `x-api-key: <key>` header value pair. The
+/// scheme is matched in any case (RFC 9110: `BEARER k` is `Bearer k`); an empty bearer leaves
+/// the word to `x-api-key`.
 pub fn key_from_headers<'a>(authorization: Option<&'a str>, x_api_key: Option<&'a str>) -> Option<&'a str> {
-    authorization
-        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
-        .map(str::trim)
+    let bearer = authorization.and_then(|v| {
+        let (scheme, rest) = v.trim_start().split_once([' ', '\t'])?;
+        scheme.eq_ignore_ascii_case("bearer").then(|| rest.trim())
+    });
+    bearer
+        .filter(|k| !k.is_empty())
         .or(x_api_key.map(str::trim))
         .filter(|k| !k.is_empty())
+}
+
+/// A credential header's text; one that is not visible ASCII (as every API key is) is refused by
+/// name instead of read as no key at all ("missing API key").
+fn header_text<'a>(name: &str, value: Option<Result<&'a str, ()>>) -> Result<Option<&'a str>, GatewayError> {
+    match value {
+        None => Ok(None),
+        Some(Ok(v)) => Ok(Some(v)),
+        Some(Err(())) => Err(GatewayError::Unauthenticated(format!(
+            "the {name} header is not visible ASCII: API keys are (`tokenlog keys new` makes them)"
+        ))),
+    }
 }
 
 #[cfg(test)]
@@ -260,6 +293,13 @@ mod tests {
         assert!(matches!(t.tenant(Some("nope")), Err(GatewayError::Unauthenticated(_))));
         assert!(matches!(t.tenant(None), Err(GatewayError::Unauthenticated(_))));
         assert_eq!(Tenants::Open.tenant(None).unwrap(), OPEN_TENANT);
+        // From the headers: the bearer in any case, x-api-key behind an empty bearer, and a
+        // header that is not ASCII refused by name (it read as no key: "missing API key").
+        assert_eq!(t.tenant_of(Some(Ok("BEARER k-a")), None).unwrap(), "alice");
+        assert_eq!(t.tenant_of(Some(Ok("Bearer ")), Some(Ok("k-b"))).unwrap(), "bob");
+        let e = t.tenant_of(Some(Err(())), None).unwrap_err().to_string();
+        assert!(e.contains("authorization header is not visible ASCII"), "{e}");
+        assert_eq!(Tenants::Open.tenant_of(Some(Err(())), None).unwrap(), OPEN_TENANT);
     }
 
     #[test]
@@ -304,5 +344,14 @@ mod tests {
         assert_eq!(key_from_headers(None, Some("xyz")), Some("xyz"));
         assert_eq!(key_from_headers(Some("Basic zzz"), Some("xyz")), Some("xyz"));
         assert_eq!(key_from_headers(Some("Bearer "), None), None);
+        // The scheme in any case; an empty bearer does not hide x-api-key.
+        assert_eq!(key_from_headers(Some("BEARER abc"), None), Some("abc"));
+        assert_eq!(key_from_headers(Some("bEaReR\tabc "), None), Some("abc"));
+        assert_eq!(key_from_headers(Some("Bearer "), Some("xyz")), Some("xyz"));
+        assert_eq!(key_from_headers(Some("Bearerabc"), None), None);
+        assert!(matches!(
+            header_text("authorization", Some(Err(()))),
+            Err(GatewayError::Unauthenticated(m)) if m.contains("not visible ASCII")
+        ));
     }
 }

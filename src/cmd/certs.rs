@@ -130,11 +130,32 @@ fn key_path(out: &Path, name: &str) -> PathBuf {
 fn san(name: &str) -> anyhow::Result<SanType> {
     Ok(match name.parse::<IpAddr>() {
         Ok(ip) => SanType::IpAddress(ip),
-        Err(_) => SanType::DnsName(
+        Err(_) if is_dns_name(name) => SanType::DnsName(
             name.try_into()
                 .with_context(|| format!("{name:?} is neither an IP address nor a DNS name"))?,
         ),
+        // rcgen takes any ASCII text as a DNS name: "10.0.0.1 10.0.0.2" or "" went into the
+        // certificate, and TLS failed later with an error that did not lead back here.
+        Err(_) => bail!(
+            "{name:?} is neither an IP address nor a DNS name (letters, digits and '-' in dot-separated labels; a list is comma-separated)"
+        ),
     })
+}
+
+/// Whether `name` is a DNS name a certificate may carry: dot-separated labels of letters,
+/// digits and '-' (not at either end), each of 1 to 63 bytes, 253 in all; a leading `*.` for
+/// a wildcard.
+fn is_dns_name(name: &str) -> bool {
+    let rest = name.strip_prefix("*.").unwrap_or(name);
+    !rest.is_empty()
+        && name.len() <= 253
+        && rest.split('.').all(|l| {
+            !l.is_empty()
+                && l.len() <= 63
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+                && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        })
 }
 
 /// The certificate of `name` in `role`, signed by `ca`, with its own key.

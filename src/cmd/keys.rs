@@ -48,6 +48,12 @@ pub fn run(cmd: KeysCmd) -> anyhow::Result<()> {
             std::io::stdin().read_line(&mut key)?;
             let key = key.trim();
             anyhow::ensure!(!key.is_empty(), "no key on standard input");
+            // Clients send keys in a header, which carries visible ASCII only: another key
+            // could be hashed but never sent.
+            anyhow::ensure!(
+                key.chars().all(|c| c.is_ascii_graphic()),
+                "a key is visible ASCII without spaces (it travels in an HTTP header); this one is not"
+            );
             say!("{}", keys_file_line(key, &tenant));
         }
     }

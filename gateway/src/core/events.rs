@@ -224,6 +224,19 @@ impl EventText {
         }
         if let Some(term) = ev.terminal {
             self.done = true;
+            // A resume past where the generation ended (it was running when the resume came,
+            // bounded only by its max_tokens): the same answer as a resume past the end of a
+            // generation that had ended already. It was a stream that ended without a last
+            // event and without an error (an empty 200 SSE stream over HTTP).
+            if self.after_seq > i64::from(self.next) {
+                return (
+                    out,
+                    Some(GatewayError::Invalid(format!(
+                        "no event has seq {}: the last event of request {:?} is seq {}",
+                        self.after_seq, self.request_id, self.next
+                    ))),
+                );
+            }
             if i64::from(self.next) > self.after_seq {
                 let finish = Finish {
                     reason: finish_reason_str(term.finish_reason),
@@ -265,6 +278,36 @@ mod tests {
             token_id,
             epoch: 1,
         }
+    }
+
+    /// A resume after a seq the generation never reached (it ended at 3, the resume is after
+    /// 100) ends with an error naming the last event, as for one that had ended before the
+    /// resume; a resume right after the last event gets no event and no error.
+    #[test]
+    fn a_resume_past_where_the_generation_ended_is_an_error() {
+        let tok = tokenlog_decoder::fake::fake_tokenizer().unwrap();
+        let end = |after_seq| {
+            let mut t = EventText::new(&info(&[]), &tok, after_seq);
+            t.events(pb::WatchEvent {
+                records: vec![rec(0, 100), rec(1, 101), rec(2, 102)],
+                terminal: Some(pb::GenerationInfo {
+                    frontier: 3,
+                    ..Default::default()
+                }),
+            })
+        };
+        let (ev, err) = end(100);
+        assert!(ev.is_empty());
+        let err = err.expect("an error").to_string();
+        assert!(
+            err.contains("no event has seq 100") && err.contains("is seq 3"),
+            "{err}"
+        );
+        let (ev, err) = end(3);
+        assert!(ev.is_empty() && err.is_none(), "{ev:?} {err:?}");
+        let (ev, err) = end(2);
+        assert_eq!(ev.iter().map(|e| e.seq).collect::<Vec<_>>(), vec![3]);
+        assert!(err.is_none());
     }
 
     #[test]

@@ -183,6 +183,15 @@ impl Gateway {
         self.tenants.tenant(key)
     }
 
+    /// The tenant of a request from its credential headers ([`crate::tenants::Tenants::tenant_of`]).
+    pub fn tenant_of(
+        &self,
+        authorization: Option<Result<&str, ()>>,
+        x_api_key: Option<Result<&str, ()>>,
+    ) -> Result<String> {
+        self.tenants.tenant_of(authorization, x_api_key)
+    }
+
     pub fn http_request(&self) {
         self.metrics.http_requests.inc();
     }

@@ -72,10 +72,9 @@ async fn metrics(State(gw): Gw) -> impl IntoResponse {
 }
 
 fn tenant(gw: &Gateway, h: &HeaderMap) -> Result<String> {
-    let auth = h.get("authorization").and_then(|v| v.to_str().ok());
-    let xkey = h.get("x-api-key").and_then(|v| v.to_str().ok());
     gw.http_request();
-    gw.tenant(crate::tenants::key_from_headers(auth, xkey))
+    let text = |name: &str| h.get(name).map(|v| v.to_str().map_err(|_| ()));
+    gw.tenant_of(text("authorization"), text("x-api-key"))
 }
 
 fn encode_path(s: &str) -> String {
