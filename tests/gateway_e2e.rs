@@ -371,6 +371,26 @@ async fn bad_requests_get_clear_errors() {
     assert!(body.contains("not valid JSON"), "{body}");
     let (s, body) = common::http(&g.http, "POST", "/v1/chat/completions", &[], "{\"messages\": 3}");
     assert_eq!(s, 400, "{body}");
+    // Refused before a handler: still the OpenAI error form (they were text/plain).
+    let big = format!("{{\"prompt\": \"{}\"}}", "x".repeat(600 * 1024));
+    for (method, path, body, want) in [
+        ("GET", "/v1/responses/r1?stream=true&starting_after=abc", "", 400),
+        ("GET", "/v1/responses/r1?stream=1", "", 400),
+        ("GET", "/v1/chat/completions/%FF/stream", "", 400),
+        ("POST", "/v1/completions", big.as_str(), 413),
+        ("DELETE", "/v1/models", "", 405),
+        ("GET", "/v1/nothing-here", "", 404),
+    ] {
+        let (s, text) = common::http(&g.http, method, path, &[], body);
+        assert_eq!(s, want, "{method} {path}: {text}");
+        let v: serde_json::Value = serde_json::from_str(text.split("\r\n\r\n").last().unwrap_or(&text))
+            .unwrap_or_else(|e| panic!("{method} {path}: not JSON ({e}): {text}"));
+        assert!(
+            v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{method} {path}: {v}"
+        );
+        assert!(v["error"]["code"].is_string(), "{method} {path}: {v}");
+    }
     let (s, body) = common::http(
         &g.http,
         "POST",

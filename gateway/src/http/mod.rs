@@ -57,8 +57,47 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/v1/responses", post(create_response))
         .route("/v1/responses/{id}", get(get_response))
         .route("/v1/responses/{id}/cancel", post(cancel_response))
+        .fallback(|| async { GatewayError::NotFound("no such path: see the README for the API's paths".into()) })
         .layer(DefaultBodyLimit::max(HTTP_BODY_BYTES_MAX))
+        .layer(axum::middleware::map_response(openai_errors))
         .with_state(gw)
+}
+
+/// Refusals made before a handler runs (axum's: a query string that does not parse, a body over
+/// `HTTP_BODY_BYTES_MAX`, a path that does not decode, a method a path does not take) in the
+/// OpenAI error form, as every other error: they were text/plain, which an OpenAI client does
+/// not read as an error body. Their text becomes the message.
+async fn openai_errors(resp: Response) -> Response {
+    use axum::http::header::{CONTENT_LENGTH, CONTENT_TYPE};
+    let status = resp.status();
+    let json = resp
+        .headers()
+        .get(CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || json {
+        return resp;
+    }
+    let (mut parts, body) = resp.into_parts();
+    let text = axum::body::to_bytes(body, 64 * 1024).await.unwrap_or_default();
+    let text = String::from_utf8_lossy(&text).trim().to_string();
+    let message = match text.is_empty() {
+        true => status.canonical_reason().unwrap_or("refused").to_string(),
+        false => text,
+    };
+    let (ty, code) = match status.as_u16() {
+        404 => ("invalid_request_error", "not_found"),
+        405 => ("invalid_request_error", "method_not_allowed"),
+        413 => ("invalid_request_error", "request_too_large"),
+        415 => ("invalid_request_error", "unsupported_media_type"),
+        s if s < 500 => ("invalid_request_error", "invalid_request"),
+        _ => ("server_error", "internal"),
+    };
+    let body = json!({"error": {"message": message, "type": ty, "code": code, "param": null}});
+    parts.headers.remove(CONTENT_LENGTH);
+    parts
+        .headers
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    Response::from_parts(parts, axum::body::Body::from(body.to_string()))
 }
 
 async fn metrics(State(gw): Gw) -> impl IntoResponse {
