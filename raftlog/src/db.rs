@@ -1,8 +1,11 @@
 //! Opening the Raft log's RocksDB (`<data dir>/log`): column families `logs` and `meta`.
 //!
-//! RocksDB runs with `AbsoluteConsistency` WAL recovery and paranoid checks: a corrupted WAL
-//! record or table makes the open fail with RocksDB's own message, where the default recovery
-//! mode would silently drop every fsynced record after it.
+//! RocksDB runs with `TolerateCorruptedTailRecords` WAL recovery and paranoid checks: a
+//! corrupted WAL record or table makes the open fail with RocksDB's own message, where the
+//! default recovery mode (point in time) would silently drop every fsynced record after it; an
+//! incomplete last record (a crash while it was being written: never fsynced, never
+//! acknowledged) is dropped. `AbsoluteConsistency` took that torn tail for corruption too, and a
+//! node killed in the middle of writing a large batch could not start again.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -24,7 +27,7 @@ fn options() -> Options {
     opts.create_if_missing(true);
     opts.create_missing_column_families(true);
     opts.set_keep_log_file_num(4);
-    opts.set_wal_recovery_mode(DBRecoveryMode::AbsoluteConsistency);
+    opts.set_wal_recovery_mode(DBRecoveryMode::TolerateCorruptedTailRecords);
     opts.set_paranoid_checks(true);
     // Written WAL data stays in this process until the log store's flush (one write and one
     // fsync per group of appends, not a write per append); nothing is acknowledged before

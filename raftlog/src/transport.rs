@@ -453,6 +453,32 @@ impl RaftTransport for RaftService {
             .finish()
             .map_err(|e| LogError::storage("receiving a snapshot", e))?;
         let received = file.path().to_path_buf();
+        // Checked before Raft sees it: a file that fails its checksum (a stream the sender ended
+        // early), of a format this release cannot read (a newer peer during an upgrade), or
+        // whose meta is not the one sent, is refused here, as one bad RPC. Inside openraft the
+        // same refusal is a storage error of the state machine, which stops this node's Raft
+        // for good (until a restart).
+        let want = meta.clone();
+        let checked = tokio::task::spawn_blocking(move || -> Result<crate::snapshot::SnapshotFile, String> {
+            let got = file.verify().map_err(|e| e.to_string())?;
+            if got != want {
+                return Err(format!(
+                    "its file holds log id {:?}, the stream's meta says {:?}",
+                    got.last_log_id, want.last_log_id
+                ));
+            }
+            Ok(file)
+        })
+        .await
+        .map_err(|e| LogError::Internal(format!("checking a received snapshot: {e}")))?;
+        let file = match checked {
+            Ok(f) => f,
+            Err(why) => {
+                let _ = std::fs::remove_file(&received);
+                tracing::warn!(why, "a received snapshot was refused before installing it");
+                return Err(LogError::Invalid(format!("received snapshot refused: {why}")).into());
+            }
+        };
         let snapshot = Snapshot { meta, snapshot: file };
         let resp = self.raft.install_full_snapshot(vote, snapshot).await;
         // Openraft answers once it installed the snapshot (renamed into place), or at once when
@@ -565,6 +591,50 @@ mod tests {
         assert_eq!(entries, request(&sizes).entries);
     }
 
+    /// A snapshot stream that ends early, or carries garbage, under a newer leader's vote is
+    /// refused as one bad RPC, and the node's Raft goes on. It was handed to openraft as it
+    /// was, whose state machine then failed to load it: a storage error, which stopped the
+    /// node's Raft core for good.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_broken_snapshot_from_a_peer_is_refused_and_raft_goes_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = crate::node::NodeConfig::new(1, "127.0.0.1:0".parse().unwrap(), dir.path().to_path_buf());
+        cfg.initial_members = vec![(1, "127.0.0.1:0".into())];
+        let n = crate::node::start(cfg).await.expect("node starts");
+        for _ in 0..100 {
+            if n.ctx.status().leader_id == 1 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        let meta = SnapshotMeta {
+            last_log_id: Some(log_id::<TypeConfig>(50, 2, 5_000)),
+            last_membership: Default::default(),
+        };
+        let vote = Vote::new_committed(50, 2);
+        let chunk = tokenlog_proto::raft::SnapshotChunk {
+            meta: Some(pack(&(vote, meta)).unwrap()),
+            data: vec![7; 1 << 16],
+        };
+        let mut c = RaftTransportClient::connect(format!("http://{}", n.local_addr))
+            .await
+            .unwrap();
+        let answer = c.install_snapshot(futures::stream::iter([chunk])).await;
+        let status = answer.expect_err("a snapshot that does not load is refused");
+        assert!(status.message().contains("received snapshot refused"), "{status:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        let running = openraft::async_runtime::WatchReceiver::borrow_watched(&n.ctx.raft.metrics())
+            .running_state
+            .clone();
+        assert!(running.is_ok(), "the node's Raft stopped: {running:?}");
+        let left: Vec<String> = std::fs::read_dir(crate::data_dir::snapshot_dir(dir.path()))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|name| name.starts_with("incoming-"))
+            .collect();
+        assert!(left.is_empty(), "received files left: {left:?}");
+    }
+
     /// A snapshot that openraft does not install (sent with an older vote) leaves nothing on
     /// disk. The received file stayed until a restart: up to `SNAPSHOT_BYTES_MAX` of a peer's
     /// bytes each time.
@@ -581,14 +651,24 @@ mod tests {
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         }
         assert_eq!(n.ctx.status().leader_id, 1, "a leader of term 1 or later");
-        let meta = SnapshotMeta {
-            last_log_id: Some(log_id::<TypeConfig>(0, 2, 5)),
-            last_membership: Default::default(),
-        };
+        // A snapshot that loads (the node's own, copied), so that it reaches openraft.
+        n.ctx.raft.trigger().snapshot().await.unwrap();
+        let snapshots = crate::snapshot::SnapshotDir::open_read_only(&crate::data_dir::snapshot_dir(dir.path()));
+        let mut own = None;
+        for _ in 0..100 {
+            own = snapshots.newest().unwrap();
+            if own.is_some() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        let own = own.expect("the node built a snapshot");
+        let meta = own.verify().unwrap();
+        let data = std::fs::read(own.path()).unwrap();
         let old_vote = Vote::new(0, 2);
         let chunk = tokenlog_proto::raft::SnapshotChunk {
             meta: Some(pack(&(old_vote, meta)).unwrap()),
-            data: vec![7; 1 << 20],
+            data,
         };
         let mut c = RaftTransportClient::connect(format!("http://{}", n.local_addr))
             .await

@@ -316,6 +316,44 @@ async fn a_flipped_byte_in_the_log_is_refused_at_open() {
     tokenlog_raftlog::data_dir::open(dir.path(), Default::default()).expect("clean again");
 }
 
+/// A WAL whose last record is incomplete (a crash in the middle of writing it: a large batch
+/// reaches the file in several writes, and nothing of it was fsynced or acknowledged) opens,
+/// without that record; everything before it is kept. In AbsoluteConsistency mode RocksDB took
+/// the torn tail for corruption, and the node could not start again until its data dir was
+/// wiped. (A damaged record anywhere is still refused: the test above.)
+#[tokio::test]
+async fn a_torn_last_record_of_the_wal_is_dropped_and_the_rest_kept() {
+    use openraft::storage::RaftLogStorage;
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let mut s = tokenlog_raftlog::data_dir::open(dir.path(), Default::default()).unwrap();
+        append_blank_entries(&mut s.log, 50).await;
+    }
+    let log_dir = tokenlog_raftlog::data_dir::log_dir(dir.path());
+    // The newest WAL file holds the last record.
+    let wal = std::fs::read_dir(&log_dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "log"))
+        .max_by_key(|p| {
+            p.file_stem()
+                .and_then(|s| s.to_str())
+                .and_then(|s| s.parse::<u64>().ok())
+        })
+        .expect("a WAL file");
+    let len = std::fs::metadata(&wal).unwrap().len();
+    assert!(len > 100, "{} holds the entries ({len} bytes)", wal.display());
+    let f = std::fs::OpenOptions::new().write(true).open(&wal).unwrap();
+    f.set_len(len - 5).unwrap();
+    drop(f);
+    let mut s = match tokenlog_raftlog::data_dir::open(dir.path(), Default::default()) {
+        Ok(s) => s,
+        Err(e) => panic!("a torn last WAL record kept the node from starting: {e}"),
+    };
+    let last = s.log.get_log_state().await.unwrap().last_log_id.map(|l| l.index);
+    assert_eq!(last, Some(49), "the torn entry 50 is gone, entries 1..=49 are kept");
+}
+
 /// A log row whose bytes changed above RocksDB (its own checksums pass) fails ours.
 #[tokio::test]
 async fn a_log_row_that_fails_its_checksum_is_refused_at_open() {
