@@ -76,7 +76,7 @@ fn main() -> anyhow::Result<()> {
     process::abort_on_panic();
     process::init_tracing();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    rt.block_on(async {
+    let result = rt.block_on(async {
         process::plant_task_panic()?;
         match cli.cmd {
             Cmd::Dev(a) => dev::run(a).await,
@@ -104,8 +104,17 @@ fn main() -> anyhow::Result<()> {
                 () = process::stdout_closed() => Err(anyhow::anyhow!("bench stopped: its output was closed (the processes it started are stopped)")),
             },
         }
-    })
+    });
+    // The command is over; what still runs on a blocking thread (a model step the stall
+    // watchdog gave up on, a pipeline pass waiting for a stage) is not waited for long: the
+    // runtime's drop waited for it without a limit, so a stuck decoder ended its leases and
+    // then stayed alive, silent, until its step returned (30 s and more).
+    rt.shutdown_timeout(BLOCKING_TASKS_GRACE);
+    result
 }
+
+/// How long a finished command waits for work still running on blocking threads.
+const BLOCKING_TASKS_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// `r`, or an error when the command's output was lost to a closed stdout.
 fn printed(r: anyhow::Result<()>) -> anyhow::Result<()> {

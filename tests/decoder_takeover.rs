@@ -888,3 +888,31 @@ async fn clock_jump_takeovers(plant: bool) -> u64 {
     drop(d);
     terminal.takeovers
 }
+
+/// A decoder whose stall watchdog gives up on a stuck step exits within seconds, with an error,
+/// not when the step returns: the runtime's end waited for the step on its blocking thread
+/// without a limit (here a step of 30 s: the process lived on, silent, for 30 s after its
+/// leases ended).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decoder_whose_step_is_stuck_exits_once_its_watchdog_fires() {
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    let client = cluster.client();
+    let mut d = cluster.start_decoder("stuck", &["--fake-step-ms", "30000", "--stall-ms", "1000"]);
+    common::wait_for_model(&client).await;
+    let id = submit(&client, "stuck-1", &[5, 6, 7]).await;
+    let t0 = Instant::now();
+    let status = d.wait_exit(Duration::from_secs(20)).unwrap_or_else(|| {
+        panic!(
+            "still running 20 s after generation {id} was submitted:\n{}",
+            d.log_text()
+        )
+    });
+    assert!(!status.success(), "{}", d.log_text());
+    assert!(d.log_text().contains("the worker is stuck"), "{}", d.log_text());
+    assert!(
+        t0.elapsed() < Duration::from_secs(12),
+        "exited after {:?}",
+        t0.elapsed()
+    );
+}
