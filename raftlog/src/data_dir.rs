@@ -81,6 +81,11 @@ fn storage_err(what: &str, e: impl std::fmt::Display) -> LogError {
     LogError::storage(what, std::io::Error::other(e.to_string()))
 }
 
+/// Makes the entries of directory `dir` durable.
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
 /// Opens (creating) `data_dir` for a node. Any integrity problem is an error
 /// ([`LogError::Integrity`]): the node does not start rather than serve a damaged log.
 pub fn open(data_dir: &Path, faults: Faults) -> Result<Storage, LogError> {
@@ -99,6 +104,13 @@ pub fn open(data_dir: &Path, faults: Faults) -> Result<Storage, LogError> {
     }
     let (sm, mut report) =
         SmStore::open(&snapshot_dir(data_dir), faults).map_err(|e| LogError::storage("loading the snapshot", e))?;
+    // The directories just made are entries of their parents: durable only once those are
+    // synced (a power cut could lose `snapshots/` after the log was purged behind its first
+    // snapshot). The data dir holds `log/` and `snapshots/`; `SnapshotDir::open` syncs `cold/`.
+    sync_dir(data_dir).map_err(|e| LogError::storage(data_dir.display(), e))?;
+    if let Some(parent) = data_dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        sync_dir(parent).map_err(|e| LogError::storage(parent.display(), e))?;
+    }
     report.problems.extend(lc.problems.iter().cloned());
     report.problems.extend(purged_past_snapshot(&lc, report.snapshot_index));
     if !report.problems.is_empty() {

@@ -599,6 +599,8 @@ impl SnapshotDir {
     pub fn open(dir: &Path) -> io::Result<Self> {
         let cold = dir.join(COLD_DIR);
         fs::create_dir_all(&cold)?;
+        // `cold/` is an entry of `dir`: durable once `dir` is synced.
+        File::open(dir)?.sync_all()?;
         for entry in fs::read_dir(dir)? {
             let entry = entry?;
             let name = entry.file_name().to_string_lossy().into_owned();
