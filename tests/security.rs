@@ -501,16 +501,7 @@ async fn a_decoder_certificate_speaks_only_for_its_own_decoder_id() {
     let d2 = LogClient::with_tls(c.addrs.clone(), Some(tls(certs.path(), "decoder-2"))).unwrap();
     let id = common::submit(&gateway, "theirs").await;
     let epoch = common::acquire(&d2, id, "decoder-2").await;
-    let before = gateway
-        .get(pb::GetRequest {
-            generation_id: id,
-            linearizable: true,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .generation
-        .unwrap();
+    let before = gateway.generation(id).await.unwrap();
 
     let ch = channel(&c.addrs[leader], &Cred::Holder(certs.path(), "decoder-1"));
     let mut d1 = PbClient::new(ch);
@@ -667,16 +658,7 @@ async fn a_decoder_certificate_speaks_only_for_its_own_decoder_id() {
         got.is_empty(),
         "calls for decoder-2 with decoder-1's certificate got through: {got:?}"
     );
-    let after = gateway
-        .get(pb::GetRequest {
-            generation_id: id,
-            linearizable: true,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .generation
-        .unwrap();
+    let after = gateway.generation(id).await.unwrap();
     assert_eq!(after, before, "decoder-2's generation changed");
     let models = gateway.list_models().await.unwrap();
     assert!(models.models.is_empty(), "{models:?}");

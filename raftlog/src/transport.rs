@@ -591,14 +591,9 @@ mod tests {
         assert_eq!(entries, request(&sizes).entries);
     }
 
-    /// A snapshot stream that ends early, or carries garbage, under a newer leader's vote is
-    /// refused as one bad RPC, and the node's Raft goes on. It was handed to openraft as it
-    /// was, whose state machine then failed to load it: a storage error, which stopped the
-    /// node's Raft core for good.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_broken_snapshot_from_a_peer_is_refused_and_raft_goes_on() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut cfg = crate::node::NodeConfig::new(1, "127.0.0.1:0".parse().unwrap(), dir.path().to_path_buf());
+    /// A node of a one-node cluster, once it leads.
+    async fn leader_alone(dir: &std::path::Path) -> crate::node::RunningNode {
+        let mut cfg = crate::node::NodeConfig::new(1, "127.0.0.1:0".parse().unwrap(), dir.to_path_buf());
         cfg.initial_members = vec![(1, "127.0.0.1:0".into())];
         let n = crate::node::start(cfg).await.expect("node starts");
         for _ in 0..100 {
@@ -607,6 +602,26 @@ mod tests {
             }
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         }
+        n
+    }
+
+    /// The received snapshot files left in data dir `dir`.
+    fn incoming_files(dir: &std::path::Path) -> Vec<String> {
+        std::fs::read_dir(crate::data_dir::snapshot_dir(dir))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|name| name.starts_with("incoming-"))
+            .collect()
+    }
+
+    /// A snapshot stream that ends early, or carries garbage, under a newer leader's vote is
+    /// refused as one bad RPC, and the node's Raft goes on. It was handed to openraft as it
+    /// was, whose state machine then failed to load it: a storage error, which stopped the
+    /// node's Raft core for good.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_broken_snapshot_from_a_peer_is_refused_and_raft_goes_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let n = leader_alone(dir.path()).await;
         let meta = SnapshotMeta {
             last_log_id: Some(log_id::<TypeConfig>(50, 2, 5_000)),
             last_membership: Default::default(),
@@ -627,11 +642,7 @@ mod tests {
             .running_state
             .clone();
         assert!(running.is_ok(), "the node's Raft stopped: {running:?}");
-        let left: Vec<String> = std::fs::read_dir(crate::data_dir::snapshot_dir(dir.path()))
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .filter(|name| name.starts_with("incoming-"))
-            .collect();
+        let left = incoming_files(dir.path());
         assert!(left.is_empty(), "received files left: {left:?}");
     }
 
@@ -641,15 +652,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_received_snapshot_that_is_not_installed_leaves_no_file() {
         let dir = tempfile::tempdir().unwrap();
-        let mut cfg = crate::node::NodeConfig::new(1, "127.0.0.1:0".parse().unwrap(), dir.path().to_path_buf());
-        cfg.initial_members = vec![(1, "127.0.0.1:0".into())];
-        let n = crate::node::start(cfg).await.expect("node starts");
-        for _ in 0..100 {
-            if n.ctx.status().leader_id == 1 {
-                break;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        }
+        let n = leader_alone(dir.path()).await;
         assert_eq!(n.ctx.status().leader_id, 1, "a leader of term 1 or later");
         // A snapshot that loads (the node's own, copied), so that it reaches openraft.
         n.ctx.raft.trigger().snapshot().await.unwrap();
@@ -676,11 +679,7 @@ mod tests {
         let answer = c.install_snapshot(futures::stream::iter([chunk])).await.unwrap();
         let vote: Vote = unpack(answer.get_ref()).unwrap();
         assert!(vote > old_vote, "answered with the node's newer vote: {vote}");
-        let left: Vec<String> = std::fs::read_dir(crate::data_dir::snapshot_dir(dir.path()))
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .filter(|name| name.starts_with("incoming-"))
-            .collect();
+        let left = incoming_files(dir.path());
         assert!(left.is_empty(), "received files left: {left:?}");
     }
 }
