@@ -197,6 +197,10 @@ impl NodeCtx {
     pub fn cut_off(&self) -> Option<String> {
         let m = self.raft.metrics();
         let m = m.borrow_watched();
+        if leads_alone(&m) {
+            // Its own quorum: nobody acknowledges it, and it needs nobody (`tokenlog dev`).
+            return None;
+        }
         let now = tokio::time::Instant::now();
         let (quiet, what) = match (&m.state, &m.last_quorum_acked) {
             (ServerState::Leader, Some(acked)) => (
@@ -677,7 +681,7 @@ async fn track_quorum(raft: Raft, since: Arc<Mutex<Option<tokio::time::Instant>>
         let has = {
             let m = m.borrow_watched();
             match m.state {
-                ServerState::Leader => m.last_quorum_acked.is_some(),
+                ServerState::Leader => m.last_quorum_acked.is_some() || leads_alone(&m),
                 _ => m.current_leader.is_some(),
             }
         };
@@ -693,6 +697,12 @@ async fn track_quorum(raft: Raft, since: Arc<Mutex<Option<tokio::time::Instant>>
             return;
         }
     }
+}
+
+/// Whether this node leads a cluster whose only voter it is (a quorum of one: no acknowledgment
+/// ever comes, and none is needed).
+fn leads_alone(m: &openraft::RaftMetrics<crate::raft_types::TypeConfig>) -> bool {
+    m.state == ServerState::Leader && m.membership_config.membership().voter_ids().eq([m.id])
 }
 
 impl RunningNode {
