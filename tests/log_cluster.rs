@@ -772,7 +772,7 @@ fn a_node_snapshots_after_enough_tokens_whatever_its_entry_count() {
 fn a_bench_whose_output_is_closed_stops_the_processes_it_started() {
     use std::io::BufRead;
     let _one = serial();
-    let base = common::free_port();
+    let base = common::free_ports(16);
     let mut child = std::process::Command::new(common::bin())
         .args(["bench", "leader-kill", "--kills", "2", "--every-s", "2"])
         .args(["--base-port", &base.to_string()])
@@ -838,7 +838,7 @@ fn the_log_bench_writes_through_unary_calls_and_append_streams() {
     for (flags, label) in flags {
         let mut cmd = std::process::Command::new(common::bin());
         cmd.args(["bench", "log", "--writers", "2", "--generations", "4", "--seconds", "1"])
-            .args(["--no-etcd", "--base-port", &common::free_port().to_string()])
+            .args(["--no-etcd", "--base-port", &common::free_ports(16).to_string()])
             .args(flags);
         let out = cmd.output().expect("run tokenlog bench log");
         let text = String::from_utf8_lossy(&out.stdout).to_string();

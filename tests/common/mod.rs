@@ -23,24 +23,10 @@ pub fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// A loopback port that was free just now and that this process has not handed out before: two
-/// picks in a row may otherwise get the same ephemeral port (seen: two nodes of one cluster
-/// given one address).
-pub fn free_port() -> u16 {
-    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
-    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
-    loop {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        if !given.contains(&port) {
-            given.push(port);
-            return port;
-        }
-    }
-}
+/// Ports for the processes a test starts: below the kernel's ephemeral range, blocks held at
+/// once (the fault suite's harness picks its ports the same way).
+#[allow(unused_imports)] // Not every test file uses both.
+pub use jepsen_style_tests::harness::procs::{free_port, free_ports};
 
 /// `--tls-ca`, `--tls-cert`, `--tls-key` for holder `name` of the certificates in `dir`.
 pub fn tls_args(dir: &std::path::Path, name: &str) -> Vec<String> {

@@ -7,21 +7,50 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-/// A loopback port that was free just now and that this process has not handed out before (two
-/// picks in a row may otherwise get the same ephemeral port).
+/// A loopback port that was free just now and that this process has not handed out before: two
+/// picks in a row may otherwise get the same ephemeral port (seen: two nodes of one cluster
+/// given one address).
 pub fn free_port() -> u16 {
-    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    free_ports(1)
+}
+
+/// The first of `n` consecutive loopback ports that were all free just now, that this process has
+/// not handed out before, and that lie below the kernel's ephemeral range. A port the kernel
+/// picked for `127.0.0.1:0` lies inside that range, where any outgoing connection of a parallel
+/// test may take it, or the port after it, before our process binds it (seen in CI: a bench's
+/// second node port, one above a free port, was taken).
+pub fn free_ports(n: u16) -> u16 {
+    static GIVEN: std::sync::Mutex<Vec<(u16, u16)>> = std::sync::Mutex::new(Vec::new());
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    assert!((1..=64).contains(&n), "{n} ports");
+    // Below the ephemeral range (32768 unless set otherwise), above the well-known ports and the
+    // benches' defaults (27100-27800 and the ports above them).
+    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32_768);
+    let (low, high) = (10_000u32, u32::from(ephemeral.min(27_000)) - u32::from(n));
+    let span = high - low;
     let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
-    loop {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("a free loopback port");
-        if !given.contains(&port) {
-            given.push(port);
-            return port;
+    // Each process starts somewhere else in the range, so test binaries run one after another
+    // (or by two people) do not reach for the same ports first.
+    let start = std::process::id().wrapping_mul(7_919) % span;
+    for _ in 0..span {
+        let k = NEXT.fetch_add(u32::from(n), std::sync::atomic::Ordering::Relaxed);
+        let base = (low + (start + k) % span) as u16;
+        let end = base + n;
+        if given.iter().any(|&(b, e)| base < e && b < end) {
+            continue;
+        }
+        // Held all at once, so every port of the block was free at the same moment.
+        let held: Result<Vec<_>, _> =
+            (base..end).map(|p| std::net::TcpListener::bind(("127.0.0.1", p))).collect();
+        if held.is_ok() {
+            given.push((base, end));
+            return base;
         }
     }
+    panic!("no {n} free consecutive loopback ports in {low}..{high}");
 }
 
 pub fn wait_for_port(addr: &str, within: Duration) -> Result<()> {
