@@ -916,7 +916,7 @@ fn the_drain_bench_runs_a_round_with_the_fake_model() {
     let out = std::process::Command::new(common::bin())
         .args(["bench", "drain", "--fake", "--fake-step-ms", "5", "--rounds", "1"])
         .args(["--after", "8", "--then", "4"])
-        .args(["--base-port", &common::free_port().to_string()])
+        .args(["--base-port", &common::free_ports(16).to_string()])
         .output()
         .expect("run tokenlog bench drain");
     let text = String::from_utf8_lossy(&out.stdout).to_string();
@@ -983,6 +983,93 @@ async fn a_destination_refuses_a_manifest_bigger_than_its_models_cache_at_the_he
             r.detail
         );
     }
+}
+
+/// A planned handoff moves a generation only to a decoder whose sampler draws as the one the
+/// generation is bound to: under another sampler version its continuation would differ from the
+/// source's, silently (CONTRACT §1). The log refuses an acquire for that; a handoff never
+/// acquires. Decoder a claims sampler version `RNG_VERSION + 1` (failpoint `rng-version`, a
+/// decoder of another release in a rolling upgrade), b the current one; a is drained. Before, b
+/// took the cache, committed, and decoded x on with its own sampler.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handoff_never_moves_a_generation_to_a_decoder_with_another_sampler() {
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    let client = cluster.client();
+    let m = fake();
+    let other = tokenlog_decoder::RNG_VERSION + 1;
+    let fp = format!("rng-version={other}");
+    let flags = ["--handoff-listen", "127.0.0.1:0", "--fake-step-ms", "25", "--drain-ms", "3000"];
+    let mut a = cluster.start_decoder_env("rng-a", &flags, &[("TOKENLOG_FAILPOINTS", fp.as_str())]);
+    common::wait_for_model(&client).await;
+    let prompt = m.tokenizer().encode("another sampler").unwrap();
+    let mut binding = common::sampled_binding(&m, &prompt, &sampling(), 2_000);
+    binding.sampling.as_mut().unwrap().rng_version = other;
+    let x = common::submit_binding(&client, "rng-x", binding).await;
+    wait_until("a to own x", async || {
+        let g = get(&client, x).await.generation.unwrap();
+        g.lease.is_some_and(|l| l.owner == a.id) && g.frontier >= 4
+    })
+    .await;
+    let b = cluster.start_decoder("rng-b", &flags);
+    wait_until("b to register its handoff listener", async || {
+        takes_handoffs(&client, "rng-b").await
+    })
+    .await;
+    a.signal("-TERM");
+    let status = a.wait_exit(Duration::from_secs(30)).expect("a exits after draining");
+    let logs = format!("--- a:\n{}\n--- b:\n{}", a.log_text(), b.log_text());
+    assert!(status.success(), "{logs}");
+    let g = get(&client, x).await.generation.unwrap();
+    assert!(
+        g.lease.as_ref().is_none_or(|l| l.owner != b.id),
+        "b, of another sampler, owns x: {:?}\n{logs}",
+        g.lease
+    );
+    assert!(logs.contains("sampler version"), "the refusal names the sampler: {logs}");
+}
+
+/// A drain whose time runs out while a handoff is in flight lets that handoff end: the
+/// generation moves to its destination. b says receiver_ready only after 3 s (failpoint
+/// `ready-delay-ms`, a slow destination); a drains for 1 s. Before, a released every generation
+/// at its deadline, the one being handed out too: the release aborted the attempt, b's commit
+/// was refused, and x was taken over with a re-prefill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_whose_time_runs_out_lets_the_handoff_in_flight_end() {
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    let client = cluster.client();
+    let m = fake();
+    let flags = ["--handoff-listen", "127.0.0.1:0", "--fake-step-ms", "25"];
+    let mut a = cluster.start_decoder("late-a", &[&flags[..], &["--drain-ms", "1000"]].concat());
+    common::wait_for_model(&client).await;
+    let prompt = m.tokenizer().encode("a late destination").unwrap();
+    let x = submit(&client, &m, "late-x", &prompt, 2_000).await;
+    wait_until("a to own x", async || {
+        let g = get(&client, x).await.generation.unwrap();
+        g.lease.is_some_and(|l| l.owner == a.id) && g.frontier >= 4
+    })
+    .await;
+    let b = cluster.start_decoder_env("late-b", &flags, &[("TOKENLOG_FAILPOINTS", "ready-delay-ms=3000")]);
+    wait_until("b to register its handoff listener", async || {
+        takes_handoffs(&client, "late-b").await
+    })
+    .await;
+    a.signal("-TERM");
+    let status = a.wait_exit(Duration::from_secs(40)).expect("a exits after draining");
+    let logs = format!("--- a:\n{}\n--- b:\n{}", a.log_text(), b.log_text());
+    assert!(status.success(), "{logs}");
+    assert!(
+        logs.contains("drain time is up"),
+        "the drain's time ran out before the handoff ended: {logs}"
+    );
+    assert!(
+        logs.contains("generation handed over") && !logs.contains("handoff did not happen"),
+        "x was handed over: {logs}"
+    );
+    let g = get(&client, x).await.generation.unwrap();
+    let lease = g.lease.unwrap();
+    assert_eq!((lease.owner.as_str(), lease.epoch), ("late-b", 2), "{logs}");
 }
 
 /// A caller that opens a `Transfer` or a `Rows` call and sends nothing is answered within the

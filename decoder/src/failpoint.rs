@@ -39,6 +39,11 @@
 //! - `deaf-to-lost-renewals=1`: the worker does not drop a generation whose renewal the log
 //!   rejected (as if that answer always came late): after a pause the old owner's next append
 //!   meets the log's fence, deterministically (failure point 9).
+//! - `ready-delay-ms=MS`: a handoff destination waits `MS` milliseconds before it says
+//!   receiver_ready (a slow destination).
+//! - `rng-version=N`: the decoder claims sampler version `N` (acquires with it, and takes
+//!   handoffs of generations bound to it): a decoder of a release whose sampler draws
+//!   differently, during a rolling upgrade.
 //!
 //! Each fired failpoint writes an `"op": "failpoint"` line to the decoder's history first.
 
@@ -63,6 +68,8 @@ pub struct Failpoints {
     pub prefix_restore_exit: bool,
     pub deaf_to_lost_renewals: bool,
     pub min_step: Option<Duration>,
+    pub rng_version: Option<u32>,
+    pub ready_delay: Option<Duration>,
     /// Prefix reads failed so far (shared by the clones of one process's failpoints).
     prefix_reads_failed: Fires,
 }
@@ -115,6 +122,11 @@ impl Failpoints {
                 "prefix-restore-exit" => fp.prefix_restore_exit = num(arg)? != 0,
                 "deaf-to-lost-renewals" => fp.deaf_to_lost_renewals = num(arg)? != 0,
                 "min-step-ms" => fp.min_step = Some(Duration::from_millis(num(arg)?)),
+                "ready-delay-ms" => fp.ready_delay = Some(Duration::from_millis(num(arg)?)),
+                "rng-version" => {
+                    let v = u32::try_from(num(arg)?).map_err(|_| bad(format!("{arg} is over u32")))?;
+                    fp.rng_version = Some(v);
+                }
                 "delay-append" => {
                     let (seq, ms) = arg
                         .split_once(':')
@@ -125,7 +137,7 @@ impl Failpoints {
                     return Err(bad(format!(
                         "unknown failpoint {name:?} (known: exit-after-sample, delay-append, model-error, \
                          model-panic, prefix-read-errors, handoff-exit, commit-answer-lost, catch-up-read-fails, source-blind-ms, take-delay-ms, prefix-restore-exit, \
-                         deaf-to-lost-renewals, min-step-ms)"
+                         deaf-to-lost-renewals, min-step-ms, ready-delay-ms, rng-version)"
                     )))
                 }
             }
@@ -169,6 +181,14 @@ impl StepHooks for Failpoints {
 
     fn min_step(&self) -> Option<Duration> {
         self.min_step
+    }
+
+    fn rng_version(&self) -> Option<u32> {
+        self.rng_version
+    }
+
+    fn ready_delay(&self) -> Option<Duration> {
+        self.ready_delay
     }
 
     fn after_sample(&self, gens: &[StepView]) -> Option<Fired> {

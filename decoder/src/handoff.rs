@@ -334,6 +334,16 @@ impl HandoffPort {
             ));
         }
         let binding: Binding = info.binding.clone().ok_or("the generation has no binding")?.into();
+        // An acquire is refused by the log for a sampler of another version; a handoff never
+        // acquires, so the destination checks it: under another sampler the continuation would
+        // differ from the source's, silently (CONTRACT §1).
+        let rng = crate::worker_hooks::rng_version(&s.hooks);
+        if binding.sampling.rng_version != rng {
+            return Err(format!(
+                "the generation is bound to sampler version {}; this decoder draws with version {rng}",
+                binding.sampling.rng_version
+            ));
+        }
         let prompt = binding.prompt_token_ids.clone();
         if prompt.is_empty() {
             return Err("the generation's prompt is not tokenized".into());
@@ -363,6 +373,10 @@ impl HandoffPort {
         let (mut state, mut followed) = follow_log(&s.client, id, state, manifest.frontier, None, &rows).await?;
         laps.lap("follow");
         halt_at(&s.hooks, &s.history, HandoffPoint::DestinationBeforeReady, id);
+        if let Some(d) = s.hooks.as_ref().and_then(|h| h.ready_delay()) {
+            tracing::warn!(generation = id, ms = d.as_millis() as u64, "failpoint ready-delay-ms: holding receiver_ready");
+            tokio::time::sleep(d).await;
+        }
         let ready = step(
             &s.client,
             id,

@@ -42,7 +42,7 @@ use crate::limits::{
 
 const _: () = assert!(UNACKED_TOKENS_MAX <= tokenlog_raftlog::limits::RECORDS_PER_APPEND_MAX);
 use crate::resume::DecodeState;
-use crate::sampler::{StopCause, RNG_VERSION};
+use crate::sampler::StopCause;
 use crate::standby::Shadow;
 pub use crate::worker_hooks::{Fired, Halt, HandoffPoint, StepHooks, StepView, HALT_EXIT_CODE};
 use crate::worker_lease::{read_prefix, renew_loop, session_loop, AbortOnDrop, Held, Lost};
@@ -1745,7 +1745,9 @@ impl Worker {
 
     async fn release_all(&mut self) {
         self.port.accepting.store(false, std::sync::atomic::Ordering::Release);
-        self.release_active().await;
+        // Not those being handed out: their attempts end below (a release would abort them,
+        // and the generation would be taken over with a re-prefill instead).
+        self.release_active(false).await;
         // Handoffs out (and receives) still in progress end next: moved, or back here to be
         // released. Their leases are renewed meanwhile.
         let deadline = Instant::now() + crate::limits::HANDOFF_TRANSFER_TIMEOUT * 2;
@@ -1756,12 +1758,19 @@ impl Worker {
             self.absorb_handoffs();
         }
         self.absorb_handoffs();
-        self.release_active().await;
+        self.release_active(true).await;
     }
 
-    /// Releases every active generation.
-    async fn release_active(&mut self) {
-        for (id, g) in std::mem::take(&mut self.active) {
+    /// Releases every active generation; those being handed out only with `out`.
+    async fn release_active(&mut self, out: bool) {
+        let ids: Vec<u64> = self
+            .active
+            .values()
+            .filter(|g| out || !g.out)
+            .map(|g| g.id)
+            .collect();
+        for id in ids {
+            let g = self.active.remove(&id).expect("listed above");
             self.held.lock().expect("lock").remove(&id);
             release(&self.client, self.history.as_deref(), id, g.epoch).await;
         }
@@ -1953,7 +1962,7 @@ impl Taker {
             decoder_id: self.cfg.decoder_id.clone(),
             lease_ms: self.cfg.lease_ms,
             model: Some(self.identity.clone()),
-            rng_version: RNG_VERSION,
+            rng_version: crate::worker_hooks::rng_version(&self.hooks),
         };
         // Every try of the client's is an operation of its own in the history: an acquire is
         // idempotent only while the lease it granted lives, so a retry after a lost grant's

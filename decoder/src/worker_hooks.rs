@@ -116,6 +116,27 @@ pub trait StepHooks: Send + Sync {
     fn min_step(&self) -> Option<std::time::Duration> {
         None
     }
+
+    /// How long a handoff destination waits before it says receiver_ready (a slow destination:
+    /// its transfer is still in flight when the source's drain time runs out).
+    fn ready_delay(&self) -> Option<std::time::Duration> {
+        None
+    }
+
+    /// The sampler version this decoder claims instead of [`crate::RNG_VERSION`]: a decoder of
+    /// a release whose sampler draws differently (a rolling upgrade's old or new half).
+    fn rng_version(&self) -> Option<u32> {
+        None
+    }
+}
+
+/// The sampler version a decoder with `hooks` draws with: [`crate::RNG_VERSION`] unless a
+/// fault build's failpoint says otherwise.
+pub fn rng_version(hooks: &Option<std::sync::Arc<dyn StepHooks>>) -> u32 {
+    hooks
+        .as_ref()
+        .and_then(|h| h.rng_version())
+        .unwrap_or(crate::RNG_VERSION)
 }
 
 /// The points of a planned handoff where a failpoint can end a decoder.

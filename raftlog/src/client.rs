@@ -353,9 +353,8 @@ impl LogClient {
         .await
     }
 
-    /// One step of a planned handoff. Every step but `prepare` is idempotent, so a retry after
-    /// a lost answer gets the same answer; a retried `prepare` that had applied is refused
-    /// (HANDOFF_CONFLICT) and the caller finds its attempt with [`LogClient::get`].
+    /// One step of a planned handoff. Every step is idempotent: a retry after a lost answer
+    /// gets the attempt the first try made (a retried commit, only while its grant stands).
     pub async fn handoff(&self, req: pb::HandoffRequest) -> Result<pb::HandoffResponse, ClientError> {
         self.call(|mut c| {
             let r = req.clone();

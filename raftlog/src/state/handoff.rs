@@ -46,6 +46,21 @@ impl LogState {
                 manifest,
             } => {
                 check_len("decoder id bytes", source.len(), DECODER_ID_BYTES_MAX)?;
+                // The same Prepare again (a retry whose first answer was lost, after it
+                // applied): the attempt it made, not a conflict that leaves the source without
+                // its attempt id and the attempt in flight until it times out (CONTRACT §7: a
+                // lost acknowledgment is resolved by asking the log). Nothing moved ownership
+                // since: that would have aborted the attempt.
+                let same = self.handoffs.get(&id).is_some_and(|h| {
+                    h.phase.in_flight()
+                        && h.source == *source
+                        && h.source_epoch == *epoch
+                        && h.destination == *destination
+                        && h.manifest == *manifest
+                });
+                if same {
+                    return self.answer(id);
+                }
                 self.handoff_prepare(id, *epoch, source, destination, manifest)?
             }
             HandoffStep::Copying { attempt, source } => {
@@ -94,8 +109,23 @@ impl LogState {
                 let (g, h) = self.attempt(id, *attempt)?;
                 check_destination(g, h, destination, *handoff_epoch)?;
                 match h.phase {
-                    // A retry after the commit applied: the same grant.
-                    HandoffPhase::OwnershipCommitted | HandoffPhase::SourceReleased => return self.answer(id),
+                    // A retry after the commit applied: the same grant, while it stands. Once
+                    // the destination's lease lapsed and another decoder took the generation,
+                    // "ok" would make the destination believe it owns it (it would renew and
+                    // decode at an epoch fenced since).
+                    HandoffPhase::OwnershipCommitted | HandoffPhase::SourceReleased => {
+                        if g.lease.owner != *destination || g.lease.epoch != *handoff_epoch {
+                            return Err(reject_gen(
+                                RejectReason::StaleEpoch,
+                                format!(
+                                    "attempt {attempt} committed, but ownership moved on since: epoch {} belongs to {:?}",
+                                    g.lease.epoch, g.lease.owner
+                                ),
+                                g,
+                            ));
+                        }
+                        return self.answer(id);
+                    }
                     HandoffPhase::ReceiverReady => {}
                     p => {
                         return Err(conflict(

@@ -160,6 +160,14 @@ fn the_phases_move_ownership_once_and_fence_the_source() {
     };
     assert_eq!(reason(t.step(25, g, abort)), RejectReason::HandoffConflict);
     assert_eq!(t.gen(g).lease.owner, DST);
+    // The destination's lease lapses and another decoder takes the generation: a commit retry
+    // that arrives now is refused. It was answered "ok", with the new owner's view: the
+    // destination took that for its grant.
+    t.acquire(23 + LEASE + 1, g, "third").unwrap();
+    assert_eq!(
+        reason(t.step(23 + LEASE + 2, g, commit_step(attempt, 2))),
+        RejectReason::StaleEpoch
+    );
 }
 
 #[test]
@@ -220,8 +228,16 @@ fn steps_of_another_attempt_side_or_epoch_are_refused() {
     assert!(t.s.handoffs.is_empty(), "nothing refused left a trace");
 
     let attempt = t.prepare(6, g, 2).unwrap().0.attempt;
-    // One attempt at a time.
-    assert_eq!(reason(t.prepare(7, g, 2)), RejectReason::HandoffConflict);
+    // One attempt at a time: another Prepare is refused...
+    assert_eq!(
+        reason(t.step(7, g, prep(1, SRC, DST, manifest(1)))),
+        RejectReason::HandoffConflict
+    );
+    // ...and the same one again (its first answer lost) is answered with the attempt it made.
+    // It was refused too: the source never learnt the attempt, which stayed in flight until
+    // `HANDOFF_PHASE_MS_MAX` aborted it.
+    let (again, _) = t.prepare(7, g, 2).unwrap();
+    assert_eq!((again.attempt, again.phase), (attempt, HandoffPhase::Prepared));
     // Out of order: no commit before ready, no release before the commit.
     assert_eq!(
         reason(t.step(7, g, commit_step(attempt, 2))),
