@@ -100,6 +100,51 @@ async fn gateway_killed_mid_stream_client_resumes_on_another_gateway() {
     check_view(&events, &records);
 }
 
+/// A client whose gateway dies moves to one where its tenant's streams are all open (they are
+/// counted per gateway): it waits there for a slot, within its reconnect budget, instead of
+/// ending the stream. Before, RESOURCE_EXHAUSTED ended it at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_moving_to_a_gateway_where_its_tenant_is_full_waits_for_a_slot() {
+    let _g = serial();
+    let (cluster, _d, log) = cluster_with_decoder(&["--fake-step-ms", "20"]).await;
+    let keys = cluster.dir.path().join("keys");
+    std::fs::write(&keys, tokenlog_gateway::tenants::keys_file_line("key-alice", "alice") + "\n").unwrap();
+    let flags = ["--keys", keys.to_str().unwrap(), "--tenant-streams-max", "1"];
+    let mut g1 = cluster.start_gateway("g1", &flags);
+    let g2 = cluster.start_gateway("g2", &flags);
+    // Alice's one stream on g2, on a generation of its own.
+    let mut raw = GenerationClient::connect(format!("http://{}", g2.grpc)).await.unwrap();
+    let mut req = tonic::Request::new(request("holder", 2_000));
+    req.metadata_mut()
+        .insert("authorization", "Bearer key-alice".parse().unwrap());
+    let mut holder = raw.generate(req).await.unwrap().into_inner();
+    holder.message().await.unwrap().expect("the holder streams");
+    let client = GatewayClient::new(vec![g1.grpc.clone(), g2.grpc.clone()], Some("key-alice".into())).unwrap();
+    let mut stream = client.generate(request("mover", 200)).boxed();
+    let mut events = Vec::new();
+    let mut holder = Some(holder);
+    while let Some(e) = stream.next().await {
+        let e = e.expect("the stream survives g1's death and g2's full slot");
+        if e.seq == 20 {
+            g1.kill9();
+            // The holder leaves a while later: until then g2 answers RESOURCE_EXHAUSTED.
+            let h = holder.take();
+            tokio::spawn(async move {
+                tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+                drop(h);
+            });
+        }
+        let end = e.last;
+        events.push(e);
+        if end {
+            break;
+        }
+    }
+    assert!(client.reconnects() >= 2, "g2 refused at least once");
+    let (records, _) = committed(&log, events[0].generation).await;
+    check_view(&events, &records);
+}
+
 /// 50 random client disconnects in one stream: each time the client drops the stream after 0..3
 /// events and resumes after the last seq it saw (alternating between two gateways).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -651,6 +696,34 @@ async fn tenant_stream_limits_hold_and_a_client_leaving_a_stalled_stream_frees_i
     assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
     drop(sse);
     drop(wait_slot(200).await);
+    // The same through the Rust client: a caller that drops its stream (a timeout around it,
+    // say) gives the slot back. Its task noticed only when an event came to pass on, so a
+    // stalled stream held the slot for the whole generation.
+    // The gateway's count of open streams, once it holds still (the streams dropped above
+    // close a moment later).
+    let active = || {
+        let (_, m) = common::http(&g.http, "GET", "/metrics", &[], "");
+        m.lines()
+            .find_map(|l| l.strip_prefix("tokenlog_gateway_streams_active "))
+            .and_then(|v| v.trim().parse::<i64>().ok())
+            .unwrap_or_else(|| panic!("no streams_active in {m}"))
+    };
+    let before = loop {
+        let n = active();
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        if active() == n {
+            break n;
+        }
+    };
+    let lib = GatewayClient::new(vec![g.grpc.clone()], Some("key-alice".into())).unwrap();
+    let stream = lib.generate(request("lib", 50));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while active() == before {
+        assert!(std::time::Instant::now() < deadline, "the client's stream never opened");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    drop(stream);
+    drop(wait_slot(300).await);
 }
 
 /// Issue 14 item 4: a gateway started without any model file serves the bundled model's text.
@@ -1178,6 +1251,39 @@ async fn a_retry_is_answered_from_the_log_after_its_decoder_is_gone() {
     let other = r#"{"prompt": "hi", "max_tokens": 4, "ignore_eos": true}"#;
     let (s, refused) = common::http(&g.http, "POST", "/v1/completions", &key, other);
     assert_eq!(s, 409, "{refused}");
+}
+
+/// A request id reused with another model is a different request (the model is part of the
+/// binding, CONTRACT §1): 409, whether the name is one no decoder serves or another live
+/// model's. Before, the gateway compared the request bound again against the stored binding's
+/// own model, never the name asked for: both answered 200 with the first model's generation,
+/// labelled as the model asked for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_id_reused_with_another_model_is_a_conflict() {
+    let _g = serial();
+    let (cluster, _d, log) = cluster_with_decoder(&["--fake-step-ms", "5"]).await;
+    let g = cluster.start_gateway("g1", &[]);
+    let key = [("idempotency-key", "one-model")];
+    let body = |model: &str| format!(r#"{{"model": "{model}", "prompt": "hi", "max_tokens": 3, "ignore_eos": true}}"#);
+    let (s, first) = common::http(&g.http, "POST", "/v1/completions", &key, &body("fake"));
+    assert_eq!(s, 200, "{first}");
+    let (s, again) = common::http(&g.http, "POST", "/v1/completions", &key, &body("fake"));
+    assert_eq!(s, 200, "the same request again: {again}");
+    let (s, refused) = common::http(&g.http, "POST", "/v1/completions", &key, &body("nope"));
+    assert_eq!(s, 409, "a model nobody serves: {refused}");
+    // Another live model, of other weights.
+    let path = tokenlog_decoder::fetch::ensure_default_model(&tokenlog_decoder::fetch::repo_models_dir()).unwrap();
+    let _real = cluster.start_real_decoder("real", &path, &[]);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while log.list_models().await.unwrap().models.len() < 2 {
+        assert!(std::time::Instant::now() < deadline, "the real decoder never registered");
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(tokenlog_gateway::limits::MODELS_CACHE_TTL).await;
+    let (s, refused) = common::http(&g.http, "POST", "/v1/completions", &key, &body("smollm2-135m-instruct"));
+    assert_eq!(s, 409, "another live model: {refused}");
+    let (s, again) = common::http(&g.http, "POST", "/v1/completions", &key, &body("fake"));
+    assert_eq!(s, 200, "the first model still answers the retry: {again}");
 }
 
 /// A stream of a generation quiet for longer than the Watch's retry budget (queued behind a

@@ -135,11 +135,19 @@ impl GatewayClient {
     ) -> impl Stream<Item = Result<tpb::GenerationEvent, ClientError>> {
         let (tx, rx) = tokio::sync::mpsc::channel(CLIENT_BUFFER_EVENTS);
         let this = self.clone();
-        tokio::spawn(async move {
+        // The caller may drop the stream while nothing arrives (a stalled generation, a
+        // reconnect, a pause): the task then ends at once, and with it the gateway's stream and
+        // the tenant's slot, instead of when the next event finds nobody to take it.
+        let caller = tx.clone();
+        let run = async move {
             let mut last = after_seq;
             let mut at = 0usize;
             let mut progress = Instant::now();
             let mut first_try = true;
+            // Whether a gateway streamed this request to us: from then on a full gateway
+            // (RESOURCE_EXHAUSTED: the tenant's streams are counted per gateway) is one to
+            // move past, as a dead one is. Before any stream, it is the caller's answer.
+            let mut streamed = false;
             // When the caller was last told that no gateway answers.
             let mut noticed: Option<Instant> = None;
             loop {
@@ -162,6 +170,7 @@ impl GatewayClient {
                 };
                 let err = match opened {
                     Ok(resp) => {
+                        streamed = true;
                         let mut s = resp.into_inner();
                         loop {
                             match s.message().await {
@@ -196,7 +205,7 @@ impl GatewayClient {
                     }
                     Err(s) => s,
                 };
-                if !retryable(&err) {
+                if !(retryable(&err) || streamed && err.code() == Code::ResourceExhausted) {
                     let _ = tx.send(Err(ClientError::Status(err))).await;
                     return;
                 }
@@ -224,6 +233,12 @@ impl GatewayClient {
                 }
                 at += 1;
                 tokio::time::sleep(PAUSE).await;
+            }
+        };
+        tokio::spawn(async move {
+            tokio::select! {
+                () = caller.closed() => {}
+                () = run => {}
             }
         });
         tokio_stream::wrappers::ReceiverStream::new(rx)

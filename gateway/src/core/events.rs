@@ -56,7 +56,7 @@ impl Gateway {
             .streams
             .clone()
             .try_acquire_owned()
-            .map_err(|_| GatewayError::Overloaded(format!("gateway overloaded: {STREAMS_MAX} streams open")))?;
+            .map_err(|_| super::overloaded())?;
         let (tx, rx) = mpsc::channel(STREAM_BUFFER_EVENTS);
         let gw = self.clone();
         tokio::spawn(async move { gw.pump(info, after_seq, tokenizer, tx, (permit, slot)).await });
@@ -256,6 +256,29 @@ impl EventText {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A gateway whose streams are all open refuses a request before it submits it (the log
+    /// here is unreachable: asking it would not answer for the log client's retry budget).
+    /// Before, the generation was created first and its stream refused afterwards.
+    #[tokio::test]
+    async fn a_gateway_with_every_stream_open_refuses_a_request_before_submitting_it() {
+        use crate::core::{BindDefaults, GenerateParams, Prompt};
+        use crate::tenants::{TenantLimits, Tenants};
+        let gw = Gateway::new(
+            tokenlog_raftlog::client::LogClient::new(vec!["127.0.0.1:9".into()]).unwrap(),
+            Tenants::Open,
+            vec![],
+            TenantLimits { streams: 8, submits: 8 },
+            BindDefaults::default(),
+        )
+        .unwrap();
+        let _all = gw.streams.clone().try_acquire_many_owned(STREAMS_MAX as u32).unwrap();
+        let p = GenerateParams::new("r", Prompt::Text("hi".into()));
+        let r = tokio::time::timeout(std::time::Duration::from_secs(5), gw.submit("t", &p))
+            .await
+            .expect("refused at once, without asking the log");
+        assert!(matches!(r, Err(GatewayError::Overloaded(_))), "{:?}", r.map(|_| ()));
+    }
 
     fn info(stops: &[&str]) -> pb::GenerationInfo {
         pb::GenerationInfo {

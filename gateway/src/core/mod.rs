@@ -148,6 +148,11 @@ mod binding;
 mod events;
 mod models;
 
+/// The refusal of a stream while `STREAMS_MAX` are open.
+fn overloaded() -> GatewayError {
+    GatewayError::Overloaded(format!("gateway overloaded: {STREAMS_MAX} streams open"))
+}
+
 use binding::check_request_id;
 pub use binding::{default_seed, random_request_id};
 pub use models::ResolvedModel;
@@ -203,9 +208,14 @@ impl Gateway {
     /// Submits (idempotently: the same request id and request give the same generation).
     pub async fn submit(&self, tenant: &str, p: &GenerateParams) -> Result<(pb::GenerationInfo, String)> {
         let _submitting = self.tenant_use.take(tenant, Held::Submit, self.tenant_limits.submits)?;
-        // Refuse before creating anything when the tenant could not stream it anyway.
+        // Refuse before creating anything when the tenant, or the gateway, could not stream it
+        // anyway: a generation made and then refused its stream ran for nobody, under a request
+        // id its client never saw (and every retry of a 429 made another).
         self.tenant_use
             .check(tenant, Held::Stream, self.tenant_limits.streams)?;
+        if self.streams.available_permits() == 0 {
+            return Err(overloaded());
+        }
         let m = match self.resolve_model(&p.model).await {
             Ok(m) => m,
             // No live decoder serves the model now (or the name picks none): a retry of a
@@ -298,6 +308,22 @@ impl Gateway {
         let Some(identity) = bound.model.clone() else {
             return Ok(false);
         };
+        // The binding keeps the model's identity, not the name it was asked by. A name under
+        // which decoders serve that identity now is the same model; a name none of them uses
+        // while some serve it is another model (or none). With none serving it (all gone, or
+        // upgraded to other weights under the same name) the name cannot be told apart and the
+        // retry stands.
+        if !p.model.is_empty() {
+            let models = self.models().await?;
+            let mut names = models
+                .iter()
+                .filter(|m| m.identity.as_ref() == Some(&identity))
+                .map(|m| m.name.as_str())
+                .peekable();
+            if names.peek().is_some() && !names.any(|n| n == p.model) {
+                return Ok(false);
+            }
+        }
         let tokenizer = self.tokenizer_for(&identity.tokenizer_sha256, &p.model).await?;
         let m = ResolvedModel {
             info: pb::ModelInfo {
