@@ -129,16 +129,21 @@ async fn submit_owned(
         ids.push(submit(submitter, model, &format!("{prefix}{i}"), p, max_tokens).await);
     }
     for &id in &ids {
-        wait_until(
-            "the owner to hold every generation and commit a few records",
-            async || {
-                let g = get(client, id).await.generation.unwrap();
-                g.lease.is_some_and(|l| l.owner == owner) && g.frontier >= 4
-            },
-        )
-        .await;
+        wait_owned(client, id, owner).await;
     }
     ids
+}
+
+/// Waits until `owner` holds generation `id` and has committed a few of its records.
+async fn wait_owned(client: &LogClient, id: u64, owner: &str) {
+    wait_until(
+        &format!("{owner} to hold generation {id} with a few records"),
+        async || {
+            let g = get(client, id).await.generation.unwrap();
+            g.lease.is_some_and(|l| l.owner == owner) && g.frontier >= 4
+        },
+    )
+    .await;
 }
 
 /// What [`follow`] saw of a generation: its tokens, their epochs, the longest gap.
@@ -483,6 +488,53 @@ async fn a_decoder_whose_registration_lapsed_gets_its_session_back() {
     }
 }
 
+/// A registration refresh whose answer is lost after it applied makes the next one look like the
+/// registration had lapsed (the decoder heard of no refresh for longer than the registration
+/// lives), though the log held it, and the decoder's session, all along. The decoder then opens
+/// a new session; the old one goes only once the new one is the log's. Before, it ended the old
+/// session's stream first: the leader took that for the decoder's death and ended every lease
+/// it held, unless the new session happened to be opened first (a race: three false alarms
+/// here; failpoint `register-answers-lost=5`: five refreshes of every six unanswered).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_that_only_looks_lapsed_ends_no_lease() {
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    let client = cluster.client();
+    let m = fake();
+    let d = cluster.start_decoder_env(
+        "unheard",
+        &["--fake-step-ms", "25"],
+        &[("TOKENLOG_FAILPOINTS", "register-answers-lost=5")],
+    );
+    common::wait_for_model(&client).await;
+    let x = submit(
+        &client,
+        &m,
+        "unheard-x",
+        &m.tokenizer().encode("unheard").unwrap(),
+        2_000,
+    )
+    .await;
+    wait_owned(&client, x, &d.id).await;
+    wait_until("d to take its registration for lapsed three times", async || {
+        d.log_text().matches("the registration had lapsed").count() >= 3
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let log = d.log_text();
+    // An ended lease keeps its owner and epoch until the generation is taken again: the
+    // decoder's refused append says it ended.
+    assert!(!log.contains("append rejected"), "x's lease ended:\n{log}");
+    let g = get(&client, x).await.generation.unwrap();
+    let lease = g.lease.unwrap();
+    assert_eq!(
+        (lease.owner.as_str(), lease.epoch),
+        ("unheard", 1),
+        "x's lease never ended:\n{}",
+        d.log_text()
+    );
+}
+
 /// One failure point of a planned handoff (CONTRACT §8, points 1-6), as a scenario: which side
 /// dies where (a failpoint ends the process as a kill would), and what the log must show after.
 struct Case {
@@ -589,11 +641,7 @@ async fn every_handoff_failure_point_keeps_one_owner_and_the_clients_stream() {
         common::wait_for_model(&client).await;
         let prompt = m.tokenizer().encode(&format!("failure point {i}")).unwrap();
         let id = submit(&client, &m, &format!("fp{i}"), &prompt, MAX_TOKENS).await;
-        wait_until("the source to own it with a few records", async || {
-            let g = get(&client, id).await.generation.unwrap();
-            g.lease.is_some_and(|l| l.owner == s.id) && g.frontier >= 4
-        })
-        .await;
+        wait_owned(&client, id, &s.id).await;
         let mut d = cluster.start_decoder_env(&format!("fp{i}-d"), &flags, &env(case.destination_failpoints));
         let d_id = d.id.clone();
         wait_until("the destination to register", async || {
@@ -683,11 +731,7 @@ async fn a_destination_that_cannot_catch_up_after_its_commit_releases_the_genera
     common::wait_for_model(&client).await;
     let prompt = m.tokenizer().encode("catch-up read fails").unwrap();
     let id = submit(&client, &m, "catchup", &prompt, MAX_TOKENS).await;
-    wait_until("the source to own it with a few records", async || {
-        let g = get(&client, id).await.generation.unwrap();
-        g.lease.is_some_and(|l| l.owner == s.id) && g.frontier >= 4
-    })
-    .await;
+    wait_owned(&client, id, &s.id).await;
     let d = cluster.start_decoder_env("catchup-d", &flags, &[("TOKENLOG_FAILPOINTS", "catch-up-read-fails=1")]);
     let d_id = d.id.clone();
     wait_until("the destination to register", async || {
@@ -804,11 +848,7 @@ async fn a_destination_writing_before_the_ownership_commit_is_caught() {
         common::wait_for_model(&client).await;
         let prompt = m.tokenizer().encode(&format!("early {round}")).unwrap();
         let id = submit(&client, &m, &format!("early{round}"), &prompt, MAX_TOKENS).await;
-        wait_until("a to own it", async || {
-            let g = get(&client, id).await.generation.unwrap();
-            g.lease.is_some_and(|l| l.owner == a.id) && g.frontier >= 4
-        })
-        .await;
+        wait_owned(&client, id, &a.id).await;
         let history = cluster.dir.path().join(format!("early{round}-b.jsonl"));
         let mut b_flags: Vec<String> = flags.iter().map(|s| s.to_string()).collect();
         b_flags.extend(["--history".into(), history.display().to_string()]);
@@ -939,7 +979,8 @@ async fn a_destination_refuses_a_manifest_bigger_than_its_models_cache_at_the_he
     let cluster = Cluster::start(20_000);
     let client = cluster.client();
     let _d = cluster.start_decoder("dest", &["--handoff-listen", "127.0.0.1:0"]);
-    common::wait_for_model(&client).await;
+    // Its handoff address is listed once its session is open too (a moment after it registers).
+    wait_until("dest to take handoffs", async || takes_handoffs(&client, "dest").await).await;
     let model = client.list_models().await.unwrap().models.remove(0);
     let addr = model.handoff_addrs["dest"].clone();
     let mut c = tokenlog_proto::decoder::handoff_client::HandoffClient::connect(format!("http://{addr}"))
@@ -999,18 +1040,21 @@ async fn a_handoff_never_moves_a_generation_to_a_decoder_with_another_sampler() 
     let m = fake();
     let other = tokenlog_decoder::RNG_VERSION + 1;
     let fp = format!("rng-version={other}");
-    let flags = ["--handoff-listen", "127.0.0.1:0", "--fake-step-ms", "25", "--drain-ms", "3000"];
+    let flags = [
+        "--handoff-listen",
+        "127.0.0.1:0",
+        "--fake-step-ms",
+        "25",
+        "--drain-ms",
+        "3000",
+    ];
     let mut a = cluster.start_decoder_env("rng-a", &flags, &[("TOKENLOG_FAILPOINTS", fp.as_str())]);
     common::wait_for_model(&client).await;
     let prompt = m.tokenizer().encode("another sampler").unwrap();
     let mut binding = common::sampled_binding(&m, &prompt, &sampling(), 2_000);
     binding.sampling.as_mut().unwrap().rng_version = other;
     let x = common::submit_binding(&client, "rng-x", binding).await;
-    wait_until("a to own x", async || {
-        let g = get(&client, x).await.generation.unwrap();
-        g.lease.is_some_and(|l| l.owner == a.id) && g.frontier >= 4
-    })
-    .await;
+    wait_owned(&client, x, &a.id).await;
     let b = cluster.start_decoder("rng-b", &flags);
     wait_until("b to register its handoff listener", async || {
         takes_handoffs(&client, "rng-b").await
@@ -1026,7 +1070,10 @@ async fn a_handoff_never_moves_a_generation_to_a_decoder_with_another_sampler() 
         "b, of another sampler, owns x: {:?}\n{logs}",
         g.lease
     );
-    assert!(logs.contains("sampler version"), "the refusal names the sampler: {logs}");
+    assert!(
+        logs.contains("sampler version"),
+        "the refusal names the sampler: {logs}"
+    );
 }
 
 /// A drain whose time runs out while a handoff is in flight lets that handoff end: the
@@ -1045,11 +1092,7 @@ async fn a_drain_whose_time_runs_out_lets_the_handoff_in_flight_end() {
     common::wait_for_model(&client).await;
     let prompt = m.tokenizer().encode("a late destination").unwrap();
     let x = submit(&client, &m, "late-x", &prompt, 2_000).await;
-    wait_until("a to own x", async || {
-        let g = get(&client, x).await.generation.unwrap();
-        g.lease.is_some_and(|l| l.owner == a.id) && g.frontier >= 4
-    })
-    .await;
+    wait_owned(&client, x, &a.id).await;
     let b = cluster.start_decoder_env("late-b", &flags, &[("TOKENLOG_FAILPOINTS", "ready-delay-ms=3000")]);
     wait_until("b to register its handoff listener", async || {
         takes_handoffs(&client, "late-b").await
@@ -1083,7 +1126,7 @@ async fn a_caller_that_sends_no_header_is_answered_within_the_transfer_timeout()
     let cluster = Cluster::start(20_000);
     let client = cluster.client();
     let _d = cluster.start_decoder("dest", &["--handoff-listen", "127.0.0.1:0"]);
-    common::wait_for_model(&client).await;
+    wait_until("dest to take handoffs", async || takes_handoffs(&client, "dest").await).await;
     let addr = client.list_models().await.unwrap().models[0].handoff_addrs["dest"].clone();
     let mut c = tokenlog_proto::decoder::handoff_client::HandoffClient::connect(format!("http://{addr}"))
         .await
@@ -1140,11 +1183,7 @@ async fn a_transfer_arriving_while_the_destination_takes_from_the_log_finds_its_
         2_000,
     )
     .await;
-    wait_until("a to own x", async || {
-        let g = get(&client, x).await.generation.unwrap();
-        g.lease.is_some_and(|l| l.owner == a.id) && g.frontier >= 4
-    })
-    .await;
+    wait_owned(&client, x, &a.id).await;
     let d = cluster.start_decoder_env("cap-d", &flags, &[("TOKENLOG_FAILPOINTS", "take-delay-ms=3000")]);
     let d_id = d.id.clone();
     wait_until("d to register", async || takes_handoffs(&client, &d_id).await).await;

@@ -39,6 +39,8 @@
 //! - `deaf-to-lost-renewals=1`: the worker does not drop a generation whose renewal the log
 //!   rejected (as if that answer always came late): after a pause the old owner's next append
 //!   meets the log's fence, deterministically (failure point 9).
+//! - `register-answers-lost=N`: of every `N + 1` registration refreshes (after the first
+//!   registration), the answers of the first `N` are lost after the log applied them.
 //! - `ready-delay-ms=MS`: a handoff destination waits `MS` milliseconds before it says
 //!   receiver_ready (a slow destination).
 //! - `rng-version=N`: the decoder claims sampler version `N` (acquires with it, and takes
@@ -70,6 +72,9 @@ pub struct Failpoints {
     pub min_step: Option<Duration>,
     pub rng_version: Option<u32>,
     pub ready_delay: Option<Duration>,
+    pub register_answers_lost: u32,
+    /// Registration refreshes so far.
+    register_answers_dropped: Fires,
     /// Prefix reads failed so far (shared by the clones of one process's failpoints).
     prefix_reads_failed: Fires,
 }
@@ -122,6 +127,7 @@ impl Failpoints {
                 "prefix-restore-exit" => fp.prefix_restore_exit = num(arg)? != 0,
                 "deaf-to-lost-renewals" => fp.deaf_to_lost_renewals = num(arg)? != 0,
                 "min-step-ms" => fp.min_step = Some(Duration::from_millis(num(arg)?)),
+                "register-answers-lost" => fp.register_answers_lost = num(arg)? as u32,
                 "ready-delay-ms" => fp.ready_delay = Some(Duration::from_millis(num(arg)?)),
                 "rng-version" => {
                     let v = u32::try_from(num(arg)?).map_err(|_| bad(format!("{arg} is over u32")))?;
@@ -137,7 +143,7 @@ impl Failpoints {
                     return Err(bad(format!(
                         "unknown failpoint {name:?} (known: exit-after-sample, delay-append, model-error, \
                          model-panic, prefix-read-errors, handoff-exit, commit-answer-lost, catch-up-read-fails, source-blind-ms, take-delay-ms, prefix-restore-exit, \
-                         deaf-to-lost-renewals, min-step-ms, ready-delay-ms, rng-version)"
+                         deaf-to-lost-renewals, min-step-ms, register-answers-lost, ready-delay-ms, rng-version)"
                     )))
                 }
             }
@@ -189,6 +195,11 @@ impl StepHooks for Failpoints {
 
     fn ready_delay(&self) -> Option<Duration> {
         self.ready_delay
+    }
+
+    fn register_answer_lost(&self) -> bool {
+        let n = self.register_answers_dropped.0.fetch_add(1, Ordering::AcqRel);
+        self.register_answers_lost > 0 && n % (self.register_answers_lost + 1) < self.register_answers_lost
     }
 
     fn after_sample(&self, gens: &[StepView]) -> Option<Fired> {

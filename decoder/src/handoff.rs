@@ -374,7 +374,11 @@ impl HandoffPort {
         laps.lap("follow");
         halt_at(&s.hooks, &s.history, HandoffPoint::DestinationBeforeReady, id);
         if let Some(d) = s.hooks.as_ref().and_then(|h| h.ready_delay()) {
-            tracing::warn!(generation = id, ms = d.as_millis() as u64, "failpoint ready-delay-ms: holding receiver_ready");
+            tracing::warn!(
+                generation = id,
+                ms = d.as_millis() as u64,
+                "failpoint ready-delay-ms: holding receiver_ready"
+            );
             tokio::time::sleep(d).await;
         }
         let ready = step(

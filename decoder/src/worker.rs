@@ -1231,18 +1231,32 @@ impl Worker {
         let (client, stats, before) = (self.client.clone(), self.stats.clone(), self.registering.take());
         let (until, renew) = (self.registered_until.clone(), self.session_renew.clone());
         let first = !self.registered_once;
+        let hooks = self.hooks.clone();
         self.registered_once = true;
         let task = tokio::spawn(async move {
             if let Some(before) = before {
                 let _ = before.await;
             }
-            let registered = match client.register(req).await {
+            let mut answer = client.register(req).await;
+            if !first && answer.is_ok() && hooks.as_ref().is_some_and(|h| h.register_answer_lost()) {
+                tracing::warn!(
+                    failpoint = "register-answers-lost",
+                    "failpoint fired: the registration's answer is dropped"
+                );
+                answer = Err(ClientError::Status(tonic::Status::unavailable(
+                    "failpoint register-answers-lost: the answer was dropped",
+                )));
+            }
+            let registered = match answer {
                 Ok(r) => {
-                    // Registered at `expiry - ttl`: later than the last registration lived, it
-                    // lapsed in between (a step loop held up, a paused process), and the log's
-                    // housekeeping then dropped this decoder's session too, while its stream
-                    // stayed open. Without a session in the log it is no standby and no handoff
-                    // destination, and its crash would be found by lease expiry only.
+                    // Registered at `expiry - ttl`: later than the last registration this
+                    // decoder heard of lived, it may have lapsed in between (a step loop held
+                    // up, a paused process), and the log's housekeeping then dropped this
+                    // decoder's session too, while its stream stayed open. Without a session in
+                    // the log it is no standby and no handoff destination, and its crash would
+                    // be found by lease expiry only. Or a refresh between applied and its answer
+                    // was lost: the session is the log's still. The session loop opens a new
+                    // one before it lets the old one go, so neither case ends a lease.
                     let before = until.swap(r.expiry_log_ms, std::sync::atomic::Ordering::AcqRel);
                     if before != 0 && r.expiry_log_ms.saturating_sub(ttl_ms) > before {
                         tracing::warn!(
@@ -1763,12 +1777,7 @@ impl Worker {
 
     /// Releases every active generation; those being handed out only with `out`.
     async fn release_active(&mut self, out: bool) {
-        let ids: Vec<u64> = self
-            .active
-            .values()
-            .filter(|g| out || !g.out)
-            .map(|g| g.id)
-            .collect();
+        let ids: Vec<u64> = self.active.values().filter(|g| out || !g.out).map(|g| g.id).collect();
         for id in ids {
             let g = self.active.remove(&id).expect("listed above");
             self.held.lock().expect("lock").remove(&id);

@@ -123,6 +123,12 @@ pub trait StepHooks: Send + Sync {
         None
     }
 
+    /// Whether the answer of this registration refresh is lost after the log applied it (the
+    /// leader stepped down, a deadline): the decoder learns nothing from it.
+    fn register_answer_lost(&self) -> bool {
+        false
+    }
+
     /// The sampler version this decoder claims instead of [`crate::RNG_VERSION`]: a decoder of
     /// a release whose sampler draws differently (a rolling upgrade's old or new half).
     fn rng_version(&self) -> Option<u32> {

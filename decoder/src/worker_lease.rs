@@ -47,10 +47,19 @@ pub(crate) async fn session_loop(
     history: Option<Arc<crate::history::History>>,
 ) {
     let mut pause = SESSION_RETRY_PAUSE_MIN;
+    // The session a renewal replaces, held until the new one is open: the log may hold it still
+    // (a registration's answer lost made the registration look lapsed), and ending its stream
+    // would end every lease of this decoder. Once the new one is the log's, the old one's end
+    // ends nothing.
+    let mut replaced: Option<(u64, tokenlog_raftlog::client::Session)> = None;
     loop {
         let id = fresh_session_id();
         match client.open_session(&decoder_id, id).await {
             Ok(mut session) => {
+                if let Some((old, s)) = replaced.take() {
+                    tracing::debug!(session = old, "the replaced session let go");
+                    drop(s);
+                }
                 open.store(true, Ordering::Release);
                 if let Some(h) = &history {
                     h.event(crate::history::DecoderEvent::SessionOpened { session: id });
@@ -62,12 +71,11 @@ pub(crate) async fn session_loop(
                         open.store(false, Ordering::Release);
                         tracing::info!(session = id, why = %why.message(), "session with the leader ended; opening another");
                     }
-                    // The log no longer holds this one (the registration lapsed): a new one,
-                    // at once. Ending the old stream ends nothing in the log (its session is
-                    // not the decoder's any more).
+                    // The log may no longer hold this one (the registration lapsed): a new one,
+                    // at once; the old one goes once the new one is open.
                     () = renew.notified() => {
-                        tracing::info!(session = id, "session dropped by the log; opening another");
-                        drop(session);
+                        tracing::info!(session = id, "the session may be dropped by the log; opening another");
+                        replaced = Some((id, session));
                         continue;
                     }
                 }
