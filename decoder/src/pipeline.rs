@@ -525,6 +525,15 @@ struct Spare {
     live_at_log_ms: u64,
 }
 
+/// Whether `found`, the head's record read again after SetPipeline `req` failed, is that write's
+/// own, applied by an earlier try whose answer was lost: this very composition, at an epoch past
+/// the one the write expected. Only this head writes its record, and the log's epochs come from
+/// one counter shared by every head: another head composing in between moves it by more than
+/// one.
+fn written_by_an_earlier_try(req: &lpb::SetPipelineRequest, found: &lpb::PipelineInfo) -> bool {
+    found.epoch > req.expect_epoch && found.stages == req.stages
+}
+
 impl Pipe {
     /// Records `stages` as the head's composition, against the epoch it last wrote; the new
     /// epoch becomes the current one.
@@ -549,10 +558,10 @@ impl Pipe {
         let p = match log.set_pipeline(req.clone()).await {
             Ok(r) => r.pipeline.ok_or("the log answered SetPipeline without the record")?,
             // A retried write whose first try committed (its answer lost) is refused, its epoch
-            // moved on: the record is read again, and if it is this very composition at the
-            // next epoch it is ours (the proto's PIPELINE_CONFLICT rule).
+            // moved on: the record is read again, and if it is this very composition at a
+            // later epoch it is ours (the proto's PIPELINE_CONFLICT rule).
             Err(e) => match log.get_pipeline(&self.head, true).await {
-                Ok(p) if p.epoch == self.epoch + 1 && p.stages == req.stages => {
+                Ok(p) if written_by_an_earlier_try(&req, &p) => {
                     tracing::info!(head = %self.head, epoch = p.epoch, error = %e, "the composition was recorded by an earlier try of the same write");
                     p
                 }
@@ -1326,6 +1335,42 @@ impl Model for PipelineModel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A SetPipeline whose answer was lost after it applied is recognised as applied when its
+    /// retry is refused, whatever epoch the log's one counter (shared by every head) gave it:
+    /// with another head composing in between, h1's write from epoch 1 gets epoch 3. Only this
+    /// head writes its record. Before, only epoch `expect + 1` counted: the head took its own
+    /// splice for a failure and exited (its generations taken over).
+    #[test]
+    fn a_composition_applied_by_a_lost_try_is_ours_at_any_later_epoch() {
+        let stage = |id: &str| lpb::PipelineStage {
+            stage_id: id.into(),
+            addr: format!("{id}:1"),
+            first_layer: 0,
+            end_layer: 30,
+        };
+        let req = lpb::SetPipelineRequest {
+            head: "h1".into(),
+            expect_epoch: 1,
+            stages: vec![stage("spare")],
+        };
+        let found = |epoch, id: &str| lpb::PipelineInfo {
+            head: "h1".into(),
+            epoch,
+            stages: vec![stage(id)],
+            ..Default::default()
+        };
+        assert!(written_by_an_earlier_try(&req, &found(2, "spare")));
+        assert!(
+            written_by_an_earlier_try(&req, &found(3, "spare")),
+            "another head composed at 2"
+        );
+        assert!(!written_by_an_earlier_try(&req, &found(1, "old")), "not applied");
+        assert!(
+            !written_by_an_earlier_try(&req, &found(3, "other")),
+            "another composition"
+        );
+    }
 
     /// A pass's items go in groups of at most `STAGE_ITEMS_MAX` items whose rows and logits fit
     /// half a message; together the items in order; one item too large for a group goes alone.
