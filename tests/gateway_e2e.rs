@@ -108,7 +108,11 @@ async fn a_client_moving_to_a_gateway_where_its_tenant_is_full_waits_for_a_slot(
     let _g = serial();
     let (cluster, _d, log) = cluster_with_decoder(&["--fake-step-ms", "20"]).await;
     let keys = cluster.dir.path().join("keys");
-    std::fs::write(&keys, tokenlog_gateway::tenants::keys_file_line("key-alice", "alice") + "\n").unwrap();
+    std::fs::write(
+        &keys,
+        tokenlog_gateway::tenants::keys_file_line("key-alice", "alice") + "\n",
+    )
+    .unwrap();
     let flags = ["--keys", keys.to_str().unwrap(), "--tenant-streams-max", "1"];
     let mut g1 = cluster.start_gateway("g1", &flags);
     let g2 = cluster.start_gateway("g2", &flags);
@@ -1276,7 +1280,10 @@ async fn a_request_id_reused_with_another_model_is_a_conflict() {
     let _real = cluster.start_real_decoder("real", &path, &[]);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
     while log.list_models().await.unwrap().models.len() < 2 {
-        assert!(std::time::Instant::now() < deadline, "the real decoder never registered");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the real decoder never registered"
+        );
         tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     }
     tokio::time::sleep(tokenlog_gateway::limits::MODELS_CACHE_TTL).await;

@@ -43,8 +43,9 @@ pub fn free_ports(n: u16) -> u16 {
             continue;
         }
         // Held all at once, so every port of the block was free at the same moment.
-        let held: Result<Vec<_>, _> =
-            (base..end).map(|p| std::net::TcpListener::bind(("127.0.0.1", p))).collect();
+        let held: Result<Vec<_>, _> = (base..end)
+            .map(|p| std::net::TcpListener::bind(("127.0.0.1", p)))
+            .collect();
         if held.is_ok() {
             given.push((base, end));
             return base;
