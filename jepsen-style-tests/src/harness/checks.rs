@@ -103,6 +103,19 @@ pub fn exactly_once(reqs: &[RequestRecord], finals: &HashMap<u64, FinalGen>, log
     for r in reqs {
         by_id.entry(r.request_id.as_str()).or_default().push(r.generation);
     }
+    // One generation per request id in the log, whatever its client saw (a request that saw
+    // no event names generation 0, which matches any one of them).
+    let mut in_log: HashMap<&str, Vec<u64>> = HashMap::new();
+    for (g, rid) in log_gens {
+        in_log.entry(rid.as_str()).or_default().push(*g);
+    }
+    let mut several: Vec<_> = in_log.iter().filter(|(_, gens)| gens.len() > 1).collect();
+    several.sort();
+    for (rid, gens) in several {
+        v.fail(format!(
+            "{rid}: the log holds generations {gens:?} for it (one request, one generation)"
+        ));
+    }
     for (g, rid) in log_gens {
         v.checked += 1;
         match by_id.get(rid.as_str()) {
@@ -1080,6 +1093,22 @@ mod tests {
         assert!(!v.ok && v.problems[0].contains("one request, one generation"), "{v:?}");
         let v = exactly_once(std::slice::from_ref(&r), &HashMap::new(), &[(3, "q".into())]);
         assert!(!v.ok && v.problems[0].contains("no client made"), "{v:?}");
+        // A request whose client saw no event (refused, or given up on before its first) may
+        // have one generation in the log, not two: a retried submit made the second (failure
+        // point 11). Its generation 0 passed every generation of its request id.
+        let unseen = RequestRecord {
+            generation: 0,
+            generations: vec![],
+            first_event_us: None,
+            ..req("u", None, 2, "")
+        };
+        assert!(exactly_once(std::slice::from_ref(&unseen), &HashMap::new(), &[(5, "u".into())]).ok);
+        let v = exactly_once(
+            std::slice::from_ref(&unseen),
+            &HashMap::new(),
+            &[(5, "u".into()), (6, "u".into())],
+        );
+        assert!(!v.ok && v.problems[0].contains("one request, one generation"), "{v:?}");
     }
 
     /// A request must end as it asked: a short "length", EOS it asked to ignore, a cancel

@@ -303,12 +303,13 @@ fn append(s: &S, epoch: u64, start: u64, n: u64, finish: bool, out: Option<&Owne
     }
 }
 
-/// A release (`finish` false) or a finish at `epoch`: fenced like an append (the owner is not
-/// checked: the log's fence does not name it), retried ones acknowledged.
+/// A release (`finish` false) or a finish at `epoch`: fenced like an append, retried ones
+/// acknowledged. The fence needs a live lease: an owner (a release ends the hold, and an
+/// epoch is never granted twice).
 fn end_of_hold(s: &S, epoch: u64, finish: bool, out: Option<&OwnershipOutput>) -> Option<S> {
     let done = if finish {
         // A retried finish of a terminal generation at its epoch is acknowledged.
-        (epoch == s.epoch).then(|| S {
+        (epoch == s.epoch && (s.terminal || s.owner.is_some())).then(|| S {
             terminal: true,
             ..s.clone()
         })
@@ -787,6 +788,16 @@ mod tests {
         let mut refused = ops[..3].to_vec();
         refused.push(acq(1, "b", 6, Some(O::AcquireRejected { terminal: false }), 7));
         assert_eq!(verdict(&refused), "not-linearizable", "held by nobody, yet refused");
+        // The log fences a finish as an append: a released epoch's finish is refused (the
+        // lease is no one's). The model took it.
+        let mut finished_after = ops[..3].to_vec();
+        finished_after.push(op(0, OwnershipOp::Finish { epoch: 1 }, 6, Some(O::Done), 7));
+        finished_after.push(final_read(8, 1, 2, true));
+        assert_eq!(
+            verdict(&finished_after),
+            "not-linearizable",
+            "a finish after its release"
+        );
     }
 
     #[test]
