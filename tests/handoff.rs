@@ -507,15 +507,8 @@ async fn a_registration_that_only_looks_lapsed_ends_no_lease() {
         &[("TOKENLOG_FAILPOINTS", "register-answers-lost=5")],
     );
     common::wait_for_model(&client).await;
-    let x = submit(
-        &client,
-        &m,
-        "unheard-x",
-        &m.tokenizer().encode("unheard").unwrap(),
-        2_000,
-    )
-    .await;
-    wait_owned(&client, x, &d.id).await;
+    let prompt = m.tokenizer().encode("unheard").unwrap();
+    let x = submit_owned(&client, &client, &m, "unheard-x", &[prompt], 2_000, &d.id).await[0];
     wait_until("d to take its registration for lapsed three times", async || {
         d.log_text().matches("the registration had lapsed").count() >= 3
     })
@@ -1091,8 +1084,7 @@ async fn a_drain_whose_time_runs_out_lets_the_handoff_in_flight_end() {
     let mut a = cluster.start_decoder("late-a", &[&flags[..], &["--drain-ms", "1000"]].concat());
     common::wait_for_model(&client).await;
     let prompt = m.tokenizer().encode("a late destination").unwrap();
-    let x = submit(&client, &m, "late-x", &prompt, 2_000).await;
-    wait_owned(&client, x, &a.id).await;
+    let x = submit_owned(&client, &client, &m, "late-x", &[prompt], 2_000, &a.id).await[0];
     let b = cluster.start_decoder_env("late-b", &flags, &[("TOKENLOG_FAILPOINTS", "ready-delay-ms=3000")]);
     wait_until("b to register its handoff listener", async || {
         takes_handoffs(&client, "late-b").await

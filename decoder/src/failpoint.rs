@@ -74,7 +74,7 @@ pub struct Failpoints {
     pub ready_delay: Option<Duration>,
     pub register_answers_lost: u32,
     /// Registration refreshes so far.
-    register_answers_dropped: Fires,
+    register_refreshes: Fires,
     /// Prefix reads failed so far (shared by the clones of one process's failpoints).
     prefix_reads_failed: Fires,
 }
@@ -198,7 +198,7 @@ impl StepHooks for Failpoints {
     }
 
     fn register_answer_lost(&self) -> bool {
-        let n = self.register_answers_dropped.0.fetch_add(1, Ordering::AcqRel);
+        let n = self.register_refreshes.0.fetch_add(1, Ordering::AcqRel);
         self.register_answers_lost > 0 && n % (self.register_answers_lost + 1) < self.register_answers_lost
     }
 

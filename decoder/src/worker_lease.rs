@@ -51,15 +51,12 @@ pub(crate) async fn session_loop(
     // (a registration's answer lost made the registration look lapsed), and ending its stream
     // would end every lease of this decoder. Once the new one is the log's, the old one's end
     // ends nothing.
-    let mut replaced: Option<(u64, tokenlog_raftlog::client::Session)> = None;
+    let mut replaced: Option<tokenlog_raftlog::client::Session> = None;
     loop {
         let id = fresh_session_id();
         match client.open_session(&decoder_id, id).await {
             Ok(mut session) => {
-                if let Some((old, s)) = replaced.take() {
-                    tracing::debug!(session = old, "the replaced session let go");
-                    drop(s);
-                }
+                drop(replaced.take());
                 open.store(true, Ordering::Release);
                 if let Some(h) = &history {
                     h.event(crate::history::DecoderEvent::SessionOpened { session: id });
@@ -75,7 +72,7 @@ pub(crate) async fn session_loop(
                     // at once; the old one goes once the new one is open.
                     () = renew.notified() => {
                         tracing::info!(session = id, "the session may be dropped by the log; opening another");
-                        replaced = Some((id, session));
+                        replaced = Some(session);
                         continue;
                     }
                 }
