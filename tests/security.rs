@@ -481,6 +481,73 @@ async fn stream_code<T>(r: Result<tonic::Response<tonic::Streaming<T>>, tonic::S
     }
 }
 
+/// A decoder cannot finish, release or bind a generation under an epoch the log has not
+/// granted yet: the call is refused, not proposed. It was proposed for the command's fence to
+/// refuse; but when another decoder's Acquire of that epoch was proposed and not yet committed,
+/// the grant committed first, and the fence, which checks epochs, not owners, let decoder-1's
+/// finish end decoder-2's generation. Here decoder-1 keeps sending finishes under epoch 1 while
+/// decoder-2 acquires it, generation after generation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decoder_cannot_act_under_an_epoch_granted_to_another_while_it_asked() {
+    const ROUNDS: usize = 12;
+    const SENDERS: usize = 6;
+    let _g = serial();
+    let certs = tempfile::tempdir().unwrap();
+    make_certs(certs.path(), &[]);
+    let c = Cluster::start_tls(certs.path());
+    let leader = c.leader().await;
+    let gateway = LogClient::with_tls(c.addrs.clone(), Some(tls(certs.path(), "gateway-1"))).unwrap();
+    let d2 = LogClient::with_tls(c.addrs.clone(), Some(tls(certs.path(), "decoder-2"))).unwrap();
+    let d1 = PbClient::new(channel(&c.addrs[leader], &Cred::Holder(certs.path(), "decoder-1")));
+    let mut sent = 0;
+    let mut ended = vec![];
+    for round in 0..ROUNDS {
+        let id = common::submit(&gateway, &format!("race-{round}")).await;
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let senders: Vec<_> = (0..SENDERS)
+            .map(|_| {
+                let (mut d1, done) = (d1.clone(), done.clone());
+                tokio::spawn(async move {
+                    let mut n = 0;
+                    // Until decoder-2 holds the epoch, and a few more after.
+                    let mut after = 0;
+                    while after < 3 {
+                        if done.load(std::sync::atomic::Ordering::Acquire) {
+                            after += 1;
+                        }
+                        let _ = d1
+                            .finish(pb::FinishRequest {
+                                generation_id: id,
+                                epoch: 1,
+                                reason: pb::FinishReason::Stop as i32,
+                                detail: "decoder-1 was here".into(),
+                            })
+                            .await;
+                        n += 1;
+                    }
+                    n
+                })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(5 * (round as u64 % 4))).await;
+        let epoch = common::acquire(&d2, id, "decoder-2").await;
+        assert_eq!(epoch, 1);
+        done.store(true, std::sync::atomic::Ordering::Release);
+        for s in senders {
+            sent += s.await.unwrap();
+        }
+        let g = gateway.generation(id).await.unwrap();
+        if g.state >= pb::GenerationState::Finished as i32 {
+            ended.push((id, g.state, g.finish_detail));
+        }
+    }
+    eprintln!("{sent} finishes sent by decoder-1 over {ROUNDS} acquires by decoder-2");
+    assert!(
+        ended.is_empty(),
+        "decoder-1 ended decoder-2's generations ({sent} finishes sent): {ended:?}"
+    );
+}
+
 /// A decoder certificate speaks for its own decoder id only. With decoder-1's certificate, every
 /// call that names (or, by its epoch, belongs to) decoder-2 is refused with PERMISSION_DENIED
 /// before anything is proposed: acquiring or renewing decoder-2's generation, writing its

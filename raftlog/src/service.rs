@@ -39,11 +39,16 @@ impl LogService {
     }
 
     /// For a call fenced by an epoch alone (Finish, Release, BindPrompt): `Ok` when `caller`
-    /// may act as the decoder the log granted `epoch` of `generation` to, or nothing is checked.
-    /// An epoch names one owner for ever, so this node's state answers once it holds that
-    /// grant; one that does not yet (it has not applied it) first catches up with the leader's
-    /// commits. An epoch the state does not hold even then, or an older one, is refused by the
-    /// command itself and changes nothing.
+    /// may act as the decoder the log granted `epoch` of `generation` to, or nothing is checked
+    /// (no certificates), or the epoch is older than the current one (the command's fence
+    /// refuses it). An epoch names one owner for ever, so this node's state answers once it
+    /// holds that grant; one that does not yet (it has not applied it) first catches up with
+    /// the leader's commits. A decoder learns its epoch only from a committed grant, so an
+    /// epoch still not held after that, or a generation still unknown, was never granted: the
+    /// call is refused here. It was let through for the command to refuse, but a grant of that
+    /// epoch to another decoder (its Acquire proposed, not yet committed) could commit first,
+    /// and the command then passed the fence, which checks epochs, not owners: a decoder
+    /// finished, released or bound another's generation.
     async fn acts_as_owner(
         &self,
         caller: Option<Holder>,
@@ -51,22 +56,35 @@ impl LogService {
         epoch: Epoch,
     ) -> Result<(), Status> {
         let Some(who) = caller else { return Ok(()) };
-        let owner = |s: &LogState| -> Option<Option<String>> {
-            let g = s.generations.get(&generation)?;
+        enum Grant {
+            Current(String),
+            Older,
+            NotYet(Epoch),
+            NoGeneration,
+        }
+        let grant = |s: &LogState| -> Grant {
+            let Some(g) = s.generations.get(&generation) else {
+                return Grant::NoGeneration;
+            };
             match g.lease.epoch.cmp(&epoch) {
-                std::cmp::Ordering::Equal => Some(Some(g.lease.owner.clone())),
-                std::cmp::Ordering::Greater => Some(None),
-                std::cmp::Ordering::Less => None,
+                std::cmp::Ordering::Equal => Grant::Current(g.lease.owner.clone()),
+                std::cmp::Ordering::Greater => Grant::Older,
+                std::cmp::Ordering::Less => Grant::NotYet(g.lease.epoch),
             }
         };
-        let mut found = owner(&self.ctx.sm.read());
-        if found.is_none() {
+        let mut found = grant(&self.ctx.sm.read());
+        if matches!(found, Grant::NotYet(_) | Grant::NoGeneration) {
             self.ctx.linearize().await?;
-            found = owner(&self.ctx.sm.read());
+            found = grant(&self.ctx.sm.read());
         }
         match found {
-            Some(Some(owner)) => acts_as(Some(&who), &owner),
-            _ => Ok(()),
+            Grant::Current(owner) => acts_as(Some(&who), &owner),
+            Grant::Older => Ok(()),
+            Grant::NotYet(current) => Err(Status::permission_denied(format!(
+                "epoch {epoch} of generation {generation} was never granted (its epoch is {current}): a decoder \
+                 acts only under an epoch the log granted it"
+            ))),
+            Grant::NoGeneration => Err(LogError::NotFound(format!("no generation {generation}")).into()),
         }
     }
 }
