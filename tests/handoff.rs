@@ -825,6 +825,111 @@ async fn handoffs_run_over_mutual_tls_and_only_decoders_may_call_a_listener() {
     drop(b);
 }
 
+/// A transfer's header is the caller's word: a destination refuses one whose named source the
+/// caller's certificate does not speak for, or whose attempt the log gives to another source,
+/// and leaves the attempt alone. It aborted the attempt in the log (under its own id, which the
+/// log takes from either side) for any header it refused, so any decoder certificate could end
+/// other decoders' handoffs with a made-up header (the attempt ids are readable with Get).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_naming_another_decoders_attempt_is_refused_without_aborting_it() {
+    let _serial = serial();
+    let certs = tempfile::tempdir().unwrap();
+    common::make_certs(certs.path(), &[]);
+    common::make_certs(certs.path(), &["--decoder", "decoder-3"]);
+    let cluster = Cluster::start_tls(certs.path());
+    cluster.leader().await;
+    let client = cluster.client();
+    let m = fake();
+    let gateway = LogClient::with_tls(cluster.addrs.clone(), Some(common::tls(certs.path(), "gateway-1"))).unwrap();
+    let d1 = LogClient::with_tls(cluster.addrs.clone(), Some(common::tls(certs.path(), "decoder-1"))).unwrap();
+    // decoder-1 (a client here) owns a generation before decoder-2 (a process) is there to take it.
+    let prompt = m.tokenizer().encode("forged").unwrap();
+    let id = submit(&gateway, &m, "forged", &prompt, MAX_TOKENS).await;
+    let model = tokenlog_decoder::worker::identity_to_pb(m.identity());
+    let owned = d1
+        .acquire(pb::AcquireRequest {
+            generation_id: id,
+            decoder_id: "decoder-1".into(),
+            lease_ms: 60_000,
+            model: Some(model.clone()),
+            rng_version: tokenlog_decoder::RNG_VERSION,
+        })
+        .await
+        .unwrap();
+    assert!(owned.ok, "{owned:?}");
+    let epoch = owned.generation.unwrap().lease.unwrap().epoch;
+    let mut b_args = common::tls_args(certs.path(), "decoder-2");
+    b_args.extend(["--handoff-listen", "127.0.0.1:0"].map(String::from));
+    let b = cluster.start_decoder("decoder-2", &b_args.iter().map(String::as_str).collect::<Vec<_>>());
+    wait_until("decoder-2 to register its handoff listener", async || {
+        takes_handoffs(&client, "decoder-2").await
+    })
+    .await;
+    let manifest = pb::CacheManifest {
+        model: Some(model),
+        frontier: 0,
+        cache_format: "never sent".into(),
+        cache_sha256: "0".repeat(64),
+        ..Default::default()
+    };
+    let prepared = d1
+        .handoff(pb::HandoffRequest {
+            generation_id: id,
+            step: Some(pb::handoff_request::Step::Prepare(pb::HandoffPrepare {
+                epoch,
+                source: "decoder-1".into(),
+                destination: "decoder-2".into(),
+                manifest: Some(manifest),
+            })),
+        })
+        .await
+        .unwrap();
+    assert!(prepared.ok, "{prepared:?}");
+    let attempt = prepared.handoff.unwrap().attempt;
+    // decoder-3 calls decoder-2's listener with headers naming that attempt: as decoder-1 (its
+    // certificate does not speak for it), and as itself (the log's attempt is decoder-1's).
+    let addr = client.list_models().await.unwrap().models[0].handoff_addrs["decoder-2"].clone();
+    let ca = std::fs::read(certs.path().join("ca.pem")).unwrap();
+    let cert = std::fs::read(certs.path().join("decoder-3.pem")).unwrap();
+    let key = std::fs::read(certs.path().join("decoder-3.key")).unwrap();
+    let cfg = tonic::transport::ClientTlsConfig::new()
+        .ca_certificate(tonic::transport::Certificate::from_pem(ca))
+        .domain_name(tokenlog_raftlog::tls::DECODER_SERVER_NAME)
+        .identity(tonic::transport::Identity::from_pem(cert, key));
+    let ch = tonic::transport::Endpoint::from_shared(format!("https://{addr}"))
+        .unwrap()
+        .tls_config(cfg)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut c = tokenlog_proto::decoder::handoff_client::HandoffClient::new(ch);
+    for source in ["decoder-1", "decoder-3"] {
+        let header = tokenlog_proto::decoder::TransferHeader {
+            generation_id: id,
+            attempt,
+            handoff_epoch: epoch + 1,
+            source: source.into(),
+            destination: "decoder-2".into(),
+            manifest: None,
+            rows_key: 0,
+        };
+        let chunk = tokenlog_proto::decoder::TransferChunk {
+            part: Some(tokenlog_proto::decoder::transfer_chunk::Part::Header(header)),
+        };
+        let got = c.transfer(futures::stream::iter([chunk])).await.unwrap().into_inner();
+        assert!(!got.committed, "{source}: {got:?}");
+        let h = get(&client, id).await.handoff.unwrap();
+        assert_eq!(
+            (h.attempt, h.phase),
+            (attempt, pb::HandoffPhase::Prepared as i32),
+            "a header naming {source} changed decoder-1's attempt: {h:?} (refused with {:?})",
+            got.detail
+        );
+    }
+    drop(b);
+}
+
 /// Planted bug `early-handoff-write`: a destination that decodes a handed-over generation
 /// before the log committed its ownership is caught by its own history (it appended at the
 /// handoff epoch before it was granted); a correct destination's history, in the same run

@@ -221,7 +221,11 @@ type Refusal = String;
 impl HandoffPort {
     /// Receives one transfer; `Err` is a refusal (the attempt is aborted in the log when it
     /// names one).
-    async fn receive(&self, mut inbound: tonic::Streaming<dpb::TransferChunk>) -> Result<dpb::TransferResult, Refusal> {
+    async fn receive(
+        &self,
+        who: Option<tokenlog_raftlog::tls::Holder>,
+        mut inbound: tonic::Streaming<dpb::TransferChunk>,
+    ) -> Result<dpb::TransferResult, Refusal> {
         let s = &self.shared;
         // A caller that sends nothing is answered, not waited for as long as it keeps the
         // connection open.
@@ -236,21 +240,37 @@ impl HandoffPort {
             Err(e) => return Err(format!("the transfer broke before its header: {e}")),
         };
         let manifest = header.manifest.clone().unwrap_or_default();
+        // The header is the caller's word. A refusal aborts the attempt in the log under this
+        // decoder's id, which the log takes from either side of an attempt: so the caller must
+        // hold the certificate of the source it names, and the log's attempt must name that
+        // source and this destination, before this decoder aborts it. Any decoder certificate
+        // could name another's attempt (readable with Get) in a header this decoder refused,
+        // and the genuine handoff was aborted.
         let abort = |why: String| {
-            let (client, id, attempt, by) = (
+            let (client, id, attempt, source, by) = (
                 s.client.clone(),
                 header.generation_id,
                 header.attempt,
+                header.source.clone(),
                 s.decoder_id.clone(),
             );
             let detail = why.clone();
             async move {
-                abort(&client, id, attempt, &by, &detail).await;
+                if names_the_attempt(&client, id, attempt, &source, &by).await {
+                    abort(&client, id, attempt, &by, &detail).await;
+                }
                 why
             }
         };
         if header.destination != s.decoder_id {
             return Err(format!("this is decoder {}, not {}", s.decoder_id, header.destination));
+        }
+        if let Err(status) = tokenlog_raftlog::auth::acts_as(who.as_ref(), &header.source) {
+            return Err(format!(
+                "a transfer from {:?} refused: {}",
+                header.source,
+                status.message()
+            ));
         }
         if !s.accepting.load(Ordering::Acquire) {
             return Err(abort("this decoder is draining or stopping".into()).await);
@@ -580,6 +600,7 @@ impl dpb::handoff_server::Handoff for HandoffPort {
         // In a task of its own: a caller that goes away (its stream reset, its timeout) must not
         // cancel a receive halfway, with its slot taken or its commit proposed.
         let port = self.clone();
+        let who = tokenlog_raftlog::auth::caller(&req);
         let inbound = req.into_inner();
         if self.shared.plant_false_commit {
             tracing::warn!("PLANTED: answering a transfer committed without taking it");
@@ -589,7 +610,7 @@ impl dpb::handoff_server::Handoff for HandoffPort {
                 detail: "PLANTED false commit".into(),
             }));
         }
-        let outcome = tokio::spawn(async move { port.receive(inbound).await })
+        let outcome = tokio::spawn(async move { port.receive(who, inbound).await })
             .await
             .unwrap_or_else(|e| Err(format!("the receive failed: {e}")));
         let result = match outcome {
@@ -783,6 +804,30 @@ async fn abort_step(
         }),
     )
     .await
+}
+
+/// Whether the log's latest attempt of generation `id` is `attempt`, from `source` to
+/// `destination`: what a transfer's header claims, before the destination acts on it. No
+/// answer from the log counts as no (the log's phase timeout ends a real attempt anyway).
+async fn names_the_attempt(client: &LogClient, id: u64, attempt: u64, source: &str, destination: &str) -> bool {
+    if attempt == 0 {
+        return false;
+    }
+    match client
+        .get(pb::GetRequest {
+            generation_id: id,
+            ..Default::default()
+        })
+        .await
+    {
+        Ok(r) => r
+            .handoff
+            .is_some_and(|h| h.attempt == attempt && h.source == source && h.destination == destination),
+        Err(e) => {
+            tracing::warn!(generation = id, attempt, error = %e, "the log did not say whose attempt this is");
+            false
+        }
+    }
 }
 
 /// Best effort: the attempt is given up (a refused abort means it was over already).
