@@ -591,7 +591,26 @@ pub struct SnapshotDir {
     crash_after: Option<Step>,
     /// One snapshot is put in place at a time (a build and an install may overlap).
     placing: std::sync::Mutex<()>,
+    /// Tests only: see [`SnapshotDir::between_list_and_open`].
+    #[cfg(test)]
+    between_list_and_open: TestHook,
 }
+
+/// Tests only: a function run once at a point of interest.
+#[cfg(test)]
+#[derive(Default)]
+struct TestHook(std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>);
+
+#[cfg(test)]
+impl std::fmt::Debug for TestHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TestHook")
+    }
+}
+
+/// How often [`SnapshotDir::newest`] lists again when the file it listed was replaced: each
+/// time a newer snapshot was put in place meanwhile, so a few suffice.
+const NEWEST_TRIES: u32 = 8;
 
 impl SnapshotDir {
     /// Opens (creating) `dir` and its `cold/`, and removes partial files a crash left behind
@@ -624,6 +643,8 @@ impl SnapshotDir {
             next_segment: AtomicU64::new(next_segment),
             crash_after: None,
             placing: Default::default(),
+            #[cfg(test)]
+            between_list_and_open: Default::default(),
         })
     }
 
@@ -635,6 +656,8 @@ impl SnapshotDir {
             next_segment: AtomicU64::new(u64::MAX),
             crash_after: None,
             placing: Default::default(),
+            #[cfg(test)]
+            between_list_and_open: Default::default(),
         }
     }
 
@@ -673,12 +696,37 @@ impl SnapshotDir {
         Ok(out)
     }
 
-    /// The newest snapshot, unverified.
+    /// The newest snapshot, unverified. A build or an install that puts a newer one in place
+    /// between the listing and the open removes the one listed: then the listing is read
+    /// again (a file is removed only once a newer one is in place). That open failed with
+    /// "not found", and openraft's state-machine worker, asked for the current snapshot for a
+    /// follower, ended on the storage error: the node's Raft stopped until a restart.
     pub fn newest(&self) -> io::Result<Option<SnapshotFile>> {
-        match self.list()?.into_iter().next() {
-            None => Ok(None),
-            Some((_, p)) => Ok(Some(SnapshotFile::open(&p)?)),
+        let mut tries = 0;
+        loop {
+            let listed = self.list()?;
+            #[cfg(test)]
+            if let Some(between) = self.between_list_and_open.0.lock().expect("lock").take() {
+                between();
+            }
+            let Some((_, p)) = listed.into_iter().next() else {
+                return Ok(None);
+            };
+            match SnapshotFile::open(&p) {
+                Err(SnapshotError::Io { source, .. })
+                    if source.kind() == io::ErrorKind::NotFound && tries < NEWEST_TRIES =>
+                {
+                    tries += 1
+                }
+                r => return r.map(Some).map_err(io::Error::from),
+            }
         }
+    }
+
+    /// Tests only: `f` runs once, in the next `newest`, between its listing and its open.
+    #[cfg(test)]
+    fn between_list_and_open(&self, f: impl FnOnce() + Send + 'static) {
+        *self.between_list_and_open.0.lock().expect("lock") = Some(Box::new(f));
     }
 
     /// A new partial file in this directory, for a snapshot being written or received.
@@ -996,6 +1044,22 @@ mod tests {
         dir.write(&meta(9), &9u32).unwrap();
         dir.write(&meta(5), &5u32).unwrap();
         let (m, v): (_, u32) = dir.newest().unwrap().unwrap().load().unwrap();
+        assert_eq!((m, v), (meta(9), 9));
+    }
+
+    /// A newer snapshot put in place (and the listed one removed) between `newest`'s listing
+    /// and its open: the newer one is found. The open failed with "not found", which ended
+    /// openraft's state-machine worker (a follower's snapshot asked for during a build).
+    #[test]
+    fn the_newest_is_found_when_a_newer_one_replaced_it_meanwhile() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = SnapshotDir::open(d.path()).unwrap();
+        dir.write(&meta(5), &5u32).unwrap();
+        let other = SnapshotDir::open(d.path()).unwrap();
+        dir.between_list_and_open(move || {
+            other.write(&meta(9), &9u32).unwrap();
+        });
+        let (m, v): (_, u32) = dir.newest().unwrap().expect("a snapshot").load().unwrap();
         assert_eq!((m, v), (meta(9), 9));
     }
 
