@@ -452,45 +452,78 @@ impl RaftTransport for RaftService {
         let file = partial
             .finish()
             .map_err(|e| LogError::storage("receiving a snapshot", e))?;
-        let received = file.path().to_path_buf();
-        // Checked before Raft sees it: a file that fails its checksum (a stream the sender ended
-        // early), of a format this release cannot read (a newer peer during an upgrade), or
-        // whose meta is not the one sent, is refused here, as one bad RPC. Inside openraft the
-        // same refusal is a storage error of the state machine, which stops this node's Raft
-        // for good (until a restart).
-        let want = meta.clone();
-        let checked = tokio::task::spawn_blocking(move || -> Result<crate::snapshot::SnapshotFile, String> {
-            let got = file.verify().map_err(|e| e.to_string())?;
-            if got != want {
-                return Err(format!(
-                    "its file holds log id {:?}, the stream's meta says {:?}",
-                    got.last_log_id, want.last_log_id
-                ));
-            }
-            Ok(file)
-        })
-        .await
-        .map_err(|e| LogError::Internal(format!("checking a received snapshot: {e}")))?;
-        let file = match checked {
-            Ok(f) => f,
-            Err(why) => {
-                let _ = std::fs::remove_file(&received);
-                tracing::warn!(why, "a received snapshot was refused before installing it");
-                return Err(LogError::Invalid(format!("received snapshot refused: {why}")).into());
-            }
-        };
-        let snapshot = Snapshot { meta, snapshot: file };
-        let resp = self.raft.install_full_snapshot(vote, snapshot).await;
-        // Openraft answers once it installed the snapshot (renamed into place), or at once when
-        // it ignores it (an older vote, or nothing newer than what this node committed): then
-        // the received file, up to `SNAPSHOT_BYTES_MAX`, stayed on disk until a restart.
-        if received.exists() {
-            tracing::info!(path = %received.display(), "a received snapshot was not installed: removed");
-            let _ = std::fs::remove_file(&received);
-        }
-        let resp = resp.map_err(raft_failed)?;
-        reply(&resp.vote)
+        // From here on the received file is this node's to install or remove, whatever becomes
+        // of this call: a task does both, and the call only waits for its answer. Done in the
+        // call, a leader that stopped waiting (it lost its term, the connection broke) while the
+        // file was checked or offered to openraft dropped the call, and the file, up to
+        // `SNAPSHOT_BYTES_MAX` of a peer's bytes, stayed on disk until a restart: once for each
+        // such cancelled send.
+        let raft = self.raft.clone();
+        let vote = tokio::spawn(async move { check_and_install(raft, vote, meta, file).await })
+            .await
+            .map_err(|e| LogError::Internal(format!("installing a received snapshot: {e}")))??;
+        reply(&vote)
     }
+}
+
+/// A test's pause before a received snapshot is checked: the window in which its sender gives
+/// up on the call.
+#[cfg(test)]
+static CHECK_PAUSE_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Checks a received snapshot `file` against the stream's `meta`, offers it to openraft, and
+/// removes it unless openraft installed it (renamed it into place). Returns the vote to answer.
+async fn check_and_install(
+    raft: Raft,
+    vote: Vote,
+    meta: SnapshotMeta,
+    file: crate::snapshot::SnapshotFile,
+) -> Result<Vote, Status> {
+    #[cfg(test)]
+    {
+        let ms = CHECK_PAUSE_MS.load(std::sync::atomic::Ordering::Relaxed);
+        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+    }
+    let received = file.path().to_path_buf();
+    // Checked before Raft sees it: a file that fails its checksum (a stream the sender ended
+    // early), of a format this release cannot read (a newer peer during an upgrade), or whose
+    // meta is not the one sent, is refused here, as one bad RPC. Inside openraft the same
+    // refusal is a storage error of the state machine, which stops this node's Raft for good
+    // (until a restart).
+    let want = meta.clone();
+    let checked = tokio::task::spawn_blocking(move || -> Result<crate::snapshot::SnapshotFile, String> {
+        let got = file.verify().map_err(|e| e.to_string())?;
+        if got != want {
+            return Err(format!(
+                "its file holds log id {:?}, the stream's meta says {:?}",
+                got.last_log_id, want.last_log_id
+            ));
+        }
+        Ok(file)
+    })
+    .await;
+    let file = match checked {
+        Ok(Ok(f)) => f,
+        Ok(Err(why)) => {
+            let _ = std::fs::remove_file(&received);
+            tracing::warn!(why, "a received snapshot was refused before installing it");
+            return Err(LogError::Invalid(format!("received snapshot refused: {why}")).into());
+        }
+        Err(e) => {
+            let _ = std::fs::remove_file(&received);
+            return Err(LogError::Internal(format!("checking a received snapshot: {e}")).into());
+        }
+    };
+    let snapshot = Snapshot { meta, snapshot: file };
+    let resp = raft.install_full_snapshot(vote, snapshot).await;
+    // Openraft answers once it installed the snapshot (renamed into place), or at once when it
+    // ignores it (an older vote, or nothing newer than what this node committed): then the
+    // received file is removed here.
+    if received.exists() {
+        tracing::info!(path = %received.display(), "a received snapshot was not installed: removed");
+        let _ = std::fs::remove_file(&received);
+    }
+    Ok(resp.map_err(raft_failed)?.vote)
 }
 
 #[cfg(test)]
@@ -646,17 +679,15 @@ mod tests {
         assert!(left.is_empty(), "received files left: {left:?}");
     }
 
-    /// A snapshot that openraft does not install (sent with an older vote) leaves nothing on
-    /// disk. The received file stayed until a restart: up to `SNAPSHOT_BYTES_MAX` of a peer's
-    /// bytes each time.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_received_snapshot_that_is_not_installed_leaves_no_file() {
-        let dir = tempfile::tempdir().unwrap();
-        let n = leader_alone(dir.path()).await;
-        assert_eq!(n.ctx.status().leader_id, 1, "a leader of term 1 or later");
-        // A snapshot that loads (the node's own, copied), so that it reaches openraft.
+    /// The node's own newest snapshot as one chunk of a stream sent under `vote`: a snapshot
+    /// that loads, so that it reaches openraft.
+    async fn own_snapshot_chunk(
+        n: &crate::node::RunningNode,
+        dir: &std::path::Path,
+        vote: Vote,
+    ) -> tokenlog_proto::raft::SnapshotChunk {
         n.ctx.raft.trigger().snapshot().await.unwrap();
-        let snapshots = crate::snapshot::SnapshotDir::open_read_only(&crate::data_dir::snapshot_dir(dir.path()));
+        let snapshots = crate::snapshot::SnapshotDir::open_read_only(&crate::data_dir::snapshot_dir(dir));
         let mut own = None;
         for _ in 0..100 {
             own = snapshots.newest().unwrap();
@@ -667,18 +698,54 @@ mod tests {
         }
         let own = own.expect("the node built a snapshot");
         let meta = own.verify().unwrap();
-        let data = std::fs::read(own.path()).unwrap();
+        tokenlog_proto::raft::SnapshotChunk {
+            meta: Some(pack(&(vote, meta)).unwrap()),
+            data: std::fs::read(own.path()).unwrap(),
+        }
+    }
+
+    /// A snapshot that openraft does not install (sent with an older vote) leaves nothing on
+    /// disk. The received file stayed until a restart: up to `SNAPSHOT_BYTES_MAX` of a peer's
+    /// bytes each time.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_received_snapshot_that_is_not_installed_leaves_no_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let n = leader_alone(dir.path()).await;
+        assert_eq!(n.ctx.status().leader_id, 1, "a leader of term 1 or later");
         let old_vote = Vote::new(0, 2);
-        let chunk = tokenlog_proto::raft::SnapshotChunk {
-            meta: Some(pack(&(old_vote, meta)).unwrap()),
-            data,
-        };
+        let chunk = own_snapshot_chunk(&n, dir.path(), old_vote).await;
         let mut c = RaftTransportClient::connect(format!("http://{}", n.local_addr))
             .await
             .unwrap();
         let answer = c.install_snapshot(futures::stream::iter([chunk])).await.unwrap();
         let vote: Vote = unpack(answer.get_ref()).unwrap();
         assert!(vote > old_vote, "answered with the node's newer vote: {vote}");
+        let left = incoming_files(dir.path());
+        assert!(left.is_empty(), "received files left: {left:?}");
+    }
+
+    /// A sender that stops waiting while its snapshot is checked (a leader that lost its term,
+    /// a broken connection) leaves nothing on disk either: the check, the offer to openraft and
+    /// the clean-up go on without the call. The call did them itself, and dropped with it, it
+    /// left the whole received file until a restart.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_snapshot_whose_sender_stopped_waiting_leaves_no_file() {
+        use std::sync::atomic::Ordering::Relaxed;
+        let dir = tempfile::tempdir().unwrap();
+        let n = leader_alone(dir.path()).await;
+        let chunk = own_snapshot_chunk(&n, dir.path(), Vote::new(0, 2)).await;
+        let mut c = RaftTransportClient::connect(format!("http://{}", n.local_addr))
+            .await
+            .unwrap();
+        CHECK_PAUSE_MS.store(1_000, Relaxed);
+        let send = c.install_snapshot(futures::stream::iter([chunk]));
+        let gave_up = tokio::time::timeout(std::time::Duration::from_millis(400), send).await;
+        assert!(gave_up.is_err(), "answered before the pause ended: {gave_up:?}");
+        let received = incoming_files(dir.path());
+        assert_eq!(received.len(), 1, "the whole stream was received: {received:?}");
+        drop(c);
+        tokio::time::sleep(std::time::Duration::from_millis(2_000)).await;
+        CHECK_PAUSE_MS.store(0, Relaxed);
         let left = incoming_files(dir.path());
         assert!(left.is_empty(), "received files left: {left:?}");
     }
