@@ -88,6 +88,15 @@ impl Gateway {
             };
             let mut stream = match opened {
                 Ok(s) => s,
+                // The log client retried what is worth retrying (a node down, not the leader)
+                // for its own budget; a status it returns is the log's answer: NOT_FOUND from
+                // the leader after a read index (the generation was pruned since it was looked
+                // up), a refused credential. Retrying it only kept the client waiting for
+                // `WATCH_RETRY_BUDGET` before the same answer.
+                Err(e @ tokenlog_raftlog::client::ClientError::Status(_)) => {
+                    let _ = tx.send(Err(e.into())).await;
+                    return;
+                }
                 Err(e) => {
                     if failing_since.get_or_insert_with(Instant::now).elapsed() > WATCH_RETRY_BUDGET {
                         let _ = tx.send(Err(e.into())).await;
@@ -278,6 +287,52 @@ mod tests {
             .await
             .expect("refused at once, without asking the log");
         assert!(matches!(r, Err(GatewayError::Overloaded(_))), "{:?}", r.map(|_| ()));
+    }
+
+    /// A Watch the log refuses at open (here NOT_FOUND: a generation pruned between its
+    /// lookup and the Watch, or never there) ends the stream with that answer at once. It was
+    /// retried every `WATCH_OPEN_RETRY` for `WATCH_RETRY_BUDGET` (30 s), and the client waited
+    /// that long for the same answer.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_watch_the_log_refuses_at_open_ends_the_stream_at_once() {
+        use crate::core::BindDefaults;
+        use crate::tenants::{TenantLimits, Tenants};
+        use tokenlog_raftlog::node::{self, NodeConfig};
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = NodeConfig::new(1, "127.0.0.1:0".parse().unwrap(), dir.path().to_path_buf());
+        cfg.initial_members = vec![(1, "127.0.0.1:0".into())];
+        let n = node::start(cfg).await.expect("node starts");
+        for _ in 0..100 {
+            if n.ctx.status().leader_id == 1 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        let tok = tokenlog_decoder::fake::fake_tokenizer().unwrap();
+        let digest = tokenlog_decoder::identity::tokenizer_sha256(&tok).unwrap();
+        let gw = Gateway::new(
+            tokenlog_raftlog::client::LogClient::new(vec![n.local_addr.to_string()]).unwrap(),
+            Tenants::Open,
+            vec![tok],
+            TenantLimits { streams: 8, submits: 8 },
+            BindDefaults::default(),
+        )
+        .unwrap();
+        let mut gen = info(&[]);
+        gen.generation_id = 4242;
+        gen.binding.as_mut().unwrap().model = Some(pb::ModelIdentity {
+            tokenizer_sha256: digest,
+            ..Default::default()
+        });
+        let mut rx = gw.events(gen, -1).await.expect("the stream starts");
+        let first = tokio::time::timeout(std::time::Duration::from_secs(5), rx.recv())
+            .await
+            .expect("the log's answer, well within WATCH_RETRY_BUDGET");
+        match first {
+            Some(Err(GatewayError::NotFound(m))) => assert!(m.contains("no generation 4242"), "{m}"),
+            e => panic!("{:?}", e.map(|r| r.map(|_| ()))),
+        }
+        n.shutdown().await;
     }
 
     fn info(stops: &[&str]) -> pb::GenerationInfo {
