@@ -270,24 +270,50 @@ impl DecoderOp {
 }
 
 /// Reads `decoder1.jsonl` .. `decoder{n}.jsonl` in `dir` and joins each decoder's invoke and
-/// complete lines; sorted by invocation time. A line that does not parse (a kill mid-write) is
-/// skipped.
-pub fn read(dir: &Path, n: usize) -> Vec<DecoderOp> {
+/// complete lines; sorted by invocation time. Also returns what could not be read: a missing
+/// file, a line that does not parse, an answer with no call before it. Each line is one `write`
+/// (`tokenlog_decoder::history`), so a kill leaves whole lines, and a line that does not parse
+/// is a writer and reader that disagree: skipped in silence, it took that decoder's operations
+/// out of every check, which then passed on less than the run did.
+pub fn read(dir: &Path, n: usize) -> (Vec<DecoderOp>, Vec<String>) {
     let mut out = Vec::new();
+    let mut problems = Vec::new();
     for i in 0..n {
-        let Ok(text) = std::fs::read_to_string(dir.join(format!("decoder{}.jsonl", i + 1))) else {
-            continue;
+        let name = format!("decoder{}.jsonl", i + 1);
+        let text = match std::fs::read_to_string(dir.join(&name)) {
+            Ok(t) => t,
+            Err(e) => {
+                problems.push(format!("decoder history {name} could not be read: {e}"));
+                continue;
+            }
         };
-        out.extend(join(
-            text.lines().filter_map(|l| serde_json::from_str::<HistoryLine>(l).ok()),
-        ));
+        let mut lines = Vec::new();
+        for (no, l) in text.lines().enumerate() {
+            match serde_json::from_str::<HistoryLine>(l) {
+                Ok(h) => lines.push(h),
+                Err(e) => problems.push(format!("decoder history {name} line {}: {e}: {l:.200}", no + 1)),
+            }
+        }
+        let (ops, orphans) = join_counted(lines);
+        if orphans > 0 {
+            problems.push(format!(
+                "decoder history {name}: {orphans} answer(s) of calls with no invoke line"
+            ));
+        }
+        out.extend(ops);
     }
     out.sort_by_key(|o| o.invoke_us);
-    out
+    (out, problems)
 }
 
 /// Joins history lines into operations.
 pub fn join(lines: impl IntoIterator<Item = HistoryLine>) -> Vec<DecoderOp> {
+    join_counted(lines).0
+}
+
+/// [`join`], and how many answers had no invoke line to join.
+fn join_counted(lines: impl IntoIterator<Item = HistoryLine>) -> (Vec<DecoderOp>, usize) {
+    let mut orphans = 0;
     let mut ops: Vec<DecoderOp> = Vec::new();
     let mut index: HashMap<(String, u64), usize> = HashMap::new();
     for line in lines {
@@ -319,6 +345,7 @@ pub fn join(lines: impl IntoIterator<Item = HistoryLine>) -> Vec<DecoderOp> {
                 answer: a,
             } => {
                 let Some(&k) = index.get(&(decoder, id)) else {
+                    orphans += 1;
                     continue;
                 };
                 let op = &mut ops[k];
@@ -329,7 +356,7 @@ pub fn join(lines: impl IntoIterator<Item = HistoryLine>) -> Vec<DecoderOp> {
             }
         }
     }
-    ops
+    (ops, orphans)
 }
 
 #[cfg(test)]
@@ -381,5 +408,52 @@ mod tests {
         );
         assert_eq!(ops[1].to_json()["ok"], Value::Null);
         assert_eq!(ops[0].to_json()["frontier"], 0);
+    }
+
+    /// A history line the reader cannot parse (a field the writer renamed), an answer whose
+    /// call is missing and a decoder's missing file are each reported. They were skipped in
+    /// silence: the checkers then judged the run without those operations.
+    #[test]
+    fn what_a_history_does_not_say_whole_is_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let invoke = serde_json::to_string(&HistoryLine::Invoke {
+            decoder: "d1".into(),
+            id: 0,
+            invoke_us: 5,
+            call: Call::Acquire { gen: 1 },
+        })
+        .unwrap();
+        let orphan = serde_json::to_string(&HistoryLine::Complete {
+            decoder: "d1".into(),
+            id: 7,
+            complete_us: 9,
+            answer: Answer::Acquire {
+                ok: Some(true),
+                epoch: 1,
+                frontier: 0,
+                terminal: false,
+            },
+        })
+        .unwrap();
+        let renamed = invoke.replace("\"gen\"", "\"generation\"");
+        std::fs::write(
+            dir.path().join("decoder1.jsonl"),
+            format!("{invoke}\n{renamed}\n{orphan}\n"),
+        )
+        .unwrap();
+        let (ops, problems) = read(dir.path(), 2);
+        assert_eq!(ops.len(), 1, "{ops:?}");
+        assert_eq!(problems.len(), 3, "{problems:?}");
+        assert!(problems[0].contains("decoder1.jsonl line 2"), "{problems:?}");
+        assert!(
+            problems[1].contains("1 answer(s) of calls with no invoke line"),
+            "{problems:?}"
+        );
+        assert!(problems[2].contains("decoder2.jsonl could not be read"), "{problems:?}");
+        // A whole history reads without a word.
+        std::fs::write(dir.path().join("decoder2.jsonl"), format!("{invoke}\n")).unwrap();
+        std::fs::write(dir.path().join("decoder1.jsonl"), format!("{invoke}\n")).unwrap();
+        let (ops, problems) = read(dir.path(), 2);
+        assert_eq!((ops.len(), problems.len()), (2, 0), "{problems:?}");
     }
 }

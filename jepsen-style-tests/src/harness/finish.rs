@@ -55,9 +55,11 @@ pub async fn conclude(
         .sum();
     let convergence = convergence(&node_addrs).await;
     let log_gens = log_generations(&log, &node_addrs).await;
-    let decoder_ops = decoder_ops::read(&dir, cfg.decoders);
+    let (decoder_ops, unread) = decoder_ops::read(&dir, cfg.decoders);
     self_exits.extend(procs.lock().expect("lock").stop_all());
     probe.problems.extend(panics(&procs.lock().expect("lock")));
+    // A history the checkers could not read whole: they would pass on less than the run did.
+    probe.problems.extend(unread);
     // Stop the processes before checking (and before the report).
     drop(procs);
 
