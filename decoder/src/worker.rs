@@ -326,10 +326,11 @@ impl Active {
     }
 }
 
-/// One item of an append on the stream, waiting for its answer: the generation, whether it
-/// carried the finish, and its history id.
+/// One item of an append on the stream, waiting for its answer: the generation, the epoch it
+/// was written at, whether it carried the finish, and its history id.
 struct SentItem {
     generation: u64,
+    epoch: u64,
     finish: bool,
     history_id: Option<u64>,
 }
@@ -1100,7 +1101,14 @@ impl Worker {
                         self.drop_generation(id);
                     }
                     tracing::info!(generation = id, to, epoch = new_epoch, "generation handed over");
-                    self.held.lock().expect("lock").remove(&id);
+                    // Only the lease of the epoch handed over: the generation may have come
+                    // back since (the destination died after its commit, this decoder took it
+                    // again), and the lease it holds now is not the one that moved.
+                    let mut held = self.held.lock().expect("lock");
+                    if held.get(&id).is_some_and(|(e, _)| *e == epoch) {
+                        held.remove(&id);
+                    }
+                    drop(held);
                     self.stats.lock().expect("lock").handed_out += 1;
                 }
                 Outcome::Kept { why } => self.kept(id, why),
@@ -1525,6 +1533,7 @@ impl Worker {
             .iter()
             .map(|i| SentItem {
                 generation: i.generation_id,
+                epoch: i.epoch,
                 finish: i.finish != pb::FinishReason::Unspecified as i32,
                 history_id: self.history.as_ref().map(|h| {
                     h.invoke(Call::Append {
@@ -1679,6 +1688,23 @@ impl Worker {
             let Some(g) = self.active.get_mut(&r.generation_id) else {
                 continue;
             };
+            let item = match items.get(i) {
+                Some(item) if item.generation == r.generation_id => Some(item),
+                _ => items.iter().find(|it| it.generation == r.generation_id),
+            };
+            if item.is_some_and(|it| it.epoch != g.epoch) {
+                // The answer to an append of an earlier epoch: the generation was lost since
+                // (fenced, its lease lapsed, its session broke) and taken again, resumed from
+                // what the log had committed, this append included. Its rejection dropped the
+                // new epoch's state and lease, owned in the log and decoded by nobody until
+                // that lease lapsed too; its acceptance counted records the new state has.
+                tracing::debug!(
+                    generation = g.id,
+                    epoch = g.epoch,
+                    "an answer to an append of an earlier epoch: ignored"
+                );
+                continue;
+            }
             if !r.accepted {
                 let reason = r.rejection.as_ref().map(|x| x.reason);
                 if reason == Some(pb::RejectReason::SeqMismatch as i32) {
@@ -1711,10 +1737,7 @@ impl Worker {
             }
             held.insert(g.id, (g.epoch, now));
             newly_total += u64::from(newly);
-            let carried_finish = match items.get(i) {
-                Some(item) if item.generation == r.generation_id => item.finish,
-                _ => items.iter().any(|it| it.generation == r.generation_id && it.finish),
-            };
+            let carried_finish = item.is_some_and(|it| it.finish);
             if carried_finish && g.uncommitted.is_empty() {
                 finished += 1;
                 gone.push(g.id);
@@ -2296,6 +2319,83 @@ fn store_prefix(g: &mut Active, pc: Option<&SharedPrefixCache>) {
 mod tests {
     use super::thread_schedstat;
     use std::time::{Duration, Instant};
+
+    /// A worker on the fake model whose log is never called, holding generation 7 at epoch 2.
+    fn holding_7_at_epoch_2() -> super::Worker {
+        use super::*;
+        let model: Arc<dyn Model> = Arc::new(crate::FakeModel::new(crate::FakeConfig::default()).unwrap());
+        let client = LogClient::new(vec!["127.0.0.1:9".into()]).unwrap();
+        let mut w = Worker::new(WorkerConfig::new("d".into(), "fake".into()), client, model.clone());
+        let stop = crate::StopConfig {
+            max_tokens: 8,
+            stop_strings: vec![],
+            eos_token_ids: vec![],
+        };
+        let state = DecodeState::start(model.as_ref(), &[1, 2, 3], Default::default(), stop).unwrap();
+        w.active.insert(7, Active::new(7, 2, 0, state));
+        w.held.lock().unwrap().insert(7, (2, tokio::time::Instant::now()));
+        w
+    }
+
+    fn rejected(generation_id: u64) -> super::pb::AppendResponse {
+        use super::pb;
+        pb::AppendResponse {
+            results: vec![pb::AppendResult {
+                generation_id,
+                accepted: false,
+                rejection: Some(pb::Rejection {
+                    reason: pb::RejectReason::StaleEpoch as i32,
+                    current_epoch: 2,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }],
+            log_index: 0,
+        }
+    }
+
+    /// The answer to an append of an earlier epoch (sent before the generation was lost and
+    /// taken again) leaves the generation as it is held now; it dropped the new epoch's state
+    /// and lease, so that nobody decoded or renewed a generation the log said was this
+    /// decoder's. An answer at the epoch held is taken as before.
+    #[tokio::test]
+    async fn an_answer_to_an_append_of_an_earlier_epoch_leaves_the_generation_taken_again() {
+        use super::SentItem;
+        let mut w = holding_7_at_epoch_2();
+        let sent = |epoch| SentItem {
+            generation: 7,
+            epoch,
+            finish: false,
+            history_id: None,
+        };
+        w.absorb(&[sent(1)], rejected(7));
+        assert!(w.active.contains_key(&7), "dropped by an answer of epoch 1");
+        assert_eq!(w.held.lock().unwrap().get(&7).map(|h| h.0), Some(2));
+        w.absorb(&[sent(2)], rejected(7));
+        assert!(!w.active.contains_key(&7), "kept after its own epoch's rejection");
+        assert!(w.held.lock().unwrap().is_empty());
+    }
+
+    /// A handoff that moved epoch 1 of generation 7 leaves the lease of epoch 2 it holds since
+    /// (taken again after the destination was lost) to be renewed; it removed it.
+    #[tokio::test]
+    async fn a_handoff_of_an_earlier_epoch_leaves_the_lease_held_now() {
+        let mut w = holding_7_at_epoch_2();
+        w.handing_out = 1;
+        w.outcomes_tx
+            .send((
+                7,
+                1,
+                crate::handoff::Outcome::Moved {
+                    to: "b".into(),
+                    epoch: 2,
+                },
+            ))
+            .unwrap();
+        w.absorb_handoffs();
+        assert!(w.active.contains_key(&7));
+        assert_eq!(w.held.lock().unwrap().get(&7).map(|h| h.0), Some(2));
+    }
 
     /// A finish detail over the log's limit is cut to it at a character (the log refused the
     /// whole item before, tokens included); one within it is kept as it is.
