@@ -1227,6 +1227,92 @@ async fn a_cancelled_response_answers_with_its_text_so_far() {
     assert_eq!(c["output"], l["output"], "{cancelled}\n{later}");
 }
 
+/// The same background POST again (same key, same body), after the response ended, answers
+/// with the response as it stands: its status, text and output as a GET shows them. It
+/// answered with the final status, the usage of its tokens, and an empty output and text, so
+/// a client retrying after a dropped answer kept an empty answer for a finished one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_background_response_answers_with_its_text() {
+    let _g = serial();
+    let (cluster, _d, _log) = cluster_with_decoder(&["--fake-step-ms", "5"]).await;
+    let g = cluster.start_gateway("g1", &[]);
+    let body = r#"{"input": "hi", "max_output_tokens": 6, "ignore_eos": true, "background": true}"#;
+    let post = || {
+        common::http(
+            &g.http,
+            "POST",
+            "/v1/responses",
+            &[("idempotency-key", "bg-again")],
+            body,
+        )
+    };
+    let (s, first) = post();
+    assert_eq!(s, 200, "{first}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let got = loop {
+        let (_, now) = common::http(&g.http, "GET", "/v1/responses/resp_bg-again", &[], "");
+        let v: serde_json::Value = serde_json::from_str(&now).unwrap();
+        if !matches!(v["status"].as_str(), Some("queued" | "in_progress")) {
+            break v;
+        }
+        assert!(std::time::Instant::now() < deadline, "not finished: {now}");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    assert!(!got["output_text"].as_str().unwrap().is_empty(), "{got}");
+    let (s, again) = post();
+    assert_eq!(s, 200, "{again}");
+    let v: serde_json::Value = serde_json::from_str(&again).unwrap();
+    for field in ["status", "output_text", "output", "usage"] {
+        assert_eq!(v[field], got[field], "{field}: {again}\n{got}");
+    }
+}
+
+/// A Responses stream resumed right after its last event gets nothing more; one resumed past
+/// it (within what the pre-check allows: the generation ended without a held-back rest) ends
+/// with an error event naming the last event. It was an empty stream, which a client reads as
+/// a response with nothing more to say.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_responses_stream_resumed_past_its_last_event_is_an_error() {
+    let _g = serial();
+    let (cluster, _d, _log) = cluster_with_decoder(&["--fake-step-ms", "5"]).await;
+    let g = cluster.start_gateway("g1", &[]);
+    let body = r#"{"input": "hi", "max_output_tokens": 4, "ignore_eos": true}"#;
+    let (s, done) = common::http(
+        &g.http,
+        "POST",
+        "/v1/responses",
+        &[("idempotency-key", "past-end")],
+        body,
+    );
+    assert_eq!(s, 200, "{done}");
+    let events = |b: &str| -> Vec<serde_json::Value> {
+        b.lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter_map(|d| serde_json::from_str(d).ok())
+            .collect()
+    };
+    let get = |after: i64| {
+        let path = format!("/v1/responses/resp_past-end?stream=true&starting_after={after}");
+        common::http(&g.http, "GET", &path, &[], "")
+    };
+    let (s, all) = get(-1);
+    assert_eq!(s, 200, "{all}");
+    let last = events(&all)
+        .iter()
+        .filter_map(|v| v["sequence_number"].as_i64())
+        .max()
+        .unwrap();
+    let (s, none) = get(last);
+    assert_eq!((s, events(&none).len()), (200, 0), "{none}");
+    let (s, past) = get(last + 1);
+    assert_eq!(s, 200, "within the pre-check's bound: {past}");
+    let got = events(&past);
+    assert_eq!(got.len(), 1, "{past}");
+    assert_eq!(got[0]["type"], "error", "{past}");
+    let message = got[0]["message"].as_str().unwrap();
+    assert!(message.contains(&format!("is {last}")), "{past}");
+}
+
 /// A retry of a request the log holds is answered from the log, whatever decoders are
 /// registered now: after its only decoder died and its registration lapsed, the same POST
 /// (same key, same body) gets the finished completion again, and a different body under that

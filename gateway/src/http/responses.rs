@@ -61,7 +61,13 @@ pub(super) async fn create_response(State(gw): Gw, h: HeaderMap, body: Bytes) ->
         let rx = gw.events(info.clone(), -1).await?;
         response_stream(gw, rx, info, model, background, -1).into_response()
     } else if background {
-        Json(response_json(&info, &model, background, "", None)).into_response()
+        // The response as it stands, as a retrieve shows it: a repeat of the POST (the same
+        // Idempotency-Key, after a dropped answer) gets the generation the log holds, which
+        // may have produced text or ended. It answered with an empty output whatever the
+        // status, and a client that saw "completed" had no reason to ask again. A new
+        // response has nothing to read yet and costs nothing here.
+        let (text, last) = text_so_far(&gw, &info).await?;
+        Json(response_json(&info, &model, background, &text, last.as_ref())).into_response()
     } else {
         let rx = gw.events(info.clone(), -1).await?;
         let (text, last) = collect(rx).await?;
@@ -347,7 +353,19 @@ pub(super) fn response_stream(
                     _ => "response.failed",
                 };
                 emit!(ty, json!({"response": resp}));
-                let _ = n;
+                // A resume past the last event (the generation ended before the most its
+                // max_output_tokens allowed, or without a held-back rest) got an empty stream,
+                // which a client takes for a finished one with nothing more to say.
+                if after >= n {
+                    let e = GatewayError::Invalid(format!(
+                        "no event has sequence_number {after}: the last event of response {:?} is {}",
+                        response_id(&rid),
+                        n - 1
+                    ));
+                    let body = json!({"type": "error", "code": e.http().2, "message": e.message(), "param": null,
+                                      "sequence_number": after});
+                    let _ = tx.send(SseEvent::default().event("error").data(body.to_string())).await;
+                }
                 return;
             }
         }
