@@ -762,6 +762,32 @@ async fn a_destination_that_cannot_catch_up_after_its_commit_releases_the_genera
     assert!(log.contains("releasing it"), "{log}");
 }
 
+/// A client of the handoff listener at `addr` over TLS, with the certificate of `holder` in
+/// `certs` (`None`: without one).
+async fn handoff_client(
+    certs: &std::path::Path,
+    addr: &str,
+    holder: Option<&str>,
+) -> tokenlog_proto::decoder::handoff_client::HandoffClient<tonic::transport::Channel> {
+    let ca = std::fs::read(certs.join("ca.pem")).unwrap();
+    let mut cfg = tonic::transport::ClientTlsConfig::new()
+        .ca_certificate(tonic::transport::Certificate::from_pem(ca))
+        .domain_name(tokenlog_raftlog::tls::DECODER_SERVER_NAME);
+    if let Some(h) = holder {
+        let cert = std::fs::read(certs.join(format!("{h}.pem"))).unwrap();
+        let key = std::fs::read(certs.join(format!("{h}.key"))).unwrap();
+        cfg = cfg.identity(tonic::transport::Identity::from_pem(cert, key));
+    }
+    let ch = tonic::transport::Endpoint::from_shared(format!("https://{addr}"))
+        .unwrap()
+        .tls_config(cfg)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    tokenlog_proto::decoder::handoff_client::HandoffClient::new(ch)
+}
+
 /// Over mutual TLS: decoders hand over to each other with their decoder certificates (which
 /// carry `tokenlog-decoder` for their handoff listeners), and a caller with another role, or
 /// without a certificate, is refused by the listener.
@@ -796,23 +822,7 @@ async fn handoffs_run_over_mutual_tls_and_only_decoders_may_call_a_listener() {
         (Some("gateway-1"), tonic::Code::PermissionDenied),
         (None, tonic::Code::Unauthenticated),
     ] {
-        let ca = std::fs::read(certs.path().join("ca.pem")).unwrap();
-        let mut cfg = tonic::transport::ClientTlsConfig::new()
-            .ca_certificate(tonic::transport::Certificate::from_pem(ca))
-            .domain_name(tokenlog_raftlog::tls::DECODER_SERVER_NAME);
-        if let Some(h) = holder {
-            let cert = std::fs::read(certs.path().join(format!("{h}.pem"))).unwrap();
-            let key = std::fs::read(certs.path().join(format!("{h}.key"))).unwrap();
-            cfg = cfg.identity(tonic::transport::Identity::from_pem(cert, key));
-        }
-        let ch = tonic::transport::Endpoint::from_shared(format!("https://{addr}"))
-            .unwrap()
-            .tls_config(cfg)
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
-        let mut c = tokenlog_proto::decoder::handoff_client::HandoffClient::new(ch);
+        let mut c = handoff_client(certs.path(), &addr, holder).await;
         let got = c
             .transfer(futures::stream::iter(Vec::new()))
             .await
@@ -889,21 +899,7 @@ async fn a_transfer_naming_another_decoders_attempt_is_refused_without_aborting_
     // decoder-3 calls decoder-2's listener with headers naming that attempt: as decoder-1 (its
     // certificate does not speak for it), and as itself (the log's attempt is decoder-1's).
     let addr = client.list_models().await.unwrap().models[0].handoff_addrs["decoder-2"].clone();
-    let ca = std::fs::read(certs.path().join("ca.pem")).unwrap();
-    let cert = std::fs::read(certs.path().join("decoder-3.pem")).unwrap();
-    let key = std::fs::read(certs.path().join("decoder-3.key")).unwrap();
-    let cfg = tonic::transport::ClientTlsConfig::new()
-        .ca_certificate(tonic::transport::Certificate::from_pem(ca))
-        .domain_name(tokenlog_raftlog::tls::DECODER_SERVER_NAME)
-        .identity(tonic::transport::Identity::from_pem(cert, key));
-    let ch = tonic::transport::Endpoint::from_shared(format!("https://{addr}"))
-        .unwrap()
-        .tls_config(cfg)
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut c = tokenlog_proto::decoder::handoff_client::HandoffClient::new(ch);
+    let mut c = handoff_client(certs.path(), &addr, Some("decoder-3")).await;
     for source in ["decoder-1", "decoder-3"] {
         let header = tokenlog_proto::decoder::TransferHeader {
             generation_id: id,
