@@ -769,15 +769,15 @@ async fn handoff_client(
     addr: &str,
     holder: Option<&str>,
 ) -> tokenlog_proto::decoder::handoff_client::HandoffClient<tonic::transport::Channel> {
-    let ca = std::fs::read(certs.join("ca.pem")).unwrap();
-    let mut cfg = tonic::transport::ClientTlsConfig::new()
-        .ca_certificate(tonic::transport::Certificate::from_pem(ca))
-        .domain_name(tokenlog_raftlog::tls::DECODER_SERVER_NAME);
-    if let Some(h) = holder {
-        let cert = std::fs::read(certs.join(format!("{h}.pem"))).unwrap();
-        let key = std::fs::read(certs.join(format!("{h}.key"))).unwrap();
-        cfg = cfg.identity(tonic::transport::Identity::from_pem(cert, key));
-    }
+    let name = tokenlog_raftlog::tls::DECODER_SERVER_NAME;
+    let cfg = match holder {
+        Some(h) => common::tls(certs, h).client_config_for(name),
+        None => tonic::transport::ClientTlsConfig::new()
+            .ca_certificate(tonic::transport::Certificate::from_pem(
+                std::fs::read(certs.join("ca.pem")).unwrap(),
+            ))
+            .domain_name(name),
+    };
     let ch = tonic::transport::Endpoint::from_shared(format!("https://{addr}"))
         .unwrap()
         .tls_config(cfg)
