@@ -1208,6 +1208,67 @@ async fn a_drain_whose_time_runs_out_lets_the_handoff_in_flight_end() {
     assert_eq!((lease.owner.as_str(), lease.epoch), ("late-b", 2), "{logs}");
 }
 
+/// A decoder stopped while it commits a generation it receives, holding nothing else, hands
+/// that generation on with its cache once it arrives. d holds its ownership commit for 6 s
+/// after its last check that it is not stopping (failpoint `commit-delay-ms`) and is stopped
+/// meanwhile, once e takes handoffs. Before, d's drain found nothing to hand over (the transfer
+/// under way was not counted) and ended at once: the generation that arrived was released, and
+/// e took it over from the log with a re-prefill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decoder_stopped_while_it_receives_hands_the_generation_on() {
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    let client = cluster.client();
+    let m = fake();
+    let flags = ["--handoff-listen", "127.0.0.1:0", "--fake-step-ms", "25"];
+    let mut a = cluster.start_decoder("recv-a", &flags);
+    common::wait_for_model(&client).await;
+    let prompt = m.tokenizer().encode("received, then handed on").unwrap();
+    let x = submit_owned(&client, &client, &m, "recv-x", &[prompt], 2_000, &a.id).await[0];
+    let mut d = cluster.start_decoder_env("recv-d", &flags, &[("TOKENLOG_FAILPOINTS", "commit-delay-ms=6000")]);
+    wait_until("d to take handoffs", async || takes_handoffs(&client, "recv-d").await).await;
+    a.signal("-TERM");
+    wait_until("d to hold its commit", async || {
+        d.log_text().contains("failpoint commit-delay-ms")
+    })
+    .await;
+    let e = cluster.start_decoder("recv-e", &flags);
+    wait_until("e to take handoffs", async || takes_handoffs(&client, "recv-e").await).await;
+    d.signal("-TERM");
+    let a_status = a.wait_exit(Duration::from_secs(40)).expect("a exits");
+    let d_status = d.wait_exit(Duration::from_secs(40)).expect("d exits");
+    let logs = || {
+        format!(
+            "--- a:\n{}\n--- d:\n{}\n--- e:\n{}",
+            a.log_text(),
+            d.log_text(),
+            e.log_text()
+        )
+    };
+    assert!(a_status.success() && d_status.success(), "{}", logs());
+    wait_until("e to own x", async || {
+        get(&client, x)
+            .await
+            .generation
+            .unwrap()
+            .lease
+            .is_some_and(|l| l.owner == "recv-e")
+    })
+    .await;
+    let e_log = e.log_text();
+    assert!(
+        e_log.contains("generation received with its cache") && !e_log.contains("generation taken"),
+        "{}",
+        logs()
+    );
+    let h = get(&client, x).await.handoff.expect("x's attempt is in the log");
+    assert_eq!(
+        (h.source.as_str(), h.destination.as_str()),
+        ("recv-d", "recv-e"),
+        "{h:?}"
+    );
+}
+
 /// A caller that opens a `Transfer` or a `Rows` call and sends nothing is answered within the
 /// transfer's timeout, with the reason. Both waited for a header for as long as the caller kept
 /// the connection open: each silent call held a task and its buffers in the destination for
@@ -1308,6 +1369,140 @@ async fn a_transfer_arriving_while_the_destination_takes_from_the_log_finds_its_
     assert!(
         !(ox.as_deref() == Some(d_id.as_str()) && oy.as_deref() == Some(d_id.as_str())),
         "d, of capacity 1, owns x and y:\n{}",
+        d.log_text()
+    );
+}
+
+/// A source that records its release late still learns that its handoff moved the generation,
+/// though the new owner has handed it on meanwhile. a hands x to b and holds its release
+/// (failpoint `release-delay-ms`); b is stopped and hands x on to c. The log holds only the
+/// latest attempt of a generation, and a's release of the first was refused as not current.
+/// Before, a then read that attempt's phase, found the log's attempt was another, and took its
+/// committed handoff for an aborted one: it recorded "aborted", counted the generation as kept
+/// ("handoff did not happen") and, had its state been left, decoded on until the fence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_slow_to_release_learns_its_handoff_moved_though_the_new_owner_handed_it_on() {
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    let client = cluster.client();
+    let m = fake();
+    let flags = [
+        "--handoff-listen",
+        "127.0.0.1:0",
+        "--fake-step-ms",
+        "25",
+        "--capacity",
+        "1",
+    ];
+    let mut a = cluster.start_decoder_env(
+        "slow-rel-a",
+        &flags,
+        &[("TOKENLOG_FAILPOINTS", "release-delay-ms=8000")],
+    );
+    common::wait_for_model(&client).await;
+    let x = submit(
+        &client,
+        &m,
+        "slow-rel-x",
+        &m.tokenizer().encode("slow release").unwrap(),
+        5_000,
+    )
+    .await;
+    wait_owned(&client, x, &a.id).await;
+    let mut b = cluster.start_decoder("slow-rel-b", &flags);
+    let b_id = b.id.clone();
+    wait_until("b to take handoffs", async || takes_handoffs(&client, &b_id).await).await;
+    a.signal("-TERM");
+    wait_until("a to hold its release", async || {
+        a.log_text().contains("failpoint release-delay-ms")
+    })
+    .await;
+    let c = cluster.start_decoder("slow-rel-c", &flags);
+    let c_id = c.id.clone();
+    wait_until("c to take handoffs", async || takes_handoffs(&client, &c_id).await).await;
+    b.signal("-TERM");
+    wait_until("b to hand x on to c", async || {
+        get(&client, x).await.handoff.is_some_and(|h| {
+            (h.source.as_str(), h.destination.as_str(), h.phase)
+                == (b_id.as_str(), c_id.as_str(), pb::HandoffPhase::SourceReleased as i32)
+        })
+    })
+    .await;
+    assert!(
+        !a.log_text().contains("generation handed over"),
+        "a released before b handed x on: the case is not made\n{}",
+        a.log_text()
+    );
+    let status = a.wait_exit(Duration::from_secs(40)).expect("a exits");
+    let a_log = a.log_text();
+    assert!(status.success(), "{a_log}");
+    assert!(!a_log.contains("handoff did not happen"), "{a_log}");
+    assert_eq!(a_log.matches("generation handed over").count(), 2, "{a_log}");
+    b.wait_exit(Duration::from_secs(30)).expect("b exits");
+}
+
+/// A take from the log holds only the slots of what it takes: a transfer that arrives while the
+/// destination takes one generation finds its other slot free. The destination has capacity 2
+/// and takes y from the log (failpoint `take-delay-ms` holds the take open) while a is drained
+/// towards it. Before, the worker claimed every free slot before it asked the log what was
+/// waiting and kept them until the take ended: the transfer of x was refused ("this decoder is
+/// full") and its attempt aborted, though one slot stayed empty. The same claim, held for the
+/// query's round trip by a destination that found nothing to take, aborted a handoff of the
+/// real-model drain test in CI.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_arriving_while_the_destination_takes_one_generation_finds_its_other_slot_free() {
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    let client = cluster.client();
+    let m = fake();
+    let flags = |capacity: &'static str| {
+        [
+            "--handoff-listen",
+            "127.0.0.1:0",
+            "--fake-step-ms",
+            "25",
+            "--capacity",
+            capacity,
+            "--drain-ms",
+            "20000",
+        ]
+    };
+    let mut a = cluster.start_decoder("free-a", &flags("1"));
+    common::wait_for_model(&client).await;
+    let x = submit(&client, &m, "free-x", &m.tokenizer().encode("free x").unwrap(), 2_000).await;
+    wait_owned(&client, x, &a.id).await;
+    let d = cluster.start_decoder_env("free-d", &flags("2"), &[("TOKENLOG_FAILPOINTS", "take-delay-ms=5000")]);
+    let d_id = d.id.clone();
+    wait_until("d to register", async || takes_handoffs(&client, &d_id).await).await;
+    let y = submit(&client, &m, "free-y", &m.tokenizer().encode("free y").unwrap(), 2_000).await;
+    wait_until("d to hold its take of y open", async || {
+        d.log_text().contains("failpoint take-delay-ms")
+    })
+    .await;
+    a.signal("-TERM");
+    a.wait_exit(Duration::from_secs(30)).expect("a exits");
+    let x_now = get(&client, x).await;
+    let h = x_now.handoff.expect("x's attempt is in the log");
+    assert_eq!(
+        (h.phase, h.destination.as_str()),
+        (pb::HandoffPhase::SourceReleased as i32, d_id.as_str()),
+        "{h:?}\n{}",
+        d.log_text()
+    );
+    wait_until("d to own x and y", async || {
+        for g in [x, y] {
+            let lease = get(&client, g).await.generation.unwrap().lease;
+            if lease.is_none_or(|l| l.owner != d_id) {
+                return false;
+            }
+        }
+        true
+    })
+    .await;
+    assert_eq!(
+        d.log_text().matches("generation received with its cache").count(),
+        1,
+        "{}",
         d.log_text()
     );
 }

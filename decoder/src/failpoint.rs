@@ -43,6 +43,12 @@
 //!   registration), the answers of the first `N` are lost after the log applied them.
 //! - `ready-delay-ms=MS`: a handoff destination waits `MS` milliseconds before it says
 //!   receiver_ready (a slow destination).
+//! - `commit-delay-ms=MS`: a handoff destination waits `MS` milliseconds after its last check
+//!   that it is not stopping, before it sends its ownership commit (a stop arriving meanwhile
+//!   finds the commit under way).
+//! - `release-delay-ms=MS`: a handoff source waits `MS` milliseconds after the destination
+//!   said committed, before it records its release (the new owner may hand the generation on
+//!   meanwhile).
 //! - `rng-version=N`: the decoder claims sampler version `N` (acquires with it, and takes
 //!   handoffs of generations bound to it): a decoder of a release whose sampler draws
 //!   differently, during a rolling upgrade.
@@ -72,6 +78,8 @@ pub struct Failpoints {
     pub min_step: Option<Duration>,
     pub rng_version: Option<u32>,
     pub ready_delay: Option<Duration>,
+    pub release_delay: Option<Duration>,
+    pub commit_delay: Option<Duration>,
     pub register_answers_lost: u32,
     /// Registration refreshes so far.
     register_refreshes: Fires,
@@ -129,6 +137,8 @@ impl Failpoints {
                 "min-step-ms" => fp.min_step = Some(Duration::from_millis(num(arg)?)),
                 "register-answers-lost" => fp.register_answers_lost = num(arg)? as u32,
                 "ready-delay-ms" => fp.ready_delay = Some(Duration::from_millis(num(arg)?)),
+                "release-delay-ms" => fp.release_delay = Some(Duration::from_millis(num(arg)?)),
+                "commit-delay-ms" => fp.commit_delay = Some(Duration::from_millis(num(arg)?)),
                 "rng-version" => {
                     let v = u32::try_from(num(arg)?).map_err(|_| bad(format!("{arg} is over u32")))?;
                     fp.rng_version = Some(v);
@@ -143,7 +153,7 @@ impl Failpoints {
                     return Err(bad(format!(
                         "unknown failpoint {name:?} (known: exit-after-sample, delay-append, model-error, \
                          model-panic, prefix-read-errors, handoff-exit, commit-answer-lost, catch-up-read-fails, source-blind-ms, take-delay-ms, prefix-restore-exit, \
-                         deaf-to-lost-renewals, min-step-ms, register-answers-lost, ready-delay-ms, rng-version)"
+                         deaf-to-lost-renewals, min-step-ms, register-answers-lost, ready-delay-ms, commit-delay-ms, release-delay-ms, rng-version)"
                     )))
                 }
             }
@@ -195,6 +205,14 @@ impl StepHooks for Failpoints {
 
     fn ready_delay(&self) -> Option<Duration> {
         self.ready_delay
+    }
+
+    fn release_delay(&self) -> Option<Duration> {
+        self.release_delay
+    }
+
+    fn commit_delay(&self) -> Option<Duration> {
+        self.commit_delay
     }
 
     fn register_answer_lost(&self) -> bool {

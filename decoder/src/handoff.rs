@@ -194,13 +194,22 @@ impl Slots {
         self.count().held = held;
     }
 
-    /// The worker, holding `held`, is about to take generations from the log: how many it may
-    /// take. They count as taken until its next [`Slots::hold`].
-    pub fn claim(&self, held: usize) -> usize {
+    /// How many generations the worker, holding `held`, could take now; nothing is claimed.
+    pub fn free(&self, held: usize) -> usize {
+        let c = self.count();
+        self.capacity.saturating_sub(held + c.reserved)
+    }
+
+    /// The worker, holding `held`, takes up to `want` generations the log listed: how many it
+    /// may take. They count as taken until its next [`Slots::hold`]. Claimed only once the log
+    /// has named them: a claim of every free slot, made before the worker asked the log and
+    /// held for the round trip, refused each transfer arriving meanwhile though the query most
+    /// often found nothing.
+    pub fn claim(&self, held: usize, want: usize) -> usize {
         let mut c = self.count();
-        let free = self.capacity.saturating_sub(held + c.reserved);
-        c.held = held + free;
-        free
+        let n = self.capacity.saturating_sub(held + c.reserved).min(want);
+        c.held = held + n;
+        n
     }
 
     /// Slots of transfers not yet in the worker's hands.
@@ -454,6 +463,14 @@ impl HandoffPort {
         }
         if !s.accepting.load(Ordering::Acquire) {
             return Err("this decoder began to stop before the commit".into());
+        }
+        if let Some(d) = s.hooks.as_ref().and_then(|h| h.commit_delay()) {
+            tracing::warn!(
+                generation = id,
+                ms = d.as_millis() as u64,
+                "failpoint commit-delay-ms: holding the commit"
+            );
+            tokio::time::sleep(d).await;
         }
         let commit = pb::handoff_request::Step::Commit(pb::HandoffCommit {
             attempt: header.attempt,
@@ -1177,31 +1194,42 @@ impl HandoffPort {
     }
 }
 
-/// Whether the log holds attempt `attempt` of `id` as committed (or released) now; false when
-/// it does not, or cannot be read.
-async fn committed_in_log(client: &LogClient, id: u64, attempt: u64) -> bool {
-    phase_in_log(client, id, attempt).await.unwrap_or(false)
+/// Whether the log holds attempt `ours` as committed (or released) now; false when it does not,
+/// or cannot be read.
+async fn committed_in_log(client: &LogClient, ours: &pb::HandoffInfo) -> bool {
+    phase_in_log(client, ours).await.unwrap_or(false)
 }
 
-/// Whether the log holds attempt `attempt` of `id` as committed (or released) now, read
-/// linearizably; an error when it cannot be read.
-async fn phase_in_log(client: &LogClient, id: u64, attempt: u64) -> Result<bool, String> {
+/// Whether the log holds attempt `ours` as committed (or released) now, read linearizably; an
+/// error when it cannot be read.
+async fn phase_in_log(client: &LogClient, ours: &pb::HandoffInfo) -> Result<bool, String> {
     let r = client
         .get(pb::GetRequest {
-            generation_id: id,
+            generation_id: ours.generation_id,
             linearizable: true,
             ..Default::default()
         })
         .await
         .map_err(|e| e.to_string())?;
-    let phase = r
-        .handoff
-        .filter(|h| h.attempt == attempt)
-        .and_then(|h| pb::HandoffPhase::try_from(h.phase).ok());
-    Ok(matches!(
-        phase,
-        Some(pb::HandoffPhase::OwnershipCommitted | pb::HandoffPhase::SourceReleased)
-    ))
+    Ok(r.handoff.is_some_and(|now| moved_by(ours, &now)))
+}
+
+/// Whether the log's attempt `now` (the latest of the generation: the log holds one) says that
+/// attempt `ours` moved the generation. Either it is ours, committed or released; or it is a
+/// later one prepared by our destination at our handoff epoch: only the owner prepares, at the
+/// epoch it holds, so ownership passed to our destination at that epoch. (Were ours aborted,
+/// the same would take a takeover of that epoch by the same decoder, after our lease lapsed
+/// while we renewed it; the generation is not ours at our epoch either way.) Before, a later
+/// attempt was taken for "not moved": a source slow to release a committed handoff, whose new
+/// owner had already handed the generation on, recorded it as aborted and kept decoding it.
+fn moved_by(ours: &pb::HandoffInfo, now: &pb::HandoffInfo) -> bool {
+    if now.attempt == ours.attempt {
+        return matches!(
+            pb::HandoffPhase::try_from(now.phase),
+            Ok(pb::HandoffPhase::OwnershipCommitted | pb::HandoffPhase::SourceReleased)
+        );
+    }
+    now.attempt > ours.attempt && now.source == ours.destination && now.source_epoch == ours.handoff_epoch
 }
 
 /// What the log says became of a handoff attempt whose answer the source did not get.
@@ -1436,7 +1464,7 @@ impl Source {
         let sent = self.transfer(addr, header, cache, rows).await;
         laps.lap("transfer");
         let why = match sent {
-            Ok(r) if r.committed => return self.released(id, attempt, h.handoff_epoch, t0, laps, &record).await,
+            Ok(r) if r.committed => return self.released(&h, t0, laps, &record).await,
             Ok(r) => format!("refused: {}", r.detail),
             Err(e) => format!("transfer failed: {e}"),
         };
@@ -1449,8 +1477,8 @@ impl Source {
             );
             Instant::now() + d
         });
-        match self.settle(id, attempt, &why, blind_until).await {
-            Settled::Committed => self.released(id, attempt, h.handoff_epoch, t0, laps, &record).await,
+        match self.settle(&h, &why, blind_until).await {
+            Settled::Committed => self.released(&h, t0, laps, &record).await,
             Settled::Aborted => {
                 record("aborted", why.clone());
                 Err(Stop::Next(why))
@@ -1470,13 +1498,14 @@ impl Source {
     /// [`Settled::Unknown`], never an abort (the source then keeps decoding; had the commit
     /// applied, its next append meets the new epoch's fence). `blind_until`: failpoint
     /// `source-blind-ms`, the log out of reach until then.
-    async fn settle(&self, id: u64, attempt: u64, why: &str, blind_until: Option<Instant>) -> Settled {
+    async fn settle(&self, ours: &pb::HandoffInfo, why: &str, blind_until: Option<Instant>) -> Settled {
+        let (id, attempt) = (ours.generation_id, ours.attempt);
         let deadline = Instant::now() + HANDOFF_TRANSFER_TIMEOUT;
         loop {
             if blind_until.is_none_or(|t| Instant::now() >= t) {
                 match abort_step(&self.client, id, attempt, &self.decoder_id, why).await {
                     Ok(r) if r.ok => return Settled::Aborted,
-                    Ok(_) => match phase_in_log(&self.client, id, attempt).await {
+                    Ok(_) => match phase_in_log(&self.client, ours).await {
                         Ok(true) => return Settled::Committed,
                         // Over otherwise (aborted by the other side, by the log's timeout, or
                         // the generation ended): not moved by this attempt.
@@ -1501,14 +1530,21 @@ impl Source {
 
     async fn released(
         &self,
-        id: u64,
-        attempt: u64,
-        handoff_epoch: u64,
+        ours: &pb::HandoffInfo,
         t0: Instant,
         laps: &mut Laps,
         record: &impl Fn(&str, String),
     ) -> Result<u64, Stop> {
+        let (id, attempt, handoff_epoch) = (ours.generation_id, ours.attempt, ours.handoff_epoch);
         halt_at(&self.hooks, &self.history, HandoffPoint::SourceBeforeRelease, id);
+        if let Some(d) = self.hooks.as_ref().and_then(|h| h.release_delay()) {
+            tracing::warn!(
+                generation = id,
+                ms = d.as_millis() as u64,
+                "failpoint release-delay-ms: holding the release"
+            );
+            tokio::time::sleep(d).await;
+        }
         let r = step(
             &self.client,
             id,
@@ -1522,7 +1558,7 @@ impl Source {
         // word, not the destination's, says the generation moved. A destination's "committed"
         // was taken as the move: the source forgot a generation the log still gave it (and
         // freed its cache), and the generation stalled until its lease lapsed.
-        if !r.as_ref().is_ok_and(|r| r.ok) && !committed_in_log(&self.client, id, attempt).await {
+        if !r.as_ref().is_ok_and(|r| r.ok) && !committed_in_log(&self.client, ours).await {
             let why = format!("the log holds no commit of attempt {attempt}: {r:?}");
             tracing::warn!(
                 generation = id,
@@ -1530,7 +1566,7 @@ impl Source {
                 why,
                 "the destination said committed; the log did not"
             );
-            match self.settle(id, attempt, &why, None).await {
+            match self.settle(ours, &why, None).await {
                 Settled::Committed => {}
                 Settled::Aborted => {
                     record("aborted", why.clone());
@@ -1695,7 +1731,7 @@ enum Stop {
 
 #[cfg(test)]
 mod tests {
-    use super::{collect_cache, dpb, pb, RowsIn, Slots, HANDOFF_CACHE_BLOCKS_MAX, HANDOFF_ROWS_BYTES_MAX};
+    use super::{collect_cache, dpb, moved_by, pb, RowsIn, Slots, HANDOFF_CACHE_BLOCKS_MAX, HANDOFF_ROWS_BYTES_MAX};
     use std::time::Duration;
 
     fn tensor(layer: u32, kind: &str, shape: Vec<u32>, data: Vec<u8>) -> Result<dpb::TransferChunk, tonic::Status> {
@@ -1806,17 +1842,85 @@ mod tests {
         let slots = Slots::new(2);
         assert!(slots.reserve());
         // The worker holds nothing and may take the one slot left, which a transfer then lacks.
-        assert_eq!(slots.claim(0), 1);
+        assert_eq!(slots.free(0), 1);
+        assert_eq!(slots.claim(0, 3), 1);
         assert!(!slots.reserve());
         // It took nothing after all: the slot is free again.
         slots.hold(0);
         assert!(slots.reserve());
-        assert_eq!(slots.claim(0), 0);
+        assert_eq!((slots.free(0), slots.claim(0, 1)), (0, 0));
         // The first transfer's generation is taken in: one held, one reserved, still full.
         slots.admit(1);
         assert_eq!(slots.reserved(), 1);
         assert!(!slots.reserve());
         slots.unreserve();
         assert!(slots.reserve());
+    }
+
+    /// A source learns whether its attempt moved the generation from the log's latest attempt:
+    /// its own, committed or released; or a later one its destination prepared at its handoff
+    /// epoch (the new owner handed it on before the source recorded its release).
+    #[test]
+    fn an_attempt_moved_the_generation_when_the_log_says_so_or_its_destination_handed_it_on() {
+        use pb::HandoffPhase as P;
+        let ours = pb::HandoffInfo {
+            attempt: 4,
+            generation_id: 1,
+            source: "a".into(),
+            source_epoch: 2,
+            destination: "b".into(),
+            handoff_epoch: 3,
+            ..Default::default()
+        };
+        let phase = |p: P| pb::HandoffInfo {
+            phase: p as i32,
+            ..ours.clone()
+        };
+        for (p, moved) in [
+            (P::Prepared, false),
+            (P::ReceiverReady, false),
+            (P::OwnershipCommitted, true),
+            (P::SourceReleased, true),
+            (P::Aborted, false),
+        ] {
+            assert_eq!(moved_by(&ours, &phase(p)), moved, "{p:?}");
+        }
+        let later = |source: &str, source_epoch| pb::HandoffInfo {
+            attempt: 9,
+            source: source.into(),
+            source_epoch,
+            destination: "c".into(),
+            handoff_epoch: source_epoch + 1,
+            phase: P::Prepared as i32,
+            ..ours.clone()
+        };
+        assert!(moved_by(&ours, &later("b", 3)));
+        // Prepared by us again (ours was aborted), or by another decoder at another epoch.
+        assert!(!moved_by(&ours, &later("a", 2)));
+        assert!(!moved_by(&ours, &later("c", 3)));
+        assert!(!moved_by(&ours, &later("b", 4)));
+        // An earlier attempt is not a later one.
+        assert!(!moved_by(
+            &ours,
+            &pb::HandoffInfo {
+                attempt: 2,
+                ..later("b", 3)
+            }
+        ));
+    }
+
+    /// Looking at the free slots claims none: a transfer arriving while the worker asks the
+    /// log what is waiting takes a slot, and the worker then claims only what is left of what
+    /// the log listed.
+    #[test]
+    fn the_worker_claims_only_the_slots_of_what_it_takes() {
+        let slots = Slots::new(3);
+        assert_eq!(slots.free(0), 3);
+        assert!(slots.reserve());
+        assert_eq!(slots.claim(0, 1), 1);
+        // One held by the take, one reserved by the transfer: one free for the next transfer.
+        assert!(slots.reserve());
+        assert!(!slots.reserve());
+        assert_eq!(slots.claim(1, 2), 0);
     }
 }

@@ -769,14 +769,22 @@ impl Worker {
     /// Called while `stop` is set: whether to keep going to hand generations out. The first
     /// call starts the drain (when this decoder hands out at all): every generation is marked
     /// to move, new transfers are refused. Draining ends when nothing is left or its time is up
-    /// (what is left is then released).
+    /// (what is left is then released). Transfers under way count as left: the generation they
+    /// bring is handed on with its cache once it arrives. (They did not: a decoder stopped
+    /// while it received its only generation drained nothing, and released what arrived.)
     fn keep_draining(&mut self) -> bool {
         let until = match self.drain_until {
             Some(t) => t,
             None => {
                 self.port.accepting.store(false, std::sync::atomic::Ordering::Release);
                 self.stopping = true;
-                if self.cfg.handoff_addr.is_empty() || self.cfg.drain_ms == 0 || self.active.is_empty() {
+                // A transfer under way (its slot reserved) is a generation to hand on once it
+                // arrives, not nothing to drain.
+                let receiving = self.port.slots.reserved();
+                if self.cfg.handoff_addr.is_empty()
+                    || self.cfg.drain_ms == 0
+                    || self.active.is_empty() && receiving == 0
+                {
                     return false;
                 }
                 let t = Instant::now() + Duration::from_millis(self.cfg.drain_ms);
@@ -807,7 +815,8 @@ impl Worker {
             .values()
             .filter(|g| !self.drain_kept.contains(&g.id))
             .count()
-            + self.copying;
+            + self.copying
+            + self.port.slots.reserved();
         if left == 0 {
             tracing::info!("drained");
             return false;
@@ -1317,9 +1326,9 @@ impl Worker {
     }
 
     async fn take_work(&mut self) {
-        // The slots for what it takes are claimed first: a transfer arriving meanwhile finds
-        // them taken. Those not filled are free again after.
-        let want = self.port.slots.claim(self.active.len() + self.copying) as u32;
+        // The slots for what it takes are claimed once the log has listed it (in `take`): a
+        // transfer arriving meanwhile finds them taken. Those not filled are free again after.
+        let want = self.port.slots.free(self.active.len() + self.copying) as u32;
         if want > 0 {
             self.take(want).await;
         }
@@ -1349,12 +1358,15 @@ impl Worker {
         // replace the live state while its appends are in flight: skip it.
         // Nor one held while it is handed out or received (it is in `held`, not `active`).
         let held: std::collections::HashSet<u64> = self.held.lock().expect("lock").keys().copied().collect();
-        let ids: Vec<u64> = pending
+        let mut ids: Vec<u64> = pending
             .iter()
             .map(|g| g.generation_id)
             .filter(|id| !self.active.contains_key(id) && !held.contains(id))
             .take(want as usize)
             .collect();
+        // Transfers may have taken slots while the log answered: only what is left is claimed.
+        let claimed = self.port.slots.claim(self.active.len() + self.copying, ids.len());
+        ids.truncate(claimed);
         if let Some(d) = self
             .hooks
             .as_ref()
@@ -1775,9 +1787,19 @@ impl Worker {
         }
     }
 
+    /// Drops generation `id` from the step loop, with its lease at the epoch it was decoded at
+    /// (a lease of a later epoch, received meanwhile, stays to be renewed), and frees its slot
+    /// for a transfer at once: the slots were counted again only at the end of the loop's
+    /// pass, after a whole step, and a transfer arriving meanwhile found a decoder that had
+    /// just finished or handed out a generation still "full".
     fn drop_generation(&mut self, id: u64) {
-        self.active.remove(&id);
-        self.held.lock().expect("lock").remove(&id);
+        if let Some(g) = self.active.remove(&id) {
+            let mut held = self.held.lock().expect("lock");
+            if held.get(&id).is_some_and(|(e, _)| *e == g.epoch) {
+                held.remove(&id);
+            }
+        }
+        self.port.slots.hold(self.active.len() + self.copying);
     }
 
     async fn release_all(&mut self) {
@@ -2395,6 +2417,48 @@ mod tests {
         w.absorb_handoffs();
         assert!(w.active.contains_key(&7));
         assert_eq!(w.held.lock().unwrap().get(&7).map(|h| h.0), Some(2));
+    }
+
+    /// A generation that leaves the step loop (handed over, finished, fenced) frees its slot
+    /// for a transfer at once, not at the end of the loop's pass (after a whole step).
+    #[tokio::test]
+    async fn a_generation_handed_over_frees_its_slot_for_a_transfer_at_once() {
+        let mut w = holding_7_at_epoch_2();
+        let capacity = w.cfg.capacity;
+        w.port.slots.hold(capacity);
+        assert!(!w.port.slots.reserve(), "full");
+        w.handing_out = 1;
+        let moved = crate::handoff::Outcome::Moved {
+            to: "b".into(),
+            epoch: 3,
+        };
+        w.outcomes_tx.send((7, 2, moved)).unwrap();
+        w.absorb_handoffs();
+        assert!(!w.active.contains_key(&7));
+        assert!(
+            w.port.slots.reserve(),
+            "the slot of the generation handed over is still taken"
+        );
+    }
+
+    /// Generation 7, handed out at epoch 2, came back at epoch 3 (the destination handed it
+    /// back at once) while an append of epoch 2 was answered: the fence's answer drops the
+    /// state of epoch 2 and leaves the lease of epoch 3 to be renewed; it removed it.
+    #[tokio::test]
+    async fn a_fenced_append_of_a_generation_received_back_leaves_the_new_lease() {
+        use super::SentItem;
+        let mut w = holding_7_at_epoch_2();
+        w.active.get_mut(&7).unwrap().out = true;
+        w.held.lock().unwrap().insert(7, (3, tokio::time::Instant::now()));
+        let sent = SentItem {
+            generation: 7,
+            epoch: 2,
+            finish: false,
+            history_id: None,
+        };
+        w.absorb(&[sent], rejected(7));
+        assert!(!w.active.contains_key(&7));
+        assert_eq!(w.held.lock().unwrap().get(&7).map(|h| h.0), Some(3));
     }
 
     /// A finish detail over the log's limit is cut to it at a character (the log refused the

@@ -123,6 +123,20 @@ pub trait StepHooks: Send + Sync {
         None
     }
 
+    /// How long a handoff destination waits after its last check that it is not stopping,
+    /// before it sends its ownership commit (a stop arriving meanwhile finds the commit under
+    /// way).
+    fn commit_delay(&self) -> Option<std::time::Duration> {
+        None
+    }
+
+    /// How long a handoff source waits, once the destination said committed, before it
+    /// records its release (a slow source: the new owner may hand the generation on
+    /// meanwhile, and the log's attempt is then no longer this source's).
+    fn release_delay(&self) -> Option<std::time::Duration> {
+        None
+    }
+
     /// Whether the answer of this registration refresh is lost after the log applied it (the
     /// leader stepped down, a deadline): the decoder learns nothing from it.
     fn register_answer_lost(&self) -> bool {
