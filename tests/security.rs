@@ -313,6 +313,49 @@ fn a_node_refuses_plain_text_beyond_loopback_unless_insecure() {
     child.wait().unwrap();
 }
 
+/// A gateway without an API keys file says, as it starts, that it is open, when a listener is
+/// beyond loopback: every caller there is one tenant. Before, it started silently (the compose
+/// file runs it that way). On loopback it says nothing.
+#[test]
+fn an_open_gateway_beyond_loopback_warns_that_every_caller_is_one_tenant() {
+    let _g = serial();
+    let dir = tempfile::tempdir().unwrap();
+    for (host, warns) in [("0.0.0.0", true), ("127.0.0.1", false)] {
+        let (grpc, http) = (free_port(), free_port());
+        let err_path = dir.path().join(format!("gateway-{host}.err"));
+        let out_path = dir.path().join(format!("gateway-{host}.out"));
+        let mut child = Command::new(bin())
+            .args(["gateway", "--cluster", "127.0.0.1:9"])
+            .args(["--grpc-listen", &format!("127.0.0.1:{grpc}")])
+            .args(["--http-listen", &format!("{host}:{http}")])
+            .stdout(std::fs::File::create(&out_path).unwrap())
+            .stderr(std::fs::File::create(&err_path).unwrap())
+            .spawn()
+            .unwrap();
+        // Its status line ("gateway: gRPC ...") comes out right after the warning.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !std::fs::read_to_string(&out_path).unwrap().contains("gateway: ") {
+            assert!(Instant::now() < deadline, "the gateway did not say it serves");
+            assert!(child.try_wait().unwrap().is_none(), "the gateway exited");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let err = std::fs::read_to_string(&err_path).unwrap();
+        assert_eq!(
+            err.contains("warning: no --keys: the gateway is open on"),
+            warns,
+            "{host}: {err}"
+        );
+        if warns {
+            assert!(
+                err.contains(&format!("0.0.0.0:{http}")) && err.contains("\"default\""),
+                "{err}"
+            );
+        }
+    }
+}
+
 #[test]
 fn tls_material_is_checked_before_a_node_starts() {
     let _g = serial();

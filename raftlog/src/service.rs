@@ -159,12 +159,9 @@ pub fn pending(s: &LogState, r: pb::PendingWorkRequest, now: u64) -> Result<pb::
     let found = if r.standby {
         s.standby_candidates(&model, &r.decoder_id, now, limit)
     } else {
-        // Not what is kept for another decoder's standby: its acquire would be refused.
-        let mut found = s.pending_work(&model, now, limit);
-        if !s.standbys.is_empty() {
-            found.retain(|g| !s.kept_for_standby(g, &r.decoder_id, now));
-        }
-        found
+        // Its own standbys first; not what is kept for another decoder's standby (its acquire
+        // would be refused).
+        s.pending_work_for(&model, &r.decoder_id, now, limit)
     };
     Ok(pb::PendingWorkResponse {
         generations: found.into_iter().map(pb::GenerationInfo::from).collect(),

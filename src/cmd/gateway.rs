@@ -96,6 +96,8 @@ pub fn tokenizers(models: &[PathBuf]) -> anyhow::Result<Vec<Tokenizer>> {
 }
 
 pub async fn run(a: GatewayArgs) -> anyhow::Result<()> {
+    // Without keys every caller is one tenant: said at start when a listener is not loopback.
+    let open = a.keys.is_none();
     let tenants = match &a.keys {
         Some(p) => Tenants::load(p)?,
         None => Tenants::Open,
@@ -142,6 +144,20 @@ pub async fn run(a: GatewayArgs) -> anyhow::Result<()> {
     } else {
         ("gRPC", "HTTP")
     };
+    if open {
+        let exposed: Vec<String> = [serving.grpc_addr, serving.http_addr]
+            .iter()
+            .filter(|s| !s.ip().is_loopback())
+            .map(|s| s.to_string())
+            .collect();
+        if !exposed.is_empty() {
+            eprintln!(
+                "warning: no --keys: the gateway is open on {}: every caller there is tenant {:?}, who may read and resume every request of that tenant. Give it an API keys file (`tokenlog keys new --tenant T`) unless a proxy in front authenticates callers.",
+                exposed.join(" and "),
+                tokenlog_gateway::tenants::OPEN_TENANT
+            );
+        }
+    }
     say!(
         "gateway: {g} {}  {h} {}  log {}",
         serving.grpc_addr,

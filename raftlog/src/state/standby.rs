@@ -62,6 +62,17 @@ impl LogState {
                 g,
             ));
         }
+        // Only a running generation's owner can die and leave it to a standby. One without a
+        // live owner (its owner died or released it after the decoder read its candidates) is
+        // to be taken, not followed: a standby granted then held the priority window though it
+        // had followed nothing, and every other decoder waited it out.
+        if g.lease.owner.is_empty() || !g.lease_live(now) {
+            return Err(reject_gen(
+                RejectReason::Invalid,
+                format!("generation {id} has no live owner to stand by for: take it instead"),
+                g,
+            ));
+        }
         if other_live {
             let holder = current.map(|s| s.decoder).unwrap_or_default();
             return Err(reject_gen(

@@ -289,4 +289,28 @@ impl LogState {
             .take(limit)
             .collect()
     }
+
+    /// [`LogState::pending_work`] as `decoder` may take it: none kept for another decoder's
+    /// standby (its acquire would be refused), left out before the list is cut to `limit`. Cut
+    /// first, the generations kept for others could fill the whole list, and a decoder got
+    /// nothing while others were free. The walk past `limit` is bounded by the generations in a
+    /// standby's priority window.
+    pub fn pending_work_for(&self, model: &ModelIdentity, decoder: &str, now: u64, limit: usize) -> Vec<&Generation> {
+        let Some(set) = self.index.claimable.get(model) else {
+            return Vec::new();
+        };
+        let orphaned = set.range((1, 0)..(now.saturating_add(1), 0));
+        let unowned = set.range(..(1, 0));
+        let claimable = orphaned
+            .chain(unowned)
+            .map(|(_, id)| &self.generations[id])
+            .filter(|g| !g.lease_live(now));
+        if self.standbys.is_empty() {
+            return claimable.take(limit).collect();
+        }
+        claimable
+            .filter(|g| !self.kept_for_standby(g, decoder, now))
+            .take(limit)
+            .collect()
+    }
 }

@@ -249,3 +249,54 @@ fn a_standby_that_receives_its_generation_by_handoff_is_its_standby_no_more() {
         assert_eq!(t.s.standbys.contains_key(&g), kept, "handed to {dest}");
     }
 }
+
+/// PendingWork never offers a decoder what is kept for another decoder's standby, and leaves
+/// it out before the list is cut to its limit. Before, the list was cut first: a decoder asking
+/// for one generation got nothing when the first orphan was kept for another's standby, though
+/// another orphan was free.
+#[test]
+fn pending_work_leaves_out_what_is_kept_for_another_standby_before_its_limit() {
+    let pending = |t: &T, dec: &str, limit: u32| -> Vec<GenerationId> {
+        let r = tokenlog_proto::raftlog::PendingWorkRequest {
+            model: Some(model().into()),
+            limit,
+            standby: false,
+            decoder_id: dec.into(),
+        };
+        crate::service::pending(&t.s, r, 11)
+            .unwrap()
+            .generations
+            .iter()
+            .map(|g| g.generation_id)
+            .collect()
+    };
+    // Two orphans of one owner; the first is kept for sb1.
+    let mut t = T::new();
+    let h = t.running();
+    let g = t.submit(3, "r2");
+    t.acquire(4, g, OWNER).unwrap();
+    t.stand_by(5, h, "sb1").unwrap();
+    t.lose_session(10, OWNER, 1);
+    assert_eq!(pending(&t, "other", 1), vec![g]);
+    assert_eq!(pending(&t, "other", 2), vec![g]);
+    assert_eq!(pending(&t, "sb1", 1), vec![h]);
+    assert_eq!(pending(&t, "sb1", 2), vec![h, g]);
+}
+
+/// A standby is granted only for a generation with a live owner: one whose owner died (or that
+/// nobody owns) is to be taken. Before, a decoder that read its candidates while the owner
+/// lived and asked after it died was granted, and held the priority window without having
+/// followed anything.
+#[test]
+fn a_standby_is_granted_only_while_the_generation_has_a_live_owner() {
+    let mut t = T::new();
+    let g = t.running();
+    t.lose_session(10, OWNER, 1);
+    assert_eq!(reason(t.stand_by(11, g, "sb1")), RejectReason::Invalid);
+    assert!(!t.s.standbys.contains_key(&g));
+    assert_eq!(t.acquire(12, g, "other").unwrap().lease.epoch, 2);
+    let u = t.submit(13, "unowned");
+    assert_eq!(reason(t.stand_by(14, u, "sb1")), RejectReason::Invalid);
+    // Owned again: granted.
+    t.stand_by(15, g, "sb1").unwrap();
+}
