@@ -105,6 +105,18 @@ async fn wait_until(what: &str, mut f: impl AsyncFnMut() -> bool) {
     }
 }
 
+/// A fake-model decoder's flags: a handoff listener, 25 ms steps, `capacity` generations.
+fn fake_handoff_flags(capacity: &'static str) -> [&'static str; 6] {
+    [
+        "--handoff-listen",
+        "127.0.0.1:0",
+        "--fake-step-ms",
+        "25",
+        "--capacity",
+        capacity,
+    ]
+}
+
 /// Whether `decoder` is registered with a handoff listener.
 async fn takes_handoffs(client: &LogClient, decoder: &str) -> bool {
     client
@@ -235,14 +247,7 @@ async fn drain_and_check(
 async fn a_draining_decoder_hands_every_generation_over_with_its_cache() {
     let _serial = serial();
     let cluster = Cluster::start(20_000);
-    let flags = [
-        "--handoff-listen",
-        "127.0.0.1:0",
-        "--fake-step-ms",
-        "25",
-        "--capacity",
-        "4",
-    ];
+    let flags = fake_handoff_flags("4");
     let a = cluster.start_decoder("ho-a", &flags);
     let client = cluster.client();
     common::wait_for_model(&client).await;
@@ -712,14 +717,7 @@ async fn a_destination_that_cannot_catch_up_after_its_commit_releases_the_genera
     let cluster = Cluster::start(20_000);
     let client = cluster.client();
     let m = fake();
-    let flags = [
-        "--handoff-listen",
-        "127.0.0.1:0",
-        "--fake-step-ms",
-        "25",
-        "--capacity",
-        "1",
-    ];
+    let flags = fake_handoff_flags("1");
     let mut s = cluster.start_decoder("catchup-s", &flags);
     common::wait_for_model(&client).await;
     let prompt = m.tokenizer().encode("catch-up read fails").unwrap();
@@ -1386,14 +1384,7 @@ async fn a_source_slow_to_release_learns_its_handoff_moved_though_the_new_owner_
     let cluster = Cluster::start(20_000);
     let client = cluster.client();
     let m = fake();
-    let flags = [
-        "--handoff-listen",
-        "127.0.0.1:0",
-        "--fake-step-ms",
-        "25",
-        "--capacity",
-        "1",
-    ];
+    let flags = fake_handoff_flags("1");
     let mut a = cluster.start_decoder_env(
         "slow-rel-a",
         &flags,
@@ -1455,18 +1446,7 @@ async fn a_transfer_arriving_while_the_destination_takes_one_generation_finds_it
     let cluster = Cluster::start(20_000);
     let client = cluster.client();
     let m = fake();
-    let flags = |capacity: &'static str| {
-        [
-            "--handoff-listen",
-            "127.0.0.1:0",
-            "--fake-step-ms",
-            "25",
-            "--capacity",
-            capacity,
-            "--drain-ms",
-            "20000",
-        ]
-    };
+    let flags = |capacity| [&fake_handoff_flags(capacity)[..], &["--drain-ms", "20000"]].concat();
     let mut a = cluster.start_decoder("free-a", &flags("1"));
     common::wait_for_model(&client).await;
     let x = submit(&client, &m, "free-x", &m.tokenizer().encode("free x").unwrap(), 2_000).await;

@@ -402,14 +402,12 @@ impl HandoffPort {
         let (mut state, mut followed) = follow_log(&s.client, id, state, manifest.frontier, None, &rows).await?;
         laps.lap("follow");
         halt_at(&s.hooks, &s.history, HandoffPoint::DestinationBeforeReady, id);
-        if let Some(d) = s.hooks.as_ref().and_then(|h| h.ready_delay()) {
-            tracing::warn!(
-                generation = id,
-                ms = d.as_millis() as u64,
-                "failpoint ready-delay-ms: holding receiver_ready"
-            );
-            tokio::time::sleep(d).await;
-        }
+        pause_at(
+            s.hooks.as_ref().and_then(|h| h.ready_delay()),
+            id,
+            "ready-delay-ms: holding receiver_ready",
+        )
+        .await;
         let ready = step(
             &s.client,
             id,
@@ -464,14 +462,12 @@ impl HandoffPort {
         if !s.accepting.load(Ordering::Acquire) {
             return Err("this decoder began to stop before the commit".into());
         }
-        if let Some(d) = s.hooks.as_ref().and_then(|h| h.commit_delay()) {
-            tracing::warn!(
-                generation = id,
-                ms = d.as_millis() as u64,
-                "failpoint commit-delay-ms: holding the commit"
-            );
-            tokio::time::sleep(d).await;
-        }
+        pause_at(
+            s.hooks.as_ref().and_then(|h| h.commit_delay()),
+            id,
+            "commit-delay-ms: holding the commit",
+        )
+        .await;
         let commit = pb::handoff_request::Step::Commit(pb::HandoffCommit {
             attempt: header.attempt,
             destination: s.decoder_id.clone(),
@@ -1194,6 +1190,15 @@ impl HandoffPort {
     }
 }
 
+/// A failpoint's pause of `delay` (none when it is not set) in generation `id`'s handoff, said
+/// in the log first as "failpoint {what}" (tests wait for that line).
+async fn pause_at(delay: Option<std::time::Duration>, id: u64, what: &str) {
+    if let Some(d) = delay {
+        tracing::warn!(generation = id, ms = d.as_millis() as u64, "failpoint {what}");
+        tokio::time::sleep(d).await;
+    }
+}
+
 /// Whether the log holds attempt `ours` as committed (or released) now; false when it does not,
 /// or cannot be read.
 async fn committed_in_log(client: &LogClient, ours: &pb::HandoffInfo) -> bool {
@@ -1537,14 +1542,12 @@ impl Source {
     ) -> Result<u64, Stop> {
         let (id, attempt, handoff_epoch) = (ours.generation_id, ours.attempt, ours.handoff_epoch);
         halt_at(&self.hooks, &self.history, HandoffPoint::SourceBeforeRelease, id);
-        if let Some(d) = self.hooks.as_ref().and_then(|h| h.release_delay()) {
-            tracing::warn!(
-                generation = id,
-                ms = d.as_millis() as u64,
-                "failpoint release-delay-ms: holding the release"
-            );
-            tokio::time::sleep(d).await;
-        }
+        pause_at(
+            self.hooks.as_ref().and_then(|h| h.release_delay()),
+            id,
+            "release-delay-ms: holding the release",
+        )
+        .await;
         let r = step(
             &self.client,
             id,
