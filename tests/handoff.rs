@@ -776,14 +776,7 @@ async fn handoff_client(
             ))
             .domain_name(name),
     };
-    let ch = tonic::transport::Endpoint::from_shared(format!("https://{addr}"))
-        .unwrap()
-        .tls_config(cfg)
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    tokenlog_proto::decoder::handoff_client::HandoffClient::new(ch)
+    tokenlog_proto::decoder::handoff_client::HandoffClient::new(common::tls_channel(addr, cfg).await)
 }
 
 /// Over mutual TLS: decoders hand over to each other with their decoder certificates (which

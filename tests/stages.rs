@@ -937,13 +937,7 @@ async fn a_stage_serves_a_caller_only_as_the_head_its_certificate_names() {
     let tls: Vec<&str> = tls.iter().map(String::as_str).collect();
     let (_stage, addr) = start_stage_with(dir.path(), &model_path(), "stage-a", "0..30", &tls);
     let cfg = common::tls(dir.path(), "decoder-2").client_config_for(tokenlog_raftlog::tls::DECODER_SERVER_NAME);
-    let ch = tonic::transport::Endpoint::from_shared(format!("https://{addr}"))
-        .unwrap()
-        .tls_config(cfg)
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let ch = common::tls_channel(&addr, cfg).await;
     let pass = |head: &str| dpb::ForwardRequest {
         items: vec![dpb::StageItem {
             sequence: 1,

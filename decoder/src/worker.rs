@@ -1113,11 +1113,7 @@ impl Worker {
                     // Only the lease of the epoch handed over: the generation may have come
                     // back since (the destination died after its commit, this decoder took it
                     // again), and the lease it holds now is not the one that moved.
-                    let mut held = self.held.lock().expect("lock");
-                    if held.get(&id).is_some_and(|(e, _)| *e == epoch) {
-                        held.remove(&id);
-                    }
-                    drop(held);
+                    self.forget_lease(id, epoch);
                     self.stats.lock().expect("lock").handed_out += 1;
                 }
                 Outcome::Kept { why } => self.kept(id, why),
@@ -1794,12 +1790,18 @@ impl Worker {
     /// just finished or handed out a generation still "full".
     fn drop_generation(&mut self, id: u64) {
         if let Some(g) = self.active.remove(&id) {
-            let mut held = self.held.lock().expect("lock");
-            if held.get(&id).is_some_and(|(e, _)| *e == g.epoch) {
-                held.remove(&id);
-            }
+            self.forget_lease(id, g.epoch);
         }
         self.port.slots.hold(self.active.len() + self.copying);
+    }
+
+    /// Stops renewing generation `id`'s lease if it is held at `epoch` (one of a later epoch,
+    /// received since, stays).
+    fn forget_lease(&self, id: u64, epoch: u64) {
+        let mut held = self.held.lock().expect("lock");
+        if held.get(&id).is_some_and(|(e, _)| *e == epoch) {
+            held.remove(&id);
+        }
     }
 
     async fn release_all(&mut self) {

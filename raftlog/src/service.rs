@@ -159,8 +159,7 @@ pub fn pending(s: &LogState, r: pb::PendingWorkRequest, now: u64) -> Result<pb::
     let found = if r.standby {
         s.standby_candidates(&model, &r.decoder_id, now, limit)
     } else {
-        // Its own standbys first; not what is kept for another decoder's standby (its acquire
-        // would be refused).
+        // Not what is kept for another decoder's standby: its acquire would be refused.
         s.pending_work_for(&model, &r.decoder_id, now, limit)
     };
     Ok(pb::PendingWorkResponse {

@@ -51,6 +51,18 @@ pub fn tls(dir: &std::path::Path, name: &str) -> std::sync::Arc<tokenlog_raftlog
     std::sync::Arc::new(tokenlog_raftlog::tls::Tls::load(&files).unwrap())
 }
 
+/// A channel to `addr` over TLS with `cfg` (a holder's [`tls`] `client_config_for` a server
+/// name, or a CA alone).
+pub async fn tls_channel(addr: &str, cfg: tonic::transport::ClientTlsConfig) -> tonic::transport::Channel {
+    tonic::transport::Endpoint::from_shared(format!("https://{addr}"))
+        .unwrap()
+        .tls_config(cfg)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap()
+}
+
 /// Runs `tokenlog certs --out dir ARGS...` (the default holders when ARGS is empty).
 pub fn make_certs(dir: &std::path::Path, args: &[&str]) {
     let out = Command::new(bin())

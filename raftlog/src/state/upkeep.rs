@@ -277,17 +277,7 @@ impl LogState {
     /// whose lease ran out: clients are waiting on their streams), the longest orphaned first;
     /// then unowned ones (new or released), oldest first.
     pub fn pending_work(&self, model: &ModelIdentity, now: u64, limit: usize) -> Vec<&Generation> {
-        let Some(set) = self.index.claimable.get(model) else {
-            return Vec::new();
-        };
-        let orphaned = set.range((1, 0)..(now.saturating_add(1), 0));
-        let unowned = set.range(..(1, 0));
-        orphaned
-            .chain(unowned)
-            .map(|(_, id)| &self.generations[id])
-            .filter(|g| !g.lease_live(now))
-            .take(limit)
-            .collect()
+        self.claimable(model, now).take(limit).collect()
     }
 
     /// [`LogState::pending_work`] as `decoder` may take it: none kept for another decoder's
@@ -296,21 +286,22 @@ impl LogState {
     /// nothing while others were free. The walk past `limit` is bounded by the generations in a
     /// standby's priority window.
     pub fn pending_work_for(&self, model: &ModelIdentity, decoder: &str, now: u64, limit: usize) -> Vec<&Generation> {
-        let Some(set) = self.index.claimable.get(model) else {
-            return Vec::new();
-        };
-        let orphaned = set.range((1, 0)..(now.saturating_add(1), 0));
-        let unowned = set.range(..(1, 0));
-        let claimable = orphaned
-            .chain(unowned)
-            .map(|(_, id)| &self.generations[id])
-            .filter(|g| !g.lease_live(now));
-        if self.standbys.is_empty() {
-            return claimable.take(limit).collect();
-        }
-        claimable
+        self.claimable(model, now)
             .filter(|g| !self.kept_for_standby(g, decoder, now))
             .take(limit)
             .collect()
+    }
+
+    /// The claimable index of `model` in [`LogState::pending_work`]'s order.
+    fn claimable(&self, model: &ModelIdentity, now: u64) -> impl Iterator<Item = &Generation> {
+        let set = self.index.claimable.get(model);
+        let orphaned = set
+            .into_iter()
+            .flat_map(move |s| s.range((1, 0)..(now.saturating_add(1), 0)));
+        let unowned = set.into_iter().flat_map(|s| s.range(..(1, 0)));
+        orphaned
+            .chain(unowned)
+            .map(|(_, id)| &self.generations[id])
+            .filter(move |g| !g.lease_live(now))
     }
 }
