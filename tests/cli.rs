@@ -87,6 +87,16 @@ fn flags_the_command_cannot_honour_are_refused_by_name() {
         (&["bench", "log", "--tokens-per-step", "40000"][..], "--tokens-per-step"),
         (&["generate", "--request-id", "r", "--after", "5", "hi"][..], "--resume"),
         (&["generate", "--resume", "--request-id", "r", "hi"][..], "--resume"),
+        // A resume submits nothing: the settings of a generation were dropped without a word.
+        (
+            &["generate", "--resume", "--request-id", "r", "--max-tokens", "5"][..],
+            "--max-tokens",
+        ),
+        (
+            &["generate", "--resume", "--request-id", "r", "--seed", "7"][..],
+            "--seed",
+        ),
+        (&["generate", "--raw", "--system", "be terse", "hi"][..], "--system"),
     ] {
         let (code, err) = refused(args);
         assert_eq!(code, Some(2), "{args:?}: {err}");
@@ -150,6 +160,27 @@ fn certs_refuses_a_san_that_is_no_name() {
     }
     let out = certs_with_san("10.0.0.1,node-1.example.net,*.tokenlog.svc,::1");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// A holder name that is no DNS name (`ops_team`) is refused before anything is written, with
+/// a message about holder names. Before, the name check let '_' through: the CA and the holders
+/// before it were written, then it failed with the message for a bad `--san`.
+#[test]
+fn certs_refuses_a_holder_name_that_is_no_dns_name_before_writing_anything() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(&[
+        "certs",
+        "--out",
+        dir.path().to_str().unwrap(),
+        "--node",
+        "node-1",
+        "--admin",
+        "ops_team",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("cannot name a certificate holder"), "{err}");
+    assert!(!dir.path().join("ca.pem").exists(), "the CA was written");
 }
 
 /// `keys hash` refuses a key that no client could send (not visible ASCII: it travels in a
@@ -243,4 +274,64 @@ fn a_closed_stdout_is_an_error_for_a_command_and_costs_a_server_nothing() {
     let status = gateway.wait().unwrap();
     assert!(alive.is_none(), "the gateway died with a closed stdout: {alive:?}");
     assert!(status.success(), "{status:?}");
+}
+
+/// A gateway whose port is taken says which listener, on which address, and by which flag.
+/// Before: "binding the gateway's listeners: Address already in use", naming neither.
+#[test]
+fn a_gateway_whose_port_is_taken_names_the_flag_and_the_address() {
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = held.local_addr().unwrap().to_string();
+    let (code, err) = refused(&[
+        "gateway",
+        "--cluster",
+        "127.0.0.1:1",
+        "--grpc-listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        &addr,
+    ]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains(&format!("the HTTP listener on {addr}")) && err.contains("--http-listen"),
+        "{err}"
+    );
+}
+
+/// Without `--model`, a decoder takes the default model from `./models` of its working
+/// directory, as its help says. Before, it looked in the source tree the binary was built from
+/// (a path fixed at compile time), wherever it ran.
+#[test]
+fn a_decoder_without_a_model_takes_the_default_from_its_working_directory() {
+    use std::io::BufRead;
+    let real = tokenlog_decoder::fetch::ensure_default_model(&tokenlog_decoder::fetch::repo_models_dir()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("models")).unwrap();
+    let here = dir.path().join("models").join(real.file_name().unwrap());
+    std::os::unix::fs::symlink(&real, &here).unwrap();
+    let mut child = Command::new(bin())
+        .args(["decoder", "--cluster", "127.0.0.1:1"])
+        .current_dir(dir.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut seen = Vec::new();
+    for line in lines.map_while(Result::ok).take(40) {
+        let done = line.starts_with("loading ");
+        seen.push(line);
+        if done {
+            break;
+        }
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let loading = seen
+        .iter()
+        .find(|l| l.starts_with("loading "))
+        .cloned()
+        .unwrap_or_default();
+    let expect = format!("loading models/{} on cpu", real.file_name().unwrap().to_str().unwrap());
+    assert!(loading.starts_with(&expect), "{seen:#?}");
 }

@@ -26,6 +26,14 @@ pub fn repo_models_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("models")
 }
 
+/// `models/` in the working directory: where the binary's commands look for the default model
+/// (and fetch it) when given no model, as their help says. They looked in the source tree the
+/// binary was built from, a path fixed at compile time: an installed binary, or one in an image,
+/// looked on the build machine's path and ignored a `./models` beside it.
+pub fn working_models_dir() -> PathBuf {
+    PathBuf::from("models")
+}
+
 /// The model tests and `tokenlog dev` use: `$TOKENLOG_MODEL` if set (must exist), else the
 /// default model in `dir`, fetched there first if missing.
 pub fn locate_model(dir: &Path) -> Result<PathBuf> {

@@ -64,8 +64,14 @@ pub async fn serve_with(
     http: SocketAddr,
     opts: ServeOptions,
 ) -> std::io::Result<Serving> {
-    let grpc_l = TcpListener::bind(grpc).await?;
-    let http_l = TcpListener::bind(http).await?;
+    // Which listener, on which address: "Address already in use" alone named neither.
+    let bind = |what: &'static str, addr: SocketAddr| async move {
+        TcpListener::bind(addr)
+            .await
+            .map_err(|e| std::io::Error::new(e.kind(), format!("the {what} listener on {addr}: {e}")))
+    };
+    let grpc_l = bind("gRPC", grpc).await?;
+    let http_l = bind("HTTP", http).await?;
     let grpc_addr = grpc_l.local_addr()?;
     let http_addr = http_l.local_addr()?;
     let (stop, stop_rx) = watch::channel(false);

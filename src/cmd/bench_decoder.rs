@@ -203,7 +203,7 @@ async fn llama_cpp_comparison(
 ) -> anyhow::Result<()> {
     let path = match &a.model {
         Some(p) => p.clone(),
-        None => tokenlog_decoder::fetch::ensure_default_model(&tokenlog_decoder::fetch::repo_models_dir())?,
+        None => tokenlog_decoder::fetch::ensure_default_model(&tokenlog_decoder::fetch::working_models_dir())?,
     };
     let Some(python) = &a.llama_cpp else {
         say!(

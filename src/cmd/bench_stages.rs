@@ -124,7 +124,7 @@ pub(crate) fn start_stage_at(
 pub async fn stages(a: StagesArgs) -> anyhow::Result<()> {
     let path = match &a.model {
         Some(p) => p.clone(),
-        None => fetch::ensure_default_model(&fetch::repo_models_dir())?,
+        None => fetch::ensure_default_model(&fetch::working_models_dir())?,
     };
     let (whole, name) = load_model(&dargs(false, Some(path.clone()), 1))?;
     let split = match a.split.is_empty() {

@@ -222,13 +222,13 @@ pub fn run(a: CertsArgs) -> anyhow::Result<()> {
         ];
     }
     for (i, (_, name)) in holders.iter().enumerate() {
-        if name.is_empty()
-            || name == "ca"
-            || !name
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-        {
-            bail!("{name:?} cannot name a certificate holder: use letters, digits, '-', '_' and '.', and not \"ca\"");
+        // The name goes into the certificate's names (a DNS name): checked by that rule here,
+        // before anything is written. '_' passed this check, the CA and the holders before it
+        // were written, and then the certificate was refused with a message about --san.
+        if name == "ca" || !is_dns_name(name) {
+            bail!(
+                "{name:?} cannot name a certificate holder: use letters, digits and '-' in dot-separated labels (it is the certificate's DNS name), and not \"ca\""
+            );
         }
         if holders[..i].iter().any(|(_, n)| n == name) {
             bail!("{name:?} is named twice");

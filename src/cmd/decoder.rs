@@ -154,7 +154,7 @@ pub struct ExportArgs {
 pub fn export(a: ExportArgs) -> anyhow::Result<()> {
     let gguf = match a.gguf {
         Some(p) => p,
-        None => fetch::ensure_default_model(&fetch::repo_models_dir()).context("fetching the default model")?,
+        None => fetch::ensure_default_model(&fetch::working_models_dir()).context("fetching the default model")?,
     };
     let n = tokenlog_decoder::export::export_gguf_as_safetensors(&gguf, &a.out)
         .with_context(|| format!("exporting {}", gguf.display()))?;
@@ -301,7 +301,7 @@ pub fn load_model(a: &DecoderArgs) -> anyhow::Result<(Arc<dyn Model>, String)> {
     }
     let path = match &a.model {
         Some(p) => p.clone(),
-        None => fetch::ensure_default_model(&fetch::repo_models_dir()).context("fetching the default model")?,
+        None => fetch::ensure_default_model(&fetch::working_models_dir()).context("fetching the default model")?,
     };
     if !a.pipeline.is_empty() {
         if a.device != "cpu" {

@@ -138,7 +138,12 @@ pub async fn run(a: DevArgs) -> anyhow::Result<()> {
         .add_source(std::sync::Arc::new(move || crate::cmd::decoder::render_stats(&stats)));
     let serving = tokenlog_gateway::server::serve(gw, a.grpc_listen, a.http_listen)
         .await
-        .context("binding the gateway's listeners")?;
+        .with_context(|| {
+            format!(
+                "binding the gateway's listeners (--grpc-listen {}, --http-listen {})",
+                a.grpc_listen, a.http_listen
+            )
+        })?;
     let (grpc, http) = (serving.grpc_addr, serving.http_addr);
 
     say!("tokenlog dev is up: model {name}, {threads} CPU thread(s)");

@@ -138,7 +138,12 @@ pub async fn run(a: GatewayArgs) -> anyhow::Result<()> {
     };
     let serving = tokenlog_gateway::server::serve_with(gw, a.grpc_listen, a.http_listen, opts)
         .await
-        .context("binding the gateway's listeners")?;
+        .with_context(|| {
+            format!(
+                "binding the gateway's listeners (--grpc-listen {}, --http-listen {})",
+                a.grpc_listen, a.http_listen
+            )
+        })?;
     let (g, h) = if tls_on {
         ("gRPC+TLS", "HTTPS")
     } else {

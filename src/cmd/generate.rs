@@ -34,30 +34,32 @@ pub struct GenerateArgs {
     /// With --resume: the last seq already seen (-1 = from the start).
     #[arg(long, allow_hyphen_values = true)]
     pub after: Option<i64>,
+    // The request's settings are the submitted generation's: a resume (which submits nothing)
+    // refuses them rather than dropping them silently.
     /// Model name (default: the model the log serves; needed when it serves several).
-    #[arg(long, default_value = "")]
+    #[arg(long, default_value = "", conflicts_with = "resume")]
     pub model: String,
-    /// System message.
-    #[arg(long)]
+    /// System message (a chat prompt's; not with --raw).
+    #[arg(long, conflicts_with_all = ["resume", "raw"])]
     pub system: Option<String>,
     /// Send the prompt as raw text (no chat template).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "resume")]
     pub raw: bool,
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, conflicts_with = "resume")]
     pub max_tokens: u32,
     /// 0 = greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, conflicts_with = "resume")]
     pub temperature: f32,
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, conflicts_with = "resume")]
     pub top_p: f32,
     /// 0 = derived from the request id.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, conflicts_with = "resume")]
     pub seed: u64,
     /// Stop strings (repeatable).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "resume")]
     pub stop: Vec<String>,
     /// Generate all --max-tokens: an end-of-sequence token does not end the generation.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "resume")]
     pub ignore_eos: bool,
     /// Print every event as a JSON line instead of the text.
     #[arg(long)]

@@ -39,7 +39,7 @@ pub struct NodeArgs {
     pub data_dir: PathBuf,
     /// Initial voters as `id=host:port,...` (this node included), or `id=host:port/host:peerport`
     /// for nodes with a peer listener of their own. The lowest id initializes a new cluster.
-    /// Omit to start empty and be added later with `tokenlog members add`.
+    /// Omit (or give an empty list) to start empty and be added later with `tokenlog members add`.
     #[arg(long, value_delimiter = ',')]
     pub peers: Vec<String>,
     /// Raft heartbeat interval (ms).
@@ -89,17 +89,19 @@ fn check_plain_text(listen: SocketAddr, tls: bool, insecure: bool) -> anyhow::Re
 
 /// Parses `--peers` (`id=host:port` or `id=host:port/host:peerport`, ...). Two members with one
 /// id or one address are refused: a node that is its own peer under another id breaks Raft's
-/// elections.
+/// elections. Empty entries are none: `--peers ""` (a unit's empty setting) is no peers.
 pub fn parse_peers(peers: &[String]) -> anyhow::Result<Vec<(u64, RaftNode)>> {
     let members: Vec<(u64, RaftNode)> = peers
         .iter()
+        .filter(|p| !p.trim().is_empty())
         .map(|p| {
             let (id, addrs) = p
                 .split_once('=')
                 .with_context(|| format!("peer {p:?} is not id=host:port"))?;
             let (addr, peer) = addrs.split_once('/').unwrap_or((addrs, ""));
-            if addr.is_empty() || addr.contains(' ') || peer.contains(' ') {
-                bail!("peer {p:?} is not id=host:port or id=host:port/host:peerport");
+            // A port is required (without one, port 80 was dialled), and no scheme.
+            if !is_host_port(addr) || !(peer.is_empty() || is_host_port(peer)) {
+                bail!("peer {p:?} is not id=host:port or id=host:port/host:peerport (no scheme, a port required)");
             }
             let id: u64 = id.parse().with_context(|| format!("peer id {id:?} is not a number"))?;
             if id == 0 {
@@ -119,6 +121,16 @@ pub fn parse_peers(peers: &[String]) -> anyhow::Result<Vec<(u64, RaftNode)>> {
         }
     }
     Ok(members)
+}
+
+/// `host:port`: a host (a name, an IPv4 address or a bracketed IPv6 one) and a port number.
+fn is_host_port(s: &str) -> bool {
+    let Some((host, port)) = s.rsplit_once(':') else {
+        return false;
+    };
+    let bracketed = host.starts_with('[') && host.ends_with(']') && host.len() > 2;
+    let plain = !host.is_empty() && !host.contains([':', '/', '[', ']', ' ', '@']);
+    (bracketed || plain) && port.parse::<u16>().is_ok_and(|p| p > 0)
 }
 
 /// The id of the node named `name` by a StatefulSet: `tokenlog-node-K` is node K+1.
@@ -237,6 +249,30 @@ mod tests {
         let e = peers("0=127.0.0.1:7000,1=127.0.0.1:7001").unwrap_err().to_string();
         assert!(e.contains("ids are positive"), "{e}");
         assert_eq!(peers("1=127.0.0.1:7000,2=127.0.0.1:7001").unwrap().len(), 2);
+    }
+
+    /// Every address is host:port: without a port, port 80 was dialled; with a scheme, the
+    /// entry split at its `//` into a client address `http:` and a peer address. An empty
+    /// `--peers` (a systemd unit's empty setting) is no peers: it was refused, and the README's
+    /// "start it with no --peers" could not be done with the unit.
+    #[test]
+    fn peers_are_host_port_and_an_empty_list_is_none() {
+        let peers = |s: &str| parse_peers(&s.split(',').map(str::to_string).collect::<Vec<_>>());
+        for bad in [
+            "1=node-1,2=node-2",
+            "1=http://h:7001",
+            "1=h:7001/h",
+            "1=h:0",
+            "1=h:70001",
+            "1=:7001",
+            "1=a b:7001",
+        ] {
+            let e = peers(bad).unwrap_err().to_string();
+            assert!(e.contains("is not id=host:port"), "{bad}: {e}");
+        }
+        assert!(peers("").unwrap().is_empty());
+        let ok = peers("1=node-1.example.net:7001/node-1.example.net:7002,2=[::1]:7001,3=10.0.0.3:7001").unwrap();
+        assert_eq!(ok.len(), 3);
     }
 
     #[test]

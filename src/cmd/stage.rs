@@ -80,7 +80,7 @@ pub async fn run(a: StageArgs) -> anyhow::Result<()> {
     threads::init_cpu_threads(a.threads);
     let path = match &a.model {
         Some(p) => p.clone(),
-        None => fetch::ensure_default_model(&fetch::repo_models_dir()).context("fetching the default model")?,
+        None => fetch::ensure_default_model(&fetch::working_models_dir()).context("fetching the default model")?,
     };
     let id = crate::process::id_for_certificate(
         a.stage_id.clone(),
