@@ -916,3 +916,40 @@ async fn a_decoder_whose_step_is_stuck_exits_once_its_watchdog_fires() {
         t0.elapsed()
     );
 }
+
+/// A decoder stopped (SIGTERM) while the log is out of its reach (every node paused) exits
+/// within seconds, though it holds generations it cannot release: its releases go out at once
+/// and it waits `RELEASE_ALL_TIMEOUT` for them in all. Before, it released one generation after
+/// the other, each for its whole retry budget (~15-20 s): four took over a minute, past a
+/// supervisor's 30 s stop timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decoder_stopped_while_the_log_is_out_of_reach_exits_within_seconds() {
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    let client = cluster.client();
+    let mut d = cluster.start_decoder("cut-off", &["--capacity", "4", "--fake-step-ms", "200"]);
+    common::wait_for_model(&client).await;
+    let mut ids = Vec::new();
+    for i in 0..4 {
+        ids.push(submit(&client, &format!("cut-off-{i}"), &[1, 2, 3, i]).await);
+    }
+    for &id in &ids {
+        wait_for(&client, id, "the decoder to hold it", |(o, _, f)| {
+            o == "cut-off" && *f >= 1
+        })
+        .await;
+    }
+    for i in 0..3 {
+        cluster.signal(i, "STOP");
+    }
+    let t0 = Instant::now();
+    d.signal("-TERM");
+    let status = d.wait_exit(Duration::from_secs(60));
+    let took = t0.elapsed();
+    for i in 0..3 {
+        cluster.signal(i, "CONT");
+    }
+    let log = d.log_text();
+    assert!(status.is_some(), "still running after 60 s:\n{log}");
+    assert!(took < Duration::from_secs(15), "{took:?}:\n{log}");
+}

@@ -1479,3 +1479,42 @@ async fn a_transfer_arriving_while_the_destination_takes_one_generation_finds_it
         d.log_text()
     );
 }
+
+/// A drain tries a generation again when its destination was full: the generation moves with
+/// its cache once a slot frees there, before the drain's time is up. a (capacity 1) holds x;
+/// b (capacity 1) holds y, which ends a few seconds after a is stopped. Before, the refusal kept
+/// x for good: the drain ended at once, a released x, and b took it from the log with a
+/// re-prefill once y ended (its attempt: `Aborted`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_hands_a_generation_over_once_its_full_destination_frees_a_slot() {
+    let _serial = serial();
+    let cluster = Cluster::start(20_000);
+    let client = cluster.client();
+    let m = fake();
+    let flags = [&fake_handoff_flags("1")[..], &["--drain-ms", "20000"]].concat();
+    let mut a = cluster.start_decoder("retry-a", &flags);
+    common::wait_for_model(&client).await;
+    let x = submit(&client, &m, "retry-x", &m.tokenizer().encode("retry x").unwrap(), 2_000).await;
+    wait_owned(&client, x, &a.id).await;
+    let b = cluster.start_decoder("retry-b", &flags);
+    let b_id = b.id.clone();
+    wait_until("b to take handoffs", async || takes_handoffs(&client, &b_id).await).await;
+    // About 3 s of steps left once b holds it.
+    let y = submit(&client, &m, "retry-y", &m.tokenizer().encode("retry y").unwrap(), 130).await;
+    wait_owned(&client, y, &b_id).await;
+    a.signal("-TERM");
+    let status = a.wait_exit(Duration::from_secs(30)).expect("a exits");
+    let a_log = a.log_text();
+    assert!(status.success(), "{a_log}");
+    assert!(
+        a_log.contains("handoff did not happen"),
+        "b was never found full: the case is not made\n{a_log}"
+    );
+    let h = get(&client, x).await.handoff.expect("x's attempt is in the log");
+    assert_eq!(
+        (h.phase, h.source.as_str(), h.destination.as_str()),
+        (pb::HandoffPhase::SourceReleased as i32, a.id.as_str(), b_id.as_str()),
+        "{h:?}\n{a_log}"
+    );
+    assert_eq!(a_log.matches("generation handed over").count(), 2, "{a_log}");
+}

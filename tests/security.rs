@@ -829,3 +829,58 @@ async fn a_decoder_certificate_speaks_only_for_its_own_decoder_id() {
     child.kill().unwrap();
     child.wait().unwrap();
 }
+
+/// An owner's retried release (its first answer lost) is answered as the log answers any
+/// retried release, over TLS too; and a finish after its lease ended (a session lost) gets the
+/// log's rejection, not PERMISSION_DENIED. Before, a lease with no owner at the caller's epoch
+/// was checked as held by nobody, so its very owner was refused as acting for another decoder.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owners_retried_release_over_tls_is_answered_not_denied() {
+    let _g = serial();
+    let certs = tempfile::tempdir().unwrap();
+    make_certs(certs.path(), &[]);
+    let c = Cluster::start_tls(certs.path());
+    let leader = c.leader().await;
+    let gateway = LogClient::with_tls(c.addrs.clone(), Some(tls(certs.path(), "gateway-1"))).unwrap();
+    let d2 = LogClient::with_tls(c.addrs.clone(), Some(tls(certs.path(), "decoder-2"))).unwrap();
+    let id = common::submit(&gateway, "released").await;
+    let epoch = common::acquire(&d2, id, "decoder-2").await;
+    common::append_first(&d2, "decoder-2", id, epoch, &[5, 6]).await;
+    let mut raw = PbClient::new(channel(&c.addrs[leader], &Cred::Holder(certs.path(), "decoder-2")));
+    let release = pb::ReleaseRequest {
+        generation_id: id,
+        epoch,
+    };
+    let first = raw.release(release).await.expect("the release").into_inner();
+    assert!(first.ok, "{first:?}");
+    let again = raw.release(release).await;
+    assert!(
+        again.as_ref().is_ok_and(|r| r.get_ref().ok),
+        "the retried release: {again:?}"
+    );
+    let finish = raw
+        .finish(pb::FinishRequest {
+            generation_id: id,
+            epoch,
+            reason: pb::FinishReason::Stop as i32,
+            detail: String::new(),
+        })
+        .await;
+    match finish {
+        Ok(r) => assert!(!r.get_ref().ok && r.get_ref().rejection.is_some(), "{r:?}"),
+        Err(s) => panic!("a finish after the release: {s:?}"),
+    }
+    // Another decoder's release at that epoch is the fence's to judge: the lease is nobody's,
+    // and nothing changes.
+    let mut other = PbClient::new(channel(&c.addrs[leader], &Cred::Holder(certs.path(), "decoder-1")));
+    let r = other
+        .release(pb::ReleaseRequest {
+            generation_id: id,
+            epoch,
+        })
+        .await;
+    assert!(r.is_ok(), "{r:?}");
+    let g = gateway.generation(id).await.unwrap();
+    assert_eq!(g.frontier, 2);
+    assert!(g.lease.is_some_and(|l| l.owner.is_empty() && l.epoch == epoch));
+}

@@ -850,6 +850,54 @@ async fn a_cold_spare_registered_in_the_log_replaces_a_killed_middle_stage() {
     );
 }
 
+/// A stage killed and restarted under its old id (as a supervisor restarts it), registered in
+/// the log again at a new address, is spliced back in its own place. Before, the head took the
+/// id for one of its own live stages, never tried it, found no spare and failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stage_restarted_under_its_old_id_is_spliced_back_in() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let (path, model, cluster, mut stages) = fenced_setup(dir.path(), &["0..10", "10..20", "20..30"]);
+    let client = cluster.client();
+    let nodes = cluster.addrs.join(",");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while client.list_stages(true).await.unwrap().stages.len() < 3 {
+        assert!(Instant::now() < deadline, "the stages did not register");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let list: Vec<String> = stages.iter().map(|s| s.1.clone()).collect();
+    let mut head = cluster.start_real_decoder("head", &path, &["--pipeline", &list.join(","), "--lease-ms", "6000"]);
+    common::wait_for_model(&client).await;
+    let mut restarted = None;
+    decode_64_failing_after_20(&client, model.as_ref(), "restart", 43, || {
+        stages[1].0.kill9();
+        // The same id (and log file), a new port.
+        restarted = Some(start_stage_with(
+            dir.path(),
+            &path,
+            "s2",
+            "10..20",
+            &["--cluster", nodes.as_str()],
+        ));
+    })
+    .await;
+    let (_s2, addr) = restarted.expect("restarted");
+    let log = head.log_text();
+    assert!(log.contains("spliced a spare in its place"), "{log}");
+    let p = client.get_pipeline("head", true).await.unwrap();
+    let placed: Vec<(&str, &str)> = p
+        .stages
+        .iter()
+        .map(|s| (s.stage_id.as_str(), s.addr.as_str()))
+        .collect();
+    assert_eq!(placed[1], ("s2", addr.as_str()), "{p:?}");
+    assert!(
+        head.wait_exit(Duration::ZERO).is_none(),
+        "the head still runs:\n{}",
+        head.log_text()
+    );
+}
+
 /// A stage without TLS refuses to listen beyond loopback (anyone reaching it could read every
 /// generation's rows), unless told `--insecure`; it says what to give instead.
 #[test]

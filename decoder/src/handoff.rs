@@ -1251,8 +1251,10 @@ enum Settled {
 pub(crate) enum Outcome {
     /// The destination owns it at `epoch`; the source forgets it.
     Moved { to: String, epoch: u64 },
-    /// The source still owns it (at its epoch) and goes on decoding it.
-    Kept { why: String },
+    /// The source still owns it (at its epoch) and goes on decoding it. `again`: a destination
+    /// was there but refused or failed (full, unreachable, its transfer broke): a drain tries
+    /// once more later; not when no decoder takes handoffs or the cache could not be sent.
+    Kept { why: String, again: bool },
 }
 
 /// What a source needs to hand generations out.
@@ -1342,11 +1344,13 @@ impl Source {
             Ok(Err(e)) => {
                 return Outcome::Kept {
                     why: format!("the cache's blocks were not built: {e}"),
+                    again: false,
                 }
             }
             Err(_) => {
                 return Outcome::Kept {
                     why: "the cache's blocks or checksum were not computed".into(),
+                    again: false,
                 }
             }
         };
@@ -1357,9 +1361,10 @@ impl Source {
         if candidates.is_empty() {
             return Outcome::Kept {
                 why: "no other decoder of this model takes handoffs".to_string(),
+                again: false,
             };
         }
-        let mut why = String::new();
+        let (mut why, mut again) = (String::new(), true);
         for (dest, addr) in candidates {
             match self
                 .try_one(
@@ -1382,12 +1387,13 @@ impl Source {
                 }
                 Err(Stop::Next(w)) => why = format!("{dest}: {w}"),
                 Err(Stop::Done(w)) => {
-                    why = format!("{dest}: {w}");
+                    // The log did not answer or took another course: not tried again.
+                    (why, again) = (format!("{dest}: {w}"), false);
                     break;
                 }
             }
         }
-        Outcome::Kept { why }
+        Outcome::Kept { why, again }
     }
 
     /// One attempt towards `dest`; the handoff epoch when it moved.

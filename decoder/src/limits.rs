@@ -98,6 +98,11 @@ pub const MOVE_SETTLE_MAX: Duration = Duration::from_millis(50);
 /// How long a draining decoder (SIGTERM with a handoff listener) tries to hand its generations
 /// to other decoders before it releases the rest, by default.
 pub const DRAIN_MS_DEFAULT: u64 = 10_000;
+/// How long a stopping decoder waits for the log to take its releases, all of them together.
+pub const RELEASE_ALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// A drain whose handoff of a generation a destination refused (full) or failed tries it
+/// again after this long, until the drain's time is up.
+pub const DRAIN_RETRY_PAUSE: Duration = Duration::from_millis(500);
 /// How often a rebalancing decoder (`--rebalance`) compares its load with the other decoders'.
 pub const REBALANCE_EVERY: Duration = Duration::from_secs(2);
 /// A rebalancing decoder hands a generation to another decoder of its model when it holds at

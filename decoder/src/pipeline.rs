@@ -750,7 +750,15 @@ impl Pipe {
                 return (out, false);
             }
         };
-        let mine: HashSet<&str> = self.conns.iter().map(|c| c.info.stage_id.as_str()).collect();
+        // The stages that serve this pipeline now. Not a broken one's id: a stage restarted
+        // under it (a supervisor's restart) registers anew and is a spare like any other. It
+        // was never chosen, and the head failed with no spare while it was there.
+        let mine: HashSet<&str> = self
+            .conns
+            .iter()
+            .filter(|c| c.broken.is_none())
+            .map(|c| c.info.stage_id.as_str())
+            .collect();
         let others: HashSet<&str> = r
             .pipelines
             .iter()
@@ -921,7 +929,7 @@ async fn serve_jobs(pipe: &mut Pipe, mut jobs: tokio::sync::mpsc::UnboundedRecei
 }
 
 /// One job's pass, in groups of items that each fit one stage request and its answer
-/// ([`pass_groups`]): a stage refuses a request of more than `STAGE_ITEMS_MAX` items or of more
+/// ([`first_group`]): a stage refuses a request of more than `STAGE_ITEMS_MAX` items or of more
 /// positions than one message carries, and a head of a larger capacity sent all its items in
 /// one (the stage's refusal broke the stream, then every spare's, and the decoder failed).
 async fn serve_job(pipe: &mut Pipe, job: &Job) -> PassResult {
@@ -931,16 +939,19 @@ async fn serve_job(pipe: &mut Pipe, job: &Job) -> PassResult {
         true => (i.id, 0, [i.history.as_slice(), i.tokens.as_slice()].concat()),
         false => (i.id, i.start, i.tokens.clone()),
     };
-    let positions: Vec<usize> = job
-        .items
-        .iter()
-        .map(|i| i.tokens.len() + if again(pipe, i) { i.history.len() } else { 0 })
-        .collect();
-    let row_bytes = pipe.conns.first().map_or(1, |c| c.row_bytes);
     let mut out = Vec::with_capacity(job.items.len());
     let mut release = job.release.clone();
-    for group in pass_groups(&positions, row_bytes, pipe.vocab) {
-        let logits = loop {
+    let mut from = 0;
+    while from < job.items.len() {
+        // The next group, sized by what each item feeds now: a splice that could not rebuild
+        // a sequence has it fed again from 0 with its history, a larger item. (The groups were
+        // sized once, before any splice, and a retried group could exceed a stage request.)
+        let row_bytes = pipe.conns.first().map_or(1, |c| c.row_bytes);
+        let fed = job.items[from..]
+            .iter()
+            .map(|i| i.tokens.len() + if again(pipe, i) { i.history.len() } else { 0 });
+        let group = from..from + first_group(fed, row_bytes, pipe.vocab);
+        let logits = {
             let items: Vec<(u64, u32, Vec<u32>)> = job.items[group.clone()].iter().map(|i| item(pipe, i)).collect();
             match run_pass(
                 &mut pipe.conns,
@@ -973,7 +984,7 @@ async fn serve_job(pipe: &mut Pipe, job: &Job) -> PassResult {
                             *l = refeed(pipe, item(pipe, i)).await;
                         }
                     }
-                    break logits;
+                    logits
                 }
                 Err(e) => {
                     let resumes_at = job.items[group.clone()]
@@ -984,12 +995,15 @@ async fn serve_job(pipe: &mut Pipe, job: &Job) -> PassResult {
                     if !pipe.splice(resumes_at).await {
                         return Err(e);
                     }
+                    // The same items again, grouped anew.
+                    continue;
                 }
             }
         };
         // The releases went with the first request.
         release.clear();
         out.extend(logits);
+        from = group.end;
     }
     Ok(out)
 }
@@ -1015,23 +1029,33 @@ async fn refeed(pipe: &mut Pipe, item: (u64, u32, Vec<u32>)) -> std::result::Res
 /// position) within half a message (as a splice's rebuild sends them), and the last stage's
 /// answer, their logits (`vocab` f32s an item), within seven eighths of one. An item larger
 /// than that alone goes alone.
+#[cfg(test)]
 fn pass_groups(positions: &[usize], row_bytes: usize, vocab: usize) -> Vec<std::ops::Range<usize>> {
-    let (budget, logits_budget) = (STAGE_MESSAGE_BYTES_MAX / 2, STAGE_MESSAGE_BYTES_MAX / 8 * 7);
     let mut groups = Vec::new();
-    let (mut start, mut rows, mut logits) = (0, 0usize, 0usize);
-    for (i, &p) in positions.iter().enumerate() {
+    let mut start = 0;
+    while start < positions.len() {
+        let n = first_group(positions[start..].iter().copied(), row_bytes, vocab);
+        groups.push(start..start + n);
+        start += n;
+    }
+    groups
+}
+
+/// How many of the items (their positions, in order) go in the first group of
+/// [`pass_groups`]: at least one when there is one; reads no further than the group.
+fn first_group(positions: impl Iterator<Item = usize>, row_bytes: usize, vocab: usize) -> usize {
+    let (budget, logits_budget) = (STAGE_MESSAGE_BYTES_MAX / 2, STAGE_MESSAGE_BYTES_MAX / 8 * 7);
+    let (mut n, mut rows, mut logits) = (0, 0usize, 0usize);
+    for p in positions {
         let (r, l) = (p.saturating_mul(row_bytes), vocab.saturating_mul(4));
-        if i > start && (i - start >= STAGE_ITEMS_MAX || rows + r > budget || logits + l > logits_budget) {
-            groups.push(start..i);
-            (start, rows, logits) = (i, 0, 0);
+        if n > 0 && (n >= STAGE_ITEMS_MAX || rows + r > budget || logits + l > logits_budget) {
+            break;
         }
+        n += 1;
         rows = rows.saturating_add(r);
         logits = logits.saturating_add(l);
     }
-    if start < positions.len() {
-        groups.push(start..positions.len());
-    }
-    groups
+    n
 }
 
 /// Sends one request to a stage and takes its answer, which must name the same sequences in
@@ -1398,6 +1422,33 @@ mod tests {
         // An item past the budget alone goes alone, and the others still group.
         let g = pass_groups(&[1, half, 1, 1], 1, 16);
         assert_eq!(g, vec![0..1, 1..2, 2..4]);
+    }
+
+    /// The groups of a pass are sized by what each item feeds at the time it is sent: after a
+    /// splice that rebuilt nothing, every sequence goes again from 0 with its history, and the
+    /// items left regroup into requests that fit. Before, the group sized before the splice
+    /// was sent again: 256 sequences of 200 positions each, ~118 MB, in one request.
+    #[test]
+    fn a_pass_regroups_what_is_left_when_a_splice_makes_its_sequences_fed_in_full() {
+        let (row_bytes, vocab) = (2304, 49_152);
+        let before = vec![1usize; 256];
+        assert_eq!(first_group(before.iter().copied(), row_bytes, vocab), 256);
+        let after = vec![201usize; 256];
+        let n = first_group(after.iter().copied(), row_bytes, vocab);
+        assert!(n * 201 * row_bytes <= STAGE_MESSAGE_BYTES_MAX / 2, "{n}");
+        assert!((n + 1) * 201 * row_bytes > STAGE_MESSAGE_BYTES_MAX / 2, "{n}");
+        assert_eq!(pass_groups(&after, row_bytes, vocab).len(), 256usize.div_ceil(n));
+        // It reads no further than its group.
+        let mut read = 0;
+        let n = first_group(
+            (0..1_000).map(|_| {
+                read += 1;
+                1
+            }),
+            row_bytes,
+            vocab,
+        );
+        assert_eq!((n, read), (STAGE_ITEMS_MAX, STAGE_ITEMS_MAX + 1));
     }
 
     /// A stage that agrees with the head on everything; each case changes one thing.

@@ -119,6 +119,11 @@ impl Standbys {
         self.shadows.len()
     }
 
+    /// The generations it follows.
+    pub(crate) fn ids(&self) -> Vec<u64> {
+        self.shadows.keys().copied().collect()
+    }
+
     /// The shadow of generation `id`, taken out (a takeover); [`Standbys::put_back`] when the
     /// acquire was refused.
     pub(crate) fn take(&mut self, id: u64) -> Option<Shadow> {
@@ -152,6 +157,8 @@ impl Standbys {
                 limit: want as u32,
                 standby: true,
                 decoder_id: cfg.decoder_id.clone(),
+                // Not offered again: only new ones, or one whose claim the log dropped.
+                standing_by: self.ids(),
             })
             .await
         {
@@ -163,7 +170,34 @@ impl Standbys {
         };
         for info in candidates {
             let id = info.generation_id;
-            if self.shadows.len() >= cfg.standby || self.shadows.contains_key(&id) || skip(id) {
+            if skip(id) {
+                continue;
+            }
+            if self.shadows.contains_key(&id) {
+                // Followed, and offered: its claim is gone from the log (its owner released
+                // it, the log dropped the claim). Claimed again, the followed state kept; it
+                // followed on without the standby's priority.
+                let again = client
+                    .standby(pb::StandbyRequest {
+                        generation_id: id,
+                        decoder_id: cfg.decoder_id.clone(),
+                        model: Some(identity.clone()),
+                    })
+                    .await;
+                let held = pb::RejectReason::LeaseHeld as i32;
+                match again {
+                    Ok(r) if r.ok => tracing::debug!(generation = id, "standing by again"),
+                    // Another decoder is its standby now: following it is of no use.
+                    Ok(r) if r.rejection.as_ref().is_some_and(|j| j.reason == held) => {
+                        self.shadows.remove(&id);
+                        tracing::debug!(generation = id, "no longer standing by: another decoder is its standby");
+                    }
+                    // Ended, or no answer: its watch ends it, or the next poll asks again.
+                    other => tracing::debug!(generation = id, answer = ?other, "not standing by again"),
+                }
+                continue;
+            }
+            if self.shadows.len() >= cfg.standby {
                 continue;
             }
             // Not `self` across the await: the followed states are not `Sync`.
@@ -320,12 +354,12 @@ async fn watch_records(
     wake: Arc<tokio::sync::Notify>,
 ) {
     let mut next = from;
-    let mut failing_since: Option<Instant> = None;
+    let mut health = WatchHealth::default();
     loop {
         match client.watch(id, next).await {
             Ok(mut stream) => {
+                health.opened();
                 while let Ok(Some(ev)) = stream.message().await {
-                    failing_since = None;
                     for r in ev.records {
                         if r.seq == next {
                             if tx
@@ -351,12 +385,56 @@ async fn watch_records(
             }
             Err(e) => tracing::debug!(generation = id, error = %e, "standby watch failed"),
         }
-        let since = *failing_since.get_or_insert_with(Instant::now);
-        if since.elapsed() >= STANDBY_WATCH_GIVE_UP {
+        if health.broke() {
             let _ = tx.send(Followed::Ended { generation: id });
             wake.notify_one();
             return;
         }
         tokio::time::sleep(crate::limits::PREFIX_READ_RETRY_PAUSE * 4).await;
+    }
+}
+
+/// When a watch has failed long enough to give up on its generation: [`STANDBY_WATCH_GIVE_UP`]
+/// after the first failure with no open stream since. A stream that opened counts as healthy
+/// (the node holds the generation and is not cut off: it refuses at open otherwise), though a
+/// quiet generation sends nothing on it. Before, only a message counted: a quiet generation
+/// whose watch broke twice, 10 s apart, lost a healthy shadow.
+#[derive(Default)]
+struct WatchHealth {
+    failing_since: Option<Instant>,
+}
+
+impl WatchHealth {
+    fn opened(&mut self) {
+        self.failing_since = None;
+    }
+
+    /// The stream broke or did not open: whether to give up.
+    fn broke(&mut self) -> bool {
+        self.failing_since.get_or_insert_with(Instant::now).elapsed() >= STANDBY_WATCH_GIVE_UP
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{WatchHealth, STANDBY_WATCH_GIVE_UP};
+    use std::time::Duration;
+
+    /// A watch that broke, opened again and stayed quiet, then broke once more long after is
+    /// not given up; one that cannot open for `STANDBY_WATCH_GIVE_UP` is.
+    #[tokio::test(start_paused = true)]
+    async fn a_quiet_watch_that_reopens_is_never_given_up_and_one_that_cannot_open_is() {
+        let mut h = WatchHealth::default();
+        assert!(!h.broke());
+        h.opened();
+        tokio::time::advance(STANDBY_WATCH_GIVE_UP + Duration::from_secs(2)).await;
+        assert!(
+            !h.broke(),
+            "a quiet stream that was open is given up at its first break"
+        );
+        tokio::time::advance(STANDBY_WATCH_GIVE_UP - Duration::from_millis(1)).await;
+        assert!(!h.broke());
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert!(h.broke(), "never open again for the whole time");
     }
 }

@@ -436,8 +436,14 @@ pub struct Worker {
     wake: Arc<tokio::sync::Notify>,
     /// Draining (stopping with handoffs): until when.
     drain_until: Option<Instant>,
-    /// Generations a drain tried to hand over and kept: not tried again, released at its end.
+    /// Generations a drain tried to hand over and kept for good (no decoder takes handoffs, the
+    /// cache could not be sent): not tried again, released at its end.
     drain_kept: std::collections::BTreeSet<u64>,
+    /// Generations a drain tried to hand over that a destination refused or failed (full,
+    /// unreachable): tried again from the instant given, until the drain's time is up. They
+    /// were kept for good: a drain whose destinations were full for a moment ended at once and
+    /// released them for a re-prefill, though a slot freed a second later.
+    drain_retry: HashMap<u64, Instant>,
     /// Where a generation marked to move must go (a rebalancing move); absent: any decoder.
     move_to: HashMap<u64, String>,
     /// When the rebalancer looks next.
@@ -554,6 +560,7 @@ impl Worker {
             handing_out: 0,
             drain_until: None,
             drain_kept: Default::default(),
+            drain_retry: Default::default(),
             move_to: HashMap::new(),
             next_rebalance: Instant::now() + crate::limits::REBALANCE_EVERY,
             stopping: false,
@@ -800,14 +807,17 @@ impl Worker {
         // A few at a time: the others keep decoding meanwhile (each client's pause is its own
         // generation's handoff only).
         let moving = self.active.values().filter(|g| g.moving || g.out).count() + self.copying;
+        let now = Instant::now();
         let next: Vec<u64> = self
             .active
             .values()
             .filter(|g| !g.moving && !g.out && !self.drain_kept.contains(&g.id) && g.finish.is_none())
+            .filter(|g| self.drain_retry.get(&g.id).is_none_or(|at| now >= *at))
             .map(|g| g.id)
             .take(crate::limits::HANDOFFS_AT_ONCE_MAX.saturating_sub(moving))
             .collect();
         for id in next {
+            self.drain_retry.remove(&id);
             self.request_move(id);
         }
         let left = self
@@ -972,7 +982,10 @@ impl Worker {
                 // The state went down with the model: nothing to decode it with here.
                 self.handing_out -= 1;
                 tracing::error!(generation = id, why, "copying the cache failed: releasing it");
-                self.held.lock().expect("lock").remove(&id);
+                // Its slot is free at once, and only this epoch's lease goes (as in
+                // `drop_generation`; it removed any, and the slot stayed taken for a step).
+                self.forget_lease(id, epoch);
+                self.port.slots.hold(self.active.len() + self.copying);
                 let (client, history) = (self.client.clone(), self.history.clone());
                 tokio::spawn(async move { release(&client, history.as_deref(), id, epoch).await });
                 return;
@@ -984,7 +997,7 @@ impl Worker {
             Err(e) => {
                 self.handing_out -= 1;
                 self.active.insert(id, g);
-                self.kept(id, format!("no cache to hand over: {e}"));
+                self.kept(id, format!("no cache to hand over: {e}"), false);
                 return;
             }
         };
@@ -1016,12 +1029,18 @@ impl Worker {
     }
 
     /// A generation to be moved stays here (`why`): says so in the history, with what its
-    /// state's cache holds; a drain does not try it again, a rebalancer waits.
-    fn kept(&mut self, id: u64, why: String) {
-        tracing::warn!(generation = id, why, "handoff did not happen: decoding it here");
+    /// state's cache holds; a drain tries it again after `DRAIN_RETRY_PAUSE` when `again` (a
+    /// destination refused or failed), else not; a rebalancer waits.
+    fn kept(&mut self, id: u64, why: String, again: bool) {
+        tracing::warn!(generation = id, why, again, "handoff did not happen: decoding it here");
         self.stats.lock().expect("lock").handoffs_kept += 1;
         if self.drain_until.is_some() {
-            self.drain_kept.insert(id);
+            if again {
+                self.drain_retry
+                    .insert(id, Instant::now() + crate::limits::DRAIN_RETRY_PAUSE);
+            } else {
+                self.drain_kept.insert(id);
+            }
         } else {
             self.next_rebalance = Instant::now() + crate::limits::REBALANCE_BACKOFF;
         }
@@ -1116,7 +1135,7 @@ impl Worker {
                     self.forget_lease(id, epoch);
                     self.stats.lock().expect("lock").handed_out += 1;
                 }
-                Outcome::Kept { why } => self.kept(id, why),
+                Outcome::Kept { why, again } => self.kept(id, why, again),
             }
         }
     }
@@ -1340,6 +1359,8 @@ impl Worker {
                 limit: want,
                 standby: false,
                 decoder_id: self.cfg.decoder_id.clone(),
+                // What it follows, offered first: taken over without a re-prefill.
+                standing_by: self.standbys.ids(),
             })
             .await
         {
@@ -1822,13 +1843,30 @@ impl Worker {
         self.release_active(true).await;
     }
 
-    /// Releases every active generation; those being handed out only with `out`.
+    /// Releases every active generation; those being handed out only with `out`. All at once,
+    /// within `RELEASE_ALL_TIMEOUT` in all: with the log out of reach, each release took its
+    /// whole retry budget (~15-20 s), one after the other, and a stop took minutes (a
+    /// supervisor kills it after 30 s). What is not released by then ends with this decoder's
+    /// session (its stream breaks as the process exits) or with its lease.
     async fn release_active(&mut self, out: bool) {
         let ids: Vec<u64> = self.active.values().filter(|g| out || !g.out).map(|g| g.id).collect();
+        let mut leaving = Vec::with_capacity(ids.len());
         for id in ids {
             let g = self.active.remove(&id).expect("listed above");
             self.held.lock().expect("lock").remove(&id);
-            release(&self.client, self.history.as_deref(), id, g.epoch).await;
+            leaving.push((id, g.epoch));
+        }
+        let (client, history) = (&self.client, self.history.as_deref());
+        let all = futures::future::join_all(leaving.iter().map(|&(id, epoch)| release(client, history, id, epoch)));
+        if tokio::time::timeout(crate::limits::RELEASE_ALL_TIMEOUT, all)
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                generations = leaving.len(),
+                timeout_ms = crate::limits::RELEASE_ALL_TIMEOUT.as_millis() as u64,
+                "the log did not take every release in time: the rest end with this decoder's session or leases"
+            );
         }
     }
 }
@@ -2441,6 +2479,57 @@ mod tests {
             w.port.slots.reserve(),
             "the slot of the generation handed over is still taken"
         );
+    }
+
+    /// A copy of the cache that failed (the model panicked under it) frees the generation's
+    /// slot at once and stops renewing only the lease of the epoch it copied: one of a later
+    /// epoch stays. It removed any lease, and the slot stayed taken until the end of the pass.
+    #[tokio::test]
+    async fn a_failed_copy_frees_its_slot_at_once_and_leaves_a_later_lease() {
+        let mut w = holding_7_at_epoch_2();
+        let capacity = w.cfg.capacity;
+        w.port.slots.hold(capacity);
+        w.active.remove(&7);
+        (w.copying, w.handing_out) = (1, 1);
+        w.held.lock().unwrap().insert(7, (3, tokio::time::Instant::now()));
+        w.copied(7, 2, Err("the model panicked: test".into()));
+        assert_eq!((w.copying, w.handing_out), (0, 0));
+        assert_eq!(w.held.lock().unwrap().get(&7).map(|h| h.0), Some(3));
+        assert!(w.port.slots.reserve(), "the failed copy's slot is still taken");
+    }
+
+    /// A drain tries a generation again once a destination refused it (full for a moment), not
+    /// once none takes handoffs. Before, every kept generation was kept for good: the drain
+    /// ended at once and released it for a re-prefill.
+    #[tokio::test]
+    async fn a_drain_tries_a_refused_generation_again_and_not_one_nobody_can_take() {
+        let mut w = holding_7_at_epoch_2();
+        w.cfg.handoff_addr = "127.0.0.1:1".into();
+        w.cfg.drain_ms = 60_000;
+        let stop = crate::StopConfig {
+            max_tokens: 8,
+            stop_strings: vec![],
+            eos_token_ids: vec![],
+        };
+        let state = super::DecodeState::start(w.model.as_ref(), &[4, 5, 6], Default::default(), stop).unwrap();
+        w.active.insert(8, super::Active::new(8, 1, 0, state));
+        assert!(w.keep_draining(), "two generations to drain");
+        let marked = |w: &super::Worker| -> Vec<u64> { w.active.values().filter(|g| g.moving).map(|g| g.id).collect() };
+        assert_eq!(marked(&w).len(), 1, "one at a time");
+        let first = marked(&w)[0];
+        let other = if first == 7 { 8 } else { 7 };
+        w.active.get_mut(&first).unwrap().moving = false;
+        w.kept(first, "b: this decoder is full".into(), true);
+        assert!(w.keep_draining(), "a refused generation is left to drain");
+        assert_eq!(marked(&w), vec![other], "the other goes first");
+        w.active.get_mut(&other).unwrap().moving = false;
+        w.kept(other, "no other decoder of this model takes handoffs".into(), false);
+        w.drain_retry.insert(first, tokio::time::Instant::now());
+        assert!(w.keep_draining(), "the refused one is tried again");
+        assert_eq!(marked(&w), vec![first]);
+        w.active.get_mut(&first).unwrap().moving = false;
+        w.kept(first, "no other decoder of this model takes handoffs".into(), false);
+        assert!(!w.keep_draining(), "nothing left that a handoff could move");
     }
 
     /// Generation 7, handed out at epoch 2, came back at epoch 3 (the destination handed it

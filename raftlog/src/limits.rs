@@ -124,6 +124,13 @@ pub const FINISH_DETAIL_BYTES_MAX: usize = 1_024;
 pub const WATCH_RECORDS_PER_EVENT_MAX: usize = 256;
 /// Generations listed by one PendingWork answer.
 pub const PENDING_WORK_LIMIT_MAX: u32 = 1_024;
+/// Encoded bytes of the generations one PendingWork answer lists at most (at least one is
+/// listed): each carries its binding, up to ~430 KB with a whole prompt's text and ids, and
+/// 1,024 of them would not fit one message. The decoder asks again for the rest.
+pub const PENDING_WORK_BYTES_MAX: usize = GRPC_MESSAGE_BYTES_MAX / 4;
+/// Generations one PendingWork may name as followed by its decoder's hot standby
+/// (`standing_by`; a decoder follows at most 256).
+pub const PENDING_STANDING_BY_MAX: usize = 1_024;
 /// Events buffered per Watch stream between the state machine and a slow client.
 pub const WATCH_BUFFER_EVENTS: usize = 16;
 /// How long a node may go without a quorum behind it (a leader no quorum acknowledged, or a

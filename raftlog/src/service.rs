@@ -16,7 +16,8 @@ use crate::auth::{acts_as, caller};
 use crate::convert::{append_to_pb, handoff_from_pb, handoff_to_pb, ownership_to_pb, reason_from_pb, record_to_pb};
 use crate::error::LogError;
 use crate::limits::{
-    APPEND_STREAM_IN_FLIGHT_MAX, CUT_OFF_POLL, PENDING_WORK_LIMIT_MAX, WATCH_BUFFER_EVENTS, WATCH_RECORDS_PER_EVENT_MAX,
+    APPEND_STREAM_IN_FLIGHT_MAX, CUT_OFF_POLL, PENDING_STANDING_BY_MAX, PENDING_WORK_BYTES_MAX, PENDING_WORK_LIMIT_MAX,
+    WATCH_BUFFER_EVENTS, WATCH_RECORDS_PER_EVENT_MAX,
 };
 use crate::node::{NodeCtx, Proposed};
 use crate::raft_types::Node as RaftNode;
@@ -67,6 +68,10 @@ impl LogService {
                 return Grant::NoGeneration;
             };
             match g.lease.epoch.cmp(&epoch) {
+                // Released, or ended with its session: nobody's, and the command's fence
+                // answers (a retried release is acknowledged, anything else refused). It was
+                // checked as held by "", and the owner's own retry got PERMISSION_DENIED.
+                std::cmp::Ordering::Equal if g.lease.owner.is_empty() => Grant::Older,
                 std::cmp::Ordering::Equal => Grant::Current(g.lease.owner.clone()),
                 std::cmp::Ordering::Greater => Grant::Older,
                 std::cmp::Ordering::Less => Grant::NotYet(g.lease.epoch),
@@ -156,14 +161,30 @@ pub fn pending(s: &LogState, r: pb::PendingWorkRequest, now: u64) -> Result<pb::
         .ok_or_else(|| LogError::Invalid("model is required".into()))?
         .into();
     let limit = r.limit.clamp(1, PENDING_WORK_LIMIT_MAX) as usize;
+    crate::state::check_len("standing_by generations", r.standing_by.len(), PENDING_STANDING_BY_MAX)
+        .map_err(LogError::Rejected)?;
     let found = if r.standby {
-        s.standby_candidates(&model, &r.decoder_id, now, limit)
+        s.standby_candidates(&model, &r.decoder_id, now, limit, &r.standing_by)
     } else {
-        // Not what is kept for another decoder's standby: its acquire would be refused.
-        s.pending_work_for(&model, &r.decoder_id, now, limit)
+        // Not what is kept for another decoder's standby: its acquire would be refused. Its
+        // own standbys first.
+        s.pending_work_for(&model, &r.decoder_id, now, limit, &r.standing_by)
     };
+    // Within a message: cut at PENDING_WORK_BYTES_MAX. A backlog of generations with long
+    // prompts made every answer too large for the message bound, and no decoder got any.
+    let mut generations = Vec::with_capacity(found.len());
+    let mut bytes = 0;
+    for g in found {
+        let info = pb::GenerationInfo::from(g);
+        let n = prost::Message::encoded_len(&info) + 8;
+        if !generations.is_empty() && bytes + n > PENDING_WORK_BYTES_MAX {
+            break;
+        }
+        bytes += n;
+        generations.push(info);
+    }
     Ok(pb::PendingWorkResponse {
-        generations: found.into_iter().map(pb::GenerationInfo::from).collect(),
+        generations,
         log_ms: s.log_ms,
     })
 }

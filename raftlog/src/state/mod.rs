@@ -134,7 +134,7 @@ fn reject_gen(reason: RejectReason, message: impl Into<String>, g: &Generation) 
     }
 }
 
-fn check_len(what: &str, len: usize, max: usize) -> Result<(), Rejection> {
+pub(crate) fn check_len(what: &str, len: usize, max: usize) -> Result<(), Rejection> {
     if len > max {
         return Err(reject(
             RejectReason::Limit,

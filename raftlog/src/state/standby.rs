@@ -132,9 +132,20 @@ impl LogState {
 
     /// Running generations of `model` that `decoder` could stand by for: owned by another
     /// decoder with a live lease at `now`, without a live standby other than `decoder`, those
-    /// whose lease runs out first first. A read: walks the claimable index of the model, at most
-    /// [`STANDBY_SCAN_MAX`] entries.
-    pub fn standby_candidates(&self, model: &ModelIdentity, decoder: &str, now: u64, limit: usize) -> Vec<&Generation> {
+    /// whose lease runs out first first; not those of `following` (what `decoder` follows
+    /// already) that it holds the standby of. A read: walks the claimable index of the model, at
+    /// most [`STANDBY_SCAN_MAX`] entries. (What it followed and held filled its list: a decoder
+    /// with a free slot could be offered only generations it followed already, and claimed
+    /// nothing new.)
+    pub fn standby_candidates(
+        &self,
+        model: &ModelIdentity,
+        decoder: &str,
+        now: u64,
+        limit: usize,
+        following: &[GenerationId],
+    ) -> Vec<&Generation> {
+        let following: rustc_hash::FxHashSet<GenerationId> = following.iter().copied().collect();
         let Some(set) = self.index.claimable.get(model) else {
             return Vec::new();
         };
@@ -144,10 +155,10 @@ impl LogState {
             .take(STANDBY_SCAN_MAX)
             .map(|(_, id)| &self.generations[id])
             .filter(|g| g.lease_live(now) && g.lease.owner != decoder)
-            .filter(|g| {
-                self.standbys
-                    .get(&g.id)
-                    .is_none_or(|s| s.decoder == decoder || !self.standby_live(&s.decoder, now))
+            .filter(|g| match self.standbys.get(&g.id) {
+                None => true,
+                Some(s) if s.decoder == decoder => !following.contains(&g.id),
+                Some(s) => !self.standby_live(&s.decoder, now),
             })
             .take(limit)
             .collect()

@@ -280,16 +280,42 @@ impl LogState {
         self.claimable(model, now).take(limit).collect()
     }
 
-    /// [`LogState::pending_work`] as `decoder` may take it: none kept for another decoder's
-    /// standby (its acquire would be refused), left out before the list is cut to `limit`. Cut
-    /// first, the generations kept for others could fill the whole list, and a decoder got
-    /// nothing while others were free. The walk past `limit` is bounded by the generations in a
-    /// standby's priority window.
-    pub fn pending_work_for(&self, model: &ModelIdentity, decoder: &str, now: u64, limit: usize) -> Vec<&Generation> {
-        self.claimable(model, now)
-            .filter(|g| !self.kept_for_standby(g, decoder, now))
-            .take(limit)
-            .collect()
+    /// [`LogState::pending_work`] as `decoder` may take it: first those of `standing_by` (the
+    /// generations it follows as a hot standby) that it may acquire now and is the standby of;
+    /// then the rest, none kept for another decoder's standby (its acquire would be refused),
+    /// left out before the list is cut to `limit`. Cut first, the generations kept for others
+    /// could fill the whole list, and a decoder got nothing while others were free. The walk
+    /// past `limit` is bounded by the generations in a standby's priority window. (Its own came
+    /// in the index's order: a standby with one free slot was offered another orphan first,
+    /// re-prefilled it, and the one it followed waited out its priority window.)
+    pub fn pending_work_for(
+        &self,
+        model: &ModelIdentity,
+        decoder: &str,
+        now: u64,
+        limit: usize,
+        standing_by: &[GenerationId],
+    ) -> Vec<&Generation> {
+        let mut own: Vec<&Generation> = Vec::new();
+        let mut listed: rustc_hash::FxHashSet<GenerationId> = Default::default();
+        for id in standing_by {
+            let Some(g) = self.generations.get(id) else {
+                continue;
+            };
+            let mine = self.standbys.get(id).is_some_and(|s| s.decoder == decoder);
+            let takeable = !g.state.is_terminal() && !g.lease_live(now) && g.binding.model == *model;
+            if mine && takeable && own.len() < limit && listed.insert(*id) {
+                own.push(g);
+            }
+        }
+        let rest = limit - own.len();
+        let others: Vec<&Generation> = self
+            .claimable(model, now)
+            .filter(|g| !listed.contains(&g.id) && !self.kept_for_standby(g, decoder, now))
+            .take(rest)
+            .collect();
+        own.extend(others);
+        own
     }
 
     /// The claimable index of `model` in [`LogState::pending_work`]'s order.

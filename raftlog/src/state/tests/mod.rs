@@ -425,3 +425,44 @@ fn a_watch_event_is_terminal_only_at_the_frontier() {
     assert!(e.is_none(), "{e:?}");
     assert_eq!(next, 1);
 }
+
+/// A PendingWork answer fits one message however long the pending generations' prompts are:
+/// it is cut at `PENDING_WORK_BYTES_MAX` (at least one listed). Before, 300 generations with a
+/// whole prompt's text made an answer of ~79 MB, which no message carries: every
+/// decoder's poll failed for as long as the backlog lasted.
+#[test]
+fn a_pending_work_answer_fits_a_message_however_long_the_prompts() {
+    let mut t = T::new();
+    let mut b = binding();
+    b.prompt_text = "p".repeat(PROMPT_TEXT_BYTES_MAX);
+    b.prompt_token_ids = Vec::new();
+    for i in 0..300 {
+        let r = t.at(
+            1,
+            Command::Submit {
+                tenant: "a".into(),
+                request_id: format!("long-{i}"),
+                binding: b.clone(),
+            },
+        );
+        assert!(matches!(r, Response::Submitted { .. }), "{r:?}");
+    }
+    let ask = |limit: u32| {
+        let r = tokenlog_proto::raftlog::PendingWorkRequest {
+            model: Some(model().into()),
+            limit,
+            decoder_id: "d".into(),
+            ..Default::default()
+        };
+        crate::service::pending(&t.s, r, 2).unwrap()
+    };
+    let all = ask(1_024);
+    let bytes = prost::Message::encoded_len(&all);
+    assert!(bytes <= PENDING_WORK_BYTES_MAX, "{bytes}");
+    assert!(
+        all.generations.len() >= 10 && all.generations.len() < 300,
+        "{}",
+        all.generations.len()
+    );
+    assert_eq!(ask(1).generations.len(), 1);
+}

@@ -137,7 +137,7 @@ fn a_standby_is_dropped_with_its_generation_and_candidates_are_listed_by_index()
     // Unowned: not a candidate; owned by the asker: not a candidate.
     let u = t.submit(5, "r3");
     let ids = |t: &T, dec: &str| -> Vec<GenerationId> {
-        t.s.standby_candidates(&model(), dec, 6, 10)
+        t.s.standby_candidates(&model(), dec, 6, 10, &[])
             .iter()
             .map(|g| g.id)
             .collect()
@@ -262,6 +262,7 @@ fn pending_work_leaves_out_what_is_kept_for_another_standby_before_its_limit() {
             limit,
             standby: false,
             decoder_id: dec.into(),
+            standing_by: Vec::new(),
         };
         crate::service::pending(&t.s, r, 11)
             .unwrap()
@@ -299,4 +300,87 @@ fn a_standby_is_granted_only_while_the_generation_has_a_live_owner() {
     assert_eq!(reason(t.stand_by(14, u, "sb1")), RejectReason::Invalid);
     // Owned again: granted.
     t.stand_by(15, g, "sb1").unwrap();
+}
+
+/// A decoder that names the generations it follows as a standby (`standing_by`) is offered
+/// those it may take first, before orphans earlier in the index's order; only its own, of its
+/// model, while nobody holds them; no more than its limit; and a request naming too many is
+/// refused. Before, the list came in the index's order only: a standby with one free slot took
+/// another orphan (a re-prefill), and the one it followed waited out its priority window.
+#[test]
+fn pending_work_offers_a_standby_the_generations_it_follows_first() {
+    let pending = |t: &T, dec: &str, limit: u32, standing_by: Vec<GenerationId>| {
+        let r = tokenlog_proto::raftlog::PendingWorkRequest {
+            model: Some(model().into()),
+            limit,
+            standby: false,
+            decoder_id: dec.into(),
+            standing_by,
+        };
+        crate::service::pending(&t.s, r, 11).map(|p| p.generations.iter().map(|g| g.generation_id).collect::<Vec<_>>())
+    };
+    // Three orphans of one owner, in the index's order g, h, k; sb1 follows k, sb2 follows h.
+    let mut t = T::new();
+    let g = t.running();
+    let h = t.submit(3, "r2");
+    t.acquire(4, h, OWNER).unwrap();
+    let k = t.submit(3, "r3");
+    t.acquire(4, k, OWNER).unwrap();
+    t.stand_by(5, k, "sb1").unwrap();
+    t.stand_by(5, h, "sb2").unwrap();
+    // Owned and live: nothing is offered, followed or not.
+    assert_eq!(pending(&t, "sb1", 1, vec![k]).unwrap(), Vec::<GenerationId>::new());
+    t.lose_session(10, OWNER, 1);
+    // Without naming it (as before): another orphan first.
+    assert_eq!(pending(&t, "sb1", 1, vec![]).unwrap(), vec![g]);
+    assert_eq!(pending(&t, "sb1", 1, vec![k]).unwrap(), vec![k]);
+    assert_eq!(pending(&t, "sb1", 3, vec![k, k]).unwrap(), vec![k, g]);
+    // Naming one whose standby is another decoder, or one that does not exist, changes nothing.
+    assert_eq!(pending(&t, "sb1", 1, vec![h, 999]).unwrap(), vec![g]);
+    assert_eq!(pending(&t, "sb2", 2, vec![h]).unwrap(), vec![h, g]);
+    // Taken by sb1: no longer offered to anyone.
+    t.acquire(12, k, "sb1").unwrap();
+    assert_eq!(pending(&t, "sb1", 3, vec![k]).unwrap(), vec![g]);
+    let r = pending(&t, "sb1", 1, vec![1; crate::limits::PENDING_STANDING_BY_MAX + 1]);
+    assert!(
+        matches!(r, Err(crate::error::LogError::Rejected(ref j)) if j.reason == RejectReason::Limit),
+        "{r:?}"
+    );
+}
+
+/// A standby asking for more generations to follow names those it follows (`standing_by`): the
+/// ones it holds the standby of are not offered again, so its limit goes to new ones; one it
+/// follows whose claim the log dropped (its owner released it) is offered, to be claimed again.
+/// Before, its own filled the list: with one slot free it was offered one it followed already,
+/// and claimed nothing.
+#[test]
+fn standby_candidates_leave_out_what_the_standby_follows_and_holds() {
+    let mut t = T::new();
+    let g = t.running();
+    let h = t.submit(3, "r2");
+    t.acquire(4, h, OWNER).unwrap();
+    let ids = |t: &T, now: u64, limit: usize, following: &[GenerationId]| -> Vec<GenerationId> {
+        t.s.standby_candidates(&model(), "sb1", now, limit, following)
+            .iter()
+            .map(|g| g.id)
+            .collect()
+    };
+    t.stand_by(5, g, "sb1").unwrap();
+    // As before (nothing named): its own first, and the limit is spent.
+    assert_eq!(ids(&t, 6, 1, &[]), vec![g]);
+    assert_eq!(ids(&t, 6, 1, &[g]), vec![h]);
+    // g released and taken by another owner: its claim is gone, and it is offered again.
+    let r = t.ownership(
+        7,
+        Command::Release {
+            generation: g,
+            epoch: 1,
+        },
+    );
+    assert!(r.is_ok(), "{r:?}");
+    assert!(!t.s.standbys.contains_key(&g));
+    t.acquire(8, g, "other").unwrap();
+    assert_eq!(ids(&t, 9, 2, &[g]), vec![h, g]);
+    t.stand_by(9, g, "sb1").unwrap();
+    assert_eq!(ids(&t, 10, 2, &[g]), vec![h]);
 }
