@@ -97,6 +97,12 @@ fn flags_the_command_cannot_honour_are_refused_by_name() {
             "--seed",
         ),
         (&["generate", "--raw", "--system", "be terse", "hi"][..], "--system"),
+        // Flags that did nothing without another: a drain needs the handoff listener, a keep
+        // bound a pipeline, an advertised address the log it is registered in.
+        (&["decoder", "--fake", "--drain-ms", "20000"][..], "--handoff-listen"),
+        (&["decoder", "--pipeline-keep-mib", "64"][..], "--pipeline"),
+        (&["decoder", "--fake", "--device", "bogus"][..], "--device"),
+        (&["stage", "--layers", "0..10", "--advertise", "h:1"][..], "--cluster"),
     ] {
         let (code, err) = refused(args);
         assert_eq!(code, Some(2), "{args:?}: {err}");

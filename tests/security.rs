@@ -142,6 +142,35 @@ async fn fingerprint(c: &Cluster) -> (u64, u64, Vec<u64>, u64) {
     (s.term, s.leader_id, voters, generations)
 }
 
+/// A TLS cluster whose certificates (`make_certs` with `extra` too, when given) are in `certs`;
+/// the leader's index, and log clients as `gateway-1` and as `decoder-2`.
+struct TlsLog {
+    certs: tempfile::TempDir,
+    c: Cluster,
+    leader: usize,
+    gateway: LogClient,
+    d2: LogClient,
+}
+
+async fn tls_log(extra: &[&str]) -> TlsLog {
+    let certs = tempfile::tempdir().unwrap();
+    make_certs(certs.path(), &[]);
+    if !extra.is_empty() {
+        make_certs(certs.path(), extra);
+    }
+    let c = Cluster::start_tls(certs.path());
+    let leader = c.leader().await;
+    let client = |name: &str| LogClient::with_tls(c.addrs.clone(), Some(tls(certs.path(), name))).unwrap();
+    let (gateway, d2) = (client("gateway-1"), client("decoder-2"));
+    TlsLog {
+        certs,
+        c,
+        leader,
+        gateway,
+        d2,
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn strangers_and_wrong_roles_are_refused_on_every_method_and_change_nothing() {
     let _g = serial();
@@ -535,12 +564,13 @@ async fn a_decoder_cannot_act_under_an_epoch_granted_to_another_while_it_asked()
     const ROUNDS: usize = 12;
     const SENDERS: usize = 6;
     let _g = serial();
-    let certs = tempfile::tempdir().unwrap();
-    make_certs(certs.path(), &[]);
-    let c = Cluster::start_tls(certs.path());
-    let leader = c.leader().await;
-    let gateway = LogClient::with_tls(c.addrs.clone(), Some(tls(certs.path(), "gateway-1"))).unwrap();
-    let d2 = LogClient::with_tls(c.addrs.clone(), Some(tls(certs.path(), "decoder-2"))).unwrap();
+    let TlsLog {
+        certs,
+        c,
+        leader,
+        gateway,
+        d2,
+    } = tls_log(&[]).await;
     let d1 = PbClient::new(channel(&c.addrs[leader], &Cred::Holder(certs.path(), "decoder-1")));
     let mut sent = 0;
     let mut ended = vec![];
@@ -602,13 +632,13 @@ async fn a_decoder_cannot_act_under_an_epoch_granted_to_another_while_it_asked()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decoder_certificate_speaks_only_for_its_own_decoder_id() {
     let _g = serial();
-    let certs = tempfile::tempdir().unwrap();
-    make_certs(certs.path(), &[]);
-    make_certs(certs.path(), &["--decoder-pool", "pool"]);
-    let c = Cluster::start_tls(certs.path());
-    let leader = c.leader().await;
-    let gateway = LogClient::with_tls(c.addrs.clone(), Some(tls(certs.path(), "gateway-1"))).unwrap();
-    let d2 = LogClient::with_tls(c.addrs.clone(), Some(tls(certs.path(), "decoder-2"))).unwrap();
+    let TlsLog {
+        certs,
+        c,
+        leader,
+        gateway,
+        d2,
+    } = tls_log(&["--decoder-pool", "pool"]).await;
     let id = common::submit(&gateway, "theirs").await;
     let epoch = common::acquire(&d2, id, "decoder-2").await;
     let before = gateway.generation(id).await.unwrap();
@@ -837,12 +867,13 @@ async fn a_decoder_certificate_speaks_only_for_its_own_decoder_id() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_owners_retried_release_over_tls_is_answered_not_denied() {
     let _g = serial();
-    let certs = tempfile::tempdir().unwrap();
-    make_certs(certs.path(), &[]);
-    let c = Cluster::start_tls(certs.path());
-    let leader = c.leader().await;
-    let gateway = LogClient::with_tls(c.addrs.clone(), Some(tls(certs.path(), "gateway-1"))).unwrap();
-    let d2 = LogClient::with_tls(c.addrs.clone(), Some(tls(certs.path(), "decoder-2"))).unwrap();
+    let TlsLog {
+        certs,
+        c,
+        leader,
+        gateway,
+        d2,
+    } = tls_log(&[]).await;
     let id = common::submit(&gateway, "released").await;
     let epoch = common::acquire(&d2, id, "decoder-2").await;
     common::append_first(&d2, "decoder-2", id, epoch, &[5, 6]).await;

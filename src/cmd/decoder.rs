@@ -51,7 +51,7 @@ pub struct DecoderArgs {
     /// What a pipeline head keeps of the rows it relays between stages, in MiB in all (at most
     /// 1024): a spare rebuilds its layers from them. A generation past the bound (or every one,
     /// with 0) is fed through the whole pipeline again after a splice.
-    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(0..=1024))]
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(0..=1024), requires = "pipeline")]
     pub pipeline_keep_mib: u64,
     /// Per-step delay of the fake model (ms), to make a slow decoder.
     #[arg(long, default_value_t = 0)]
@@ -60,8 +60,8 @@ pub struct DecoderArgs {
     /// model, else the model file's stem or folder's name, lowercase).
     #[arg(long)]
     pub model_name: Option<String>,
-    /// `cpu` or `cuda:N` (needs a build with `--features cuda`).
-    #[arg(long, default_value = "cpu")]
+    /// `cpu` or `cuda:N` (needs a build with `--features cuda`). Not with --fake.
+    #[arg(long, default_value = "cpu", conflicts_with = "fake")]
     pub device: String,
     /// Generations decoded at once (at most 1024: one step's tokens of all of them go to the log
     /// as one append, of at most that many items).
@@ -113,7 +113,7 @@ pub struct DecoderArgs {
     pub insecure: bool,
     /// On SIGTERM/SIGINT with --handoff-listen: hand every generation to other decoders for at
     /// most this long (ms), then release the rest and exit. 0: release at once.
-    #[arg(long, default_value_t = tokenlog_decoder::limits::DRAIN_MS_DEFAULT)]
+    #[arg(long, default_value_t = tokenlog_decoder::limits::DRAIN_MS_DEFAULT, requires = "handoff_listen")]
     pub drain_ms: u64,
     /// With --handoff-listen: every 2 s, when this decoder holds 2 or more generations more
     /// than the least loaded other decoder of its model that takes handoffs (as the log counts

@@ -43,8 +43,8 @@ pub struct StageArgs {
     #[arg(long, value_delimiter = ',')]
     pub cluster: Vec<String>,
     /// The address heads reach this stage at, as its registration in the log says (default:
-    /// the bound address; required when --listen is a wildcard address).
-    #[arg(long)]
+    /// the bound address; required when --listen is a wildcard address). Only with --cluster.
+    #[arg(long, requires = "cluster")]
     pub advertise: Option<String>,
     /// Model threads.
     #[arg(long, default_value_t = 1, value_parser = crate::cmd::at_least_one)]
