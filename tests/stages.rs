@@ -187,8 +187,11 @@ fn start_stage_env(
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let text = stage.log_text();
+        // Whole lines only: one read while the stage wrote its line took "127.0.0." for the
+        // address, and the head then failed on it (a CI run of a_paused_stage_...).
         if let Some(addr) = text
-            .lines()
+            .split_inclusive('\n')
+            .filter_map(|l| l.strip_suffix('\n'))
             .find(|l| {
                 l.starts_with(&format!("stage {name} serves"))
                     || l.starts_with(&format!("stage {name} is a cold spare"))
