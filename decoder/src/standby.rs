@@ -177,13 +177,7 @@ impl Standbys {
                 // Followed, and offered: its claim is gone from the log (its owner released
                 // it, the log dropped the claim). Claimed again, the followed state kept; it
                 // followed on without the standby's priority.
-                let again = client
-                    .standby(pb::StandbyRequest {
-                        generation_id: id,
-                        decoder_id: cfg.decoder_id.clone(),
-                        model: Some(identity.clone()),
-                    })
-                    .await;
+                let again = ask_standby(client, cfg, identity, id).await;
                 let held = pb::RejectReason::LeaseHeld as i32;
                 match again {
                     Ok(r) if r.ok => tracing::debug!(generation = id, "standing by again"),
@@ -288,6 +282,22 @@ impl Standbys {
     }
 }
 
+/// Asks the log to make this decoder generation `id`'s standby (a first claim, or one again).
+async fn ask_standby(
+    client: &LogClient,
+    cfg: &WorkerConfig,
+    identity: &pb::ModelIdentity,
+    id: u64,
+) -> Result<pb::OwnershipResponse, tokenlog_raftlog::client::ClientError> {
+    client
+        .standby(pb::StandbyRequest {
+            generation_id: id,
+            decoder_id: cfg.decoder_id.clone(),
+            model: Some(identity.clone()),
+        })
+        .await
+}
+
 /// Claims generation `id` in the log and builds its followed state, whose watch task sends on
 /// `tx`; `None` when the log gave it to another standby (or it cannot be followed: no prompt ids
 /// yet).
@@ -300,13 +310,7 @@ async fn claim(
     tx: mpsc::UnboundedSender<Followed>,
     wake: Arc<tokio::sync::Notify>,
 ) -> Result<Option<Shadow>, WorkerError> {
-    let r = client
-        .standby(pb::StandbyRequest {
-            generation_id: id,
-            decoder_id: cfg.decoder_id.clone(),
-            model: Some(identity.clone()),
-        })
-        .await?;
+    let r = ask_standby(client, cfg, identity, id).await?;
     let Some(info) = r.generation.filter(|_| r.ok) else {
         return Ok(None);
     };
